@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Create .venv with torch, deepspeed and toolkit (editable) + test extras. Idempotent: when
+# nothing changed since the last run it only checks a stamp and returns within a second.
+#
+#   bash scripts/setup.sh            # from anywhere; paths are relative to this repository
+#
+# torch comes first: a torch already importable by python3 (e.g. a CUDA build on a GPU machine) is
+# kept by giving the venv the system site-packages; otherwise torch==2.13.0 is installed, whose
+# CPU wheel lies on disk here (an unpinned torch would pull gigabytes of CUDA packages).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$root/.venv"
+python="${PYTHON:-python3}"
+torch_pin="${TOOLKIT_TORCH:-torch==2.13.0}"
+
+stamp_of() { cat "$root/setup.cfg" "$root/pyproject.toml" "$root/scripts/setup.sh" | sha256sum | cut -c1-16; }
+want="$(stamp_of)"
+if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.toolkit-stamp" 2>/dev/null)" = "$want" ] \
+   && "$venv/bin/python" -c "import torch, deepspeed, yaml, tensorboard, pytest, toolkit" 2>/dev/null; then
+  exit 0
+fi
+
+if [ ! -x "$venv/bin/python" ]; then
+  if "$python" -c "import torch" 2>/dev/null; then
+    echo "setup: reusing the torch of $python ($("$python" -c 'import torch; print(torch.__version__)'))"
+    "$python" -m venv --system-site-packages "$venv"
+  else
+    "$python" -m venv "$venv"
+  fi
+fi
+pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+  echo "setup: installing $torch_pin"
+  "${pip[@]}" "$torch_pin"
+fi
+echo "setup: installing toolkit and its dependencies into $venv"
+"${pip[@]}" -e "$root[test]"
+echo "$want" > "$venv/.toolkit-stamp"

@@ -1,0 +1,285 @@
+"""Read where this process sits in a distributed job from the launcher's environment variables.
+
+Pure logic: :func:`detect_launch` takes a mapping (``os.environ`` by default) and returns a
+:class:`LaunchInfo`; it never touches ``torch.distributed``. Supported launchers, in the order
+they are recognised (the first one whose variables are present wins, because a torchrun started
+inside an ``srun`` step sees both torchrun's and Slurm's variables and torchrun's are the truth):
+
+========== ======================================================================================
+launcher   variables read
+========== ======================================================================================
+torchrun   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT
+deepspeed  RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE, MASTER_ADDR/PORT
+env        RANK, WORLD_SIZE (+ LOCAL_RANK, LOCAL_WORLD_SIZE), e.g. a hand-written launcher
+mpirun     OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE,NODE_RANK} (Open MPI) or
+           PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS (MPICH, Intel MPI)
+slurm      SLURM_PROCID, SLURM_STEP_NUM_TASKS or SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID,
+           SLURM_STEP_NUM_NODES or SLURM_NNODES, SLURM_STEP_NODELIST or SLURM_JOB_NODELIST,
+           SLURM_JOB_ID; only inside an ``srun`` step (SLURM_STEP_ID set), because a plain
+           ``python`` in an sbatch script also sees SLURM_PROCID=0 and SLURM_NTASKS=N but is
+           a single process
+none       nothing set: a world of size 1
+========== ======================================================================================
+
+Every variable read is validated, and a bad one is named: ``LOCAL_RANK='x' is not an integer``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Mapping
+
+from toolkit.errors import LaunchEnvError
+
+__all__ = ["LaunchInfo", "detect_launch", "first_slurm_host"]
+
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchInfo:
+    """Where this process sits, as the launcher described it.
+
+    Attributes:
+        launcher: one of ``"torchrun"``, ``"deepspeed"``, ``"env"``, ``"mpi"``, ``"slurm"``,
+            ``"none"``.
+        rank, world_size, local_rank, local_world_size, node_rank, num_nodes: the usual meaning;
+            ``num_nodes * local_world_size == world_size`` on homogeneous jobs.
+        master_addr, master_port: the rendezvous address; ``None`` for world size 1.
+    """
+
+    launcher: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str | None
+    master_port: int | None
+
+    @property
+    def uses_env_rendezvous(self) -> bool:
+        """True when the launcher set MASTER_ADDR/PORT and RANK for ``init_method='env://'``.
+
+        torchrun must use ``env://``: its agent already serves the TCP store on MASTER_PORT
+        (TORCHELASTIC_USE_AGENT_STORE), so a second ``tcp://`` server on that port would fail.
+        """
+        return self.launcher in ("torchrun", "deepspeed", "env")
+
+
+class _Reader:
+    """Reads and validates variables, collecting every problem before raising once."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self.environ = environ
+        self.problems: list[str] = []
+
+    def has(self, *names: str) -> bool:
+        return all(name in self.environ for name in names)
+
+    def int(self, name: str, default: int | None = None, *, minimum: int = 0) -> int | None:
+        raw = self.environ.get(name)
+        if raw is None:
+            return default
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            self.problems.append(f"{name}={raw!r} is not an integer")
+            return default
+        if value < minimum:
+            self.problems.append(f"{name}={raw!r} must be >= {minimum}")
+            return default
+        return value
+
+    def str(self, name: str) -> str | None:
+        raw = self.environ.get(name)
+        if raw is not None and not raw.strip():
+            self.problems.append(f"{name}={raw!r} is empty; expected a host name or address")
+            return None
+        return raw.strip() if raw is not None else None
+
+
+def _slurm_tasks_per_node(raw: str) -> int | None:
+    """First entry of SLURM_TASKS_PER_NODE / SLURM_STEP_TASKS_PER_NODE, e.g. ``'2(x3),1'`` -> 2."""
+    match = re.match(r"^\s*(\d+)", raw)
+    return int(match.group(1)) if match else None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm node list, without calling ``scontrol``.
+
+    Handles the compressed forms Slurm writes: ``node[03-05,09]`` -> ``node03``,
+    ``gpu-a[1-2],gpu-b7`` -> ``gpu-a1``, ``host1,host2`` -> ``host1``.
+
+    Raises:
+        LaunchEnvError: when the list is empty or cannot be parsed.
+    """
+    text = nodelist.strip()
+    match = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?", text)
+    if not text or not match:
+        raise LaunchEnvError(f"SLURM node list {nodelist!r} cannot be parsed; expected e.g. 'node[01-04]'")
+    prefix, ranges = match.group(1), match.group(2)
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _finish(launcher: str, r: _Reader, *, rank, world_size, local_rank, local_world_size,
+            node_rank, num_nodes, master_addr, master_port) -> LaunchInfo:
+    """Fill what can be derived, check the numbers against each other, raise all problems once."""
+    if not r.problems:
+        if world_size is None:
+            world_size = 1
+        if rank is None:
+            rank = 0
+        if local_world_size is None:
+            local_world_size = world_size if num_nodes in (None, 1) else max(world_size // num_nodes, 1)
+        if local_rank is None:
+            local_rank = rank % local_world_size
+        if num_nodes is None:
+            if world_size % local_world_size:
+                r.problems.append(
+                    f"{launcher}: world size {world_size} is not a multiple of the local world size "
+                    f"{local_world_size}; cannot tell the number of nodes")
+                num_nodes = 1
+            else:
+                num_nodes = world_size // local_world_size
+        if node_rank is None:
+            node_rank = rank // local_world_size
+        if world_size < 1:
+            r.problems.append(f"{launcher}: world size {world_size} must be >= 1")
+        if not 0 <= rank < max(world_size, 1):
+            r.problems.append(f"{launcher}: rank {rank} is outside [0, world size {world_size})")
+        if not 0 <= local_rank < max(local_world_size, 1):
+            r.problems.append(
+                f"{launcher}: local rank {local_rank} is outside [0, local world size {local_world_size})")
+        if local_world_size > world_size:
+            r.problems.append(
+                f"{launcher}: local world size {local_world_size} exceeds world size {world_size}")
+        if not 0 <= node_rank < max(num_nodes, 1):
+            r.problems.append(f"{launcher}: node rank {node_rank} is outside [0, number of nodes {num_nodes})")
+        if master_port is not None and not 1 <= master_port <= 65535:
+            r.problems.append(f"{launcher}: master port {master_port} is outside 1..65535")
+        if world_size > 1 and master_addr is None:
+            r.problems.append(
+                f"{launcher}: MASTER_ADDR is not set; with world size {world_size} every rank must know "
+                "rank 0's address: export MASTER_ADDR=<host of rank 0>")
+    if r.problems:
+        raise LaunchEnvError("; ".join(r.problems))
+    return LaunchInfo(launcher, rank, world_size, local_rank, local_world_size, node_rank, num_nodes,
+                      master_addr,
+                      master_port if master_port is not None or world_size == 1 else DEFAULT_MASTER_PORT)
+
+
+def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
+    """Describe this process's place in the job from launcher variables.
+
+    Pure function: call anywhere, on any rank; nothing is initialised.
+
+    Args:
+        environ: the variables to read; ``os.environ`` when ``None``.
+
+    Returns:
+        The :class:`LaunchInfo`.
+
+    Raises:
+        LaunchEnvError: naming every malformed or inconsistent variable, e.g.
+            ``LOCAL_RANK='x' is not an integer``.
+
+    Example:
+        >>> detect_launch({}).world_size
+        1
+        >>> detect_launch({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+        ...                "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+        ...                "MASTER_PORT": "29500"}).launcher
+        'torchrun'
+    """
+    env = os.environ if environ is None else environ
+    r = _Reader(env)
+
+    if r.has("RANK", "WORLD_SIZE"):
+        if r.has("CROSS_RANK") or r.has("LOCAL_SIZE"):
+            launcher, local_size_var, node_var = "deepspeed", "LOCAL_SIZE", "CROSS_RANK"
+            num_nodes = r.int("CROSS_SIZE", minimum=1)
+        elif r.has("GROUP_RANK") or r.has("TORCHELASTIC_RUN_ID"):
+            launcher, local_size_var, node_var = "torchrun", "LOCAL_WORLD_SIZE", "GROUP_RANK"
+            num_nodes = None
+        else:
+            launcher, local_size_var, node_var = "env", "LOCAL_WORLD_SIZE", "NODE_RANK"
+            num_nodes = None
+        return _finish(
+            launcher, r,
+            rank=r.int("RANK"), world_size=r.int("WORLD_SIZE", minimum=1),
+            local_rank=r.int("LOCAL_RANK"), local_world_size=r.int(local_size_var, minimum=1),
+            node_rank=r.int(node_var), num_nodes=num_nodes,
+            master_addr=r.str("MASTER_ADDR"), master_port=r.int("MASTER_PORT", minimum=1))
+
+    if r.has("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
+        local_size = r.int("OMPI_COMM_WORLD_LOCAL_SIZE", minimum=1)
+        world = r.int("OMPI_COMM_WORLD_SIZE", minimum=1)
+        return _finish(
+            "mpi", r,
+            rank=r.int("OMPI_COMM_WORLD_RANK"), world_size=world,
+            local_rank=r.int("OMPI_COMM_WORLD_LOCAL_RANK"), local_world_size=local_size,
+            node_rank=r.int("OMPI_COMM_WORLD_NODE_RANK"), num_nodes=None,
+            master_addr=r.str("MASTER_ADDR") or _local_master(world, local_size),
+            master_port=r.int("MASTER_PORT", DEFAULT_MASTER_PORT, minimum=1))
+
+    if r.has("PMI_RANK", "PMI_SIZE"):
+        local_size = r.int("MPI_LOCALNRANKS", minimum=1)
+        world = r.int("PMI_SIZE", minimum=1)
+        return _finish(
+            "mpi", r,
+            rank=r.int("PMI_RANK"), world_size=world,
+            local_rank=r.int("MPI_LOCALRANKID"), local_world_size=local_size,
+            node_rank=None, num_nodes=None,
+            master_addr=r.str("MASTER_ADDR") or _local_master(world, local_size),
+            master_port=r.int("MASTER_PORT", DEFAULT_MASTER_PORT, minimum=1))
+
+    if r.has("SLURM_PROCID", "SLURM_STEP_ID"):
+        world = r.int("SLURM_STEP_NUM_TASKS", minimum=1)
+        if world is None:
+            world = r.int("SLURM_NTASKS", 1, minimum=1)
+        num_nodes = r.int("SLURM_STEP_NUM_NODES", minimum=1)
+        if num_nodes is None:
+            num_nodes = r.int("SLURM_NNODES", minimum=1)
+        per_node_raw = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+        local_size = _slurm_tasks_per_node(per_node_raw) if per_node_raw else None
+        if per_node_raw and local_size is None:
+            r.problems.append(f"SLURM_STEP_TASKS_PER_NODE={per_node_raw!r} cannot be parsed; expected e.g. '2(x3)'")
+        master = r.str("MASTER_ADDR")
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if master is None and nodelist:
+            try:
+                master = first_slurm_host(nodelist)
+            except LaunchEnvError as err:
+                r.problems.append(str(err))
+        job_id = r.int("SLURM_JOB_ID", 0)
+        # A port derived from the job id lets concurrent jobs on shared nodes avoid each other.
+        port = r.int("MASTER_PORT", 10000 + (job_id or 0) % 20000, minimum=1)
+        return _finish(
+            "slurm", r,
+            rank=r.int("SLURM_PROCID"), world_size=world,
+            local_rank=r.int("SLURM_LOCALID"), local_world_size=local_size,
+            node_rank=r.int("SLURM_NODEID"), num_nodes=num_nodes,
+            master_addr=master, master_port=port)
+
+    partial = [name for name in ("RANK", "WORLD_SIZE") if name in env]
+    if partial:
+        missing = sorted({"RANK", "WORLD_SIZE"} - set(partial))
+        raise LaunchEnvError(
+            f"{partial[0]}={env[partial[0]]!r} is set but {', '.join(missing)} is not; a launcher sets "
+            "both. Unset it to run as a single process, or set both.")
+    return _finish("none", r, rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
+                   num_nodes=1, master_addr=None, master_port=None)
+
+
+def _local_master(world: int | None, local_size: int | None) -> str | None:
+    """All ranks on this host: rank 0 is here too, so loopback is right. Otherwise it must be given."""
+    if world is not None and (world == 1 or world == local_size):
+        return "127.0.0.1"
+    return None

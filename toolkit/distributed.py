@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -174,6 +175,11 @@ class DistributedContext:
                 self.barrier()
 
 
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def get_context() -> DistributedContext:
     """The context made by :func:`init_distributed`. Any rank.
 
@@ -285,6 +291,10 @@ def init_distributed(*, backend: str | None = None,
             else:
                 dist.init_process_group(chosen, init_method=f"tcp://{info.master_addr}:{info.master_port}",
                                         rank=info.rank, world_size=info.world_size, timeout=timeout)
+
+            # Join the backend's threads before the interpreter tears them down: without this a
+            # gloo rank can abort at exit ("terminate called without an active exception").
+            atexit.register(_destroy_at_exit)
 
         # Control-plane collectives on CPU: under nccl a separate gloo group, created on all ranks.
         group = dist.new_group(backend="gloo", timeout=timeout) if chosen == "nccl" else None

@@ -1,0 +1,29 @@
+"""Initialise the toolkit context, exercise its collectives, write what it saw to OUT_DIR/rank<N>.json."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import toolkit
+
+out = Path(sys.argv[-1])  # the deepspeed launcher puts --local_rank=N first
+ctx = toolkit.init_distributed()
+again = toolkit.init_distributed()
+record = {
+    "rank": ctx.rank, "local_rank": ctx.local_rank, "world_size": ctx.world_size,
+    "local_world_size": ctx.local_world_size, "node_rank": ctx.node_rank, "num_nodes": ctx.num_nodes,
+    "device": str(ctx.device), "is_chief": ctx.is_chief, "backend": ctx.backend, "launcher": ctx.launcher,
+    "idempotent": again is ctx,
+    "broadcast": ctx.broadcast_object({"from": ctx.rank, "payload": [1, 2]} if ctx.is_chief else None),
+    "gathered": ctx.gather_object(ctx.rank * 10),
+    "all_gathered": ctx.all_gather_object(ctx.rank),
+    "mean": ctx.all_reduce([ctx.rank, 1.0], op="mean"),
+    "max": ctx.all_reduce([ctx.rank], op="max"),
+}
+order = []
+with ctx.chief_first():
+    marker = out / "chief_first.txt"
+    with open(marker, "a") as fh:
+        fh.write(f"{ctx.rank}\n")
+ctx.barrier()
+(out / f"rank{ctx.rank}.json").write_text(json.dumps(record))

@@ -1,0 +1,47 @@
+"""``--run-full-experiment``: train with the best config found, as a normal (non-trial) run.
+
+Rank 0 only: runs in the autotuner's process and launches the entrypoint once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from toolkit.config import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV, max_length_steps
+from toolkit.dsat.launcher import build_trial_argv
+from toolkit.dsat.outputs import write_json_atomic
+
+__all__ = ["run_full_experiment", "FULL_RUN_TIMEOUT_S"]
+
+#: The full run is a real training job; it is still never waited on without a limit.
+FULL_RUN_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def run_full_experiment(plan, outcome, *, say: Callable[[str], None] = print,
+                        timeout_s: float = FULL_RUN_TIMEOUT_S) -> int:
+    """Launch the entrypoint with the best config; return its exit status.
+
+    The script runs exactly as it would by hand, with ``toolkit.get_hparams`` returning the
+    experiment's hyperparameters with ``deepspeed_config`` pointing at ``best_ds_config.json``;
+    it trains for ``searcher.max_length`` steps of the experiment config (the script reads it).
+    """
+    from toolkit.dsat.orchestrator import trial_hparams
+    from toolkit.dsat.runner import free_port, run_to_completion
+
+    directory = plan.output_dir / "full_experiment"
+    directory.mkdir(parents=True, exist_ok=True)
+    best_config = json.loads((plan.output_dir / "best_ds_config.json").read_text(encoding="utf-8"))
+    hparams = trial_hparams(plan.hparams, best_config)
+    hparams["deepspeed_config"] = str(plan.output_dir / "best_ds_config.json")
+    write_json_atomic(directory / "hparams.json", hparams)
+    steps = max_length_steps(plan.experiment)
+    argv = build_trial_argv(list(plan.runner.entrypoint), launcher=plan.runner.launcher,
+                            nproc=plan.runner.slots_per_trial, master_port=free_port())
+    env = {TRIAL_HPARAMS_ENV: str(directory / "hparams.json"), EXPERIMENT_CONFIG_ENV: str(plan.config_path)}
+    say(f"full experiment: {' '.join(argv)} ({steps or 'script-defined'} steps; logs in {directory})")
+    code = run_to_completion(argv, cwd=Path(plan.runner.model_dir), env=env, log_dir=directory, timeout_s=timeout_s,
+                             nproc=plan.runner.slots_per_trial)
+    say(f"full experiment exited with status {code}")
+    return code

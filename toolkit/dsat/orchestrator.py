@@ -1,0 +1,271 @@
+"""The search loop: profiling trial, memory model, search method, trials, outputs, resume.
+
+Rank 0 only: this runs in the autotuner's own process (``python -m toolkit.dsat ...``); the
+trials are separate launches of the user's entrypoint (see :mod:`toolkit.dsat.runner`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from toolkit.ds_config import BATCH_KEYS, overwrite_deepspeed_config, resolve_ds_config
+from toolkit.dsat import memory, search
+from toolkit.dsat.outputs import (EventLog, TensorBoardTrials, summary_table, write_json_atomic,
+                                  write_trial_tables)
+from toolkit.dsat.reporting import instrumentation_overrides
+from toolkit.dsat.runner import RunnerSettings, TrialRunner
+from toolkit.dsat.types import (ProfileInfo, SearchSettings, TrialContract, TrialResult, TrialSpec,
+                                TrialStatus)
+
+__all__ = ["Plan", "trial_ds_config", "trial_hparams", "profile_spec", "Autotuner", "SearchOutcome"]
+
+logger = logging.getLogger(__name__)
+TBS, MBS, GAS = BATCH_KEYS
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything the autotuner was asked to do, checked before anything is launched.
+
+    Attributes:
+        config_path: the experiment YAML.
+        experiment: the loaded experiment config.
+        base_ds_config: the user's DeepSpeed config (file + overwrite_deepspeed_args), unresolved.
+        hparams: the experiment's hyperparameters.
+        data_parallel_size: replicas per trial (``hyperparameters.data_parallel_world_size`` or
+            ``resources.slots_per_trial``).
+        search: the search method's settings.
+        runner: how trials are launched and limited.
+        output_dir: where everything is written.
+        resume: continue the search recorded in ``output_dir``.
+        run_full_experiment: after the search, train with the best config.
+        memory_per_slot: bytes per slot given to the memory model (CPU budget; on GPU the
+            profiling trial's measurement wins).
+    """
+
+    config_path: Path
+    experiment: Mapping[str, Any]
+    base_ds_config: Mapping[str, Any]
+    hparams: Mapping[str, Any]
+    data_parallel_size: int
+    search: SearchSettings
+    runner: RunnerSettings
+    output_dir: Path
+    resume: bool = False
+    run_full_experiment: bool = False
+    memory_per_slot: int | None = None
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What must not change between a search and its ``--resume``."""
+        search_settings = {k: (list(v) if isinstance(v, tuple) else v)
+                           for k, v in dataclasses.asdict(self.search).items()}
+        return {"search": json.loads(json.dumps(search_settings, default=str)),
+                "base_ds_config": json.loads(json.dumps(self.base_ds_config)),
+                "data_parallel_size": self.data_parallel_size,
+                "slots_per_trial": self.runner.slots_per_trial,
+                "entrypoint": list(self.runner.entrypoint),
+                "start_profile_step": self.runner.start_profile_step,
+                "end_profile_step": self.runner.end_profile_step}
+
+
+def profile_spec(base_ds_config: Mapping[str, Any]) -> TrialSpec:
+    """The profiling trial: micro-batch 1, the user's own ZeRO section."""
+    zero = base_ds_config.get("zero_optimization")
+    zero = copy.deepcopy(dict(zero)) if isinstance(zero, Mapping) else {"stage": int(bool(zero))}
+    zero.setdefault("stage", 0)
+    return TrialSpec(trial_id=0, micro_batch=1, zero=zero, line=-1, profile=True)
+
+
+def trial_ds_config(base_ds_config: Mapping[str, Any], spec: TrialSpec, *,
+                    data_parallel_size: int) -> dict[str, Any]:
+    """The complete DeepSpeed config of a trial (or of the best trial): pure.
+
+    The trial's ZeRO section replaces the user's whole (the searcher built it on the user's,
+    dropping what its stage cannot run); the micro-batch is the trial's; gradient accumulation
+    stays the user's (1 when unset or "auto"); ``train_batch_size`` is derived so that
+    ``train_batch_size = micro_batch * accumulation * data_parallel_size`` holds.
+    """
+    config = overwrite_deepspeed_config(base_ds_config, {MBS: spec.micro_batch})
+    config["zero_optimization"] = copy.deepcopy(dict(spec.zero))
+    config.pop(TBS, None)
+    if not isinstance(config.get(GAS), int) or isinstance(config.get(GAS), bool):
+        config[GAS] = 1
+    return resolve_ds_config(config, data_parallel_size=data_parallel_size)
+
+
+def trial_hparams(hparams: Mapping[str, Any], ds_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The hyperparameters a trial sees: the user's, with its own batch size where one is named."""
+    out = copy.deepcopy(dict(hparams))
+    out.pop("overwrite_deepspeed_args", None)
+    if "global_batch_size" in out:
+        out["global_batch_size"] = ds_config[TBS]
+    return out
+
+
+@dataclasses.dataclass
+class SearchOutcome:
+    """How a search ended. ``exit_code``: 0 found a best config, 1 the search failed."""
+
+    exit_code: int
+    results: list[TrialResult]
+    best: TrialResult | None
+    message: str
+
+
+class Autotuner:
+    """Runs a :class:`Plan`. Rank 0 only.
+
+    Args:
+        plan: the checked plan.
+        say: where progress lines and tables go (the CLI passes ``print``).
+    """
+
+    def __init__(self, plan: Plan, *, say: Callable[[str], None] = print) -> None:
+        self.plan = plan
+        self.say = say
+        self.out = plan.output_dir
+        self.log = EventLog(self.out / "events.jsonl")
+        self.tensorboard = TensorBoardTrials(self.out / "tensorboard")
+        self.results: dict[int, TrialResult] = {}
+        self.started_at = time.monotonic()
+
+    # ---------------------------------------------------------------- helpers
+    def _config_for(self, spec: TrialSpec, *, instrumented: bool) -> dict[str, Any]:
+        config = trial_ds_config(self.plan.base_ds_config, spec, data_parallel_size=self.plan.data_parallel_size)
+        if instrumented:
+            runner = self.plan.runner
+            contract = TrialContract(spec.trial_id, "", runner.start_profile_step, runner.end_profile_step,
+                                     spec.profile, runner.memory_per_slot)
+            config = overwrite_deepspeed_config(config, instrumentation_overrides(contract))
+        return config
+
+    def _start(self, runner: TrialRunner, spec: TrialSpec, *, observed_before: int, log: bool = True) -> None:
+        config = self._config_for(spec, instrumented=True)
+        if log:
+            self.log.started(spec, observed_before=observed_before)
+        runner.start(spec, ds_config=config, hparams=trial_hparams(self.plan.hparams, config))
+
+    def _finish(self, result: TrialResult, *, replayed: bool = False) -> None:
+        self.results[result.spec.trial_id] = result
+        if not replayed:
+            self.log.finished(result)
+            self.tensorboard.add(result)
+        write_trial_tables(self.out, self.results.values())
+
+    def _progress(self, result: TrialResult, running: int) -> None:
+        best = search.best_result(self.results.values(), self.plan.search.metric)
+        metric = self.plan.search.metric
+        value = result.metrics.get(metric)
+        shown = f"{metric}={value:.4g}" if value is not None else (result.error or "")[:120]
+        best_text = (f"best {best.metrics[metric]:.4g} (trial {best.spec.trial_id})" if best else "no best yet")
+        self.say(f"[{len(self.results)}/{self.plan.search.max_trials}] trial {result.spec.trial_id} "
+                 f"stage {result.spec.stage} mb {result.spec.micro_batch}: {result.status.value} {shown} | "
+                 f"{best_text} | running {running} | {time.monotonic() - self.started_at:.0f}s")
+
+    # ---------------------------------------------------------------- phases
+    def _profile(self, runner: TrialRunner, events: list[dict[str, Any]]) -> ProfileInfo | None:
+        recorded = [e for e in events if e["event"] == "result" and e["trial_id"] == 0]
+        if recorded and recorded[-1]["result"]["status"] == TrialStatus.OK.value:
+            result = TrialResult.from_json(recorded[-1]["result"])
+            self._finish(result, replayed=True)
+            self.say("profiling trial: reusing the recorded result")
+        else:
+            spec = profile_spec(self.plan.base_ds_config)
+            self.say("profiling trial (micro-batch 1) ...")
+            self._start(runner, spec, observed_before=0)
+            result = None
+            while result is None:
+                done = runner.wait(timeout=1.0)
+                result = done[0] if done else None
+            self._finish(result)
+            self._progress(result, 0)
+        if result.status is not TrialStatus.OK or not result.profile:
+            return None
+        fields = dict(result.profile)
+        if self.plan.memory_per_slot is not None and fields.get("device", "cpu") == "cpu":
+            fields["memory_per_slot"] = self.plan.memory_per_slot
+        profile = ProfileInfo.from_json(fields)
+        prediction = memory.predict(profile, data_parallel_size=self.plan.data_parallel_size,
+                                    zero_stages=self.plan.search.zero_stages)
+        write_json_atomic(self.out / "profile.json",
+                          {"profile": profile.to_json(), "prediction": {str(k): v for k, v in prediction.items()}})
+        self.say(f"model: {profile.num_params:,} parameters ({profile.trainable_params:,} trainable), "
+                 f"activations {profile.activation_bytes_per_example:,} bytes/example, "
+                 f"{profile.memory_per_slot:,} bytes per slot ({profile.device})")
+        self.say(memory.format_prediction(prediction, profile=profile))
+        return profile
+
+    def run(self) -> SearchOutcome:
+        """Run (or resume) the search. Interrupting it (Ctrl-C) kills every trial; the record stays."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "trials").mkdir(exist_ok=True)
+        events = self.log.read()
+        write_json_atomic(self.out / "search.json", self.plan.fingerprint())
+        with TrialRunner(self.plan.runner, output_dir=self.out) as runner:
+            profile = self._profile(runner, events)
+            if profile is None:
+                failed = self.results[0]
+                return SearchOutcome(1, list(self.results.values()), None,
+                                     f"the profiling trial failed ({failed.status.value}): {failed.error}; "
+                                     f"its logs are in {self.out / 'trials' / 'trial_0'}")
+            searcher = search.make_searcher(self.plan.search, profile)
+            observed = self._replay(searcher, runner, events)
+            while not searcher.done:
+                for spec in searcher.propose(runner.capacity()):
+                    self._start(runner, spec, observed_before=observed)
+                if runner.running() == 0:
+                    break  # nothing in flight and nothing proposed: the method has finished
+                for result in runner.wait(timeout=1.0):
+                    self._finish(result)
+                    searcher.observe(result)
+                    observed += 1
+                    self._progress(result, runner.running())
+        return self._conclude()
+
+    def _replay(self, searcher: Any, runner: TrialRunner, events: list[dict[str, Any]]) -> int:
+        """Feed a resumed search's recorded results through the fresh searcher; rerun the unfinished."""
+        results, observed_before, seen = [], {}, set()
+        for event in events:
+            if event["trial_id"] == 0:
+                continue
+            if event["event"] == "start":
+                observed_before[event["trial_id"]] = event["observed_before"]
+            elif event["trial_id"] not in seen:
+                seen.add(event["trial_id"])
+                results.append(TrialResult.from_json(event["result"]))
+        if not observed_before:
+            return 0
+        in_flight = search.replay(searcher, results=results, observed_before=observed_before)
+        for result in results:
+            self._finish(result, replayed=True)
+        self.say(f"resumed: {len(results)} finished trial(s) kept, {len(in_flight)} interrupted trial(s) rerun")
+        for spec in in_flight:
+            self._start(runner, spec, observed_before=observed_before[spec.trial_id], log=False)
+        return len(results)
+
+    def _conclude(self) -> SearchOutcome:
+        results = list(self.results.values())
+        tuning = [r for r in results if not r.spec.profile]
+        best = search.best_result(tuning, self.plan.search.metric)
+        table = summary_table(results, metric=self.plan.search.metric, best_id=best.spec.trial_id if best else None)
+        self.say(table)
+        if best is None:
+            return SearchOutcome(1, results, None,
+                                 f"no tuning trial succeeded ({len(tuning)} run); see trials.csv and each "
+                                 "trial's stderr.log")
+        best_config = self._config_for(best.spec, instrumented=False)
+        write_json_atomic(self.out / "best_ds_config.json", best_config)
+        write_json_atomic(self.out / "best_ds_metrics.json",
+                          {"trial_id": best.spec.trial_id, "metric": self.plan.search.metric,
+                           "metrics": dict(best.metrics)})
+        counts = {s.value: sum(r.status is s for r in tuning) for s in TrialStatus}
+        message = (f"best {self.plan.search.metric} = {best.metrics[self.plan.search.metric]:.4g} (trial "
+                   f"{best.spec.trial_id}: stage {best.spec.stage}, micro-batch {best.spec.micro_batch}); "
+                   f"{len(tuning)} tuning trials: {counts}; wrote {self.out / 'best_ds_config.json'}")
+        return SearchOutcome(0, results, best, message)

@@ -1,0 +1,495 @@
+"""Search methods driven by a simulated oracle (pure logic: no processes, no DeepSpeed).
+
+The oracle stands in for real trials, which would need a GPU to run out of memory: a trial
+runs out of memory iff its micro-batch exceeds a per-stage limit, and its metrics are a fixed
+function of micro-batch, stage and line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections import Counter, defaultdict
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from toolkit.dsat.search import (AshaSearcher, BinarySearcher, RandomSearcher, best_result,
+                                 make_searcher, replay)
+from toolkit.dsat.types import (METRICS, SMALLER_IS_BETTER, ProfileInfo, SearchSettings,
+                                TrialResult, TrialSpec, TrialStatus)
+
+OK, OOM, FAILED, TIMEOUT = TrialStatus.OK, TrialStatus.OOM, TrialStatus.FAILED, TrialStatus.TIMEOUT
+PROP = settings(max_examples=60, deadline=None)
+
+
+def profile_with_range(hi: int) -> ProfileInfo:
+    """A profile whose memory model gives approx_max_micro_batch == hi at every stage."""
+    return ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=1,
+                       memory_per_slot=hi)
+
+
+def metrics_for(mb: int, stage: int, line: int = 0) -> dict[str, float]:
+    # Bigger micro-batches and lower stages are faster; the line adds a small config effect.
+    speed = mb * (4 - stage) + (line * 7919 % 13) / 13
+    return {"FLOPS_per_gpu": 1e9 * speed, "throughput": speed, "forward": 100 / speed,
+            "backward": 200 / speed, "latency": 300 / speed}
+
+
+def oracle(limits: dict[int, int] | int, *, fail_ids=(), status=OOM):
+    """Trial -> result: ``status`` iff micro_batch > the stage's limit (or the id is in fail_ids)."""
+    def run(spec: TrialSpec) -> TrialResult:
+        limit = limits if isinstance(limits, int) else limits[spec.stage]
+        if spec.trial_id in fail_ids:
+            return TrialResult(spec, FAILED, error="simulated crash")
+        if spec.micro_batch > limit:
+            return TrialResult(spec, status, error="simulated out of memory")
+        return TrialResult(spec, OK, metrics_for(spec.micro_batch, spec.stage, spec.line))
+    return run
+
+
+def drive(searcher, run, *, concurrency=1, order_seed=0, max_steps=20_000):
+    """Run a search to the end like the orchestrator: fill capacity, finish one trial, repeat.
+
+    Returns (proposals per call, results in observation order). Checks on every step that the
+    capacity is respected and that a searcher that is not done always has something going.
+    """
+    order = random.Random(order_seed)
+    in_flight: list[TrialSpec] = []
+    calls, results = [], []
+    for _ in range(max_steps):
+        if searcher.done:
+            assert not in_flight
+            return calls, results
+        capacity = concurrency - len(in_flight)
+        specs = searcher.propose(capacity)
+        assert len(specs) <= capacity
+        calls.append(specs)
+        in_flight += specs
+        assert in_flight, "searcher is not done but has nothing in flight and proposes nothing"
+        spec = in_flight.pop(order.randrange(len(in_flight)))
+        result = run(spec)
+        searcher.observe(result)
+        results.append(result)
+    raise AssertionError("search did not finish")
+
+
+def all_specs(calls):
+    return [spec for call in calls for spec in call]
+
+
+def settings_for(method, **kw):
+    kw.setdefault("max_trials", 30)
+    return SearchSettings(method=method, **kw)
+
+
+def check_bounds(specs_by_line, results):
+    """Every trial's micro-batch lies in its line's [lo, hi] from the line's earlier results."""
+    status = {r.spec.trial_id: r.status for r in results}
+    for line, specs in specs_by_line.items():
+        lo, hi = 1, None
+        for spec in specs:
+            assert spec.micro_batch >= lo and (hi is None or spec.micro_batch <= hi), (line, spec)
+            if status[spec.trial_id] is OK:
+                lo = spec.micro_batch + 1
+            else:
+                hi = spec.micro_batch - 1
+
+
+# -- binary --------------------------------------------------------------------------------------
+@PROP
+@given(hi=st.integers(1, 10**6), data=st.data())
+def test_binary_reaches_any_target_within_log2_bound(hi, data):
+    target = data.draw(st.integers(1, hi))
+    s = settings_for("binary", zero_stages=(0,), max_trials=200)  # stage 0: a single line
+    searcher = make_searcher(s, profile_with_range(hi))
+    calls, results = drive(searcher, oracle(target))
+    specs = all_specs(calls)
+    assert {spec.line for spec in specs} == {0}
+    assert len(specs) <= math.floor(math.log2(hi)) + 1
+    assert any(r.spec.micro_batch == target and r.status is OK for r in results)
+    assert searcher.best.spec.micro_batch == target  # bigger is faster in the oracle
+
+
+@PROP
+@given(hi=st.integers(1, 10**4), factor=st.floats(0.1, 4.0))
+def test_binary_range_is_factor_times_the_memory_model(hi, factor):
+    s = settings_for("binary", zero_stages=(0,), max_trials=100, search_range_factor=factor)
+    searcher = make_searcher(s, profile_with_range(hi))
+    _, results = drive(searcher, oracle(10**9))  # everything fits: bisection climbs to the top
+    assert max(r.spec.micro_batch for r in results) == max(1, math.ceil(factor * hi))
+
+
+@pytest.mark.parametrize("status", [FAILED, TIMEOUT])
+def test_binary_treats_failed_and_timeout_like_oom(status):
+    searcher = make_searcher(settings_for("binary", zero_stages=(0,)), profile_with_range(100))
+    _, results = drive(searcher, oracle(37, status=status))
+    assert searcher.best.spec.micro_batch == 37
+    assert all(r.spec.micro_batch <= 37 or r.status is status for r in results)
+
+
+# -- caps, ids, termination: all methods ---------------------------------------------------------
+METHOD = st.sampled_from(["binary", "random", "asha"])
+STAGES = st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True).map(tuple)
+
+
+@PROP
+@given(method=METHOD, stages=STAGES, max_trials=st.integers(2, 60), concurrency=st.integers(1, 8),
+       hi=st.integers(1, 5000), limit=st.integers(0, 6000), seed=st.integers(0, 2**32),
+       order_seed=st.integers(0, 1000), es=st.one_of(st.none(), st.integers(1, 6)),
+       per_config=st.integers(1, 6), rungs=st.integers(1, 4), min_bs=st.integers(1, 4),
+       divisor=st.integers(2, 4), asha_es=st.integers(0, 2))
+def test_caps_ids_and_termination(method, stages, max_trials, concurrency, hi, limit, seed,
+                                  order_seed, es, per_config, rungs, min_bs, divisor, asha_es):
+    s = SearchSettings(method=method, zero_stages=stages, max_trials=max_trials, random_seed=seed,
+                       early_stopping=es, trials_per_random_config=per_config, max_rungs=rungs,
+                       min_binary_search_trials=min_bs, divisor=divisor, asha_early_stopping=asha_es)
+    searcher = make_searcher(s, profile_with_range(hi))
+    calls, results = drive(searcher, oracle(limit), concurrency=concurrency, order_seed=order_seed)
+    specs = all_specs(calls)
+    assert len(specs) <= max_trials - 1
+    assert [spec.trial_id for spec in specs] == list(range(1, len(specs) + 1))
+    assert sorted(r.spec.trial_id for r in results) == [spec.trial_id for spec in specs]
+    assert all(spec.micro_batch >= 1 and spec.stage in stages and not spec.profile for spec in specs)
+    assert searcher.done and searcher.propose(8) == []  # done stays done
+    by_line = defaultdict(list)
+    for spec in specs:
+        by_line[spec.line].append(spec)
+    for line_specs in by_line.values():  # a line is one ZeRO config
+        assert all(spec.zero == line_specs[0].zero for spec in line_specs)
+    assert len({repr(sorted(v[0].zero.items())) for v in by_line.values()}) == len(by_line)
+    check_bounds(by_line, results)
+    # At most one trial of a line in flight at a time: replay the proposal/observation order.
+    flying: set[int] = set()
+    observed = iter(results)
+    for call in calls:
+        for spec in call:
+            assert spec.line not in flying
+            flying.add(spec.line)
+        flying.discard(next(observed).spec.line)
+    expected_best = best_result(results, s.metric)
+    assert searcher.best is expected_best
+
+
+@PROP
+@given(method=METHOD, stages=STAGES, status=st.sampled_from([OOM, FAILED, TIMEOUT]),
+       concurrency=st.integers(1, 8), seed=st.integers(0, 2**16))
+def test_all_failures_terminate_with_no_best(method, stages, status, concurrency, seed):
+    s = settings_for(method, zero_stages=stages, max_trials=50, random_seed=seed)
+    searcher = make_searcher(s, profile_with_range(1000))
+    calls, results = drive(searcher, oracle(0, status=status), concurrency=concurrency)
+    assert searcher.done and searcher.best is None and best_result(results, s.metric) is None
+    assert all(r.status is status for r in results)
+
+
+@pytest.mark.parametrize("method", ["binary", "random", "asha"])
+def test_all_failures_end_when_the_space_is_exhausted(method):
+    # Stage 0 has one config; a huge trial cap must not make the search go on forever.
+    s = settings_for(method, zero_stages=(0,), max_trials=10_000)
+    searcher = make_searcher(s, profile_with_range(1000))
+    calls, results = drive(searcher, oracle(0), concurrency=4)
+    assert searcher.done and 1 <= len(results) <= 11  # one line, bisected down to micro-batch 1
+
+
+@pytest.mark.parametrize("method", ["binary", "random", "asha"])
+def test_one_failure_among_successes_still_completes(method):
+    s = settings_for(method, zero_stages=(1, 2), max_trials=20)
+    searcher = make_searcher(s, profile_with_range(64))
+    calls, results = drive(searcher, oracle({1: 40, 2: 50}, fail_ids={1}), concurrency=3)
+    assert results[[r.spec.trial_id for r in results].index(1)].status is FAILED
+    assert searcher.done and searcher.best is not None and searcher.best.status is OK
+    assert len(results) == 19
+
+
+# -- determinism and resume ----------------------------------------------------------------------
+def _events(method, seed, concurrency, order_seed, n_trials=25):
+    s = settings_for(method, max_trials=n_trials, random_seed=seed, zero_stages=(1, 2, 3))
+    searcher = make_searcher(s, profile_with_range(300))
+    return drive(searcher, oracle({1: 100, 2: 150, 3: 280}), concurrency=concurrency, order_seed=order_seed)
+
+
+@PROP
+@given(method=METHOD, seed=st.integers(0, 2**16), concurrency=st.integers(1, 6), order_seed=st.integers(0, 99))
+def test_same_seed_same_calls_same_trials(method, seed, concurrency, order_seed):
+    a = _events(method, seed, concurrency, order_seed)
+    b = _events(method, seed, concurrency, order_seed)
+    assert a == b
+
+
+def test_different_seeds_explore_differently():
+    a, b = _events("random", 1, 2, 0), _events("random", 2, 2, 0)
+    assert all_specs(a[0]) != all_specs(b[0])
+
+
+@PROP
+@given(method=METHOD, seed=st.integers(0, 2**16), splits=st.lists(st.integers(0, 4), min_size=1, max_size=6))
+def test_split_proposals_equal_one_proposal(method, seed, splits):
+    s = settings_for(method, random_seed=seed)
+    one = make_searcher(s, profile_with_range(500)).propose(sum(splits))
+    split = make_searcher(s, profile_with_range(500))
+    assert [spec for n in splits for spec in split.propose(n)] == one
+
+
+@PROP
+@given(method=METHOD, seed=st.integers(0, 2**16), concurrency=st.integers(1, 6),
+       order_seed=st.integers(0, 99), cut=st.floats(0, 1))
+def test_replay_rebuilds_an_interrupted_search(method, seed, concurrency, order_seed, cut):
+    s = settings_for(method, max_trials=25, random_seed=seed, early_stopping=8)
+    run = oracle({1: 100, 2: 150, 3: 280})
+    original = make_searcher(s, profile_with_range(300))
+    order = random.Random(order_seed)
+    observed_before: dict[int, int] = {}
+    in_flight, results = [], []
+    stop_after = int(cut * 24)
+    while not original.done and len(results) < stop_after:
+        for spec in original.propose(concurrency - len(in_flight)):
+            observed_before[spec.trial_id] = original.observed_count
+            in_flight.append(spec)
+        result = run(in_flight.pop(order.randrange(len(in_flight))))
+        original.observe(result)
+        results.append(result)
+    # "Interrupted" here; resume through a fresh searcher from the records alone, whose
+    # results went through JSON like the orchestrator's records do.
+    records = [TrialResult.from_json(r.to_json()) for r in results]
+    resumed = make_searcher(s, profile_with_range(300))
+    rerun = replay(resumed, results=records, observed_before=observed_before)
+    assert rerun == sorted(in_flight, key=lambda spec: spec.trial_id)
+    assert resumed.done == original.done and resumed.best == original.best
+    # Both continue identically.
+    for spec in rerun:
+        original.observe(run(spec))
+        resumed.observe(run(spec))
+    assert original.propose(concurrency) == resumed.propose(concurrency)
+
+
+def test_replay_rejects_a_record_from_other_settings():
+    s = settings_for("binary", random_seed=1)
+    first = make_searcher(s, profile_with_range(300)).propose(3)
+    other = make_searcher(settings_for("binary", random_seed=2), profile_with_range(300))
+    results = [oracle(100)(spec) for spec in first]
+    with pytest.raises(ValueError, match="micro_batch|proposes"):
+        replay(other, results=results, observed_before={1: 0, 2: 0, 3: 0})
+
+
+def test_observe_rejects_unknown_or_repeated_trials_and_ignores_profiling():
+    searcher = make_searcher(settings_for("binary"), profile_with_range(300))
+    (spec,) = searcher.propose(1)
+    searcher.observe(TrialResult(TrialSpec(0, 1, {}, profile=True), OK))  # the profiling trial
+    with pytest.raises(ValueError, match="trial 7 was not proposed"):
+        searcher.observe(TrialResult(TrialSpec(7, 1, {}), OK))
+    searcher.observe(oracle(100)(spec))
+    with pytest.raises(ValueError, match="already observed"):
+        searcher.observe(oracle(100)(spec))
+    with pytest.raises(ValueError, match="capacity=-1"):
+        searcher.propose(-1)
+
+
+def test_specs_do_not_share_state_with_the_searcher_or_the_user_config():
+    base = {"stage": 2, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 12}
+    s = settings_for("binary", zero_stages=(2,), base_zero=base)
+    searcher = make_searcher(s, profile_with_range(300))
+    (spec,) = searcher.propose(1)
+    searcher.observe(oracle(10)(spec))
+    spec.zero["offload_optimizer"]["device"] = "nvme"
+    (nxt,) = searcher.propose(1)
+    assert nxt.line == spec.line and nxt.zero["offload_optimizer"] == {"device": "cpu"}
+    assert base == {"stage": 2, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 12}
+
+
+def test_offload_in_the_user_config_widens_the_range():
+    # fp32, N = 10**6: stage 2 with S = 1 holds 16 MB, 4 MB when the optimizer is offloaded.
+    p = ProfileInfo(num_params=10**6, trainable_params=10**6, activation_bytes_per_example=10**5,
+                    memory_per_slot=20 * 10**6)
+    plain = make_searcher(settings_for("binary", zero_stages=(2,)), p)
+    offl = make_searcher(settings_for("binary", zero_stages=(2,),
+                                      base_zero={"offload_optimizer": {"device": "cpu"}}), p)
+    assert plain.propose(1)[0].micro_batch == (1 + 40) // 2
+    assert offl.propose(1)[0].micro_batch == (1 + 120) // 2
+
+
+# -- metric direction ----------------------------------------------------------------------------
+@pytest.mark.parametrize("metric", METRICS)
+def test_best_result_follows_the_metric_direction(metric):
+    def res(i, value, status=OK):
+        return TrialResult(TrialSpec(i, 1, {"stage": 1}), status, {metric: value} if status is OK else {})
+    results = [res(1, 5.0), res(2, 1.0), res(3, 9.0), res(4, 0.5, OOM), res(5, float("nan")), res(6, 9.0)]
+    best = best_result(results, metric)
+    assert best.spec.trial_id == (2 if metric in SMALLER_IS_BETTER else 3)
+    assert best_result([], metric) is None
+
+
+@pytest.mark.parametrize("method", ["binary", "random", "asha"])
+@pytest.mark.parametrize("metric", METRICS)
+def test_searchers_rank_by_the_metric_direction(method, metric):
+    s = settings_for(method, metric=metric, zero_stages=(0,), max_trials=40)
+    searcher = make_searcher(s, profile_with_range(200))
+    _, results = drive(searcher, oracle(123))
+    # The oracle is fastest at the largest micro-batch: FLOPS/throughput highest, times lowest.
+    largest_ok = max(r.spec.micro_batch for r in results if r.status is OK)
+    assert searcher.best.spec.micro_batch == largest_ok
+    assert searcher.best is best_result(results, metric)
+
+
+# -- random: early-stopping rules ----------------------------------------------------------------
+@PROP
+@given(per_config=st.integers(1, 6), seed=st.integers(0, 2**16), concurrency=st.integers(1, 4))
+def test_random_caps_trials_per_config_and_randomizes_within_bounds(per_config, seed, concurrency):
+    s = settings_for("random", zero_stages=(1, 2), max_trials=40, random_seed=seed,
+                     trials_per_random_config=per_config)
+    calls, results = drive(make_searcher(s, profile_with_range(10**6)), oracle(5 * 10**5),
+                           concurrency=concurrency)
+    per_line = Counter(spec.line for spec in all_specs(calls))
+    assert max(per_line.values()) <= per_config
+    by_line = defaultdict(list)
+    for spec in all_specs(calls):
+        by_line[spec.line].append(spec)
+    check_bounds(by_line, results)
+
+
+def test_random_micro_batch_is_random_not_bisection():
+    s = settings_for("random", zero_stages=(1,), max_trials=40)
+    specs = make_searcher(s, profile_with_range(10**6)).propose(30)
+    assert len({spec.micro_batch for spec in specs}) > 20
+
+
+@PROP
+@given(seed=st.integers(0, 2**16), concurrency=st.integers(1, 6),
+       stages=st.sampled_from([(1, 3), (2, 3), (1, 2, 3)]))
+def test_random_stops_stage3_once_stage_1_or_2_fits(seed, concurrency, stages):
+    s = settings_for("random", zero_stages=stages, max_trials=50, random_seed=seed)
+    searcher = make_searcher(s, profile_with_range(1000))
+    calls, results = drive(searcher, oracle(600), concurrency=concurrency)
+    observed = iter(results)
+    fitted = False
+    for call in calls:  # calls and observations alternate, one observation after each call
+        assert not (fitted and any(spec.stage == 3 for spec in call))
+        r = next(observed)
+        fitted = fitted or (r.status is OK and r.spec.stage in (1, 2))
+    assert fitted
+
+
+def test_random_stops_a_line_that_fails_at_its_lower_bound():
+    s = settings_for("random", zero_stages=(0,), max_trials=200, trials_per_random_config=100)
+    for seed in range(20):
+        searcher = make_searcher(dataclasses.replace(s, random_seed=seed), profile_with_range(1000))
+        calls, results = drive(searcher, oracle(0))  # everything OOMs: lower bound stays 1
+        assert results[-1].spec.micro_batch == 1 and searcher.done
+        assert sum(r.spec.micro_batch == 1 for r in results) == 1
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_random_early_stopping_without_improvement(n):
+    # Only the first trial improves (all metrics equal afterwards would not beat it: ties lose).
+    def flat(spec):
+        return TrialResult(spec, OK, {"FLOPS_per_gpu": 1.0})
+    s = settings_for("random", zero_stages=(1, 2, 3), max_trials=50, early_stopping=n)
+    _, results = drive(make_searcher(s, profile_with_range(1000)), flat)
+    assert len(results) == 1 + n
+    # All failures: no trial ever improves.
+    _, results = drive(make_searcher(s, profile_with_range(1000)), oracle(0), concurrency=1)
+    assert len(results) == n
+    # With concurrency, trials already running when it stops still finish and are observed.
+    _, results = drive(make_searcher(s, profile_with_range(1000)), oracle(0), concurrency=4)
+    assert n <= len(results) <= n + 3
+
+
+def test_random_without_early_stopping_uses_the_budget():
+    s = settings_for("random", zero_stages=(1, 2, 3), max_trials=30)
+    _, results = drive(make_searcher(s, profile_with_range(1000)),
+                       lambda spec: TrialResult(spec, OK, {"FLOPS_per_gpu": 1.0}))
+    assert len(results) == 29
+
+
+# -- asha ----------------------------------------------------------------------------------------
+def test_asha_rung_sizes_follow_min_trials_times_divisor_power():
+    # asha_early_stopping = 1, min 3, divisor 2: rung 0 gives a line 6 trials; capacity 1 means
+    # the first line runs all of them before any other line starts.
+    s = settings_for("asha", zero_stages=(1, 2), max_trials=200, min_binary_search_trials=3,
+                     divisor=2, asha_early_stopping=1, max_rungs=3)
+    calls, _ = drive(make_searcher(s, profile_with_range(2**30)), oracle(2**31))
+    lines = [spec.line for spec in all_specs(calls)]
+    assert lines[:6] == [0] * 6 and lines[6] == 1
+    per_line = Counter(lines)
+    del per_line[lines[-1]]  # the line the trial cap cut short
+    # 3 * 2**(1 + r), r = 0, 1, 2; a range of 2**30 never closes within 24 trials.
+    assert set(per_line.values()) <= {6, 12, 24}
+    assert 24 in per_line.values()
+
+
+def test_asha_promotes_the_top_fraction_by_metric_direction():
+    # Rung 0: 1 trial per line, rung 1: 2. Line scores come from a table, not the micro-batch.
+    scores = [5.0, 9.0, 1.0, 7.0, 3.0, 8.0]
+    for metric in ("throughput", "latency"):
+        def run(spec, metric=metric):
+            return TrialResult(spec, OK, {metric: scores[spec.line] if spec.line < len(scores) else 0.0})
+        s = settings_for("asha", metric=metric, zero_stages=(1, 2), max_trials=9,
+                         min_binary_search_trials=1, divisor=2, max_rungs=2)
+        calls, _ = drive(make_searcher(s, profile_with_range(2**20)), run)
+        lines = [spec.line for spec in all_specs(calls)]
+        if metric == "throughput":
+            # 0; 1 -> top 1 of {0, 1} is 1 (9.0): promote; 2; 3 -> top 2 of 4 are {1, 3}: promote 3;
+            # 4; 5 -> top 3 of 6 are {1, 5, 3}: promote 5.
+            assert lines == [0, 1, 1, 2, 3, 3, 4, 5]
+        else:
+            # Smaller is better: 0 (5.0) beats 1 (9.0): promote 0; 2 (1.0) is the top 1 of 3 at
+            # once: promote 2; 3 -> top 2 of 4 are {2, 0}, both promoted; 4 -> top 2 of 5 are
+            # {2, 4}: promote 4.
+            assert lines == [0, 1, 0, 2, 2, 3, 4, 4]
+
+
+@PROP
+@given(seed=st.integers(0, 2**16), rungs=st.integers(1, 4), min_bs=st.integers(1, 3),
+       divisor=st.integers(2, 3), asha_es=st.integers(0, 1), concurrency=st.integers(1, 5),
+       hi=st.integers(1, 3000), limit=st.integers(0, 3000))
+def test_asha_promotes_only_from_the_top_fraction_of_a_rung(seed, rungs, min_bs, divisor, asha_es,
+                                                            concurrency, hi, limit):
+    """At the moment of every promotion, the line is in the top floor(n / divisor) of the n lines
+    that finished its rung (asynchronous ASHA: checked when it happens, since later lines may
+    push it out of the top again), and has a success there."""
+    s = settings_for("asha", zero_stages=(1, 2, 3), max_trials=60, random_seed=seed, max_rungs=rungs,
+                     min_binary_search_trials=min_bs, divisor=divisor, asha_early_stopping=asha_es)
+    calls, results = drive(make_searcher(s, profile_with_range(hi)), oracle(limit), concurrency=concurrency)
+    budget = [min_bs * divisor ** (asha_es + r) for r in range(rungs)]
+    proposed: dict[int, int] = Counter()        # line -> trials proposed
+    seen: dict[int, list[TrialResult]] = defaultdict(list)  # line -> results observed
+    promotions = 0
+
+    def finished_rung(line: int, r: int) -> tuple[bool, float | None]:
+        """Whether the line finished rung r by now, and its best metric at that point."""
+        rs, lo, top, closed_at = seen[line], 1, hi, None
+        for i, x in enumerate(rs, 1):
+            lo, top = (x.spec.micro_batch + 1, top) if x.status is OK else (lo, x.spec.micro_batch - 1)
+            if lo > top:
+                closed_at = i
+                break
+        prev = budget[r - 1] if r else 0
+        done = len(rs) >= budget[r] or (closed_at is not None and prev < closed_at <= budget[r])
+        cut = min(len(rs), budget[r])
+        best = best_result(rs[:cut], s.metric)
+        return done, (best.metrics[s.metric] if best else None)
+
+    for call, result in zip(calls, results):
+        for spec in call:
+            proposed[spec.line] += 1
+            assert proposed[spec.line] <= budget[-1]
+            for r in range(rungs - 1):
+                if proposed[spec.line] == budget[r] + 1:  # the line's first trial of rung r + 1
+                    promotions += 1
+                    scores = {line: finished_rung(line, r) for line in seen}
+                    ranked = sorted((line for line, (done, _) in scores.items() if done),
+                                    key=lambda ln: (scores[ln][1] is None, -(scores[ln][1] or 0), ln))
+                    assert scores[spec.line][1] is not None
+                    assert spec.line in ranked[:len(ranked) // divisor]
+        seen[result.spec.line].append(result)
+    if rungs == 1:
+        assert promotions == 0
+
+
+def test_make_searcher_picks_the_method_class():
+    p = profile_with_range(10)
+    assert isinstance(make_searcher(settings_for("binary"), p), BinarySearcher)
+    assert isinstance(make_searcher(settings_for("random"), p), RandomSearcher)
+    assert isinstance(make_searcher(settings_for("asha"), p), AshaSearcher)
+    with pytest.raises(TypeError, match="expected SearchSettings and ProfileInfo"):
+        make_searcher({"method": "binary"}, p)

@@ -1,0 +1,254 @@
+"""The autotuner's search methods: pure logic from trial results to the next trials.
+
+Every method explores *lines* (:mod:`toolkit.dsat.lines`): a line is one random ZeRO
+configuration (drawn without repeats from :class:`~toolkit.dsat.space.ZeroSpace`) whose
+micro-batch is narrowed on the range ``[1, ceil(search_range_factor * approx_max_micro_batch)]``
+of the memory model. A line keeps
+``lo`` (smallest micro-batch not yet known to fit) and ``hi`` (largest not yet known to fail):
+a trial that succeeds (``OK``) at ``m`` sets ``lo = m + 1``, one that runs out of memory sets
+``hi = m - 1``. A ``FAILED`` or ``TIMEOUT`` trial is treated like an out-of-memory one: its
+micro-batch, and all above it, are not tried again on that line (a trial too slow at ``m`` is
+slower still above it; a crash at ``m`` is as likely a memory crash as anything). The range is
+closed when ``lo > hi``; the best fitting micro-batch of the line is then ``lo - 1``.
+
+* :class:`BinarySearcher` (``binary``): bisects each line (``m = (lo + hi) // 2``) until its
+  range closes; a line whose largest fitting micro-batch is ``t`` finds it within
+  ``floor(log2 hi) + 1`` trials. Lines run side by side to fill the capacity.
+* :class:`RandomSearcher` (``random``): a random micro-batch in ``[lo, hi]`` per trial, with the
+  early-stopping rules of :class:`RandomSearcher`.
+* :class:`AshaSearcher` (``asha``): binary-search lines as ASHA's resource; see its docstring
+  for the rung sizes and the exact promotion rule.
+
+Trial ids start at 1 (0 is the orchestrator's profiling trial) and follow proposal order; at most
+``max_trials - 1`` trials are proposed. Each searcher owns a ``random.Random(random_seed)``, and
+nothing else is random, so the same seed and the same calls give the same trials.
+``propose(a)`` followed by ``propose(b)`` gives the same trials as ``propose(a + b)``, and a
+``propose`` that returns nothing changes nothing: :func:`replay` rebuilds a searcher from the
+recorded results and, for each trial, the number of results observed when it was proposed.
+
+Example (rank 0 only: the orchestrator drives the search)::
+
+    searcher = make_searcher(settings, profile)
+    while not searcher.done:
+        for spec in searcher.propose(free_slots // settings.data_parallel_size):
+            start(spec)            # records spec with searcher.observed_count
+        searcher.observe(wait_for_any_trial())
+    best = searcher.best
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Mapping, Sequence
+
+from toolkit.dsat.lines import Line, LineSearcher, best_result, metric_value
+from toolkit.dsat.types import (ProfileInfo, SearchSettings, Searcher, TrialResult, TrialSpec,
+                                TrialStatus, is_better)
+
+__all__ = ["make_searcher", "best_result", "replay", "BinarySearcher", "RandomSearcher", "AshaSearcher"]
+
+logger = logging.getLogger(__name__)
+
+
+class BinarySearcher(LineSearcher):
+    """``binary``: bisect each random ZeRO configuration's micro-batch range until it closes.
+
+    Idle lines with an open range get the next trials first (oldest first); spare capacity starts
+    new lines, one in-flight trial per line. Pure; rank 0 only by use.
+    """
+
+    def _next_line(self) -> Line | None:
+        idle = self._idle_lines()
+        return idle[0] if idle else self._new_line()
+
+    def _has_work(self) -> bool:
+        return bool(self._idle_lines()) or self._space.remaining() > 0
+
+
+class RandomSearcher(LineSearcher):
+    """``random``: random ZeRO configurations, each tried at random micro-batches in ``[lo, hi]``.
+
+    Early-stopping rules (DeepSpeed knowledge: a lower stage that fits is faster than stage 3):
+
+    1. a line gets at most ``trials_per_random_config`` trials;
+    2. once any stage-1 or stage-2 trial succeeds, no stage-3 line is started or continued
+       (stage-3 trials already in flight finish and are observed);
+    3. a line whose trial fails at its lower bound ``lo`` stops (nothing below is left to try:
+       ``lo - 1`` fits or ``lo`` is 1);
+    4. with ``early_stopping = n``, the whole search stops proposing after ``n`` consecutive
+       observed trials that did not improve the best metric (failed trials count).
+
+    Idle lines are continued (oldest first) before new ones start. Pure; rank 0 only by use.
+    """
+
+    def __init__(self, settings: SearchSettings, profile: ProfileInfo) -> None:
+        super().__init__(settings, profile)
+        self._low_stage_fits = False
+        self._without_improvement = 0
+        self._stopped_search: str | None = None
+
+    def _micro_batch(self, line: Line) -> int:
+        return self._rng.randint(line.lo, line.hi)
+
+    def _allowed_stages(self) -> list[int]:
+        return [s for s in self._space.stages if not (s == 3 and self._low_stage_fits)]
+
+    def _next_line(self) -> Line | None:
+        if self._stopped_search:
+            return None
+        idle = self._idle_lines()
+        return idle[0] if idle else self._new_line(self._allowed_stages())
+
+    def _has_work(self) -> bool:
+        return not self._stopped_search and (bool(self._idle_lines())
+                                             or self._space.remaining(self._allowed_stages()) > 0)
+
+    def _after_observe(self, line: Line, result: TrialResult, improved: bool) -> None:
+        ok = result.status is TrialStatus.OK
+        if not ok and result.spec.micro_batch <= line.lo:
+            line.stopped = f"{result.status.value} at its lower bound {result.spec.micro_batch}"
+        elif line.trials >= self.settings.trials_per_random_config:
+            line.stopped = f"{line.trials} trials (trials_per_random_config)"
+        if ok and line.stage in (1, 2) and not self._low_stage_fits:
+            self._low_stage_fits = True
+            for other in self._lines:
+                if other.stage == 3 and other.stopped is None:
+                    other.stopped = "a stage 1/2 trial fits"
+            logger.debug("stage %d fits: no more stage-3 trials", line.stage)
+        self._without_improvement = 0 if improved else self._without_improvement + 1
+        limit = self.settings.early_stopping
+        if limit is not None and self._without_improvement >= limit and not self._stopped_search:
+            self._stopped_search = f"{limit} trials without improvement (early_stopping)"
+            logger.info("random search stops: %s", self._stopped_search)
+
+
+class AshaSearcher(LineSearcher):
+    """``asha``: asynchronous successive halving with binary-search lines as the resource.
+
+    Rung ``r`` (``0 .. max_rungs - 1``) allows a line
+    ``T(r) = min_binary_search_trials * divisor ** (asha_early_stopping + r)`` trials in total
+    (counting its trials of earlier rungs). A line *finishes* rung ``r`` when it has ``T(r)``
+    trials or its range closes; its best result at that moment is its score for rung ``r``.
+
+    Promotion rule (asynchronous, checked whenever a trial slot is free): for ``r`` from the
+    highest rung down, the lines that finished rung ``r`` are ranked by their rung-``r`` score
+    (``is_better`` in the metric's direction; lines without a successful trial rank last; ties
+    by line id). The first ``floor(n / divisor)`` of the ``n`` lines are the top; a line of the top
+    that is waiting at rung ``r`` (not promoted yet, range still open, at least one success) is
+    promoted to rung ``r + 1`` and continues its bisection. Closed lines and lines without a
+    success are never promoted, but still count in ``n`` and may occupy top places.
+
+    Priority of a free slot: a line still inside its rung's budget, then the best promotion,
+    then a new line at rung 0. Pure; rank 0 only by use.
+    """
+
+    def _budget(self, rung: int) -> int:
+        s = self.settings
+        return s.min_binary_search_trials * s.divisor ** (s.asha_early_stopping + rung)
+
+    def _running(self) -> list[Line]:
+        return [line for line in self._lines
+                if line.idle_open and line.finished_rung < line.rung]
+
+    def _score(self, line: Line, rung: int) -> float | None:
+        result = line.rung_best.get(rung)
+        return None if result is None else metric_value(result, self.settings.metric)
+
+    def _compare(self, rung: int, a: Line, b: Line) -> int:
+        metric = self.settings.metric
+        va, vb = self._score(a, rung), self._score(b, rung)
+        if va is not None and (vb is None or is_better(metric, va, vb)):
+            return -1
+        if vb is not None and (va is None or is_better(metric, vb, va)):
+            return 1
+        return a.line_id - b.line_id
+
+    def _promotable(self) -> Line | None:
+        for rung in range(self.settings.max_rungs - 2, -1, -1):
+            finished = [line for line in self._lines if line.finished_rung >= rung]
+            top = sorted(finished, key=functools.cmp_to_key(functools.partial(self._compare, rung)))
+            for line in top[:len(finished) // self.settings.divisor]:
+                waiting = line.rung == rung and line.finished_rung == rung and line.idle_open
+                if waiting and self._score(line, rung) is not None:
+                    return line
+        return None
+
+    def _next_line(self) -> Line | None:
+        running = self._running()
+        if running:
+            return running[0]
+        line = self._promotable()
+        if line is not None:
+            line.rung += 1
+            logger.debug("line %d promoted to rung %d (%d trials)", line.line_id, line.rung,
+                         self._budget(line.rung))
+            return line
+        return self._new_line()
+
+    def _has_work(self) -> bool:
+        return bool(self._running()) or self._promotable() is not None or self._space.remaining() > 0
+
+    def _after_observe(self, line: Line, result: TrialResult, improved: bool) -> None:
+        if line.trials >= self._budget(line.rung) or line.closed:
+            line.finished_rung = line.rung
+            line.rung_best[line.rung] = line.best
+            if line.rung == self.settings.max_rungs - 1 and not line.closed:
+                line.stopped = "last rung finished"
+
+
+_METHODS = {"binary": BinarySearcher, "random": RandomSearcher, "asha": AshaSearcher}
+
+
+def make_searcher(settings: SearchSettings, profile: ProfileInfo) -> Searcher:
+    """The searcher of ``settings.method``, fresh (no trial proposed yet).
+
+    Rank 0 only (the orchestrator runs the search and launches the trials).
+
+    Example:
+        >>> settings = SearchSettings(method="binary", max_trials=10)
+        >>> profile = ProfileInfo(num_params=10**6, trainable_params=10**6,
+        ...                       activation_bytes_per_example=10**6, memory_per_slot=2**30)
+        >>> [spec.trial_id for spec in make_searcher(settings, profile).propose(2)]
+        [1, 2]
+    """
+    if not isinstance(settings, SearchSettings) or not isinstance(profile, ProfileInfo):
+        raise TypeError(f"make_searcher(settings, profile): got {type(settings).__name__} and "
+                        f"{type(profile).__name__}, expected SearchSettings and ProfileInfo")
+    return _METHODS[settings.method](settings, profile)
+
+
+def replay(searcher: Searcher, *, results: Sequence[TrialResult],
+           observed_before: Mapping[int, int]) -> list[TrialSpec]:
+    """Rebuild a fresh searcher's state from a recorded search (how ``--resume`` works).
+
+    Rank 0 only.
+
+    Args:
+        searcher: a fresh searcher with the recorded search's settings and seed.
+        results: the finished tuning trials, in the order they were observed.
+        observed_before: for every proposed trial id, ``searcher.observed_count`` when it was
+            proposed (the number of results observed before it).
+
+    Returns:
+        The trials that were proposed but have no result (they were running when the search
+        was interrupted); they are in flight in ``searcher``: run them again and observe them.
+
+    Raises:
+        ValueError: the record does not match what this searcher proposes (another seed,
+            method or settings), or ``observed_before`` is inconsistent.
+    """
+    by_count: dict[int, list[int]] = {}
+    for trial_id, count in observed_before.items():
+        if count < 0 or count > len(results):
+            raise ValueError(f"observed_before[{trial_id}]={count}: expected 0..{len(results)}")
+        by_count.setdefault(int(count), []).append(int(trial_id))
+    for k in range(len(results) + 1):
+        wanted = sorted(by_count.get(k, []))
+        got = [spec.trial_id for spec in searcher.propose(len(wanted))]
+        if got != wanted:
+            raise ValueError(f"replay: after {k} results the recorded search proposed trials {wanted}, "
+                             f"this searcher proposes {got}; resume with the original settings and seed")
+        if k < len(results):
+            searcher.observe(results[k])
+    return list(getattr(searcher, "in_flight", []))

@@ -7,15 +7,23 @@ Launch your loop with ``torchrun`` or ``deepspeed``; import what you need::
     ctx = toolkit.init_distributed()                       # call on all ranks
     hparams = toolkit.get_hparams("deepspeed.yaml")
     ds_config = toolkit.build_ds_config(hparams, data_parallel_size=ctx.world_size)
+
+See ``examples/core_api/train.py`` for a complete loop with metrics, checkpoints, preemption and
+the dsat autotuner's reporting context.
 """
 
+from toolkit.checkpoint import consolidate_checkpoint, load_checkpoint, save_checkpoint
 from toolkit.config import (
     EXPERIMENT_CONFIG_ENV,
+    OUTPUT_DIR_ENV,
     TRIAL_HPARAMS_ENV,
     ConfigWarning,
     get_hparams,
+    get_output_dir,
     load_experiment_config,
+    max_length_steps,
 )
+from toolkit.data import ResumableDistributedSampler, ResumePosition, resume_position, seed_everything
 from toolkit.distributed import DistributedContext, get_context, init_distributed
 from toolkit.ds_config import (
     build_ds_config,
@@ -24,7 +32,10 @@ from toolkit.ds_config import (
     resolve_ds_config,
     validate_ds_config,
 )
+from toolkit.dsat.reporting import dsat_reporting_context
 from toolkit.errors import CheckpointError, ConfigError, LaunchEnvError
+from toolkit.metrics import MetricsWriter
+from toolkit.preemption import PreemptionWatcher, watch_preemption
 
 __version__ = "0.1.0"
 
@@ -35,14 +46,28 @@ __all__ = [
     "DistributedContext",
     "EXPERIMENT_CONFIG_ENV",
     "LaunchEnvError",
+    "MetricsWriter",
+    "OUTPUT_DIR_ENV",
+    "PreemptionWatcher",
+    "ResumableDistributedSampler",
+    "ResumePosition",
     "TRIAL_HPARAMS_ENV",
     "build_ds_config",
+    "consolidate_checkpoint",
+    "dsat_reporting_context",
     "get_context",
     "get_ds_config_from_hparams",
     "get_hparams",
+    "get_output_dir",
     "init_distributed",
+    "load_checkpoint",
     "load_experiment_config",
+    "max_length_steps",
     "overwrite_deepspeed_config",
     "resolve_ds_config",
+    "resume_position",
+    "save_checkpoint",
+    "seed_everything",
     "validate_ds_config",
+    "watch_preemption",
 ]

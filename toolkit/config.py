@@ -41,6 +41,8 @@ __all__ = [
     "ConfigWarning",
     "TRIAL_HPARAMS_ENV",
     "EXPERIMENT_CONFIG_ENV",
+    "OUTPUT_DIR_ENV",
+    "get_output_dir",
     "load_experiment_config",
     "get_hparams",
     "max_length_steps",
@@ -52,6 +54,10 @@ __all__ = [
 TRIAL_HPARAMS_ENV = "TOOLKIT_TRIAL_HPARAMS"
 #: Path of the experiment YAML; used by :func:`get_hparams` when no path is passed.
 EXPERIMENT_CONFIG_ENV = "TOOLKIT_EXPERIMENT_CONFIG"
+
+#: Directory a run writes its checkpoints and TensorBoard logs to; set by dsat for each trial (its
+#: own trial directory) and for the full experiment, so they never touch the user's own runs.
+OUTPUT_DIR_ENV = "TOOLKIT_OUTPUT_DIR"
 
 _TOP_LEVEL = ("name", "description", "entrypoint", "resources", "hyperparameters", "searcher",
               "checkpoint_storage", "max_restarts", "labels", "environment")
@@ -292,3 +298,15 @@ def get_hparams(config_path: str | os.PathLike[str] | None = None) -> dict[str, 
                           f"{EXPERIMENT_CONFIG_ENV}, or run as a dsat trial ({TRIAL_HPARAMS_ENV})")
     config = load_experiment_config(config_path)
     return config.get("hyperparameters") or {}
+
+
+def get_output_dir(default: str | os.PathLike[str]) -> Path:
+    """Where this run writes: ``$TOOLKIT_OUTPUT_DIR`` when set (dsat trials), else ``default``. Any rank.
+
+    Example::
+
+        # torchrun --nproc_per_node 2 train.py --output-dir runs/exp1
+        out = Path(args.output_dir) if args.output_dir else toolkit.get_output_dir("runs/exp1")
+    """
+    env = os.environ.get(OUTPUT_DIR_ENV)
+    return Path(env) if env else Path(default)

@@ -175,6 +175,20 @@ class DistributedContext:
                 self.barrier()
 
 
+def _share_with_deepspeed(backend: str, timeout: timedelta) -> None:
+    """Hand the process group to ``deepspeed.comm`` too.
+
+    DeepSpeed keeps its own communication backend object; ``PipelineModule(...)`` and other
+    DeepSpeed calls made before ``deepspeed.initialize`` assert that it exists. With
+    torch.distributed already initialised, DeepSpeed's init only wraps the existing group.
+    """
+    try:
+        import deepspeed.comm as ds_comm
+    except ImportError:  # toolkit's config and launch helpers work without DeepSpeed
+        return
+    ds_comm.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
+
+
 def _destroy_at_exit() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -229,6 +243,9 @@ def init_distributed(*, backend: str | None = None,
     size 1 and needs no set-up from the user: a one-rank process group is made on an in-memory
     store (no port, no network) so that ``deepspeed.initialize`` finds torch.distributed ready
     instead of trying MPI discovery.
+
+    DeepSpeed's communication layer (``deepspeed.comm``) is handed the same process group, so
+    ``PipelineModule`` and ``deepspeed.initialize`` need no ``deepspeed.init_distributed`` call.
 
     A second call returns the same context. If torch.distributed was already initialised (for
     example by ``deepspeed.init_distributed``), its rank and world size are adopted after
@@ -295,6 +312,8 @@ def init_distributed(*, backend: str | None = None,
             # Join the backend's threads before the interpreter tears them down: without this a
             # gloo rank can abort at exit ("terminate called without an active exception").
             atexit.register(_destroy_at_exit)
+
+        _share_with_deepspeed(chosen, timeout)
 
         # Control-plane collectives on CPU: under nccl a separate gloo group, created on all ranks.
         group = dist.new_group(backend="gloo", timeout=timeout) if chosen == "nccl" else None

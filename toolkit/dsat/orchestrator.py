@@ -191,8 +191,11 @@ class Autotuner:
         if self.plan.memory_per_slot is not None and fields.get("device", "cpu") == "cpu":
             fields["memory_per_slot"] = self.plan.memory_per_slot
         profile = ProfileInfo.from_json(fields)
+        # The user's offload intent, as if at stage 3; predict applies what each stage allows.
+        offload_optimizer, offload_param = memory.offload_flags({**self.plan.search.base_zero, "stage": 3})
         prediction = memory.predict(profile, data_parallel_size=self.plan.data_parallel_size,
-                                    zero_stages=self.plan.search.zero_stages)
+                                    zero_stages=self.plan.search.zero_stages,
+                                    offload_optimizer=offload_optimizer, offload_param=offload_param)
         write_json_atomic(self.out / "profile.json",
                           {"profile": profile.to_json(), "prediction": {str(k): v for k, v in prediction.items()}})
         self.say(f"model: {profile.num_params:,} parameters ({profile.trainable_params:,} trainable), "

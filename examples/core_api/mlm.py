@@ -65,7 +65,7 @@ def main() -> None:
     ds_config = toolkit.build_ds_config(hparams, data_parallel_size=ctx.world_size, base_dir=HERE,
                                         device=ctx.device, hidden_size=hparams["d_model"])
     seed = hparams.get("seed", 0)
-    toolkit.seed_everything(seed)
+    toolkit.seed_everything(seed, deterministic=hparams.get("deterministic", False))
     vocab = hparams["vocab_size"]
     model = Encoder(vocab_size=vocab, seq_len=hparams["seq_len"], d_model=hparams["d_model"],
                     num_layers=hparams["num_layers"], num_heads=hparams["num_heads"])

@@ -44,7 +44,7 @@ def main() -> None:
     ds_config = toolkit.build_ds_config(hparams, data_parallel_size=data_parallel, base_dir=HERE,
                                         pipeline=True, device=ctx.device)
     seed = hparams.get("seed", 0)
-    toolkit.seed_everything(seed)
+    toolkit.seed_everything(seed, deterministic=hparams.get("deterministic", False))
     model = PipelineModule(layers=layers(width=hparams["width"], num_classes=hparams["num_classes"]),
                            loss_fn=nn.CrossEntropyLoss(), num_stages=stages, partition_method="parameters")
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)

@@ -81,7 +81,7 @@ def main() -> None:
     ds_config = toolkit.build_ds_config(hparams, data_parallel_size=ctx.world_size, base_dir=HERE,
                                         device=ctx.device)
     seed = hparams.get("seed", 0)
-    toolkit.seed_everything(seed)
+    toolkit.seed_everything(seed, deterministic=hparams.get("deterministic", False))
     model = ResNet(width=hparams["width"], num_classes=hparams["num_classes"])
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 

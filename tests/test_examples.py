@@ -1,0 +1,105 @@
+"""The examples/core_api scripts, run for real: torchrun, the deepspeed launcher, resume, exact resume."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import procutil as p
+import toolkit
+
+EXAMPLES = p.REPO / "examples" / "core_api"
+
+# Small versions of the examples' own configs, so each run takes seconds.
+SMALL = {
+    "train.py": ("deepspeed.yaml", {"dataset_size": 512, "image_size": 16, "width": 8, "validate_every": 5,
+                                    "checkpoint_every": 5}),
+    "pipeline.py": ("pipeline.yaml", {"dataset_size": 512, "image_size": 16, "width": 8, "validate_every": 5,
+                                      "checkpoint_every": 5}),
+    "mlm.py": ("mlm.yaml", {"dataset_size": 1024, "d_model": 32, "validate_every": 5, "checkpoint_every": 5}),
+}
+
+
+def small_config(tmp_path, script):
+    name, overrides = SMALL[script]
+    config = yaml.safe_load((EXAMPLES / name).read_text())
+    config["hyperparameters"].update(overrides)
+    config["hyperparameters"]["deepspeed_config"] = str(EXAMPLES / "ds_config.json")
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def scalars(log_dir, tag):
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
+
+
+@pytest.mark.parametrize("script", ["train.py", "pipeline.py", "mlm.py"])
+def test_example_runs_under_torchrun_then_resumes_under_deepspeed(tmp_path, script):
+    config, out = small_config(tmp_path, script), tmp_path / "out"
+    args = ["--config", str(config), "--output-dir", str(out)]
+    p.check(p.run(p.torchrun_argv(EXAMPLES / script, *args, "--max-steps", "10")))
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_10"
+    # Started again under the other launcher with more steps: it continues from step 10.
+    p.check(p.run(p.deepspeed_argv(EXAMPLES / script, *args, "--max-steps", "14"), env=p.child_env(LOCAL_SIZE="2")))
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_14"
+    losses = scalars(out / "tensorboard", "training/loss")
+    assert [step for step, _ in losses] == list(range(1, 15)), losses
+    assert scalars(out / "tensorboard", "validation/loss")
+    lines = [json.loads(line) for line in (out / "tensorboard" / "metrics.jsonl").read_text().splitlines()]
+    assert [l["steps_completed"] for l in lines if l["group"] == "training"] == list(range(1, 15))
+
+
+def _final_weights(out, tmp_path, name):
+    target = tmp_path / f"{name}.pt"
+    toolkit.consolidate_checkpoint(out / "checkpoints", target)
+    return torch.load(target, map_location="cpu", weights_only=True)
+
+
+@pytest.mark.parametrize("script, seed", [("mlm.py", 1), ("train.py", 2)])
+def test_sigterm_at_a_random_moment_then_resume_is_bitwise_exact(tmp_path, script, seed):
+    config = small_config(tmp_path, script)
+    steps = "40"
+    reference = tmp_path / "reference"
+    p.check(p.run(p.torchrun_argv(EXAMPLES / script, "--config", str(config), "--output-dir", str(reference),
+                                  "--max-steps", steps)))
+
+    out = tmp_path / "interrupted"
+    argv = p.torchrun_argv(EXAMPLES / script, "--config", str(config), "--output-dir", str(out), "--max-steps", steps)
+    proc = subprocess.Popen(argv, env=p.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        # The chief creates the TensorBoard directory right before the loop starts.
+        deadline = time.monotonic() + 240
+        while not (out / "tensorboard" / "metrics.jsonl").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never reached its loop"
+            time.sleep(0.05)
+        time.sleep(random.Random(seed).uniform(0.3, 1.5))
+        workers = [int(pid) for pid in subprocess.run(["pgrep", "-f", "-P", str(proc.pid), script],
+                                                      capture_output=True, text=True).stdout.split()]
+        assert len(workers) == 2, workers
+        victim = random.Random(seed).choice(workers)  # one rank only: the others must follow
+        os.kill(victim, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output[-4000:]
+    stopped_at = int((out / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert 0 < stopped_at < int(steps), f"the signal should land mid-run; stopped at {stopped_at}"
+
+    p.check(p.run(argv))  # resume to the end
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{steps}"
+    expected, got = _final_weights(reference, tmp_path, "a"), _final_weights(out, tmp_path, "b")
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), f"{key} differs after resuming at step {stopped_at}"

@@ -1,0 +1,252 @@
+"""Preemption: real signals, real processes, every rank stops at the same step.
+
+The multi-rank tests run tests/workers/preempt_loop.py under torchrun (2 gloo ranks): a loop that
+sleeps 5 ms per step and calls should_preempt() every step. The test sends a real signal with
+os.kill to ONE worker's pid (not to torchrun, which would forward it to every worker: that
+scenario has its own test) at a random step, then checks that both ranks stopped at the same step,
+within the documented bound, and exited 0.
+
+The in-process tests use world size 1, where the watcher does no collective and reads only the
+context's world size; they build that context by hand instead of initialising torch.distributed
+inside the pytest process.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+import procutil as p
+from toolkit.distributed import DistributedContext
+from toolkit.preemption import DEFAULT_SIGNALS, PreemptionWatcher, watch_preemption
+
+WORKER = p.WORKERS / "preempt_loop.py"
+STEP_S = 0.005
+
+
+def _world_of_one() -> DistributedContext:
+    return DistributedContext(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
+                              num_nodes=1, device=torch.device("cpu"), backend="gloo", launcher="none")
+
+
+def _wait_for_signal(watcher: PreemptionWatcher, timeout: float = 5.0) -> None:
+    # os.kill to our own pid is delivered before it returns, but Python runs the handler in the main
+    # thread at its next check; poll so a signal taken by another thread first cannot flake the test.
+    deadline = time.monotonic() + timeout
+    while watcher.received_signal is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+# ---------------------------------------------------------------- world size 1, in this process
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+def test_world_of_one_real_signal_stops_at_the_next_call(sig):
+    with watch_preemption(_world_of_one()) as watcher:
+        assert [watcher.should_preempt() for _ in range(5)] == [False] * 5
+        os.kill(os.getpid(), sig)  # SIGINT included: the handler records it, no KeyboardInterrupt
+        _wait_for_signal(watcher)
+        assert watcher.received_signal == sig and not watcher.preempted
+        assert watcher.should_preempt() is True
+        assert watcher.should_preempt() is True and watcher.preempted  # sticky
+        os.kill(os.getpid(), signal.SIGUSR1)  # a second signal is recorded nowhere, changes nothing
+        time.sleep(0.01)
+        assert watcher.received_signal == sig
+
+
+def test_handlers_are_installed_then_restored_including_after_an_exception():
+    calls = []
+
+    def mine(signum, frame):
+        calls.append(signum)
+
+    original = signal.signal(signal.SIGUSR1, mine)
+    try:
+        before = {sig: signal.getsignal(sig) for sig in DEFAULT_SIGNALS}
+        with watch_preemption(_world_of_one()) as watcher:
+            for sig in DEFAULT_SIGNALS:
+                assert signal.getsignal(sig) == watcher._on_signal
+        assert {sig: signal.getsignal(sig) for sig in DEFAULT_SIGNALS} == before
+
+        with pytest.raises(ZeroDivisionError):
+            with watch_preemption(_world_of_one(), signals=[signal.SIGUSR1]):
+                1 / 0
+        assert signal.getsignal(signal.SIGUSR1) is mine
+        os.kill(os.getpid(), signal.SIGUSR1)  # the restored handler really is the one called
+        deadline = time.monotonic() + 5
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert calls == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, original)
+
+
+def test_nested_watchers_restore_in_order_and_close_is_idempotent():
+    before = signal.getsignal(signal.SIGTERM)
+    outer = watch_preemption(_world_of_one(), signals=[signal.SIGTERM])
+    inner = watch_preemption(_world_of_one(), signals=[signal.SIGTERM])
+    assert signal.getsignal(signal.SIGTERM) == inner._on_signal
+    inner.close()
+    assert signal.getsignal(signal.SIGTERM) == outer._on_signal
+    inner.close()
+    outer.close()
+    assert signal.getsignal(signal.SIGTERM) == before
+    # After close: the last agreed answer, no error, no collective.
+    assert outer.should_preempt() is False
+
+
+def test_request_stop_is_agreed_like_a_signal():
+    with watch_preemption(_world_of_one()) as watcher:
+        assert watcher.should_preempt() is False
+        watcher.request_stop()
+        assert watcher.should_preempt() is True and watcher.received_signal is None
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(check_every=0), ValueError, "check_every=0"),
+    (dict(check_every=True), ValueError, "check_every=True"),
+    (dict(check_every=2.5), ValueError, "check_every=2.5"),
+    (dict(check_interval=0), ValueError, "check_interval=0"),
+    (dict(check_interval=float("nan")), ValueError, "check_interval=nan"),
+    (dict(signals=[]), ValueError, "at least one signal"),
+    (dict(signals=[signal.SIGKILL]), ValueError, "SIGKILL.*cannot catch"),
+    (dict(signals=[10_000]), ValueError, "10000"),
+    (dict(signals=signal.SIGTERM), TypeError, "sequence of signals"),
+])
+def test_bad_arguments_are_explained_and_install_nothing(kwargs, error, match):
+    before = {sig: signal.getsignal(sig) for sig in DEFAULT_SIGNALS}
+    with pytest.raises(error, match=match):
+        watch_preemption(_world_of_one(), **kwargs)
+    assert {sig: signal.getsignal(sig) for sig in DEFAULT_SIGNALS} == before
+
+
+def test_wrong_context_and_non_main_thread_are_explained():
+    with pytest.raises(TypeError, match="DistributedContext"):
+        watch_preemption(None)
+    errors = []
+
+    def body():
+        try:
+            watch_preemption(_world_of_one())
+        except RuntimeError as err:
+            errors.append(str(err))
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join(timeout=30)
+    assert errors and "main thread" in errors[0]
+
+
+# ---------------------------------------------------------------- real processes
+
+
+def _read_results(out, n):
+    return [json.loads((out / f"result{rank}.json").read_text()) for rank in range(n)]
+
+
+def _progress(out, rank):
+    try:
+        return int((out / f"progress{rank}").read_text())
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def _start(argv):
+    return subprocess.Popen(argv, env=p.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _wait_progress(proc, out, ranks, step, timeout=240):
+    deadline = time.monotonic() + timeout
+    while min(_progress(out, rank) for rank in ranks) < step:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output = proc.communicate(timeout=30)[0]
+            raise AssertionError(f"workers did not reach step {step}; output:\n{output[-4000:]}")
+        time.sleep(0.002)
+
+
+def _finish(proc, timeout=240):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"still running after {timeout} s:\n{proc.communicate(timeout=30)[0][-4000:]}")
+    return proc.returncode, out
+
+
+@pytest.mark.parametrize("sig, target, check_every", [
+    (signal.SIGTERM, 1, 4),       # fixed interval: bound 2 * 4 calls
+    (signal.SIGUSR1, 0, None),    # adaptive, check_interval 0.1 s: at most 0.1 / 5 ms = 20 calls apart
+    (signal.SIGINT, 1, 1),        # a check point every call: bound 2 calls
+])
+def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, sig, target, check_every):
+    at = random.randint(10, 60)
+    args = ["--check-every", str(check_every or 0), "--check-interval", "0.1", "--sleep", str(STEP_S)]
+    proc = _start(p.torchrun_argv(WORKER, str(tmp_path), *args))
+    _wait_progress(proc, tmp_path, [0, 1], at)
+    os.kill(int((tmp_path / f"pid{target}").read_text()), sig)
+    code, output = _finish(proc)
+    assert code == 0, output[-4000:]
+    results = _read_results(tmp_path, 2)
+    stops = {r["stopped_at"] for r in results}
+    assert len(stops) == 1 and None not in stops, (at, results)
+    stop, seen = results[0]["stopped_at"], results[target]["seen_at"]
+    interval = check_every or int(0.1 / STEP_S)  # a step lasts at least STEP_S, so I <= 0.1 / STEP_S
+    assert seen is not None and seen >= at and seen <= stop <= seen + 2 * interval - 1, (at, results)
+    for rank, record in enumerate(results):
+        assert record["received"] == (sig.name if rank == target else None), results
+        assert record["preempted"] and record["after_close"], results
+        assert record["installed"] and record["restored"], results
+        assert record["final_steps"] == [stop, stop], results
+
+
+def test_sigterm_forwarded_by_torchrun_to_every_worker(tmp_path):
+    proc = _start(p.torchrun_argv(WORKER, str(tmp_path), "--check-every", "3"))
+    _wait_progress(proc, tmp_path, [0, 1], random.randint(10, 40))
+    os.kill(proc.pid, signal.SIGTERM)  # torchrun sends SIGTERM to both workers, then waits for them
+    _finish(proc)  # torchrun itself exits non-zero: it re-raises the signal it got
+    results = _read_results(tmp_path, 2)  # written after close, by workers that stopped cleanly
+    assert {r["received"] for r in results} == {"SIGTERM"}, results
+    stop = results[0]["stopped_at"]
+    assert stop is not None and all(r["stopped_at"] == stop and r["final_steps"] == [stop, stop]
+                                    for r in results), results
+
+
+def test_no_signal_runs_to_the_end_and_close_finishes_the_collective_in_flight(tmp_path):
+    # 150 calls with check points every 7 calls: the all-reduce launched at call 147 is still
+    # pending when the loop ends; close() must finish it so the all_gather after it lines up.
+    p.check(p.run(p.torchrun_argv(WORKER, str(tmp_path), "--check-every", "7", "--max-steps", "150",
+                                  "--sleep", "0.001")))
+    results = _read_results(tmp_path, 2)
+    for record in results:
+        assert record["stopped_at"] is None and not record["preempted"] and record["received"] is None
+        assert record["final_steps"] == [150, 150] and record["restored"]
+
+
+def test_deepspeed_launcher_signals_one_worker_at_a_time(tmp_path):
+    # deepspeed.launcher.launch (the per-node launcher) handles SIGTERM by terminating its workers
+    # one after the other, waiting up to 30 s for each: rank 1 gets nothing until rank 0 has
+    # exited. Without an agreement rank 0 would stop alone and rank 1 would hang in a collective.
+    import psutil  # a DeepSpeed dependency
+
+    proc = subprocess.Popen(p.deepspeed_argv(WORKER, str(tmp_path), "--check-every", "2"),
+                            env=p.child_env(LOCAL_SIZE="2"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    _wait_progress(proc, tmp_path, [0, 1], random.randint(10, 40))
+    (launch,) = [child for child in psutil.Process(proc.pid).children()
+                 if "deepspeed.launcher.launch" in " ".join(child.cmdline())]
+    os.kill(launch.pid, signal.SIGTERM)
+    _finish(proc)  # the launcher exits 1 after forwarding a signal
+    stops = [json.loads((tmp_path / f"stop{rank}.json").read_text()) for rank in range(2)]
+    assert stops[0]["stopped_at"] == stops[1]["stopped_at"] and stops[1]["seen_at"] is None, stops
+    seen = stops[0]["seen_at"]
+    assert seen is not None and seen <= stops[0]["stopped_at"] <= seen + 2 * 2 - 1, stops
+    (rank0,) = _read_results(tmp_path, 1)  # rank 1 may be terminated after its watcher closed
+    assert rank0["received"] == "SIGTERM" and rank0["final_steps"][0] == rank0["final_steps"][1]

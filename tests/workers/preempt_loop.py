@@ -1,0 +1,64 @@
+"""A training-loop stand-in for tests/test_preemption.py: sleep per step, ask should_preempt() every step.
+
+    torchrun --nproc_per_node 2 preempt_loop.py OUT_DIR [--check-every N] [--check-interval S] ...
+
+Writes OUT_DIR/pid<rank> at start, OUT_DIR/progress<rank> (steps completed) after every step,
+OUT_DIR/stop<rank>.json when should_preempt() says stop, and OUT_DIR/result<rank>.json at the end;
+exits 0 when the loop stopped cleanly.
+"""
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import toolkit
+from toolkit.preemption import DEFAULT_SIGNALS, watch_preemption
+
+
+def write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # readers never see a half-written file
+
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out", type=Path)
+parser.add_argument("--check-every", type=int, default=0, help="0: adaptive")
+parser.add_argument("--check-interval", type=float, default=0.25)
+parser.add_argument("--max-steps", type=int, default=3000)
+parser.add_argument("--sleep", type=float, default=0.005, help="seconds per step")
+parser.add_argument("--local_rank", type=int, help="added by the deepspeed launcher; unused")
+args = parser.parse_args()
+
+ctx = toolkit.init_distributed()
+before = {sig: signal.getsignal(sig) for sig in DEFAULT_SIGNALS}
+seen_at = stopped_at = None
+step = 0
+with watch_preemption(ctx, check_every=args.check_every or None,
+                      check_interval=args.check_interval) as preemption:
+    installed = all(signal.getsignal(sig) is not before[sig] for sig in DEFAULT_SIGNALS)
+    write(args.out / f"pid{ctx.rank}", str(os.getpid()))
+    while step < args.max_steps:
+        if seen_at is None and preemption.received_signal is not None:
+            seen_at = step
+        if preemption.should_preempt():
+            stopped_at = step
+            # Written before close(): a launcher may signal this rank again once the watcher is
+            # closed and its handlers are back to the default (the deepspeed launcher does).
+            write(args.out / f"stop{ctx.rank}.json", json.dumps({"stopped_at": step, "seen_at": seen_at}))
+            break
+        time.sleep(args.sleep)
+        step += 1
+        write(args.out / f"progress{ctx.rank}", str(step))
+restored = all(signal.getsignal(sig) == before[sig] for sig in DEFAULT_SIGNALS)
+# A blocking collective after close: it only completes if the ranks left the loop in step.
+final_steps = ctx.all_gather_object(step)
+received = preemption.received_signal
+write(args.out / f"result{ctx.rank}.json", json.dumps({
+    "rank": ctx.rank, "world_size": ctx.world_size, "stopped_at": stopped_at, "seen_at": seen_at,
+    "received": received.name if received else None, "installed": installed, "restored": restored,
+    "final_steps": final_steps, "preempted": preemption.preempted,
+    "after_close": preemption.should_preempt(),
+}))

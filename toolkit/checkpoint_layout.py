@@ -1,0 +1,408 @@
+"""The on-disk layout and commit protocol of toolkit checkpoints; no DeepSpeed and no collectives here.
+
+A checkpoint directory, as :func:`toolkit.save_checkpoint` leaves it::
+
+    checkpoint_dir/
+      toolkit_run.json              which run owns the directory (its run id), written by the chief
+      latest                        DeepSpeed's pointer to the newest tag, replaced atomically on commit
+      zero_to_fp32.py               DeepSpeed's own recovery script (ZeRO stages 1-3)
+      step_200/                     one tag directory per checkpoint
+        toolkit_save_started.json   written before any rank writes: "toolkit owns this tag"
+        mp_rank_00_model_states.pt  DeepSpeed's files (model, ZeRO shards, pipeline layers)
+        toolkit_rng/rank_00000.pt   each rank's RNG states
+        toolkit_checkpoint.json     the commit marker and metadata, written last, atomically
+
+A tag directory counts as a checkpoint only once ``toolkit_checkpoint.json`` exists; it is written
+by the chief after every rank has finished writing, and ``latest`` is replaced only after it. A tag
+directory with the started marker but no commit marker is the leftover of an interrupted save.
+Anything without toolkit markers is not toolkit's and is never chosen, replaced or deleted
+(except ``overwrite=True`` on a tag directory that holds DeepSpeed files only).
+
+The decision functions (:func:`resolve_tag`, :func:`plan_save`, :func:`plan_keep_last`,
+:func:`compatibility_problems`) are pure; :func:`scan_dir` and the ``write``/``discard`` helpers
+are the thin effectful shell around them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Mapping
+
+from toolkit.errors import CheckpointError
+
+__all__ = ["validate_name", "scan_dir", "resolve_tag", "plan_save", "plan_keep_last",
+           "compatibility_problems", "DirState", "TagInfo", "SavePlan"]
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+RUN_FILE = "toolkit_run.json"
+STARTED_FILE = "toolkit_save_started.json"
+COMMIT_FILE = "toolkit_checkpoint.json"
+RNG_DIR = "toolkit_rng"
+LATEST_FILE = "latest"
+TRASH_PREFIX = ".toolkit-trash-"
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+_RESERVED = {LATEST_FILE, "latest_universal", "zero_to_fp32.py", "zero_to_torch.py"}
+# What DeepSpeed and toolkit put in a tag directory; only such directories may ever be deleted.
+_CHECKPOINT_ENTRY_RE = re.compile(r".*\.pt|toolkit_.*|.*\.tmp|zero_to_(fp32|torch)\.py|offloaded_tensors|zero")
+_DEEPSPEED_FILE_RE = re.compile(r".*[_-](model|optim)_states\.pt")
+
+
+def validate_name(value: Any, *, what: str = "tag") -> str:
+    """Check a tag or run id given by a user: one safe path component. Any rank.
+
+    Raises:
+        CheckpointError: not a string of letters, digits, ``.``, ``_`` and ``-`` starting with a
+            letter or digit (so no ``/``, ``..``, hidden or absolute paths), or a reserved name.
+    """
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        raise CheckpointError(
+            f"{what}={value!r}: expected 1-200 characters from A-Z a-z 0-9 . _ - starting with a letter "
+            f"or digit (a single directory name: no '/', no '..', not hidden), for example 'step_100'")
+    if value in _RESERVED or value.startswith("toolkit_"):
+        raise CheckpointError(f"{what}={value!r} is a name DeepSpeed or toolkit uses for its own files "
+                              "in a checkpoint directory; choose another, for example 'step_100'")
+    return value
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class TagInfo:
+    """What one sub-directory of a checkpoint directory holds."""
+
+    tag: str
+    entries: tuple[str, ...]
+    metadata: Mapping[str, Any] | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self.metadata is not None
+
+    @property
+    def started(self) -> bool:
+        return STARTED_FILE in self.entries
+
+    @property
+    def only_checkpoint_entries(self) -> bool:
+        """Only what DeepSpeed or toolkit write into a tag directory (so it may be deleted)."""
+        return all(_CHECKPOINT_ENTRY_RE.fullmatch(name) for name in self.entries)
+
+    @property
+    def seq(self) -> int:
+        return int(self.metadata.get("seq", -1)) if self.metadata else -1
+
+    @property
+    def foreign(self) -> bool:
+        """DeepSpeed files that toolkit did not start writing (``engine.save_checkpoint`` directly)."""
+        return (any(_DEEPSPEED_FILE_RE.fullmatch(name) for name in self.entries)
+                and not self.started and not self.committed)
+
+
+@dataclasses.dataclass(frozen=True)
+class DirState:
+    """A snapshot of a checkpoint directory, from :func:`scan_dir`."""
+
+    root: str
+    run: Mapping[str, Any] | None
+    latest: str | None
+    tags: Mapping[str, TagInfo]
+
+    @property
+    def run_id(self) -> str | None:
+        return None if self.run is None else self.run.get("run_id")
+
+    def committed(self) -> list[TagInfo]:
+        """Committed checkpoints, oldest first (by commit sequence number)."""
+        return sorted((t for t in self.tags.values() if t.committed), key=lambda t: (t.seq, t.tag))
+
+
+@dataclasses.dataclass(frozen=True)
+class SavePlan:
+    """What the chief must do before the ranks write a checkpoint, from :func:`plan_save`."""
+
+    run_id: str
+    write_run_file: bool
+    seq: int
+    discard: tuple[str, ...] = ()
+    new_latest: str | None = None      # repoint ``latest`` here before discarding ...
+    remove_latest: bool = False        # ... or remove it (the tag it names is being replaced)
+    warnings: tuple[str, ...] = ()     # worth a WARNING: taking over another run's directory
+    notes: tuple[str, ...] = ()        # routine: replacing this run's own checkpoint of the same tag
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {path}: {err}; the file is damaged, delete the directory "
+                              "that holds it or load another tag") from err
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds {type(data).__name__}, expected a JSON object")
+    return data
+
+
+def scan_dir(root: str | os.PathLike[str]) -> DirState:
+    """Read the markers of a checkpoint directory (missing directory: empty state). Any rank."""
+    path = Path(root)
+    tags: dict[str, TagInfo] = {}
+    latest = None
+    if path.is_dir():
+        latest_path = path / LATEST_FILE
+        if latest_path.is_file():
+            latest = latest_path.read_text(encoding="utf-8").strip() or None
+        for entry in sorted(path.iterdir()):
+            if not entry.is_dir() or not _NAME_RE.fullmatch(entry.name):
+                continue
+            names = tuple(sorted(child.name for child in entry.iterdir()))
+            metadata = _read_json(entry / COMMIT_FILE) if COMMIT_FILE in names else None
+            tags[entry.name] = TagInfo(tag=entry.name, entries=names, metadata=metadata)
+    return DirState(root=str(path), run=_read_json(path / RUN_FILE), latest=latest, tags=tags)
+
+
+def resolve_tag(state: DirState, tag: str | None) -> tuple[TagInfo | None, str | None]:
+    """Which committed checkpoint to load: ``(info, warning)``, ``(None, None)`` when there is none.
+
+    ``tag=None`` follows ``latest`` when it names a committed checkpoint (DeepSpeed's convention,
+    so pointing ``latest`` at an older tag rolls back); otherwise the newest committed one.
+
+    Raises:
+        CheckpointError: ``tag`` is given but not a committed checkpoint; or there is no committed
+            checkpoint but DeepSpeed checkpoints written without toolkit are present.
+    """
+    committed = state.committed()
+    names = ", ".join(repr(t.tag) for t in committed) or "none"
+    if tag is not None:
+        info = state.tags.get(validate_name(tag))
+        if info is None:
+            raise CheckpointError(f"tag {tag!r} does not exist in {state.root}; committed checkpoints "
+                                  f"there: {names}. Pass one of them, or tag=None for the latest")
+        if not info.committed:
+            why = ("its save was interrupted before every rank finished" if info.started
+                   else "it was not written by toolkit.save_checkpoint")
+            raise CheckpointError(f"tag {tag!r} in {state.root} has no {COMMIT_FILE}: {why}. Committed "
+                                  f"checkpoints there: {names}")
+        return info, None
+    if not committed:
+        foreign = sorted(t.tag for t in state.tags.values() if t.foreign)
+        if foreign:
+            raise CheckpointError(
+                f"{state.root} holds DeepSpeed checkpoints not written by toolkit.save_checkpoint "
+                f"({', '.join(map(repr, foreign))}; no {COMMIT_FILE}). Load them with "
+                "engine.load_checkpoint(), or use another checkpoint_dir for toolkit checkpoints")
+        return None, None
+    if state.latest is not None and state.latest in state.tags and state.tags[state.latest].committed:
+        return state.tags[state.latest], None
+    chosen = committed[-1]
+    why = "is missing" if state.latest is None else f"names {state.latest!r}, which is not committed"
+    return chosen, f"{state.root}/{LATEST_FILE} {why}; using the newest committed checkpoint {chosen.tag!r}"
+
+
+def _other_run_error(state: DirState, mine: str | None) -> CheckpointError:
+    last = state.committed()[-1] if state.committed() else None
+    detail = (f"latest committed: {last.tag!r} at steps_completed={last.metadata.get('steps_completed')}, "
+              f"world size {last.metadata.get('world_size')}" if last else "DeepSpeed checkpoints without "
+              "toolkit markers")
+    owner = f"run {state.run_id}" if state.run_id else "another run"
+    you = f"this run ({mine})" if mine else "this process, which has not loaded from it"
+    return CheckpointError(
+        f"{state.root} holds checkpoints of {owner} ({detail}), not of {you}. To resume that run, call "
+        "toolkit.load_checkpoint(engine, checkpoint_dir) before saving; to start a new run, use an empty "
+        "directory; to write into it anyway, pass overwrite=True (keep_last may then delete that run's "
+        "checkpoints)")
+
+
+def plan_save(state: DirState, *, tag: str, mine: str | None, overwrite: bool) -> SavePlan:
+    """Decide whether this run may save ``tag`` into the directory, and what to clean first.
+
+    Args:
+        state: the directory now.
+        tag: the (validated) tag to write.
+        mine: this run's id for the directory: given by the user, adopted by a load, or set by an
+            earlier save in this process; ``None`` for a process that has done none of these.
+        overwrite: take over another run's directory, or a tag directory of plain DeepSpeed files.
+
+    Raises:
+        CheckpointError: the directory or the tag belongs to someone else and ``overwrite`` is false.
+    """
+    committed = state.committed()
+    foreign = [t for t in state.tags.values() if t.foreign]
+    warnings: list[str] = []
+    if state.run_id is None:
+        if (committed or foreign) and not overwrite:
+            raise _other_run_error(state, mine)
+        run_id, write_run = mine or new_run_id(), True
+    elif mine == state.run_id:
+        run_id, write_run = mine, False
+    elif committed and not overwrite:
+        raise _other_run_error(state, mine)
+    elif mine is None and not committed:
+        run_id, write_run = state.run_id, False   # nothing to lose: continue the directory's run
+    else:
+        run_id, write_run = mine or new_run_id(), True
+        warnings.append(f"taking over {state.root} from run {state.run_id} as run {run_id}")
+
+    discard: list[str] = []
+    notes: list[str] = []
+    info = state.tags.get(tag)
+    new_latest, remove_latest = None, False
+    if info is not None:
+        if info.committed:
+            notes.append(f"replacing the committed checkpoint {tag!r} "
+                         f"(steps_completed={info.metadata.get('steps_completed')})")
+            if state.latest == tag:
+                others = [t for t in committed if t.tag != tag]
+                new_latest, remove_latest = (others[-1].tag, False) if others else (None, True)
+            discard.append(tag)
+        elif info.started:
+            discard.append(tag)        # leftover of an interrupted save of the same tag
+        elif not info.entries:
+            pass                       # an empty directory: nothing to lose
+        elif overwrite and info.only_checkpoint_entries:
+            discard.append(tag)
+        else:
+            raise CheckpointError(
+                f"{Path(state.root) / tag} exists and was not written by toolkit.save_checkpoint "
+                f"({'DeepSpeed files' if info.foreign else 'it holds other files'}); choose another tag"
+                + (" or pass overwrite=True" if info.only_checkpoint_entries else ""))
+    seq = max((t.seq for t in committed), default=-1) + 1
+    return SavePlan(run_id=run_id, write_run_file=write_run, seq=seq, discard=tuple(discard),
+                    new_latest=new_latest, remove_latest=remove_latest, warnings=tuple(warnings),
+                    notes=tuple(notes))
+
+
+def plan_keep_last(state: DirState, *, keep_last: int, just_written: str) -> list[str]:
+    """Tags to delete after ``just_written`` was committed: older committed ones beyond ``keep_last``
+    (by commit order; the new one is always kept) and leftovers of interrupted saves."""
+    committed = [t.tag for t in state.committed() if t.tag != just_written]
+    excess = committed[:max(0, len(committed) - (keep_last - 1))]
+    leftovers = [t.tag for t in state.tags.values()
+                 if t.started and not t.committed and t.tag != just_written]
+    return excess + sorted(leftovers)
+
+
+_COMPARED = (
+    ("data_parallel_size", "data-parallel size"),
+    ("tensor_parallel_size", "tensor-parallel size"),
+    ("pipeline", "pipeline engine"),
+    ("pipeline_stages", "pipeline stages"),
+    ("zero_stage", "ZeRO stage"),
+)
+
+
+def compatibility_problems(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """Differences between a checkpoint's metadata and this engine that DeepSpeed cannot load across."""
+    problems = []
+    for key, label in _COMPARED:
+        if saved.get(key) != current.get(key):
+            problems.append(f"{label}: saved {saved.get(key)!r}, this engine {current.get(key)!r}")
+    if problems and saved.get("world_size") != current.get("world_size"):
+        problems.append(f"world size: saved {saved.get('world_size')}, now {current.get('world_size')}")
+    return problems
+
+
+def universal_fix(root: str, tag: str) -> str:
+    """How to change world size, ZeRO stage or parallel layout: a DeepSpeed universal checkpoint."""
+    src = Path(root) / tag
+    return (f"Restart with the saved layout, or convert the checkpoint to a DeepSpeed universal checkpoint "
+            f"and load that: `python -m deepspeed.checkpoint.ds_to_universal --input_folder {src} "
+            f"--output_folder {src}_universal --inject_missing_state`, then set "
+            "\"checkpoint\": {\"load_universal\": true} in the DeepSpeed config and call "
+            f"toolkit.load_checkpoint(engine, {str(root)!r}, tag={tag + '_universal'!r}). "
+            "For the weights alone, toolkit.consolidate_checkpoint() writes a plain state_dict")
+
+
+# ---------------------------------------------------------------------------------------- effects
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a rename or a new entry in ``path`` durable (POSIX; a no-op where dirs cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | os.PathLike[str]) -> None:
+    """Flush every file under ``path`` (written by any process of this node) and the directories."""
+    for dirpath, _dirnames, filenames in os.walk(path):
+        for name in filenames:
+            try:
+                with open(os.path.join(dirpath, name), "rb") as fh:
+                    os.fsync(fh.fileno())
+            except FileNotFoundError:  # a temporary file renamed meanwhile; its writer fsyncs it
+                continue
+        fsync_dir(dirpath)
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes | Callable[[BinaryIO], None]) -> None:
+    """Write ``path`` so that readers see the old file or the whole new one, even after a crash:
+    a temporary file in the same directory, fsync, ``os.replace``, fsync the directory.
+
+    Args:
+        path: the file to write.
+        data: the bytes, or a function writing them to an open binary file (e.g. ``torch.save``).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            if callable(data):
+                data(fh)
+            else:
+                fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    # default=repr: a DeepSpeed config may hold objects JSON cannot encode; keep a readable trace.
+    atomic_write(path, (json.dumps(obj, indent=2, sort_keys=True, default=repr) + "\n").encode())
+
+
+def set_latest(root: str | os.PathLike[str], tag: str | None) -> None:
+    """Point DeepSpeed's ``latest`` at ``tag`` atomically, or remove it for ``None``."""
+    path = Path(root) / LATEST_FILE
+    if tag is not None:
+        atomic_write(path, tag.encode())
+    elif path.exists():
+        path.unlink()
+        fsync_dir(root)
+
+
+def discard_tag(root: str | os.PathLike[str], tag: str) -> None:
+    """Delete a tag directory: first renamed out of sight (atomic), so that a crash in the middle
+    never leaves a half-deleted checkpoint under its name; then removed."""
+    trash = Path(root) / f"{TRASH_PREFIX}{tag}-{uuid.uuid4().hex[:8]}"
+    os.rename(Path(root) / tag, trash)
+    fsync_dir(root)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def empty_trash(root: str | os.PathLike[str]) -> None:
+    """Remove what an interrupted :func:`discard_tag` left behind."""
+    for entry in Path(root).glob(f"{TRASH_PREFIX}*"):
+        shutil.rmtree(entry, ignore_errors=True)

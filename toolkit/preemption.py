@@ -1,0 +1,350 @@
+"""Stop every rank at the same step when a scheduler asks the job to stop.
+
+A scheduler announces preemption with a signal, usually SIGTERM (Kubernetes, Slurm at the time
+limit, ``torchrun`` forwarding its own SIGTERM), or a signal chosen with Slurm's
+``--signal=USR1@120``. It may reach one node, or one process, before the others. The loop has
+to stop on *every* rank at the *same* step, save a checkpoint there (a collective) and exit 0.
+
+:func:`watch_preemption` installs handlers that only record the signal, and
+:meth:`PreemptionWatcher.should_preempt` turns "some rank saw a signal" into one answer that is
+the same on every rank at the same call::
+
+    # torchrun --nproc_per_node 2 train.py      (SIGTERM to any one worker stops both cleanly)
+    ctx = toolkit.init_distributed()
+    with toolkit.watch_preemption(ctx) as preemption:          # call on all ranks
+        for batch in loader:
+            train_step(batch)
+            steps_completed += 1
+            if preemption.should_preempt():                     # call on all ranks, every step
+                toolkit.save_checkpoint(engine, ckpt_dir, steps_completed=steps_completed)
+                break
+
+How the answer is agreed, cheaply
+---------------------------------
+A blocking all-reduce on every call costs a network round trip per step and makes every rank
+wait for the slowest at that point: on 2 gloo ranks on a busy 2-core machine, several percent
+of a 5 ms step. Instead the watcher runs a pipeline of *non-blocking* all-reduces (MAX) of a
+three-integer CPU tensor (signal number, stop request, time per call) on ``ctx.group`` (gloo,
+also under nccl):
+
+* at a *check point* it waits on the all-reduce launched at the previous check point, then
+  launches the next one; every other call is a counter increment and a comparison;
+* every rank has the same check points, because the distance to the next one is computed from
+  the *reduced* values, which are identical on every rank; so every rank reads the same result
+  at the same call, however the ranks drift in time;
+* by the time a rank reaches the next check point, every rank launched the previous all-reduce
+  a whole interval earlier, so ``wait()`` normally returns at once.
+
+Check points are ``check_every`` calls apart, or, by default (``check_every=None``), adaptively
+about ``check_interval`` seconds apart: the interval in calls is
+``clamp(check_interval // slowest rank's seconds per call, 1, 1000)``. A fixed number of calls
+suits either short steps (cost) or long steps (delay), not both: what a scheduler grants is a
+grace period in *seconds*, and what a check costs matters relative to the step *time*. With the
+default 0.25 s, the measured cost is about 6 microseconds per call averaged (~0.1% of a 5 ms
+step, on 2 gloo ranks), and the answer comes within about half a second for 5 ms steps as well
+as within two steps for 10 s steps.
+
+Delay bound: if a signal is handled before call ``m``, ``should_preempt()`` returns True on every
+rank at call ``m + 2 * I - 1`` at the latest, where ``I`` is the interval in calls (``check_every``,
+or at most 1000 when adaptive; in seconds about ``2 * max(check_interval, step time)``). At
+world size 1 there is no collective and the answer is True at call ``m``.
+
+Which process gets the signal
+-----------------------------
+* ``torchrun`` forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to every worker at once, then kills
+  them after 30 s.
+* ``deepspeed.launcher.launch`` (what ``deepspeed`` runs on each node) terminates its workers
+  *one at a time* with SIGTERM, waiting up to 30 s for each to exit: rank 1 hears nothing until
+  rank 0 has finished, which is why the ranks must agree.
+* The single-node ``deepspeed`` command does not forward signals at all: signal the whole
+  process group (``kill -TERM -<pgid>``), as Slurm and a terminal's Ctrl-C do, or use torchrun.
+* Slurm signals every task of the job steps (with ``--signal=B:...`` only the batch shell).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import threading
+import time
+from types import FrameType, TracebackType
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from toolkit.distributed import DistributedContext
+
+__all__ = ["PreemptionWatcher", "watch_preemption", "DEFAULT_SIGNALS", "MAX_ADAPTIVE_CHECK_EVERY"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+#: Upper bound on the adaptive interval, in calls; it keeps the delay bound finite in calls.
+MAX_ADAPTIVE_CHECK_EVERY = 1000
+_UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
+
+
+def _as_signals(signals: Iterable[Any]) -> tuple[signal.Signals, ...]:
+    if isinstance(signals, (int, str)) or not isinstance(signals, Iterable):
+        raise TypeError(f"signals={signals!r}: expected a sequence of signals, for example "
+                        "(signal.SIGTERM, signal.SIGUSR1)")
+    out: list[signal.Signals] = []
+    for sig in signals:
+        try:
+            sig = signal.Signals(sig)
+        except (ValueError, TypeError):
+            raise ValueError(f"signals contains {sig!r}, which is not a signal of this platform; "
+                             "use the signal module's constants, for example signal.SIGTERM") from None
+        if sig in _UNCATCHABLE:
+            raise ValueError(f"signals contains {sig.name}, which a process cannot catch; "
+                             "watch SIGTERM or SIGUSR1 instead")
+        if sig not in out:
+            out.append(sig)
+    if not out:
+        raise ValueError("signals=(): expected at least one signal to watch, for example (signal.SIGTERM,)")
+    return tuple(out)
+
+
+class PreemptionWatcher:
+    """Turns a signal seen by any rank into the same ``should_preempt()`` answer on every rank.
+
+    Made by :func:`watch_preemption`, which documents the arguments. Usable as a context manager;
+    leaving it (or :meth:`close`) restores the handlers that were installed before.
+
+    Contract: every rank calls :meth:`should_preempt` the same number of times between creating
+    the watcher and closing it, and closes it at the same point, like any collective.
+
+    Attributes:
+        check_every: the fixed interval in calls, or None when adaptive.
+        check_interval: the target seconds between check points when adaptive.
+    """
+
+    def __init__(self, ctx: DistributedContext, *, signals: Iterable[Any] = DEFAULT_SIGNALS,
+                 check_every: int | None = None, check_interval: float = 0.25) -> None:
+        if not isinstance(ctx, DistributedContext):
+            raise TypeError(f"ctx={ctx!r}: expected the DistributedContext returned by "
+                            "toolkit.init_distributed()")
+        if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int)
+                                        or check_every < 1):
+            raise ValueError(f"check_every={check_every!r}: expected a whole number >= 1 (calls between "
+                             "two check points), or None to adapt the interval to the step time")
+        if (isinstance(check_interval, bool) or not isinstance(check_interval, (int, float))
+                or not math.isfinite(check_interval) or check_interval <= 0):
+            raise ValueError(f"check_interval={check_interval!r}: expected a number of seconds > 0, "
+                             "for example 0.25")
+        self._signals = _as_signals(signals)
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("watch_preemption() was called outside the main thread; Python delivers "
+                               "signals to the main thread only, so create the watcher there")
+        if ctx.world_size > 1 and not dist.is_initialized():
+            raise RuntimeError(f"ctx says world size {ctx.world_size} but torch.distributed is not "
+                               "initialised; get ctx from toolkit.init_distributed()")
+        self.check_every = check_every
+        self.check_interval = float(check_interval)
+        self._world_size = ctx.world_size
+        self._group = ctx.group
+        self._signum = 0            # written by the handler only; 0 = no signal yet
+        self._requested = False     # request_stop()
+        self._decided = False
+        self._closed = False
+        self._calls = 0
+        self._interval = check_every or 1
+        self._target_ns = int(self.check_interval * 1e9)
+        # At world size 1 every call is a (free) check point; otherwise the first one is at call I.
+        self._next_check = 0 if ctx.world_size == 1 else self._interval
+        self._last_check_call = 0
+        self._last_check_ns = 0
+        self._pending: Any = None  # the all-reduce in flight (a torch.distributed Work)
+        # One buffer is enough: the previous all-reduce is always consumed before the next launch.
+        # Written and read through a numpy view, which costs far less than building a tensor.
+        self._buffer = torch.zeros(3, dtype=torch.int64)
+        self._values = self._buffer.numpy()
+        self._logged_local = False
+        # One bound-method object, so that close() can recognise its own handler by identity.
+        self._handler = self._on_signal
+        self._previous: dict[signal.Signals, Any] = {}
+        try:
+            for sig in self._signals:
+                self._previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, self._handler)
+        except BaseException:
+            self._restore_handlers()
+            raise
+        logger.info("watching %s for preemption; %s", ", ".join(s.name for s in self._signals),
+                    f"check every {check_every} call(s)" if check_every else
+                    f"check about every {self.check_interval:g} s")
+
+    # Runs in the main thread between two bytecodes, possibly in the middle of a collective or of
+    # a logging call of the loop: record only. Repeated signals are ignored on purpose: Ctrl-C under
+    # torchrun delivers SIGINT twice (terminal, then torchrun forwarding it), and Slurm may repeat
+    # SIGTERM; neither must turn the clean stop into an abrupt one.
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if not self._signum:
+            self._signum = signum
+
+    @property
+    def received_signal(self) -> signal.Signals | None:
+        """The first watched signal *this* rank received, or None. Any rank.
+
+        For logs: the other ranks stop too, although only one of them may have received it.
+        """
+        return signal.Signals(self._signum) if self._signum else None
+
+    @property
+    def preempted(self) -> bool:
+        """The last agreed answer of :meth:`should_preempt`, without counting a call. Any rank."""
+        return self._decided
+
+    def request_stop(self) -> None:
+        """Ask for a stop as if this rank had received a signal. Any rank, any time.
+
+        For stops decided locally, such as a wall-clock budget that one rank checks; the answer
+        reaches every rank with the same delay bound as a signal.
+        """
+        self._requested = True
+
+    def should_preempt(self) -> bool:
+        """True on every rank at the same call once any rank received a watched signal. Call on all ranks.
+
+        Call it once per step (or once per any unit of work that all ranks share). With gradient
+        accumulation, call it once per optimizer step (when ``engine.global_steps`` has just
+        grown), so that a stop lands on a step boundary, where a checkpoint resumes exactly.
+        Once True it stays True. See the module docstring for the cost and the delay bound. After
+        :meth:`close` it returns the last agreed answer and does no collective.
+
+        Example::
+
+            # torchrun --nproc_per_node 2 train.py
+            if preemption.should_preempt():
+                toolkit.save_checkpoint(engine, ckpt_dir, steps_completed=steps)
+                break
+        """
+        if self._decided or self._closed:
+            return self._decided
+        self._calls += 1
+        if self._calls < self._next_check:
+            return False
+        if self._signum and not self._logged_local:
+            self._log_local()
+        if self._world_size == 1:
+            if self._signum or self._requested:
+                self._decide(self._signum, self._requested)
+            return self._decided
+        return self._check_point()
+
+    def _check_point(self) -> bool:
+        now = time.perf_counter_ns()
+        if self._pending is not None:
+            work, self._pending = self._pending, None
+            work.wait()
+            signum, requested, ns_per_call = self._values.tolist()
+            if signum or requested:
+                self._decide(signum, bool(requested))
+                return True
+            if self.check_every is None and ns_per_call > 0:
+                # Same inputs on every rank (the reduced values), hence the same next check point.
+                self._interval = max(1, min(MAX_ADAPTIVE_CHECK_EVERY, self._target_ns // ns_per_call))
+        calls = self._calls - self._last_check_call
+        ns_per_call = (now - self._last_check_ns) // calls if self._last_check_call else 0
+        self._values[:] = (self._signum, int(self._requested), ns_per_call)
+        self._pending = dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self._group,
+                                        async_op=True)
+        self._last_check_call, self._last_check_ns = self._calls, now
+        self._next_check = self._calls + self._interval
+        return False
+
+    def _log_local(self) -> None:
+        self._logged_local = True
+        logger.warning("received %s; every rank will stop at the same step within %s",
+                       signal.Signals(self._signum).name, "this call" if self._world_size == 1 else
+                       f"about {2 * self._interval} calls")
+
+    def _decide(self, signum: int, requested: bool) -> None:
+        self._decided = True
+        if self._signum and not self._logged_local:
+            self._log_local()
+        cause = signal.Signals(signum).name if signum else "a stop request (request_stop)"
+        logger.info("preemption agreed at call %d: %s on at least one rank; stopping", self._calls, cause)
+
+    def close(self) -> None:
+        """Restore the previous signal handlers and finish the collective in flight. Call on all ranks.
+
+        Waits for the all-reduce launched at the last check point (every rank launched it, so
+        the wait is short), so that no toolkit collective is left running when the loop moves on
+        to other collectives, or to ``destroy_process_group``. Idempotent.
+        """
+        self._close(wait=True)
+
+    def _close(self, *, wait: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        pending, self._pending = self._pending, None
+        try:
+            self._restore_handlers()
+        finally:
+            if pending is not None and wait:
+                pending.wait()
+
+    def _restore_handlers(self) -> None:
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) is not self._handler:
+                # Someone replaced our handler after us (a nested watcher closed out of order, a
+                # library): theirs stays, and restoring ours-before-them would be wrong.
+                logger.debug("the %s handler is no longer the watcher's; leaving it", sig.name)
+                continue
+            if previous is None:
+                # Installed from C, not by Python: it cannot be put back from Python.
+                logger.warning("the %s handler in place before the watcher was not installed from "
+                               "Python and cannot be restored; using the default action", sig.name)
+                previous = signal.SIG_DFL
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def __enter__(self) -> "PreemptionWatcher":
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        # On an exception other ranks may never reach the check point in flight: waiting could
+        # hang this rank instead of letting the launcher see the failure and stop the job.
+        self._close(wait=exc_type is None)
+
+
+def watch_preemption(ctx: DistributedContext, *, signals: Iterable[Any] = DEFAULT_SIGNALS,
+                     check_every: int | None = None, check_interval: float = 0.25) -> PreemptionWatcher:
+    """Install signal handlers and return the watcher that agrees on a stop. Call on all ranks.
+
+    Call it in the main thread, before the loop, on every rank, with the same arguments.
+
+    Args:
+        ctx: from :func:`toolkit.init_distributed`; its ``group`` carries the agreement.
+        signals: the signals that mean "stop soon". SIGINT is included so that Ctrl-C stops
+            cleanly too; leave it out to keep Python's KeyboardInterrupt.
+        check_every: calls between two check points, or None (default) to adapt the interval to
+            the step time so that check points are about ``check_interval`` seconds apart.
+        check_interval: target seconds between check points when ``check_every`` is None.
+
+    Returns:
+        A :class:`PreemptionWatcher`; use it as a context manager, or call ``close()`` at the end.
+
+    Raises:
+        ValueError: an argument is out of range (named in the message).
+        RuntimeError: not in the main thread, or torch.distributed is not initialised.
+
+    Example::
+
+        # torchrun --nproc_per_node 2 train.py
+        # sbatch --signal=USR1@120 job.sh    (job.sh: srun python train.py)
+        ctx = toolkit.init_distributed()
+        with toolkit.watch_preemption(ctx) as preemption:
+            while steps_completed < max_steps:
+                train_step()
+                steps_completed += 1
+                if preemption.should_preempt():
+                    toolkit.save_checkpoint(engine, ckpt_dir, steps_completed=steps_completed)
+                    break
+    """
+    return PreemptionWatcher(ctx, signals=signals, check_every=check_every, check_interval=check_interval)

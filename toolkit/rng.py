@@ -1,0 +1,107 @@
+"""Capture and restore this process's random number generators, in a form safe to unpickle.
+
+An exact resume needs every random stream a training step draws from to continue where it stopped:
+Python's :mod:`random`, NumPy's global generator, torch's CPU generator and, when present, the
+CUDA generators. :func:`capture_rng_state` returns them as a dict of tensors, ints, floats and
+``None`` only, so ``torch.save`` writes it and ``torch.load(..., weights_only=True)`` reads it back
+without running arbitrary pickle code. :func:`toolkit.save_checkpoint` stores one per rank.
+
+Example::
+
+    # torchrun --nproc_per_node 2 train.py    (each rank keeps its own streams)
+    state = toolkit.capture_rng_state()
+    torch.save(state, f"rng_rank{ctx.rank}.pt")
+    ...
+    toolkit.restore_rng_state(torch.load(f"rng_rank{ctx.rank}.pt", weights_only=True))
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any, Mapping
+
+import torch
+
+try:  # NumPy is optional for torch; DeepSpeed needs it, but this module must not.
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy is installed wherever DeepSpeed is
+    np = None
+
+__all__ = ["capture_rng_state", "restore_rng_state", "RNG_STATE_VERSION"]
+
+logger = logging.getLogger(__name__)
+
+RNG_STATE_VERSION = 1
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The state of Python's, NumPy's, torch's and CUDA's generators of this process. Any rank.
+
+    Returns:
+        A dict of tensors, ints, floats and ``None`` (loadable with ``weights_only=True``):
+        ``version``, ``python``, ``numpy`` (``None`` without NumPy), ``torch`` and ``cuda``
+        (one state per visible device, ``None`` when CUDA is unavailable).
+
+    Example:
+        >>> state = capture_rng_state()
+        >>> a = torch.rand(1); restore_rng_state(state); torch.equal(a, torch.rand(1))
+        True
+    """
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "version": RNG_STATE_VERSION,
+        "python": {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64),
+                   "gauss_next": gauss_next},
+        "numpy": None,
+        "torch": torch.get_rng_state(),
+        "cuda": None,
+    }
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)),
+                          "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    if torch.cuda.is_available():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Put this process's generators back to a state from :func:`capture_rng_state`. Any rank.
+
+    CUDA states are restored when the number of visible devices matches; otherwise a warning
+    says the CUDA streams start fresh (CPU streams are still restored).
+
+    Args:
+        state: the dict returned by :func:`capture_rng_state`, possibly after a
+            ``torch.save`` / ``torch.load(..., weights_only=True)`` round trip.
+
+    Raises:
+        ValueError: ``state`` is not such a dict (wrong version or missing keys).
+    """
+    if not isinstance(state, Mapping) or state.get("version") != RNG_STATE_VERSION:
+        version = state.get("version") if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(f"RNG state version {version!r}: expected a dict from "
+                         f"toolkit.capture_rng_state() with version {RNG_STATE_VERSION}")
+    missing = [key for key in ("python", "numpy", "torch", "cuda") if key not in state]
+    if missing:
+        raise ValueError(f"RNG state lacks {', '.join(missing)}: expected a dict from "
+                         "toolkit.capture_rng_state()")
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss_next"]))
+    if state["numpy"] is not None:
+        if np is None:
+            logger.warning("the RNG state holds a NumPy state but NumPy is not installed; skipped")
+        else:
+            saved = state["numpy"]
+            np.random.set_state((saved["kind"], saved["keys"].numpy().astype(np.uint32), saved["pos"],
+                                 saved["has_gauss"], saved["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    cuda = state["cuda"]
+    if cuda is not None:
+        if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            logger.warning("the RNG state holds %d CUDA generator(s) but %d device(s) are visible; "
+                           "CUDA random streams start fresh", len(cuda), visible)

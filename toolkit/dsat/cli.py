@@ -11,6 +11,7 @@ import argparse
 import os
 import re
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -234,6 +235,10 @@ def make_plan(args: argparse.Namespace):
     return plan
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m toolkit.dsat`` and the ``dsat`` console script."""
     import logging
@@ -250,12 +255,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from toolkit.dsat.orchestrator import Autotuner
 
     tuner = Autotuner(plan, say=lambda line: print(line, flush=True))
+    # A scheduler stops the autotuner with SIGTERM: treat it like Ctrl-C, so that the runner's
+    # shutdown kills every trial before the process goes.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         outcome = tuner.run()
     except KeyboardInterrupt:
         print(f"dsat: interrupted; every trial was stopped. Continue with --resume --output-dir {plan.output_dir}",
               file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(("dsat: " if outcome.exit_code == 0 else "dsat: search failed: ") + outcome.message, flush=True)
     if outcome.exit_code == 0 and plan.run_full_experiment:
         return run_full_experiment(plan, outcome, say=lambda line: print(line, flush=True))

@@ -159,7 +159,7 @@ class Autotuner:
         write_trial_tables(self.out, self.results.values())
 
     def _progress(self, result: TrialResult, running: int) -> None:
-        best = search.best_result(self.results.values(), self.plan.search.metric)
+        best = search.best_result([r for r in self.results.values() if not r.spec.profile], self.plan.search.metric)
         metric = self.plan.search.metric
         value = result.metrics.get(metric)
         shown = f"{metric}={value:.4g}" if value is not None else (result.error or "")[:120]

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 from toolkit.config import entrypoint_argv, load_experiment_config
 from toolkit.ds_config import get_ds_config_from_hparams, validate_ds_config
-from toolkit.dsat.types import METRICS, SEARCH_METHODS, SearchSettings
+from toolkit.dsat.types import METRICS, SearchSettings
 from toolkit.errors import ConfigError
 
 __all__ = ["build_parser", "make_plan", "main", "UsageError"]

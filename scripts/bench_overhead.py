@@ -1,0 +1,130 @@
+"""Per-step overhead of toolkit's helpers in a training loop, as a ratio against the same loop without them.
+
+    .venv/bin/python scripts/bench_overhead.py            # 2 CPU ranks under torchrun (it launches itself)
+    .venv/bin/python scripts/bench_overhead.py --nproc 1 --blocks 20
+
+Both loops run in the same processes, in alternating blocks (plain, helpers, plain, helpers, ...)
+so that drift in machine load hits both alike. "helpers" adds, every step:
+``MetricsWriter.report_training_metrics`` (loss + samples/s, averaged across ranks, written by
+the chief), ``PreemptionWatcher.should_preempt()`` and ``dsat_reporting_context`` (outside a
+trial). Checkpoints are excluded (they run every N steps and cost what DeepSpeed's save costs).
+
+Printed: the median step time of each loop, their ratio (target <= 1.01), and a cross-check:
+the time spent inside the helper calls themselves as a fraction of the plain step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch(args: argparse.Namespace) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port",
+            str(port), __file__, "--worker", "--blocks", str(args.blocks), "--steps", str(args.steps),
+            "--width", str(args.width)]
+    return subprocess.run(argv, env=env, timeout=3600).returncode
+
+
+def worker(args: argparse.Namespace) -> None:
+    import logging
+
+    import deepspeed
+    import torch
+    import torch.nn.functional as F
+
+    import toolkit
+
+    logging.getLogger("toolkit").setLevel(logging.WARNING)
+    sys.path.insert(0, str(ROOT / "examples" / "core_api"))
+    from train import ResNet  # the example's model: a realistic "small training step"
+
+    ctx = toolkit.init_distributed()
+    torch.manual_seed(0)
+    model = ResNet(width=args.width, num_classes=10)
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1},
+              "steps_per_print": 10**9}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=toolkit.resolve_ds_config(config, data_parallel_size=ctx.world_size))
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+
+    def step():
+        loss = F.cross_entropy(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    for _ in range(5):  # warm-up: first steps allocate and pick kernels
+        step()
+    plain_times, helper_times, inside = [], [], []
+    with tempfile.TemporaryDirectory() as tmp, toolkit.MetricsWriter(ctx, Path(tmp) / "tb") as metrics, \
+            toolkit.watch_preemption(ctx) as preemption:
+        done = 0
+        for _block in range(args.blocks):
+            ctx.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            plain_times.append((time.perf_counter() - start) / args.steps)
+
+            ctx.barrier()
+            start, spent = time.perf_counter(), 0.0
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                context = toolkit.dsat_reporting_context(engine, steps_completed=done)
+                context.__enter__()
+                t1 = time.perf_counter()
+                loss = step()
+                t2 = time.perf_counter()
+                context.__exit__(None, None, None)
+                done += 1
+                metrics.report_training_metrics(done, {"loss": loss.detach()}, samples=8)
+                if preemption.should_preempt():
+                    raise SystemExit("a signal arrived during the benchmark")
+                spent += (t1 - t0) + (time.perf_counter() - t2)
+            helper_times.append((time.perf_counter() - start) / args.steps)
+            inside.append(spent / args.steps)
+    plain, helpers, own = statistics.median(plain_times), statistics.median(helper_times), statistics.median(inside)
+    agreed = ctx.all_reduce([plain, helpers, own], op="max")
+    if ctx.is_chief:
+        plain, helpers, own = agreed
+        print(f"ranks: {ctx.world_size}, blocks: {args.blocks} x {args.steps} steps each, model: example ResNet "
+              f"width {args.width}, micro-batch 8, ZeRO 1")
+        print(f"plain loop        : {plain * 1e3:8.3f} ms/step (median of blocks, slowest rank)")
+        print(f"loop with helpers : {helpers * 1e3:8.3f} ms/step")
+        print(f"ratio (side by side, same run)     : {helpers / plain:.4f}   target <= 1.01")
+        print(f"time inside helper calls per step  : {own * 1e6:8.1f} us = {1 + own / plain:.4f} x the plain step")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--blocks", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

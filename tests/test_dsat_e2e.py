@@ -1,0 +1,55 @@
+"""dsat end to end on the real example model: 2 CPU ranks, a memory budget, the best config trained again."""
+
+import csv
+import json
+import sys
+
+import pytest
+import yaml
+
+import procutil as p
+
+EXAMPLES = p.REPO / "examples" / "core_api"
+
+
+def small_setup(tmp_path):
+    """The example with small DeepSpeed buckets (so the fixed memory per process is small) and oneDNN on."""
+    ds = json.loads((EXAMPLES / "ds_config.json").read_text())
+    ds["zero_optimization"] = {"stage": 1, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}
+    (tmp_path / "ds_config.json").write_text(json.dumps(ds))
+    config = yaml.safe_load((EXAMPLES / "deepspeed.yaml").read_text())
+    config["hyperparameters"].update({"deepspeed_config": str(tmp_path / "ds_config.json"), "deterministic": False,
+                                      "dataset_size": 4096, "validate_every": 1000, "checkpoint_every": 1000})
+    (tmp_path / "deepspeed.yaml").write_text(yaml.safe_dump(config))
+    return tmp_path / "deepspeed.yaml"
+
+
+@pytest.mark.slow
+def test_binary_search_on_the_example_then_train_with_the_best_config(tmp_path):
+    config = small_setup(tmp_path)
+    out = tmp_path / "dsat"
+    result = p.run([sys.executable, "-m", "toolkit.dsat", "binary", str(config), str(EXAMPLES),
+                    "--max-trials", "5", "--memory-per-slot", "1400MiB", "--search-range-factor", "3",
+                    "--zero-stages", "1", "2", "--start-profile-step", "2", "--end-profile-step", "3",
+                    "--trial-timeout", "240", "--output-dir", str(out)], timeout=1200)
+    assert result.returncode == 0, result.stdout[-5000:]
+    with open(out / "trials.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 5
+    statuses = [r["status"] for r in rows[1:]]
+    assert "oom" in statuses, statuses          # some trials exceeded the budget ...
+    assert "ok" in statuses, statuses           # ... and some fit
+    oom_errors = [r["error"] for r in rows if r["status"] == "oom"]
+    assert all("exceeded the memory budget" in e for e in oom_errors), oom_errors
+    best = json.loads((out / "best_ds_config.json").read_text())
+    assert best["train_batch_size"] == best["train_micro_batch_size_per_gpu"] * best["gradient_accumulation_steps"] * 2
+
+    # The best config, passed back to the example through its own YAML, trains it.
+    experiment = yaml.safe_load(config.read_text())
+    experiment["hyperparameters"]["deepspeed_config"] = str(out / "best_ds_config.json")
+    experiment["hyperparameters"].pop("overwrite_deepspeed_args")
+    (tmp_path / "best.yaml").write_text(yaml.safe_dump(experiment))
+    train = p.run(p.torchrun_argv(EXAMPLES / "train.py", "--config", str(tmp_path / "best.yaml"),
+                                  "--output-dir", str(tmp_path / "run"), "--max-steps", "3"), timeout=600)
+    assert train.returncode == 0, train.stdout[-4000:]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_3"

@@ -211,3 +211,15 @@ def test_sigkilled_search_resumes_without_rerunning_finished_trials(tmp_path):
     # the same flags are required to resume
     changed = p.run(argv + ["--resume", "--random-seed", "7"])
     assert changed.returncode == 2 and "settings differ" in changed.stdout
+
+
+def test_run_full_experiment_trains_with_the_best_config(tmp_path):
+    model_dir = make_model_dir(tmp_path, slots=2)
+    out = tmp_path / "out"
+    result = dsat(model_dir, "--max-trials", "4", "--zero-stages", "2", "--memory-per-slot", "100MiB",
+                  "--run-full-experiment")
+    assert result.returncode == 0, result.stdout[-3000:]
+    best = json.loads((out / "best_ds_config.json").read_text())
+    for rank in (0, 1):
+        assert json.loads((out / "full_experiment" / "output" / f"full_run_rank{rank}.json").read_text()) == best
+    assert "full experiment exited with status 0" in result.stdout

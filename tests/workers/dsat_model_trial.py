@@ -13,9 +13,14 @@ import sys
 import time
 from pathlib import Path
 
-contract = json.loads(Path(os.environ["TOOLKIT_DSAT_TRIAL"]).read_text())
 hparams = json.loads(Path(os.environ["TOOLKIT_TRIAL_HPARAMS"]).read_text())
 ds_config = json.loads(Path(hparams["deepspeed_config"]).read_text())
+if "TOOLKIT_DSAT_TRIAL" not in os.environ:  # --run-full-experiment: a normal run, not a trial
+    out = Path(os.environ["TOOLKIT_OUTPUT_DIR"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"full_run_rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(ds_config))
+    sys.exit(0)
+contract = json.loads(Path(os.environ["TOOLKIT_DSAT_TRIAL"]).read_text())
 rank = int(os.environ.get("RANK", "0"))
 trial_dir = Path(contract["result_path"]).parent
 with open(trial_dir / "starts.log", "a") as fh:

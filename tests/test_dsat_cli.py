@@ -41,6 +41,20 @@ def dsat(model_dir, *flags, method="binary", output=None, timeout=300):
     return p.run(argv, timeout=timeout)
 
 
+def dsat_in_process(model_dir, *flags, method="binary", capsys):
+    """The CLI in this process (bad input never launches anything, so no subprocess is needed)."""
+    from toolkit.dsat.cli import main
+
+    argv = [method, str(model_dir / "deepspeed.yaml"), str(model_dir), "--output-dir", str(model_dir.parent / "out"),
+            "--trial-timeout", "60", *flags]
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own exit on a bad flag
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
 def trial_rows(out):
     with open(out / "trials.csv") as fh:
         return list(csv.DictReader(fh))
@@ -60,11 +74,18 @@ def trial_rows(out):
     (["--search-range-factor", "-1"], "argument --search-range-factor: -1 is out of range"),
     (["--max-slots", "1"], None),  # valid with slots_per_trial 1: checked separately below
 ])
-def test_bad_flags_exit_2_and_write_nothing(tmp_path, flags, fragment):
+def test_bad_flags_exit_2_and_write_nothing(tmp_path, flags, fragment, capsys):
     model_dir = make_model_dir(tmp_path, slots=2 if fragment is None else 1)
-    result = dsat(model_dir, *flags)
-    assert result.returncode == 2, result.stdout[-3000:]
-    assert (fragment or "resources.slots_per_trial=2 > --max-slots 1") in result.stdout
+    code, output = dsat_in_process(model_dir, *flags, capsys=capsys)
+    assert code == 2, output[-3000:]
+    assert (fragment or "resources.slots_per_trial=2 > --max-slots 1") in output
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_installed_cli_exits_2_on_bad_input(tmp_path):
+    model_dir = make_model_dir(tmp_path)
+    result = dsat(model_dir, "--max-trials", "1")
+    assert result.returncode == 2 and "argument --max-trials: 1 is too small" in result.stdout
     assert not (tmp_path / "out").exists()
 
 
@@ -74,10 +95,10 @@ def test_bad_flags_exit_2_and_write_nothing(tmp_path, flags, fragment):
     ("binary", ["--divisor", "2"], "unrecognized arguments: --divisor"),
     ("grid", [], "invalid choice: 'grid'"),
 ])
-def test_method_flags_are_checked(tmp_path, method, flags, fragment):
+def test_method_flags_are_checked(tmp_path, method, flags, fragment, capsys):
     model_dir = make_model_dir(tmp_path)
-    result = dsat(model_dir, *flags, method=method)
-    assert result.returncode == 2 and fragment in result.stdout, result.stdout[-2000:]
+    code, output = dsat_in_process(model_dir, *flags, method=method, capsys=capsys)
+    assert code == 2 and fragment in output, output[-2000:]
     assert not (tmp_path / "out").exists()
 
 
@@ -92,15 +113,15 @@ def test_method_flags_are_checked(tmp_path, method, flags, fragment):
     ({"hparams": {"deepspeed_config": "nope.json"}}, "nope.json' not found"),
     ({"hparams": {"data_parallel_world_size": 3}}, "data_parallel_world_size=3: expected a divisor"),
 ])
-def test_bad_config_exits_2_before_launch(tmp_path, change, fragment):
+def test_bad_config_exits_2_before_launch(tmp_path, change, fragment, capsys):
     experiment = change.get("experiment")
     model_dir = make_model_dir(tmp_path, ds=change.get("ds"), hparams=change.get("hparams"), experiment=experiment)
     if experiment and experiment.get("entrypoint") is None and "entrypoint" in experiment:
         config = yaml.safe_load((model_dir / "deepspeed.yaml").read_text())
         del config["entrypoint"]
         (model_dir / "deepspeed.yaml").write_text(yaml.safe_dump(config))
-    result = dsat(model_dir)
-    assert result.returncode == 2 and fragment in result.stdout, result.stdout[-2000:]
+    code, output = dsat_in_process(model_dir, capsys=capsys)
+    assert code == 2 and fragment in output, output[-2000:]
     assert not (tmp_path / "out").exists()
 
 

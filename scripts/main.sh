@@ -22,10 +22,11 @@ echo "== 2/3 start it again: it resumes from its last checkpoint and has nothing
 "$py" -m torch.distributed.run --nproc_per_node "$nproc" --master_port "$(port)" \
   "$root/examples/core_api/train.py" --output-dir "$out/train"
 
-echo "== 3/3 a short autotune (binary search, 6 trials, 3 GiB budget per slot)"
+echo "== 3/3 a short autotune (binary search, 5 trials, 3 GiB budget per slot)"
 rm -rf "$out/dsat"
 "$py" -m toolkit.dsat binary "$root/examples/core_api/deepspeed.yaml" "$root/examples/core_api" \
-  --max-trials 6 --memory-per-slot 3GiB --trial-timeout 300 --output-dir "$out/dsat"
+  --max-trials 5 --memory-per-slot 3GiB --search-range-factor 2 --start-profile-step 2 --end-profile-step 3 \
+  --trial-timeout 300 --output-dir "$out/dsat"
 
 echo
 echo "Done. Best DeepSpeed config: $out/dsat/best_ds_config.json"

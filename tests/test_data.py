@@ -218,3 +218,26 @@ def test_seed_everything_reproduces_python_numpy_and_torch_streams():
     for bad in (-1, 2**32, 1.5, True, "1"):
         with pytest.raises(ValueError, match="seed="):
             seed_everything(bad)
+
+
+def test_seed_everything_deterministic_sets_the_gpu_switches_and_leaves_onednn_on():
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled)
+    try:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+        seed_everything(7)  # the default touches no switch
+        assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark
+        seed_everything(7, deterministic=True)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()  # a user's op without one warns, not fails
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        # An exact CPU resume does not need oneDNN off (measured, see the docstring): keep its speed.
+        assert torch.backends.mkldnn.enabled
+        for bad in ("yes", 1, None):
+            with pytest.raises(TypeError, match="deterministic="):
+                seed_everything(7, deterministic=bad)
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
+        torch.backends.mkldnn.enabled = saved[4]

@@ -47,6 +47,7 @@ from typing import Any, Callable, Mapping, TypeVar
 import torch
 
 from toolkit import checkpoint_layout as layout
+from toolkit.cpu_adam_state import replay_cpu_adam_state
 from toolkit.distributed import DistributedContext, get_context
 from toolkit.errors import CheckpointError
 from toolkit.rng import capture_rng_state, restore_rng_state
@@ -265,7 +266,9 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
     Before DeepSpeed reads anything, the checkpoint's metadata is compared with the engine: a
     different data-parallel size, ZeRO stage, tensor-parallel size, or pipeline layout raises,
     naming the fix (a DeepSpeed universal checkpoint). Then DeepSpeed loads the weights, optimizer
-    and scheduler states, and this rank's RNG states are restored. The directory's run is adopted,
+    and scheduler states, this rank's RNG states are restored, and DeepSpeed's CPU Adam kernels
+    are brought to the step state an uninterrupted run has (their running ``beta**step`` products
+    are not in the checkpoint; see :mod:`toolkit.cpu_adam_state`). The directory's run is adopted,
     so later :func:`save_checkpoint` calls into it continue that run.
 
     With ``"checkpoint": {"load_universal": true}`` in the DeepSpeed config, ``tag`` (or DeepSpeed's
@@ -341,6 +344,7 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
 
     load_path, ds_state = engine.load_checkpoint(root, tag=tag)
     ours = _our_state(load_path, ds_state, root, tag)
+    replay_cpu_adam_state(engine)  # the CPU Adam kernels' step state is not in the checkpoint
     restore_rng_state(rng)
     logger.info("loaded checkpoint %r (steps_completed=%d) from %s", tag, ours["steps_completed"], root)
     return int(ours["steps_completed"]), ours["client_state"]
@@ -377,6 +381,7 @@ def _load_universal(engine: Any, ctx: DistributedContext, root: str, tag: str | 
     chosen, dir_run = _on_chief(ctx, choose)
     load_path, ds_state = engine.load_checkpoint(root, tag=chosen)
     ours = _our_state(load_path, ds_state, root, chosen)
+    replay_cpu_adam_state(engine)
     _run_ids[key] = dir_run or ours["run_id"]
     logger.warning("loaded universal checkpoint %r (steps_completed=%d); RNG states are not restored "
                    "across a layout change, so random streams differ from the original run",

@@ -236,17 +236,24 @@ def seed_everything(seed: int, *, deterministic: bool = False) -> None:
     same initial weights. A resumed run still calls it (the model is built before the checkpoint
     is loaded); ``toolkit.load_checkpoint`` then restores each rank's RNG states.
 
-    Seeds alone do not make a resumed run bitwise equal to an uninterrupted one when the model
-    has convolutions: on CPU, oneDNN (``torch.backends.mkldnn``) picks its convolution kernels
-    from the process's history, so the first steps of a fresh process round differently from
-    the same steps deep into a running one (measured: a 1-ulp drift two steps after a resume;
-    ``torch.use_deterministic_algorithms`` does not cover it). ``deterministic=True`` turns
-    oneDNN off and asks torch (and cuDNN) for deterministic kernels; CPU convolutions then run
-    on torch's own, slower kernels.
+    On CPU that is all an exact resume needs: with seeds, :class:`ResumableDistributedSampler`
+    and ``toolkit.load_checkpoint``, the examples' ResNet (oneDNN convolutions on) and Transformer,
+    stopped at steps 2, 4, 13, 17 or 22 and resumed in a new process, end with weights bitwise
+    equal to an uninterrupted run's, with ``deterministic`` left False. (An earlier suspicion
+    that oneDNN rounds differently in a fresh process was a misreading: the drift came from
+    DeepSpeed's CPU Adam kernel, which ``toolkit.load_checkpoint`` repairs; see
+    :mod:`toolkit.cpu_adam_state`.)
+
+    ``deterministic=True`` is for GPUs: it turns off cuDNN's benchmark mode, which picks
+    convolution kernels by timing them in each process (so a resumed process may round
+    differently), asks cuDNN for deterministic kernels and makes torch use deterministic
+    algorithms where it has them (a warning, not an error, for ops that have none; CUDA's
+    atomics-based backward passes otherwise sum in a varying order). It costs GPU speed; CPU
+    runs do not need it, and oneDNN is left on.
 
     Args:
         seed: a whole number in ``[0, 2**32)`` (numpy's limit).
-        deterministic: trade speed for bitwise-reproducible kernels (see above).
+        deterministic: on GPUs, trade speed for bitwise-reproducible kernels (see above).
 
     Example::
 
@@ -261,7 +268,6 @@ def seed_everything(seed: int, *, deterministic: bool = False) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)  # seeds every CUDA device too
     if deterministic:
-        torch.backends.mkldnn.enabled = False
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
         # warn_only: ops without a deterministic kernel warn instead of failing a user's run.

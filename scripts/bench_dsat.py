@@ -1,0 +1,547 @@
+"""Benchmark: dsat against an exhaustive grid over the same space, and DeepSpeed's own autotuner.
+
+Run it from the repository root (about 25 minutes on 2 CPU cores, plus 2-4 minutes the first time
+for building DeepSpeed's CPU ops; trials use both cores, so they run one at a time)::
+
+    .venv/bin/python scripts/bench_dsat.py
+    .venv/bin/python scripts/bench_dsat.py --method asha --output runs/bench_dsat/asha.json
+
+On the example model (examples/core_api/train.py, made small: ``--width 8 --image-size 16``) and
+one CPU memory budget (``--memory-per-slot``, default 1GiB per rank; the profiling trial peaks
+at ~0.4 GiB), one after the other in this process:
+
+0. **warm-up** (not counted): DeepSpeed's JIT-built CPU ops (FusedAdam, shared-memory comm)
+   are built into a private ``TORCH_EXTENSIONS_DIR`` (``--torch-extensions-dir``, kept between
+   runs), so that no trial of either arm pays for a build or waits on another process's build
+   in the shared cache.
+1. **dsat**: ``python -m toolkit.dsat METHOD`` with ``--max-trials`` (default 8, profiling trial
+   included). Its best ``--metric`` (default ``throughput``, samples/s over both ranks) is read
+   from best_ds_metrics.json; its trial-seconds are the ``duration_s`` of every trial in
+   trials.jsonl, the profiling trial included.
+2. **grid**: the same real trials (:class:`toolkit.dsat.runner.TrialRunner`, configs from
+   :func:`~toolkit.dsat.orchestrator.trial_ds_config` and
+   :func:`~toolkit.dsat.orchestrator.trial_hparams`, with the plan that dsat's own CLI builds from
+   the same flags: same entrypoint, launcher, budget, profile steps and timeout) over every
+   searched ZeRO stage x every micro-batch of ``{1, 2, 4, ..., 2^k <= hi} + {hi}``, where ``hi =
+   ceil(search_range_factor x approx_max_micro_batch(stage))`` is the top of the range dsat
+   bisects for that stage (from the profile.json dsat wrote), plus dsat's best config itself
+   (its exact ZeRO section and micro-batch), so that the grid contains the best config dsat found.
+   Grid points use the user's ZeRO section at each stage (dsat also draws bucket sizes and
+   overlap flags; a grid over those as well would be ~100x larger) and the grid gets no profiling
+   trial (it borrows dsat's range): both make the grid cheaper than a real exhaustive search,
+   i.e. they favour the grid. ``--grid-prune-after-oom`` skips each stage's micro-batches above
+   its first out-of-memory one; either way the table shows what that pruned grid costs.
+3. **DeepSpeed's autotuner**: ``deepspeed --autotuning tune`` (``"fast": true``) on
+   scripts/ds_autotune_entry.py (the same ResNet and data), stopped with all its processes after
+   ``--ds-timeout`` seconds. It cannot see a CPU memory budget (it takes the host's total memory
+   for "GPU memory"), so its ``max_train_micro_batch_size_per_gpu`` is capped at the largest
+   micro-batch that fitted the budget in the grid. Its throughput is its own stopwatch
+   (forward + backward + optimizer step timers; data loading excluded). When it fails, its exit
+   status, the error it printed and its wall time until then are reported.
+4. **confirm** (``--confirm N``, default 1): dsat's, the grid's and DeepSpeed's best configs are
+   measured N more times through the same trial runner, interleaved; every measurement of a
+   config (search, grid, confirm) is pooled and the medians compared, because the best of many
+   noisy trials is biased upwards and the grid draws many more than dsat.
+
+Printed at the end: a table with absolute numbers and the ratios ``dsat_best / grid_best``
+(target >= 0.95) and ``dsat_trial_seconds / grid_trial_seconds`` (target <= 0.25); DeepSpeed's
+autotuner below it. Everything goes to ``--output`` (JSON); trial directories stay in
+``--work-dir``. A benchmark, not a test: nothing is asserted, and timings on a shared machine
+are noisy (both arms run in this process one after the other).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "core_api"
+ENTRY = ROOT / "scripts" / "ds_autotune_entry.py"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from toolkit.dsat.cli import build_parser, make_plan, parse_bytes  # noqa: E402
+from toolkit.dsat.space import zero_config_for_stage  # noqa: E402
+from toolkit.dsat.types import METRICS, SMALLER_IS_BETTER, TrialResult, TrialSpec, TrialStatus  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", choices=("binary", "random", "asha"), default="binary")
+    p.add_argument("--max-trials", type=int, default=8, help="dsat's --max-trials (profiling trial included)")
+    p.add_argument("--memory-per-slot", type=parse_bytes, default=parse_bytes("1GiB"),
+                   help="CPU memory budget per rank, for dsat and the grid (default 1GiB)")
+    p.add_argument("--metric", choices=METRICS, default="throughput")
+    p.add_argument("--zero-stages", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--search-range-factor", type=float, default=1.0)
+    p.add_argument("--random-seed", type=int, default=42)
+    p.add_argument("--start-profile-step", type=int, default=2)
+    p.add_argument("--end-profile-step", type=int, default=3)
+    p.add_argument("--trial-timeout", type=float, default=300.0)
+    p.add_argument("--width", type=int, default=8, help="ResNet width of the example model")
+    p.add_argument("--image-size", type=int, default=16)
+    p.add_argument("--dataset-size", type=int, default=131072,
+                   help="random images, made lazily (size costs nothing); >= 2 x the largest micro-batch")
+    p.add_argument("--grid-prune-after-oom", action="store_true",
+                   help="skip a stage's micro-batches above its first out-of-memory one")
+    p.add_argument("--grid-limit", type=int, default=None, metavar="MB",
+                   help="quick checks only: leave grid micro-batches above MB out (the grid then no longer "
+                        "covers dsat's range)")
+    p.add_argument("--confirm", type=int, default=1, help="re-measurements of each arm's best config")
+    p.add_argument("--ds-timeout", type=float, default=600.0, help="wall-clock limit of DeepSpeed's autotuner")
+    p.add_argument("--ds-pythonpath", default="",
+                   help="extra PYTHONPATH for DeepSpeed's autotuner, e.g. a directory holding `tabulate` "
+                        "(the deepspeed[autotuning] extra) when the venv lacks it")
+    p.add_argument("--skip-ds-autotuner", action="store_true")
+    p.add_argument("--torch-extensions-dir", type=Path, default=ROOT / "runs" / "bench_dsat" / "torch_extensions")
+    p.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "bench_dsat" / "work",
+                   help="trial directories (emptied first)")
+    p.add_argument("--output", type=Path, default=ROOT / "runs" / "bench_dsat" / "summary.json")
+    args = p.parse_args(argv)
+    if args.max_trials < 2:
+        p.error(f"--max-trials {args.max_trials}: expected >= 2 (it counts the profiling trial)")
+    if args.confirm < 0:
+        p.error(f"--confirm {args.confirm}: expected >= 0")
+    return args
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def config_key(micro_batch: int, zero: Any) -> str:
+    """Identifies a trial config across the arms (micro-batch + ZeRO section)."""
+    return f"{micro_batch}|{json.dumps(zero, sort_keys=True)}"
+
+
+# ------------------------------------------------------------------------------------------ setup
+def warm_up(args: argparse.Namespace) -> float:
+    """Build DeepSpeed's CPU ops into the private extensions dir (every child inherits it)."""
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(args.torch_extensions_dir.resolve())
+    args.torch_extensions_dir.mkdir(parents=True, exist_ok=True)
+    code = ("from deepspeed.accelerator import get_accelerator\n"
+            "for name in ('FusedAdamBuilder', 'ShareMemCommBuilder'):\n"
+            "    builder = get_accelerator().create_op_builder(name)\n"
+            "    if builder is not None and builder.is_compatible():\n"
+            "        builder.load(verbose=False)\n")
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=1200, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    took = time.monotonic() - start
+    say(f"== warm-up: DeepSpeed CPU ops ready in {os.environ['TORCH_EXTENSIONS_DIR']} ({took:.0f} s, not counted)")
+    return took
+
+
+def write_experiment(args: argparse.Namespace, work: Path) -> Path:
+    """The example's experiment YAML, made small; ``deepspeed_config`` the example's JSON (absolute)."""
+    import yaml
+
+    experiment = yaml.safe_load((EXAMPLE / "deepspeed.yaml").read_text(encoding="utf-8"))
+    experiment["name"] = "bench-dsat"
+    experiment.setdefault("hyperparameters", {}).update({
+        "deepspeed_config": str(EXAMPLE / "ds_config.json"), "deterministic": False,
+        "width": args.width, "image_size": args.image_size, "dataset_size": args.dataset_size})
+    path = work / "experiment.yaml"
+    path.write_text(yaml.safe_dump(experiment, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def dsat_cli_args(args: argparse.Namespace, experiment: Path, output_dir: Path) -> list[str]:
+    """The dsat command line (after ``python -m toolkit.dsat``); the grid builds its plan from it too."""
+    argv = [args.method, str(experiment), str(EXAMPLE), "--max-trials", str(args.max_trials),
+            "--memory-per-slot", str(args.memory_per_slot), "--metric", args.metric,
+            "--zero-stages", *map(str, args.zero_stages), "--random-seed", str(args.random_seed),
+            "--start-profile-step", str(args.start_profile_step), "--end-profile-step", str(args.end_profile_step),
+            "--trial-timeout", str(args.trial_timeout), "--max-slots", "2", "--output-dir", str(output_dir)]
+    if args.method in ("binary", "asha"):
+        argv += ["--search-range-factor", str(args.search_range_factor)]
+    return argv
+
+
+# ------------------------------------------------------------------------------------------ 1. dsat
+def run_dsat(args: argparse.Namespace, experiment: Path, work: Path) -> dict[str, Any]:
+    from toolkit.dsat.runner import run_to_completion
+
+    out, log = work / "dsat", work / "dsat_log"
+    argv = [sys.executable, "-m", "toolkit.dsat", *dsat_cli_args(args, experiment, out)]
+    say(f"== dsat: python -m toolkit.dsat {' '.join(argv[3:])}")
+    start = time.monotonic()
+    code = run_to_completion(argv, cwd=ROOT, log_dir=log, timeout_s=args.max_trials * (args.trial_timeout + 60) + 300,
+                             nproc=2)
+    wall = time.monotonic() - start
+    for line in (log / "stdout.log").read_text(encoding="utf-8", errors="replace").splitlines():
+        say("  " + line)
+    records = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()
+               if line.strip()] if (out / "trials.jsonl").exists() else []
+    best = json.loads((out / "best_ds_metrics.json").read_text()) if (out / "best_ds_metrics.json").exists() else None
+    best_record = next((r for r in records if best and r["trial_id"] == best["trial_id"]), None)
+    result = {
+        "exit_code": code, "wall_s": round(wall, 1), "trials": len(records),
+        "trial_seconds": round(sum(r["duration_s"] for r in records), 1),
+        "statuses": {s.value: sum(r["status"] == s.value for r in records) for s in TrialStatus},
+        "best_metric": best["metrics"][args.metric] if best else None,
+        "best_trial_id": best["trial_id"] if best else None,
+        "best_stage": best_record["stage"] if best_record else None,
+        "best_micro_batch": best_record["micro_batch"] if best_record else None,
+        "best_zero": best_record["ds_overrides"]["zero_optimization"] if best_record else None,
+        "records": [{"trial_id": r["trial_id"], "stage": r["stage"], "micro_batch": r["micro_batch"],
+                     "status": r["status"], args.metric: r.get(args.metric), "duration_s": r["duration_s"],
+                     "profile": r["profile"], "zero": r["ds_overrides"]["zero_optimization"]} for r in records],
+        "output_dir": str(out),
+    }
+    if code != 0:
+        result["error"] = "\n".join((log / "stderr.log").read_text(errors="replace").splitlines()[-5:])
+    return result
+
+
+# --------------------------------------------------------------------------------- 2. grid, confirm
+class TrialArm:
+    """Runs specs one at a time through dsat's own TrialRunner, with the plan dsat's CLI builds."""
+
+    def __init__(self, args: argparse.Namespace, experiment: Path, output_dir: Path) -> None:
+        shutil.rmtree(output_dir, ignore_errors=True)
+        self.plan = make_plan(build_parser().parse_args(dsat_cli_args(args, experiment, output_dir)))
+        self.output_dir = output_dir
+        self.metric = args.metric
+        self.next_id = 1
+
+    def spec(self, stage: int, micro_batch: int, zero: dict[str, Any] | None = None) -> TrialSpec:
+        zero = copy.deepcopy(zero) if zero is not None else zero_config_for_stage(self.plan.search.base_zero, stage)
+        self.next_id += 1
+        return TrialSpec(trial_id=self.next_id - 1, micro_batch=micro_batch, zero=zero)
+
+    def run(self, specs: list[TrialSpec], *, label: str, skip=None) -> list[TrialResult]:
+        """Run ``specs`` in order, one at a time; ``skip(spec, results_so_far)`` True leaves one out."""
+        from toolkit.ds_config import overwrite_deepspeed_config
+        from toolkit.dsat.orchestrator import trial_ds_config, trial_hparams
+        from toolkit.dsat.reporting import instrumentation_overrides
+        from toolkit.dsat.runner import TrialRunner
+        from toolkit.dsat.types import TrialContract
+
+        plan, results = self.plan, []
+        with TrialRunner(plan.runner, output_dir=self.output_dir) as runner:
+            for i, spec in enumerate(specs, 1):
+                if skip is not None and skip(spec, results):
+                    continue
+                # Exactly what dsat's orchestrator starts (Autotuner._config_for and _start).
+                config = trial_ds_config(plan.base_ds_config, spec, data_parallel_size=plan.data_parallel_size)
+                contract = TrialContract(spec.trial_id, "", plan.runner.start_profile_step,
+                                         plan.runner.end_profile_step, False, plan.runner.memory_per_slot)
+                config = overwrite_deepspeed_config(config, instrumentation_overrides(contract))
+                runner.start(spec, ds_config=config, hparams=trial_hparams(plan.hparams, config))
+                done: list[TrialResult] = []
+                while not done:
+                    done = runner.wait(timeout=1.0)
+                result = done[0]
+                results.append(result)
+                value = result.metrics.get(self.metric)
+                shown = f"{self.metric}={value:.4g}" if value is not None else (result.error or "").splitlines()[0]
+                say(f"  [{label} {i}/{len(specs)}] stage {spec.stage} mb {spec.micro_batch}: "
+                    f"{result.status.value} {shown} ({result.duration_s:.1f} s)")
+        return results
+
+
+def grid_micro_batches(hi: int) -> list[int]:
+    """``{1, 2, 4, ..., 2^k <= hi} + {hi}``: dsat's range [1, hi] on a doubling grid."""
+    return sorted({2 ** k for k in range(hi.bit_length()) if 2 ** k <= hi} | {hi})
+
+
+def search_range(args: argparse.Namespace, profile: dict[str, Any]) -> dict[int, int]:
+    """Per stage, the top of the micro-batch range dsat bisects (see ``toolkit.dsat.lines``)."""
+    prediction = profile["prediction"]
+    return {s: max(1, math.ceil(args.search_range_factor * int(prediction[str(s)]["approx_max_micro_batch"])))
+            for s in args.zero_stages}
+
+
+def first_failure(results: list[TrialResult], stage: int) -> int | None:
+    return min((r.spec.micro_batch for r in results if r.spec.stage == stage and r.status is not TrialStatus.OK),
+               default=None)
+
+
+def run_grid(args: argparse.Namespace, arm: TrialArm, dsat: dict[str, Any], profile: dict[str, Any]) -> dict[str, Any]:
+    from toolkit.dsat.search import best_result
+
+    tops = search_range(args, profile)
+    specs: list[TrialSpec] = []
+    for stage in args.zero_stages:
+        stage_specs = [arm.spec(stage, mb) for mb in grid_micro_batches(tops[stage])
+                       if args.grid_limit is None or mb <= args.grid_limit]
+        if dsat["best_stage"] == stage and dsat["best_zero"] is not None:
+            keys = {config_key(s.micro_batch, dict(s.zero)) for s in stage_specs}
+            if config_key(dsat["best_micro_batch"], dsat["best_zero"]) not in keys:
+                stage_specs.append(arm.spec(stage, dsat["best_micro_batch"], dsat["best_zero"]))
+        specs += sorted(stage_specs, key=lambda s: s.micro_batch)
+    say(f"== grid: ZeRO stages {args.zero_stages} x micro-batches 1, 2, 4, ... up to the range tops {tops}, "
+        f"plus dsat's best config: {len(specs)} trials")
+
+    def skip(spec: TrialSpec, done: list[TrialResult]) -> bool:
+        failed_at = first_failure(done, spec.stage)
+        return args.grid_prune_after_oom and failed_at is not None and spec.micro_batch > failed_at
+
+    start = time.monotonic()
+    results = arm.run(specs, label="grid", skip=skip)
+    wall = time.monotonic() - start
+    best = best_result(results, args.metric)
+    # Memory grows with the micro-batch: a grid stopping each stage at its first failure would
+    # skip only trials that fail too. What it would have spent:
+    pruned = [r for r in results if first_failure(results, r.spec.stage) is None
+              or r.spec.micro_batch <= first_failure(results, r.spec.stage)]
+    return {
+        "search_range_top": {str(k): v for k, v in tops.items()},
+        "trials": len(results), "wall_s": round(wall, 1),
+        "trial_seconds": round(sum(r.duration_s for r in results), 1),
+        "trials_pruned": len(pruned), "trial_seconds_pruned": round(sum(r.duration_s for r in pruned), 1),
+        "statuses": {s.value: sum(r.status is s for r in results) for s in TrialStatus},
+        "best_metric": best.metrics[args.metric] if best else None,
+        "best_stage": best.spec.stage if best else None,
+        "best_micro_batch": best.spec.micro_batch if best else None,
+        "best_zero": dict(best.spec.zero) if best else None,
+        "largest_ok_micro_batch": max((r.spec.micro_batch for r in results if r.status is TrialStatus.OK),
+                                      default=None),
+        "points": [{"stage": r.spec.stage, "micro_batch": r.spec.micro_batch, "status": r.status.value,
+                    args.metric: r.metrics.get(args.metric), "duration_s": round(r.duration_s, 2),
+                    "zero": dict(r.spec.zero)} for r in results],
+        "output_dir": str(arm.output_dir),
+    }
+
+
+def confirm(args: argparse.Namespace, arm: TrialArm, candidates: dict[str, dict[str, Any]],
+            measured: dict[str, list[float]]) -> dict[str, Any]:
+    """Measure each candidate ``args.confirm`` more times, interleaved; medians over all measurements."""
+    keys = {name: config_key(c["micro_batch"], c["zero"]) for name, c in candidates.items() if c.get("micro_batch")}
+    unique = list(dict.fromkeys(keys.values()))
+    by_key = {keys[name]: candidates[name] for name in keys}
+    specs, owner = [], {}
+    for _ in range(args.confirm):
+        for key in unique:
+            c = by_key[key]
+            spec = arm.spec(c["stage"], c["micro_batch"], c["zero"])
+            specs.append(spec)
+            owner[spec.trial_id] = key
+    if specs:
+        say(f"== confirm: {args.confirm} more measurement(s) of the best configs of "
+            f"{', '.join(keys)} (interleaved)")
+    outcomes: dict[str, list[str]] = {}
+    for result in arm.run(specs, label="confirm"):
+        key = owner[result.spec.trial_id]
+        outcomes.setdefault(key, []).append(result.status.value if result.status is not TrialStatus.OK else "ok")
+        if result.status is TrialStatus.OK:
+            measured.setdefault(key, []).append(result.metrics[args.metric])
+        elif result.error:
+            outcomes[key][-1] += f" ({result.error.splitlines()[0]})"
+    return {name: {"stage": candidates[name]["stage"], "micro_batch": candidates[name]["micro_batch"],
+                   "measurements": measured.get(key, []), "confirm_outcomes": outcomes.get(key, []),
+                   "median": statistics.median(measured[key]) if measured.get(key) else None}
+            for name, key in keys.items()}
+
+
+# -------------------------------------------------------------------------- 3. DeepSpeed's autotuner
+def _traceback_error(text: str) -> str | None:
+    """The exception line of the last traceback in ``text``."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if not starts:
+        return None
+    return next((line.strip() for line in lines[starts[-1] + 1:] if line.strip() and not line[0].isspace()), None)
+
+
+def _ds_search_error(stderr: Path) -> str | None:
+    """What DeepSpeed's scheduler concludes from an experiment's stderr (its search_error rule)."""
+    if not stderr.exists():
+        return "stderr.log does not exist"
+    for line in stderr.read_text(errors="replace").splitlines():
+        for word in ("Error", "error", "ERROR"):
+            if word in line:
+                return line[line.find(word) + len(word):].lstrip(": ")[:200]
+    return None
+
+
+def run_ds_autotuner(args: argparse.Namespace, work: Path, cap: int) -> dict[str, Any]:
+    from toolkit.dsat.runner import free_port, run_to_completion
+
+    out = work / "ds_autotuner"
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "bin").mkdir(parents=True)
+    config = json.loads((EXAMPLE / "ds_config.json").read_text())
+    config["zero_optimization"] = {"stage": list(args.zero_stages)}
+    config["autotuning"] = {
+        "enabled": True, "fast": True, "metric": "throughput",
+        "start_profile_step": args.start_profile_step, "end_profile_step": args.end_profile_step,
+        "max_train_micro_batch_size_per_gpu": cap,
+        "results_dir": str(out / "results"), "exps_dir": str(out / "exps"), "overwrite": True}
+    (out / "ds_config.json").write_text(json.dumps(config, indent=2))
+    deepspeed_bin = Path(sys.executable).parent / "deepspeed"
+    # Each experiment is a new `deepspeed` found on PATH. Only that one program is put first on
+    # PATH, not the whole venv/bin: the venv's ninja differs from the system's, and alternating
+    # ninjas rebuild DeepSpeed's JIT ops (minutes each) for every process that follows.
+    (out / "bin" / "deepspeed").symlink_to(deepspeed_bin)
+    argv = [str(deepspeed_bin), "--autotuning", "tune", "--num_gpus", "2", "--master_port", str(free_port()),
+            str(ENTRY), "--deepspeed_config", str(out / "ds_config.json"), "--width", str(args.width),
+            "--image-size", str(args.image_size), "--dataset-size", str(args.dataset_size)]
+    env = {"LOCAL_SIZE": "2",  # DeepSpeed's CPU accelerator: the number of "devices" on this node
+           "OMP_NUM_THREADS": "1", "PATH": str(out / "bin") + os.pathsep + os.environ.get("PATH", ""),
+           "PYTHONPATH": os.pathsep.join(p for p in (args.ds_pythonpath, str(ROOT), os.environ.get("PYTHONPATH"))
+                                         if p)}
+    say(f"== DeepSpeed autotuner (fast mode, micro-batch cap {cap}, timeout {args.ds_timeout:g} s): "
+        f"{' '.join(argv)}")
+    start = time.monotonic()
+    code = run_to_completion(argv, cwd=out, env=env, log_dir=out / "log", timeout_s=args.ds_timeout, nproc=2)
+    wall = time.monotonic() - start
+    experiments = []
+    for exp_dir in sorted((p for p in (out / "results").glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime):
+        entry: dict[str, Any] = {"name": exp_dir.name, "ds_verdict_error": _ds_search_error(exp_dir / "stderr.log")}
+        try:
+            ds_cfg = json.loads((exp_dir / "ds_config.json").read_text())
+            entry.update(stage=(ds_cfg.get("zero_optimization") or {}).get("stage"),
+                         micro_batch=ds_cfg.get("train_micro_batch_size_per_gpu"),
+                         gradient_accumulation_steps=ds_cfg.get("gradient_accumulation_steps"))
+            metrics = json.loads((exp_dir / "metrics.json").read_text())
+            # Its timers report microseconds here; its throughput is samples/s over all ranks.
+            entry.update(throughput=metrics.get("throughput"), latency_ms=metrics.get("latency", 0) / 1000.0)
+        except (OSError, json.JSONDecodeError):
+            pass
+        experiments.append(entry)
+    scored = [e for e in experiments if e.get("throughput")]
+    best = max(scored, key=lambda e: e["throughput"], default=None)
+    log_text = "\n".join(p.read_text(errors="replace") for p in (out / "log").glob("*.log"))
+    result = {"exit_code": code, "timed_out": code == 124, "wall_s": round(wall, 1), "micro_batch_cap": cap,
+              "experiments_launched": len(experiments), "experiments_with_metrics": len(scored),
+              "best_throughput": best["throughput"] if best else None, "best": best, "experiments": experiments,
+              "optimal_config_written": (out / "results" / "ds_config_optimal.json").exists(),
+              "pdsh_missing": "No such file or directory: 'pdsh'" in log_text, "output_dir": str(out)}
+    if code == 124:
+        running = experiments[-1]["name"] if experiments else "none"
+        result["error"] = f"stopped at the {args.ds_timeout:g} s timeout while running experiment {running}"
+    elif code != 0 or best is None:
+        result["error"] = f"exit status {code}: {_traceback_error(log_text) or 'no traceback printed'}"
+    return result
+
+
+# --------------------------------------------------------------------------------------- report
+def table(s: dict[str, Any]) -> str:
+    d, g, r, metric, c = s["dsat"], s["grid"], s["ratios"], s["settings"]["metric"], s["confirm"]
+
+    def num(v: Any, fmt: str = ".4g") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    def verdict(v: float | None, target: float, at_least: bool) -> str:
+        return "n/a" if v is None else "met" if (v >= target if at_least else v <= target) else "NOT met"
+
+    rows = [("", f"dsat ({s['settings']['method']})", "grid", "ratio", "target", ""),
+            (f"best {metric} (as found)", num(d["best_metric"]), num(g["best_metric"]), num(r["best"], ".3f"),
+             ">= 0.95", verdict(r["best"], 0.95, True))]
+    if r["best_confirmed"] is not None:
+        rows.append((f"best {metric} (median of all runs)", num(c["dsat"]["median"]), num(c["grid"]["median"]),
+                     num(r["best_confirmed"], ".3f"), ">= 0.95", verdict(r["best_confirmed"], 0.95, True)))
+    rows += [("trial-seconds", num(d["trial_seconds"], ".1f"), num(g["trial_seconds"], ".1f"),
+              num(r["trial_seconds"], ".3f"), "<= 0.25", verdict(r["trial_seconds"], 0.25, False)),
+             ("trial-seconds, grid pruned at 1st OOM", num(d["trial_seconds"], ".1f"),
+              num(g["trial_seconds_pruned"], ".1f"), num(r["trial_seconds_pruned"], ".3f"), "<= 0.25",
+              verdict(r["trial_seconds_pruned"], 0.25, False)),
+             ("trials (ok/oom/failed/timeout)", f"{d['trials']} ({'/'.join(str(v) for v in d['statuses'].values())})",
+              f"{g['trials']} ({'/'.join(str(v) for v in g['statuses'].values())})", "", "", ""),
+             ("wall time (s)", num(d["wall_s"], ".0f"), num(g["wall_s"], ".0f"), "", "", ""),
+             ("best config (stage, micro-batch)", f"{d['best_stage']}, {d['best_micro_batch']}",
+              f"{g['best_stage']}, {g['best_micro_batch']}", "", "", "")]
+    widths = [max(len(row[i]) for row in rows) for i in range(6)]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    ds = s["ds_autotuner"]
+    if ds:
+        lines += ["", f"DeepSpeed autotuner (fast mode): exit status {ds['exit_code']}, wall {ds['wall_s']:.0f} s "
+                      f"(dsat: {d['wall_s']:.0f} s), {ds['experiments_launched']} experiment(s) launched, "
+                      f"{ds['experiments_with_metrics']} with metrics"]
+        if ds["best"]:
+            b = ds["best"]
+            lines.append(f"  best throughput {b['throughput']:.4g} samples/s by its own timers (forward+backward+step, "
+                         f"no data loading) at stage {b['stage']}, micro-batch {b['micro_batch']}, gradient "
+                         f"accumulation {b['gradient_accumulation_steps']}; dsat's best {metric}: "
+                         f"{num(d['best_metric'])}")
+            if c.get("deepspeed"):
+                lines.append(f"  its best config through dsat's trial runner (same budget, data loading timed): "
+                             f"{num(c['deepspeed']['median'])} {metric} (median); re-runs: "
+                             f"{', '.join(c['deepspeed']['confirm_outcomes']) or '-'}")
+        if ds.get("error"):
+            lines.append(f"  error: {ds['error']}")
+        if ds["pdsh_missing"]:
+            lines.append("  note: after each experiment it runs `pdsh ... pkill -f <experiment>` to clean up; "
+                         "pdsh is not installed, so every experiment thread ended in FileNotFoundError")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = args.work_dir.resolve()
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    started = time.monotonic()
+    warm_up_s = warm_up(args)
+    experiment = write_experiment(args, work)
+
+    dsat = run_dsat(args, experiment, work)
+    if not (work / "dsat" / "profile.json").exists():
+        say(f"dsat wrote no profile.json (exit status {dsat['exit_code']}): {dsat.get('error')}; no grid to run")
+        return 1
+    arm = TrialArm(args, experiment, work / "grid")
+    grid = run_grid(args, arm, dsat, json.loads((work / "dsat" / "profile.json").read_text()))
+    if args.dataset_size < 2 * max(int(v) for v in grid["search_range_top"].values()):
+        say(f"warning: --dataset-size {args.dataset_size} < 2 x the range top: trials above half of it fail "
+            "for want of data, not memory")
+
+    ds = None
+    if not args.skip_ds_autotuner:
+        ds = run_ds_autotuner(args, work, grid["largest_ok_micro_batch"] or dsat["best_micro_batch"] or 1024)
+
+    measured: dict[str, list[float]] = {}
+    for rec in [*(r for r in dsat["records"] if not r["profile"]), *grid["points"]]:
+        if rec["status"] == "ok":
+            measured.setdefault(config_key(rec["micro_batch"], rec["zero"]), []).append(rec[args.metric])
+    candidates = {"dsat": {"stage": dsat["best_stage"], "micro_batch": dsat["best_micro_batch"],
+                           "zero": dsat["best_zero"]},
+                  "grid": {"stage": grid["best_stage"], "micro_batch": grid["best_micro_batch"],
+                           "zero": grid["best_zero"]}}
+    if ds and ds["best"]:
+        candidates["deepspeed"] = {"stage": ds["best"]["stage"], "micro_batch": ds["best"]["micro_batch"],
+                                   "zero": zero_config_for_stage(arm.plan.search.base_zero, ds["best"]["stage"])}
+    confirmed = confirm(args, arm, candidates, measured) if args.confirm else {}
+
+    def ratio(a: float | None, b: float | None, *, metric: bool = False) -> float | None:
+        if a is None or not b:
+            return None
+        return b / a if metric and args.metric in SMALLER_IS_BETTER else a / b  # >= 0.95 is good either way
+
+    summary = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "warm_up_s": round(warm_up_s, 1), "dsat": dsat, "grid": grid, "ds_autotuner": ds, "confirm": confirmed,
+        "ratios": {
+            "best": ratio(dsat["best_metric"], grid["best_metric"], metric=True),
+            "best_confirmed": ratio(confirmed.get("dsat", {}).get("median"), confirmed.get("grid", {}).get("median"),
+                                    metric=True),
+            "trial_seconds": ratio(dsat["trial_seconds"], grid["trial_seconds"]),
+            "trial_seconds_pruned": ratio(dsat["trial_seconds"], grid["trial_seconds_pruned"])},
+        "total_wall_s": round(time.monotonic() - started, 1),
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+    say()
+    say(table(summary))
+    say(f"\ntotal wall time {summary['total_wall_s']:.0f} s; all numbers in {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,6 +7,9 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup.sh"
+# One PATH for every process: DeepSpeed builds its CPU ops with the first `ninja` on PATH, and two
+# different ninjas (the venv's and the system's) make processes rebuild them in the shared cache.
+export PATH="$root/.venv/bin:$PATH"
 py="$root/.venv/bin/python"
 out="${TOOLKIT_MAIN_OUT:-$root/runs/main}"
 nproc="${NPROC:-2}"

@@ -6,5 +6,8 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup.sh"
+# One PATH for every process: DeepSpeed builds its CPU ops with the first `ninja` on PATH, and two
+# different ninjas (the venv's and the system's) make processes rebuild them in the shared cache.
+export PATH="$root/.venv/bin:$PATH"
 cd "$root"
 exec "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -23,6 +23,7 @@ from toolkit.config import (
     load_experiment_config,
     max_length_steps,
 )
+from toolkit.cpu_adam_state import replay_cpu_adam_state
 from toolkit.data import ResumableDistributedSampler, ResumePosition, resume_position, seed_everything
 from toolkit.distributed import DistributedContext, get_context, init_distributed
 from toolkit.ds_config import (
@@ -64,6 +65,7 @@ __all__ = [
     "load_experiment_config",
     "max_length_steps",
     "overwrite_deepspeed_config",
+    "replay_cpu_adam_state",
     "resolve_ds_config",
     "resume_position",
     "save_checkpoint",

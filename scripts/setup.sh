@@ -15,8 +15,19 @@ torch_pin="${TOOLKIT_TORCH:-torch==2.13.0}"
 
 stamp_of() { cat "$root/setup.cfg" "$root/pyproject.toml" "$root/scripts/setup.sh" | sha256sum | cut -c1-16; }
 want="$(stamp_of)"
+# DeepSpeed's CPU ops are built into the venv, not ~/.cache: a lock left there by another checkout's
+# killed build, or ops built by another torch or another ninja, cannot reach this one.
+# scripts/test.sh and scripts/main.sh export the same variable.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$venv/torch_extensions}"
+build_ops() {
+  if [ "$(cat "$venv/.ops-stamp" 2>/dev/null)" != "$want:$TORCH_EXTENSIONS_DIR" ]; then
+    PATH="$venv/bin:$PATH" "$venv/bin/python" "$root/scripts/build_ops.py"
+    echo "$want:$TORCH_EXTENSIONS_DIR" > "$venv/.ops-stamp"
+  fi
+}
 if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.toolkit-stamp" 2>/dev/null)" = "$want" ] \
    && "$venv/bin/python" -c "import torch, deepspeed, yaml, tensorboard, pytest, toolkit" 2>/dev/null; then
+  build_ops
   exit 0
 fi
 
@@ -36,3 +47,4 @@ fi
 echo "setup: installing toolkit and its dependencies into $venv"
 "${pip[@]}" -e "$root[test]"
 echo "$want" > "$venv/.toolkit-stamp"
+build_ops

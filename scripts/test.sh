@@ -7,7 +7,9 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup.sh"
 # One PATH for every process: DeepSpeed builds its CPU ops with the first `ninja` on PATH, and two
-# different ninjas (the venv's and the system's) make processes rebuild them in the shared cache.
+# different ninjas (the venv's and the system's) make processes rebuild them.
 export PATH="$root/.venv/bin:$PATH"
+# DeepSpeed's CPU ops, built once by scripts/setup.sh into the venv (see scripts/build_ops.py).
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$root/.venv/torch_extensions}"
 cd "$root"
 exec "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider "$@"

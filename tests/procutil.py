@@ -10,6 +10,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
+#: Marks every process this test run starts (conftest.py kills those still alive after a module).
+#: Unique per pytest process, so that two test runs on one machine leave each other alone.
+SESSION_ENV = "TOOLKIT_TEST_SESSION"
+SESSION_ID = f"{os.getpid()}-{os.urandom(4).hex()}"
 
 
 def free_port() -> int:
@@ -25,6 +29,7 @@ def child_env(**extra: str) -> dict[str, str]:
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                          "GROUP_RANK", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
+    env[SESSION_ENV] = SESSION_ID
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env

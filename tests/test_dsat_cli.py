@@ -72,6 +72,10 @@ def trial_rows(out):
     (["--start-profile-step", "0"], "argument --start-profile-step: 0 is too small"),
     (["--start-profile-step", "5", "--end-profile-step", "4"], "--end-profile-step 4 < --start-profile-step 5"),
     (["--search-range-factor", "-1"], "argument --search-range-factor: -1 is out of range"),
+    (["--bisect-tolerance", "1"], "argument --bisect-tolerance: 1 is out of range: expected a number >= 0 and < 1"),
+    (["--bisect-tolerance", "-0.1"], "argument --bisect-tolerance: -0.1 is out of range"),
+    (["--bisect-tolerance", "nan"], "argument --bisect-tolerance: nan is out of range"),
+    (["--bisect-tolerance", "10%"], "argument --bisect-tolerance: '10%' is not a number"),
     (["--max-slots", "1"], None),  # valid with slots_per_trial 1: checked separately below
 ])
 def test_bad_flags_exit_2_and_write_nothing(tmp_path, flags, fragment, capsys):
@@ -93,12 +97,28 @@ def test_the_installed_cli_exits_2_on_bad_input(tmp_path):
     ("asha", ["--divisor", "1"], "argument --divisor: 1 is too small"),
     ("random", ["--trials-per-random-config", "0"], "argument --trials-per-random-config: 0 is too small"),
     ("binary", ["--divisor", "2"], "unrecognized arguments: --divisor"),
+    ("asha", ["--bisect-tolerance", "0.1"], "unrecognized arguments: --bisect-tolerance"),
+    ("random", ["--bisect-tolerance", "0.1"], "unrecognized arguments: --bisect-tolerance"),
     ("grid", [], "invalid choice: 'grid'"),
 ])
 def test_method_flags_are_checked(tmp_path, method, flags, fragment, capsys):
     model_dir = make_model_dir(tmp_path)
     code, output = dsat_in_process(model_dir, *flags, method=method, capsys=capsys)
     assert code == 2 and fragment in output, output[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, expected", [([], 0.1), (["--bisect-tolerance", "0"], 0.0),
+                                             (["--bisect-tolerance", "0.25"], 0.25)])
+def test_bisect_tolerance_reaches_the_search_settings(tmp_path, flags, expected):
+    from toolkit.dsat.cli import build_parser, make_plan
+
+    model_dir = make_model_dir(tmp_path)
+    args = build_parser().parse_args(["binary", str(model_dir / "deepspeed.yaml"), str(model_dir),
+                                      "--output-dir", str(tmp_path / "out"), "--memory-per-slot", "100MiB", *flags])
+    plan = make_plan(args)  # checks and plans only: launches and writes nothing
+    assert plan.search.bisect_tolerance == expected
+    assert plan.fingerprint()["search"]["bisect_tolerance"] == expected  # --resume needs the same value
     assert not (tmp_path / "out").exists()
 
 

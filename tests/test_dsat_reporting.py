@@ -28,7 +28,8 @@ FWD_FLOPS_PER_EXAMPLE = 2 * 16 * 32 + 32 + 2 * 32 * 4   # Linear + ReLU + Linear
 def ds_config(*, micro_batch, stage, gas=1, trial_id=0):
     config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": gas,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-              "zero_optimization": {"stage": stage}, "steps_per_print": 1000}
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000},
+              "steps_per_print": 1000}
     contract = TrialContract(trial_id, "unused", START, END)
     config.update(instrumentation_overrides(contract))   # what the orchestrator merges into trials
     return config

@@ -8,9 +8,11 @@ function of micro-batch, stage and line.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import random
 from collections import Counter, defaultdict
+from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -18,7 +20,8 @@ from hypothesis import given, settings, strategies as st
 from toolkit.dsat.search import (AshaSearcher, BinarySearcher, RandomSearcher, best_result,
                                  make_searcher, replay)
 from toolkit.dsat.types import (METRICS, SMALLER_IS_BETTER, ProfileInfo, SearchSettings,
-                                TrialResult, TrialSpec, TrialStatus)
+                                TrialResult, TrialSpec, TrialStatus, is_better)
+from toolkit.errors import ConfigError
 
 OK, OOM, FAILED, TIMEOUT = TrialStatus.OK, TrialStatus.OOM, TrialStatus.FAILED, TrialStatus.TIMEOUT
 PROP = settings(max_examples=60, deadline=None)
@@ -84,38 +87,183 @@ def settings_for(method, **kw):
     return SearchSettings(method=method, **kw)
 
 
-def check_bounds(specs_by_line, results):
-    """Every trial's micro-batch lies in its line's [lo, hi] from the line's earlier results."""
+def check_bounds(specs_by_line, results, *, descent=False):
+    """Every trial's micro-batch lies in its line's [lo, hi] from the line's earlier results.
+
+    With ``descent`` (binary), a line may instead end with a downward refinement: a probe at
+    ``f // 2`` for its largest fitting ``f``, then each next probe half the previous, OK one.
+    """
     status = {r.spec.trial_id: r.status for r in results}
     for line, specs in specs_by_line.items():
-        lo, hi = 1, None
+        lo, hi, probe, probe_ok = 1, None, None, False
         for spec in specs:
-            assert spec.micro_batch >= lo and (hi is None or spec.micro_batch <= hi), (line, spec)
-            if status[spec.trial_id] is OK:
-                lo = spec.micro_batch + 1
-            else:
-                hi = spec.micro_batch - 1
+            m = spec.micro_batch
+            if probe is None and m >= lo and (hi is None or m <= hi):
+                if status[spec.trial_id] is OK:
+                    lo = m + 1
+                else:
+                    hi = m - 1
+                continue
+            assert descent and lo > 1, (line, spec)  # only below a micro-batch known to fit
+            assert m == (lo - 1) // 2 if probe is None else (probe_ok and m == probe // 2), (line, spec)
+            probe, probe_ok = m, status[spec.trial_id] is OK
 
 
-# -- binary --------------------------------------------------------------------------------------
+def peaked(limits: dict[int, int] | int, peaks: dict[int, int] | int, *, fail_at=()):
+    """Trial -> result with a unimodal throughput, like CPU runs where it peaks below the memory limit.
+
+    OOM iff the micro-batch exceeds the stage's limit; FAILED at the micro-batches in
+    ``fail_at``; else ``throughput(m) = m / (1 + (m / peak)**2)``, highest at ``m = peak``
+    (and ``throughput(peak * x) == throughput(peak / x)``). Step times grow with ``m``.
+    """
+    def run(spec: TrialSpec) -> TrialResult:
+        limit = limits if isinstance(limits, int) else limits[spec.stage]
+        peak = peaks if isinstance(peaks, int) else peaks[spec.stage]
+        m = spec.micro_batch
+        if m > limit:
+            return TrialResult(spec, OOM, error="simulated out of memory")
+        if m in fail_at:
+            return TrialResult(spec, FAILED, error="simulated crash")
+        speed = m / (1 + (m / peak) ** 2)
+        step_ms = 1000 * m / speed
+        return TrialResult(spec, OK, {"FLOPS_per_gpu": 1e9 * speed, "throughput": speed,
+                                     "forward": step_ms / 3, "backward": step_ms / 2, "latency": step_ms})
+    return run
+
+
+def bisection(hi: int, target: int, tolerance: float = 0.0) -> tuple[list[int], int]:
+    """The upward search of one line, written out independently: bisect ``[1, hi]`` (fits iff
+    ``m <= target``) until the range closes or, after a success, ``hi - f <= tolerance * f``
+    with ``f = lo - 1``. With tolerance 0 this is the exact bisection binary always did.
+    Returns (micro-batches tried, f)."""
+    lo, tried = 1, []
+    while lo <= hi and not (lo > 1 and hi - (lo - 1) <= tolerance * (lo - 1)):
+        m = (lo + hi) // 2
+        tried.append(m)
+        lo, hi = (m + 1, hi) if m <= target else (lo, m - 1)
+    return tried, lo - 1
+
+
+def tolerance_bound(hi: int, target: int, tolerance: float) -> int:
+    """The documented bound on upward trials: floor(log2 hi) + 1, and for tolerance > 0 also the
+    smallest k with hi / 2**k <= tol * T / (1 + tol), T = target (exact rational arithmetic)."""
+    exact = math.floor(math.log2(hi)) + 1
+    if tolerance == 0:
+        return exact
+    tol, k = Fraction(tolerance), 0
+    while Fraction(hi, 2**k) > tol * target / (1 + tol):
+        k += 1
+    return min(exact, k)
+
+
+def line_value(result: TrialResult, metric: str) -> float | None:
+    return result.metrics.get(metric) if result.status is OK else None
+
+
+def check_descent(upward: list[TrialResult], probes: list[TrialResult], f: int, metric: str, *,
+                  complete: bool = True) -> None:
+    """The probes follow the refinement rule: ``f // 2``, then halving while each probe strictly
+    improves the line's best; the last one did not improve, failed, or nothing was left to probe
+    (below 1 or already tried). ``complete=False``: the trial cap may have cut it short."""
+    tried = {r.spec.micro_batch for r in upward}
+    best = None
+    for r in upward:
+        value = line_value(r, metric)
+        if value is not None and is_better(metric, value, best):
+            best = value
+    nxt = f // 2
+    for i, r in enumerate(probes):
+        assert f >= 1 and nxt >= 1 and nxt not in tried and r.spec.micro_batch == nxt, (i, r.spec, f)
+        tried.add(nxt)
+        value = line_value(r, metric)
+        if value is None or not is_better(metric, value, best):
+            assert i == len(probes) - 1, "the refinement went on after a probe that did not improve"
+            return
+        best, nxt = value, nxt // 2
+    if complete:  # still improving at the end: only because nothing was left to probe
+        assert f == 0 or nxt < 1 or nxt in tried, (f, nxt, [r.spec.micro_batch for r in probes])
+
+
+def split_line(results: list[TrialResult], hi: int, tolerance: float) -> tuple[list, list, int]:
+    """One line's results (in order) -> (upward trials, downward probes, largest fitting f)."""
+    lo = 1
+    for i, r in enumerate(results):
+        if lo > hi or (lo > 1 and hi - (lo - 1) <= tolerance * (lo - 1)):
+            return results[:i], results[i:], lo - 1
+        m = r.spec.micro_batch
+        assert lo <= m <= hi, (i, r.spec, lo, hi)
+        lo, hi = (m + 1, hi) if r.status is OK else (lo, m - 1)
+    return results, [], lo - 1
+
+
+# -- binary: upward search -----------------------------------------------------------------------
+LARGER = ("throughput", "FLOPS_per_gpu")
+
+
+@pytest.mark.parametrize("value", [1, 1.0, -0.1, float("nan"), float("inf"), "0.1", True, None])
+def test_bisect_tolerance_is_validated(value):
+    with pytest.raises(ConfigError, match=r"bisect_tolerance=.*expected a number >= 0 and < 1"):
+        SearchSettings(method="binary", bisect_tolerance=value)
+
+
+def test_bisect_tolerance_accepts_0_to_below_1_and_defaults_to_a_tenth():
+    assert SearchSettings(method="binary").bisect_tolerance == 0.1
+    for value in (0, 0.0, 0.5, 0.999):
+        assert SearchSettings(method="binary", bisect_tolerance=value).bisect_tolerance == value
+
+
 @PROP
-@given(hi=st.integers(1, 10**6), data=st.data())
-def test_binary_reaches_any_target_within_log2_bound(hi, data):
+@given(hi=st.integers(1, 10**6), data=st.data(), metric=st.sampled_from(METRICS))
+def test_zero_tolerance_is_the_exact_bisection_within_the_log2_bound(hi, data, metric):
     target = data.draw(st.integers(1, hi))
-    s = settings_for("binary", zero_stages=(0,), max_trials=200)  # stage 0: a single line
-    searcher = make_searcher(s, profile_with_range(hi))
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, bisect_tolerance=0, metric=metric)
+    searcher = make_searcher(s, profile_with_range(hi))  # stage 0: a single line
     calls, results = drive(searcher, oracle(target))
-    specs = all_specs(calls)
-    assert {spec.line for spec in specs} == {0}
-    assert len(specs) <= math.floor(math.log2(hi)) + 1
-    assert any(r.spec.micro_batch == target and r.status is OK for r in results)
-    assert searcher.best.spec.micro_batch == target  # bigger is faster in the oracle
+    mbs = [spec.micro_batch for spec in all_specs(calls)]
+    assert {spec.line for spec in all_specs(calls)} == {0}
+    upward, f = bisection(hi, target)
+    assert f == target and len(upward) <= math.floor(math.log2(hi)) + 1
+    assert mbs[:len(upward)] == upward  # the old behaviour, trial for trial
+    # The oracle is fastest at the largest micro-batch, so a refinement stops at its first probe.
+    refine = metric in LARGER and target // 2 >= 1 and target // 2 not in upward
+    assert mbs[len(upward):] == ([target // 2] if refine else [])
+    assert searcher.best.spec.micro_batch == target
+
+
+@PROP
+@given(hi=st.integers(1, 10**6), data=st.data(), tolerance=st.floats(0, 0.99),
+       metric=st.sampled_from(["latency", "throughput"]))
+def test_tolerance_stops_within_tolerance_of_the_largest_fitting_micro_batch(hi, data, tolerance, metric):
+    target = data.draw(st.integers(1, hi))
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, bisect_tolerance=tolerance, metric=metric)
+    _, results = drive(make_searcher(s, profile_with_range(hi)), oracle(target))
+    upward, probes, f = split_line(results, hi, tolerance)
+    assert [r.spec.micro_batch for r in upward] == bisection(hi, target, tolerance)[0]
+    assert f == max(r.spec.micro_batch for r in results if r.status is OK)
+    assert 1 <= f <= target and target - f <= tolerance * f  # f >= target / (1 + tolerance)
+    assert len(upward) <= tolerance_bound(hi, target, tolerance)
+    assert not probes if metric == "latency" else len(probes) <= 1  # monotone oracle
+
+
+def test_tolerance_spares_the_trials_at_the_memory_boundary(caplog):
+    # The CPU benchmark's stage-1 line: exact bisection spent 5 of 7 trials next to the limit.
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, metric="latency")
+    exact, f = bisection(7106, 2700)
+    assert exact[:7] == [3553, 1776, 2664, 3108, 2886, 2775, 2719] and len(exact) == 13 and f == 2700
+    with caplog.at_level(logging.DEBUG, logger="toolkit.dsat.lines"):
+        _, results = drive(make_searcher(s, profile_with_range(7106)), oracle(2700))
+    assert [r.spec.micro_batch for r in results] == [3553, 1776, 2664, 3108, 2886]
+    assert "within 10% of the largest fitting micro-batch 2664" in caplog.text
+    exact_run = drive(make_searcher(dataclasses.replace(s, bisect_tolerance=0), profile_with_range(7106)),
+                      oracle(2700))[1]
+    assert [r.spec.micro_batch for r in exact_run] == exact
 
 
 @PROP
 @given(hi=st.integers(1, 10**4), factor=st.floats(0.1, 4.0))
 def test_binary_range_is_factor_times_the_memory_model(hi, factor):
-    s = settings_for("binary", zero_stages=(0,), max_trials=100, search_range_factor=factor)
+    s = settings_for("binary", zero_stages=(0,), max_trials=100, search_range_factor=factor,
+                     bisect_tolerance=0)
     searcher = make_searcher(s, profile_with_range(hi))
     _, results = drive(searcher, oracle(10**9))  # everything fits: bisection climbs to the top
     assert max(r.spec.micro_batch for r in results) == max(1, math.ceil(factor * hi))
@@ -123,10 +271,176 @@ def test_binary_range_is_factor_times_the_memory_model(hi, factor):
 
 @pytest.mark.parametrize("status", [FAILED, TIMEOUT])
 def test_binary_treats_failed_and_timeout_like_oom(status):
-    searcher = make_searcher(settings_for("binary", zero_stages=(0,)), profile_with_range(100))
+    searcher = make_searcher(settings_for("binary", zero_stages=(0,), bisect_tolerance=0),
+                             profile_with_range(100))
     _, results = drive(searcher, oracle(37, status=status))
     assert searcher.best.spec.micro_batch == 37
     assert all(r.spec.micro_batch <= 37 or r.status is status for r in results)
+
+
+# -- binary: downward refinement -----------------------------------------------------------------
+@PROP
+@given(hi=st.integers(2, 10**5), data=st.data(), tolerance=st.floats(0, 0.5),
+       metric=st.sampled_from(LARGER))
+def test_refinement_finds_the_peak_of_a_unimodal_curve_within_a_factor_2(hi, data, tolerance, metric):
+    limit = data.draw(st.integers(1, hi), label="limit")
+    peak = data.draw(st.integers(1, limit), label="peak")
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, bisect_tolerance=tolerance, metric=metric)
+    searcher = make_searcher(s, profile_with_range(hi))
+    _, results = drive(searcher, peaked(limit, peak))
+    upward, probes, f = split_line(results, hi, tolerance)
+    check_descent(upward, probes, f, metric)
+    assert len(results) <= tolerance_bound(hi, limit, tolerance) + max(0, math.floor(math.log2(f)))
+    best = searcher.best.spec.micro_batch
+    if f // 2 in {r.spec.micro_batch for r in upward}:
+        assert probes == []  # already tried: the rule stops there (a factor 2 is not promised)
+    elif peak <= f:
+        assert peak / 2 <= best <= 2 * peak, ([r.spec.micro_batch for r in results], f)
+    else:
+        assert best == f and len(probes) == (1 if f >= 2 else 0)  # rising all the way to the limit
+
+
+def test_refinement_stops_at_the_first_probe_that_does_not_improve(caplog):
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, metric="throughput")
+    with caplog.at_level(logging.DEBUG, logger="toolkit.dsat"):
+        _, results = drive(make_searcher(s, profile_with_range(1024)), peaked(1000, 40))
+    mbs = [r.spec.micro_batch for r in results]
+    # Upward: f = 960 with [961, 1024] open, within 10%. Down: 480 ... 30 improve, 15 does not.
+    assert mbs == [512, 768, 896, 960, 480, 240, 120, 60, 30, 15]
+    assert "refining downwards from 480" in caplog.text
+    assert "micro-batch 15 did not improve the line's best" in caplog.text
+    check_descent(results[:4], results[4:], 960, "throughput")
+    # A probe that fails ends the refinement there; it moves no bound (best stays 240).
+    searcher = make_searcher(s, profile_with_range(1024))
+    _, results = drive(searcher, peaked(1000, 40, fail_at={120}))
+    assert [r.spec.micro_batch for r in results] == [512, 768, 896, 960, 480, 240, 120]
+    assert searcher.best.spec.micro_batch == 240 and searcher.done
+
+
+def test_refinement_stops_at_a_micro_batch_the_line_already_tried(caplog):
+    s = settings_for("binary", zero_stages=(0,), bisect_tolerance=0, metric="FLOPS_per_gpu")
+    with caplog.at_level(logging.DEBUG, logger="toolkit.dsat.lines"):
+        searcher = make_searcher(s, profile_with_range(41))
+        _, results = drive(searcher, peaked(20, 2))
+    # f = 20 and f // 2 = 10 was the first success: nothing new to probe.
+    assert [r.spec.micro_batch for r in results] == [21, 10, 15, 18, 19, 20]
+    assert "nothing left below: micro-batch 10 already tried" in caplog.text
+
+
+@PROP
+@given(seed=st.integers(0, 2**16), concurrency=st.integers(1, 6), order_seed=st.integers(0, 99),
+       tolerance=st.floats(0, 0.5), metric=st.sampled_from(LARGER), max_trials=st.integers(2, 60),
+       peaks=st.tuples(st.integers(1, 400), st.integers(1, 400)))
+def test_every_line_refines_by_its_own_best(seed, concurrency, order_seed, tolerance, metric, max_trials, peaks):
+    """Many lines side by side: each line's probes follow the rule against that line's best."""
+    hi, limits = 1000, {1: 500, 2: 700}
+    s = settings_for("binary", zero_stages=(1, 2), max_trials=max_trials, random_seed=seed, metric=metric,
+                     bisect_tolerance=tolerance)
+    searcher = make_searcher(s, profile_with_range(hi))
+    calls, results = drive(searcher, peaked(limits, {1: peaks[0], 2: peaks[1]}), concurrency=concurrency,
+                           order_seed=order_seed)
+    by_line = defaultdict(list)
+    for r in sorted(results, key=lambda r: r.spec.trial_id):
+        by_line[r.spec.line].append(r)
+    # The trial cap cuts short only the lines with a trial in flight when it is reached (an idle
+    # line gets the next free slot before any new line starts).
+    assert len(results) == max_trials - 1  # 2 x 72 configurations: the cap always ends it
+    flying, proposed, cut = set(), 0, set()
+    for call, result in zip(calls, results):
+        flying |= {spec.line for spec in call}
+        proposed += len(call)
+        if proposed == max_trials - 1:
+            cut = set(flying)
+            break
+        flying.discard(result.spec.line)
+    for line, rs in by_line.items():
+        upward, probes, f = split_line(rs, hi, tolerance)
+        check_descent(upward, probes, f, metric, complete=line not in cut)
+        if line not in cut:  # finished: upward search over, then refined as long as it improved
+            assert f >= 1 and len(upward) == len(bisection(hi, limits[rs[0].spec.stage], tolerance)[0])
+    assert searcher.best is best_result(results, metric)
+
+
+@pytest.mark.parametrize("metric", sorted(SMALLER_IS_BETTER))
+@pytest.mark.parametrize("tolerance", [0, 0.1, 0.5])
+def test_no_refinement_for_smaller_is_better_metrics(metric, tolerance):
+    limits, hi = {1: 300, 2: 400, 3: 900}, 1000
+    s = settings_for("binary", zero_stages=(1, 2, 3), max_trials=60, metric=metric, bisect_tolerance=tolerance)
+    searcher = make_searcher(s, profile_with_range(hi))
+    calls, results = drive(searcher, peaked(limits, 20), concurrency=3)
+    by_line = defaultdict(list)
+    for r in sorted(results, key=lambda r: r.spec.trial_id):
+        by_line[r.spec.line].append(r)
+    check_bounds({line: [r.spec for r in rs] for line, rs in by_line.items()}, results, descent=False)
+    complete = 0
+    for rs in by_line.values():  # the lines running when the trial cap hit are cut short
+        expected = bisection(hi, limits[rs[0].spec.stage], tolerance)[0]
+        assert [r.spec.micro_batch for r in rs] == expected[:len(rs)]
+        complete += len(rs) == len(expected)
+    assert complete >= len(by_line) - 3 and len(results) == 59
+    # Smaller is better: the smallest success of the search wins (an upward trial).
+    assert searcher.best is best_result(results, metric)
+
+
+def _single_line_run(max_trials: int) -> list[int]:
+    s = settings_for("binary", zero_stages=(0,), max_trials=max_trials, metric="throughput")
+    searcher = make_searcher(s, profile_with_range(1024))
+    _, results = drive(searcher, peaked(1000, 40))
+    assert searcher.done and searcher.propose(3) == []
+    return [r.spec.micro_batch for r in results]
+
+
+def test_refinement_respects_the_trial_cap():
+    full = _single_line_run(200)
+    assert len(full) == 10
+    for max_trials in range(2, len(full) + 3):
+        assert _single_line_run(max_trials) == full[:max_trials - 1]
+
+
+def _run_to_end(searcher, run, in_flight, observed_before, concurrency):
+    """Finish the lowest trial id first; returns every (trial id, micro-batch, line) proposed."""
+    proposed = []
+    while not searcher.done:
+        for spec in searcher.propose(concurrency - len(in_flight)):
+            observed_before[spec.trial_id] = searcher.observed_count
+            in_flight.append(spec)
+            proposed.append((spec.trial_id, spec.micro_batch, spec.line))
+        in_flight.sort(key=lambda spec: spec.trial_id)
+        searcher.observe(run(in_flight.pop(0)))
+    return proposed
+
+
+def test_replay_rebuilds_a_search_interrupted_during_a_refinement():
+    s = settings_for("binary", zero_stages=(1, 2), max_trials=40, metric="throughput", random_seed=3)
+    run = peaked({1: 900, 2: 1000}, {1: 40, 2: 60})
+    full = _run_to_end(make_searcher(s, profile_with_range(1024)), run, [], {}, 2)
+    assert len(full) == 39
+    cut_during_refinement = 0
+    for cut in range(len(full)):
+        original = make_searcher(s, profile_with_range(1024))
+        observed_before: dict[int, int] = {}
+        in_flight, results = [], []
+        while len(results) < cut:
+            for spec in original.propose(2 - len(in_flight)):
+                observed_before[spec.trial_id] = original.observed_count
+                in_flight.append(spec)
+            in_flight.sort(key=lambda spec: spec.trial_id)
+            results.append(run(in_flight.pop(0)))
+            original.observe(results[-1])
+        known_fit = defaultdict(int)
+        for r in results:
+            if r.status is OK:
+                known_fit[r.spec.line] = max(known_fit[r.spec.line], r.spec.micro_batch)
+        cut_during_refinement += any(spec.micro_batch < known_fit[spec.line] for spec in in_flight)
+        resumed = make_searcher(s, profile_with_range(1024))
+        records = [TrialResult.from_json(r.to_json()) for r in results]
+        rerun = replay(resumed, results=records, observed_before=observed_before)
+        assert rerun == sorted(in_flight, key=lambda spec: spec.trial_id)
+        assert resumed.best == original.best
+        before = [(sp.trial_id, sp.micro_batch, sp.line) for sp in [r.spec for r in results] + in_flight]
+        rest = _run_to_end(resumed, run, list(rerun), dict(observed_before), 2)
+        assert sorted(before) + rest == full  # the resumed search goes on exactly as the whole one
+    assert cut_during_refinement >= 3
 
 
 # -- caps, ids, termination: all methods ---------------------------------------------------------
@@ -159,7 +473,7 @@ def test_caps_ids_and_termination(method, stages, max_trials, concurrency, hi, l
     for line_specs in by_line.values():  # a line is one ZeRO config
         assert all(spec.zero == line_specs[0].zero for spec in line_specs)
     assert len({repr(sorted(v[0].zero.items())) for v in by_line.values()}) == len(by_line)
-    check_bounds(by_line, results)
+    check_bounds(by_line, results, descent=method == "binary")
     # At most one trial of a line in flight at a time: replay the proposal/observation order.
     flying: set[int] = set()
     observed = iter(results)
@@ -233,10 +547,12 @@ def test_split_proposals_equal_one_proposal(method, seed, splits):
 
 @PROP
 @given(method=METHOD, seed=st.integers(0, 2**16), concurrency=st.integers(1, 6),
-       order_seed=st.integers(0, 99), cut=st.floats(0, 1))
-def test_replay_rebuilds_an_interrupted_search(method, seed, concurrency, order_seed, cut):
+       order_seed=st.integers(0, 99), cut=st.floats(0, 1), shape=st.sampled_from(["rising", "peaked"]))
+def test_replay_rebuilds_an_interrupted_search(method, seed, concurrency, order_seed, cut, shape):
     s = settings_for(method, max_trials=25, random_seed=seed, early_stopping=8)
-    run = oracle({1: 100, 2: 150, 3: 280})
+    limits = {1: 100, 2: 150, 3: 280}
+    # peaked: binary lines refine downwards over several probes (rising: one probe each).
+    run = oracle(limits) if shape == "rising" else peaked(limits, {1: 9, 2: 20, 3: 30})
     original = make_searcher(s, profile_with_range(300))
     order = random.Random(order_seed)
     observed_before: dict[int, int] = {}

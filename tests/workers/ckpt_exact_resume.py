@@ -21,7 +21,7 @@ import toolkit.checkpoint as tkc
 RESUME_AT, STEPS = 20, 26
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},  # DeepSpeed picks FusedAdam (CPU build)
-          "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}}
+          "gradient_clipping": 1.0, "zero_optimization": {"stage": 1, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}}
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
 ctx = toolkit.init_distributed()

@@ -29,7 +29,11 @@ def layers():
 for name, stage, pipeline in [("zero0", 0, False), ("zero1", 1, False), ("zero2", 2, False),
                               ("zero3", 3, False), ("pipe", 1, True)]:
     hparams = {"deepspeed_config": "ds.json",
-               "overwrite_deepspeed_args": {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}}}
+               "overwrite_deepspeed_args": {
+                   "train_micro_batch_size_per_gpu": 2,
+                   # small buckets: DeepSpeed's default ones cost 2 GB of allocations per step on CPU
+                   "zero_optimization": {"stage": stage, "reduce_bucket_size": 5_000_000,
+                                         "allgather_bucket_size": 5_000_000}}}
     dp = ctx.world_size // 2 if pipeline else ctx.world_size
     ds_config = toolkit.build_ds_config(hparams, data_parallel_size=dp, base_dir=out, pipeline=pipeline,
                                         device=ctx.device)

@@ -53,6 +53,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"{text} is out of range: expected a number >= 0 and < 1")
+    return value
+
+
 def _stage(text: str) -> int:
     if text not in ("0", "1", "2", "3"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a ZeRO stage: expected 0, 1, 2 or 3")
@@ -114,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     methods = parser.add_subparsers(dest="method", required=True, metavar="{binary,random,asha}")
     binary = methods.add_parser("binary", parents=[common], help="bisect the micro-batch of random ZeRO configs")
     binary.add_argument("--search-range-factor", type=_positive_float, default=1.0)
+    binary.add_argument("--bisect-tolerance", type=_fraction, default=0.1, metavar="FRACTION",
+                        help="stop bisecting a config's micro-batch once the open range is within this "
+                             "fraction of its largest fitting micro-batch, then refine downwards for "
+                             "throughput/FLOPS_per_gpu (0: bisect to the last unit; default 0.1)")
     rand = methods.add_parser("random", parents=[common], help="random ZeRO configs with early stopping")
     rand.add_argument("--trials-per-random-config", type=_int_at_least(1), default=5)
     rand.add_argument("--early-stopping", type=_int_at_least(1), default=None,
@@ -197,8 +211,8 @@ def make_plan(args: argparse.Namespace):
     except ConfigError as err:
         problems.extend(f"DeepSpeed config: {p}" for p in err.problems)
     method_args = {k: getattr(args, k) for k in ("trials_per_random_config", "early_stopping", "search_range_factor",
-                                                 "max_rungs", "min_binary_search_trials", "asha_early_stopping",
-                                                 "divisor") if hasattr(args, k)}
+                                                 "bisect_tolerance", "max_rungs", "min_binary_search_trials",
+                                                 "asha_early_stopping", "divisor") if hasattr(args, k)}
     zero = base.get("zero_optimization")
     output_dir = (args.output_dir or model_dir / "dsat_output").resolve()
     try:

@@ -5,7 +5,11 @@ A *line* is one random ZeRO configuration (drawn without repeats from
 ``[1, ceil(search_range_factor * approx_max_micro_batch)]`` of the memory model. The methods of
 :mod:`toolkit.dsat.search` differ only in which line gets the next trial and at which
 micro-batch; trial ids, the trial cap, in-flight trials, bounds and the best result live here.
-Pure logic, rank 0 only by use (the orchestrator).
+
+A line's trials first narrow its range ``[lo, hi]`` (its *upward* search). ``binary`` may then
+refine a line *downwards* (:attr:`Line.probe`): those probes lie below the largest micro-batch
+known to fit, so they move no bound, and the line stays idle-and-open while it has a probe to
+run even when its range is closed. Pure logic, rank 0 only by use (the orchestrator).
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ class Line:
     in_flight: bool = False
     best: TrialResult | None = None
     stopped: str | None = None  # why the line takes no more trials
+    tried: set[int] = dataclasses.field(default_factory=set)  # micro-batches proposed on this line
+    probe: int | None = None    # binary: the next micro-batch of the downward refinement
     rung: int = 0               # asha: the rung the line is allowed to run to
     finished_rung: int = -1     # asha: the highest rung it finished
     rung_best: dict[int, TrialResult | None] = dataclasses.field(default_factory=dict)
@@ -87,8 +93,14 @@ class Line:
         return self.lo > self.hi
 
     @property
+    def descending(self) -> bool:
+        """binary: the upward search is over and the line probes smaller micro-batches."""
+        return self.probe is not None
+
+    @property
     def idle_open(self) -> bool:
-        return not self.in_flight and self.stopped is None and not self.closed
+        """Ready for its next trial: nothing in flight, not stopped, range open or a probe due."""
+        return not self.in_flight and self.stopped is None and (self.descending or not self.closed)
 
 
 class LineSearcher:
@@ -153,12 +165,14 @@ class LineSearcher:
                                                                  metric_value(line.best, self.settings.metric))):
             line.best = result
         m = spec.micro_batch
-        if result.status is TrialStatus.OK:
+        if line.descending:
+            pass  # a probe below a micro-batch known to fit: its outcome is no memory bound
+        elif result.status is TrialStatus.OK:
             line.lo = max(line.lo, m + 1)
         else:
             line.hi = min(line.hi, m - 1)
         self._after_observe(line, result, improved)
-        if line.closed and line.stopped is None:
+        if line.closed and line.stopped is None and not line.descending:
             line.stopped = "range closed"
         logger.debug("trial %d (line %d, stage %d, micro-batch %d): %s; line range [%d, %d]%s",
                      spec.trial_id, line.line_id, line.stage, m, result.status.value, line.lo, line.hi,
@@ -198,6 +212,7 @@ class LineSearcher:
         spec = TrialSpec(trial_id=self._proposed, micro_batch=self._micro_batch(line),
                          zero=copy.deepcopy(line.zero), line=line.line_id)
         line.trials += 1
+        line.tried.add(spec.micro_batch)
         line.in_flight = True
         self._in_flight[spec.trial_id] = (line, spec)
         return spec

@@ -11,9 +11,23 @@ micro-batch, and all above it, are not tried again on that line (a trial too slo
 slower still above it; a crash at ``m`` is as likely a memory crash as anything). The range is
 closed when ``lo > hi``; the best fitting micro-batch of the line is then ``lo - 1``.
 
-* :class:`BinarySearcher` (``binary``): bisects each line (``m = (lo + hi) // 2``) until its
-  range closes; a line whose largest fitting micro-batch is ``t`` finds it within
-  ``floor(log2 hi) + 1`` trials. Lines run side by side to fill the capacity.
+* :class:`BinarySearcher` (``binary``): bisects each line upwards (``m = (lo + hi) // 2``) until
+  its range closes or, once a trial fits, the open range is within ``bisect_tolerance`` of the
+  largest fitting micro-batch ``f = lo - 1``: ``hi - f <= bisect_tolerance * f``. Then, for the
+  larger-is-better metrics, it refines the line downwards (halving from ``f`` while that
+  improves the line's best; see :class:`BinarySearcher`). Lines run side by side to fill the
+  capacity. Bounds, for a line whose largest fitting micro-batch is ``T`` (``1 <= T <= hi``;
+  the range ``[lo, hi]`` holds at most ``floor(hi / 2**k)`` micro-batches after ``k`` trials
+  and always contains ``T``):
+
+  - ``bisect_tolerance = 0``: the upward search finds ``f = T`` within ``floor(log2 hi) + 1``
+    trials (exact bisection);
+  - ``bisect_tolerance = tol > 0``: it ends within
+    ``min(floor(log2 hi) + 1, ceil(log2((1 + tol) * hi / (tol * T))))`` trials with
+    ``T - f <= tol * f``, i.e. ``f >= T / (1 + tol)`` (once the range holds at most
+    ``tol * T / (1 + tol)`` micro-batches, ``f >= T - (hi - f)`` gives ``hi - f <= tol * f``);
+  - the downward refinement adds at most ``floor(log2 f)`` trials (``f // 2``, ``f // 4``, ...,
+    1), and a single one when the first probe does not improve the line's best.
 * :class:`RandomSearcher` (``random``): a random micro-batch in ``[lo, hi]`` per trial, with the
   early-stopping rules of :class:`RandomSearcher`.
 * :class:`AshaSearcher` (``asha``): binary-search lines as ASHA's resource; see its docstring
@@ -43,8 +57,8 @@ import logging
 from typing import Mapping, Sequence
 
 from toolkit.dsat.lines import Line, LineSearcher, best_result, metric_value
-from toolkit.dsat.types import (ProfileInfo, SearchSettings, Searcher, TrialResult, TrialSpec,
-                                TrialStatus, is_better)
+from toolkit.dsat.types import (SMALLER_IS_BETTER, ProfileInfo, SearchSettings, Searcher, TrialResult,
+                                TrialSpec, TrialStatus, is_better)
 
 __all__ = ["make_searcher", "best_result", "replay", "BinarySearcher", "RandomSearcher", "AshaSearcher"]
 
@@ -52,11 +66,31 @@ logger = logging.getLogger(__name__)
 
 
 class BinarySearcher(LineSearcher):
-    """``binary``: bisect each random ZeRO configuration's micro-batch range until it closes.
+    """``binary``: bisect each random ZeRO configuration's micro-batch range, then refine downwards.
 
-    Idle lines with an open range get the next trials first (oldest first); spare capacity starts
-    new lines, one in-flight trial per line. Pure; rank 0 only by use.
+    Upward search: bisection until the range closes or, after a success, ``hi - f <=
+    bisect_tolerance * f`` with ``f = lo - 1``. Why stop early: bisecting the memory boundary
+    to the last unit costs about ``log2(1 / tolerance)`` more trials per line, and where
+    throughput peaks well below the memory limit (as on CPU) they find nothing faster.
+
+    Downward refinement, for ``throughput`` and ``FLOPS_per_gpu`` only (for ``latency``,
+    ``forward`` and ``backward`` a smaller micro-batch wins trivially, so it would only spend
+    trials), and only for a line with a success: it probes ``f // 2``, then keeps halving from
+    the last probe while each probe strictly improves the line's best metric (``is_better``). It
+    stops at the first probe that does not improve, is not ``OK``, would be below 1, or was already
+    tried on the line; the line is then done. Probes move no bound.
+
+    Idle lines (open range or a probe due) get the next trials first (oldest first); spare
+    capacity starts new lines, one in-flight trial per line. Pure; rank 0 only by use.
+
+    Example (rank 0 only)::
+
+        searcher = make_searcher(SearchSettings(method="binary", metric="throughput",
+                                                bisect_tolerance=0.1), profile)
     """
+
+    def _micro_batch(self, line: Line) -> int:
+        return line.probe if line.probe is not None else super()._micro_batch(line)
 
     def _next_line(self) -> Line | None:
         idle = self._idle_lines()
@@ -64,6 +98,48 @@ class BinarySearcher(LineSearcher):
 
     def _has_work(self) -> bool:
         return bool(self._idle_lines()) or self._space.remaining() > 0
+
+    def _after_observe(self, line: Line, result: TrialResult, improved: bool) -> None:
+        if line.descending:
+            self._descend(line, result)
+            return
+        if line.lo <= 1:
+            return  # no success yet: nothing to be within tolerance of, nothing to refine
+        fits = line.lo - 1
+        tolerance = self.settings.bisect_tolerance
+        if line.closed:
+            reason = "range closed"
+        elif line.hi - fits <= tolerance * fits:
+            reason = (f"within {tolerance * 100:g}% of the largest fitting micro-batch {fits} "
+                      f"(open range [{line.lo}, {line.hi}])")
+        else:
+            return
+        probe = fits // 2
+        if self.settings.metric in SMALLER_IS_BETTER:
+            line.stopped = f"{reason}; no downward refinement for {self.settings.metric}"
+        elif probe < 1 or probe in line.tried:
+            line.stopped = f"{reason}; nothing left below: micro-batch {probe} " + (
+                "already tried" if probe >= 1 else "is below 1")
+        else:
+            line.probe = probe
+            logger.debug("line %d: upward search over (%s); refining downwards from %d",
+                         line.line_id, reason, probe)
+
+    def _descend(self, line: Line, result: TrialResult) -> None:
+        m = result.spec.micro_batch
+        nxt = m // 2
+        line.probe = None
+        # observe() made ``result`` the line's best exactly when it strictly improved on it.
+        if result.status is not TrialStatus.OK:
+            line.stopped = f"downward refinement: {result.status.value} at micro-batch {m}"
+        elif line.best is not result:
+            line.stopped = f"downward refinement: micro-batch {m} did not improve the line's best"
+        elif nxt < 1:
+            line.stopped = "downward refinement reached micro-batch 1"
+        elif nxt in line.tried:  # the rule; below the first probe a bisected line never tried one
+            line.stopped = f"downward refinement: micro-batch {nxt} already tried"
+        else:
+            line.probe = nxt
 
 
 class RandomSearcher(LineSearcher):

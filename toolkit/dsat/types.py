@@ -217,6 +217,9 @@ class SearchSettings:
         base_zero: the user's ``zero_optimization`` section; trial ZeRO configs are built on it.
         trials_per_random_config, early_stopping: ``random`` method.
         search_range_factor: ``binary`` and ``asha``: bisect on [1, factor * approx_max].
+        bisect_tolerance: ``binary``: a line stops bisecting upwards once its open range is
+            within this fraction of its largest fitting micro-batch ``f``
+            (``hi - f <= bisect_tolerance * f``), in ``[0, 1)``; 0 bisects to the last unit.
         max_rungs, min_binary_search_trials, asha_early_stopping, divisor: ``asha`` method.
     """
 
@@ -230,6 +233,7 @@ class SearchSettings:
     trials_per_random_config: int = 5
     early_stopping: int | None = None
     search_range_factor: float = 1.0
+    bisect_tolerance: float = 0.1
     max_rungs: int = 5
     min_binary_search_trials: int = 3
     asha_early_stopping: int = 0
@@ -251,6 +255,10 @@ class SearchSettings:
                f"early_stopping={self.early_stopping!r}: expected an integer >= 1 or None")
         _check(p, isinstance(self.search_range_factor, (int, float)) and self.search_range_factor > 0,
                f"search_range_factor={self.search_range_factor!r}: expected a number > 0")
+        _check(p, isinstance(self.bisect_tolerance, (int, float)) and not isinstance(self.bisect_tolerance, bool)
+               and 0 <= self.bisect_tolerance < 1,
+               f"bisect_tolerance={self.bisect_tolerance!r}: expected a number >= 0 and < 1 (0 bisects "
+               "the micro-batch range exactly, 0.1 stops within 10% of the largest fitting micro-batch)")
         _check(p, isinstance(self.max_rungs, int) and self.max_rungs >= 1,
                f"max_rungs={self.max_rungs!r}: expected an integer >= 1")
         _check(p, isinstance(self.min_binary_search_trials, int) and self.min_binary_search_trials >= 1,

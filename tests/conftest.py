@@ -1,0 +1,69 @@
+"""Suite-wide guards: no test may hang the run, and no process a test started may outlive it.
+
+* A watchdog per test (a timer thread and ``faulthandler``, standard library): a test (its fixtures included) that
+  runs past ``TOOLKIT_TEST_LIMIT_S`` seconds (default 900) dumps every thread's stack and ends
+  pytest, so CI fails in minutes with the place it hung instead of timing out silently.
+* Every process started through ``procutil`` carries ``TOOLKIT_TEST_SESSION=<id>`` in its
+  environment; after each test module any of them still alive is killed. torchrun starts its
+  workers in sessions of their own, so killing a launcher's process group does not reach them,
+  and an orphaned rank can hold DeepSpeed's op-build lock or a port for the rest of the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+
+import pytest
+
+import procutil
+from toolkit.dsat.procs import find_trial_processes, kill_until_gone
+
+_LIMIT_S = float(os.environ.get("TOOLKIT_TEST_LIMIT_S", "900"))
+# Every descendant of this pytest, in-process launches included, inherits the mark.
+os.environ[procutil.SESSION_ENV] = procutil.SESSION_ID
+
+
+def _hung(item) -> None:
+    """On the watchdog's thread: show where every thread is, then end the run."""
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.suspend_global_capture(in_=True)  # so that the stacks reach the real stderr
+    sys.stderr.write(f"\n\n{item.nodeid} ran past {_LIMIT_S:.0f} s (TOOLKIT_TEST_LIMIT_S); stacks:\n")
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    for pid in find_trial_processes(procutil.SESSION_ID, variable=procutil.SESSION_ENV):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)  # no orphan may keep the CI job (or a lock) alive
+    os._exit(3)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # Around the whole protocol, so that module fixtures set up for this test count too.
+    timer = threading.Timer(_LIMIT_S, _hung, args=(item,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_leftover_processes():
+    yield
+    def find(table):
+        return find_trial_processes(procutil.SESSION_ID, variable=procutil.SESSION_ENV, table=table)
+
+    leftover = find(None)
+    if leftover:
+        logging.getLogger(__name__).warning("killing %d processes a test left behind: %s",
+                                            len(leftover), sorted(leftover))
+        kill_until_gone(find, grace_s=2.0, what="test leftovers")

@@ -2,7 +2,6 @@
 
 import copy
 import json
-import os
 
 import pytest
 from hypothesis import given, settings, strategies as st

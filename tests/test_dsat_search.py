@@ -87,26 +87,51 @@ def settings_for(method, **kw):
     return SearchSettings(method=method, **kw)
 
 
-def check_bounds(specs_by_line, results, *, descent=False):
+def check_bounds(specs_by_line, results, *, descent=False, metric="FLOPS_per_gpu"):
     """Every trial's micro-batch lies in its line's [lo, hi] from the line's earlier results.
 
     With ``descent`` (binary), a line may instead end with a downward refinement: a probe at
-    ``f // 2`` for its largest fitting ``f``, then each next probe half the previous, OK one.
+    ``f // 2`` for its largest fitting ``f``, then each next probe half the previous, OK one,
+    and at the very end the final probe of :func:`reference_final`.
     """
-    status = {r.spec.trial_id: r.status for r in results}
+    by_id = {r.spec.trial_id: r for r in results}
     for line, specs in specs_by_line.items():
         lo, hi, probe, probe_ok = 1, None, None, False
-        for spec in specs:
+        seen: list[TrialResult] = []
+        for i, spec in enumerate(specs):
             m = spec.micro_batch
             if probe is None and m >= lo and (hi is None or m <= hi):
-                if status[spec.trial_id] is OK:
+                if by_id[spec.trial_id].status is OK:
                     lo = m + 1
                 else:
                     hi = m - 1
-                continue
-            assert descent and lo > 1, (line, spec)  # only below a micro-batch known to fit
-            assert m == (lo - 1) // 2 if probe is None else (probe_ok and m == probe // 2), (line, spec)
-            probe, probe_ok = m, status[spec.trial_id] is OK
+            else:
+                assert descent and lo > 1, (line, spec)  # only below a micro-batch known to fit
+                halving = m == (lo - 1) // 2 if probe is None else (probe_ok and m == probe // 2)
+                final = i == len(specs) - 1 and m == reference_final(seen, metric)
+                assert halving or final, (line, spec)
+                probe, probe_ok = m, by_id[spec.trial_id].status is OK
+            seen.append(by_id[spec.trial_id])
+
+
+def reference_final(results: list[TrialResult], metric: str) -> int | None:
+    """The final probe after these trials of one line, written out independently: ``b`` the
+    first best OK micro-batch, ``n`` the better of its nearest OK neighbours (ties: the one
+    above), ``round(sqrt(b * n))`` unless that was tried; None without a neighbour."""
+    ok = {r.spec.micro_batch: r.metrics[metric] for r in results if r.status is OK}
+    b = None
+    for r in results:
+        if r.status is OK and (b is None or is_better(metric, ok[r.spec.micro_batch], ok[b])):
+            b = r.spec.micro_batch
+    if b is None:
+        return None
+    above = min((mb for mb in ok if mb > b), default=None)
+    below = max((mb for mb in ok if mb < b), default=None)
+    if above is None and below is None:
+        return None
+    n = below if above is None or (below is not None and is_better(metric, ok[below], ok[above])) else above
+    m = round(math.sqrt(b * n))
+    return None if m in {r.spec.micro_batch for r in results} else m
 
 
 def peaked(limits: dict[int, int] | int, peaks: dict[int, int] | int, *, fail_at=()):
@@ -163,8 +188,11 @@ def line_value(result: TrialResult, metric: str) -> float | None:
 def check_descent(upward: list[TrialResult], probes: list[TrialResult], f: int, metric: str, *,
                   complete: bool = True) -> None:
     """The probes follow the refinement rule: ``f // 2``, then halving while each probe strictly
-    improves the line's best; the last one did not improve, failed, or nothing was left to probe
-    (below 1 or already tried). ``complete=False``: the trial cap may have cut it short."""
+    improves the line's best; it stops at a probe that did not improve, failed, or when nothing
+    is left to probe (below 1 or already tried); then, unless a probe failed, the final probe of
+    :func:`reference_final` if one is due, and nothing after it. ``complete=False``: the trial
+    cap may have cut it short."""
+    seen = list(upward)
     tried = {r.spec.micro_batch for r in upward}
     best = None
     for r in upward:
@@ -172,16 +200,27 @@ def check_descent(upward: list[TrialResult], probes: list[TrialResult], f: int, 
         if value is not None and is_better(metric, value, best):
             best = value
     nxt = f // 2
+    halving = f >= 1 and nxt >= 1 and nxt not in tried
     for i, r in enumerate(probes):
-        assert f >= 1 and nxt >= 1 and nxt not in tried and r.spec.micro_batch == nxt, (i, r.spec, f)
+        last = i == len(probes) - 1
+        if not halving:  # the final probe: the geometric midpoint toward the better neighbour
+            assert f >= 1 and last and r.spec.micro_batch == reference_final(seen, metric), (i, r.spec, f)
+            return
+        assert r.spec.micro_batch == nxt, (i, r.spec, f)
+        seen.append(r)
         tried.add(nxt)
         value = line_value(r, metric)
-        if value is None or not is_better(metric, value, best):
-            assert i == len(probes) - 1, "the refinement went on after a probe that did not improve"
+        if value is None:
+            assert last, "the line went on after a probe that failed"
             return
+        if not is_better(metric, value, best):
+            halving = False
+            continue
         best, nxt = value, nxt // 2
-    if complete:  # still improving at the end: only because nothing was left to probe
-        assert f == 0 or nxt < 1 or nxt in tried, (f, nxt, [r.spec.micro_batch for r in probes])
+        halving = nxt >= 1 and nxt not in tried
+    if complete:  # the refinement ended, and no final probe was due
+        assert not halving, (f, nxt, [r.spec.micro_batch for r in probes])
+        assert f == 0 or reference_final(seen, metric) is None, [r.spec.micro_batch for r in probes]
 
 
 def split_line(results: list[TrialResult], hi: int, tolerance: float) -> tuple[list, list, int]:
@@ -224,9 +263,16 @@ def test_zero_tolerance_is_the_exact_bisection_within_the_log2_bound(hi, data, m
     upward, f = bisection(hi, target)
     assert f == target and len(upward) <= math.floor(math.log2(hi)) + 1
     assert mbs[:len(upward)] == upward  # the old behaviour, trial for trial
-    # The oracle is fastest at the largest micro-batch, so a refinement stops at its first probe.
+    # The oracle is fastest at the largest micro-batch, so a refinement stops at its first probe;
+    # the final probe lies between target and the nearest success below it.
     refine = metric in LARGER and target // 2 >= 1 and target // 2 not in upward
-    assert mbs[len(upward):] == ([target // 2] if refine else [])
+    probes = results[len(upward):]
+    if metric in LARGER:
+        check_descent(results[:len(upward)], probes, target, metric)
+        assert not refine or probes[0].spec.micro_batch == target // 2
+        assert len(probes) <= 2 and all(r.spec.micro_batch < target for r in probes)
+    else:
+        assert probes == []
     assert searcher.best.spec.micro_batch == target
 
 
@@ -242,7 +288,11 @@ def test_tolerance_stops_within_tolerance_of_the_largest_fitting_micro_batch(hi,
     assert f == max(r.spec.micro_batch for r in results if r.status is OK)
     assert 1 <= f <= target and target - f <= tolerance * f  # f >= target / (1 + tolerance)
     assert len(upward) <= tolerance_bound(hi, target, tolerance)
-    assert not probes if metric == "latency" else len(probes) <= 1  # monotone oracle
+    if metric == "latency":
+        assert not probes
+    else:  # monotone oracle: f // 2 does not improve, then perhaps the final probe
+        check_descent(upward, probes, f, metric)
+        assert len(probes) <= 2
 
 
 def test_tolerance_spares_the_trials_at_the_memory_boundary(caplog):
@@ -290,14 +340,16 @@ def test_refinement_finds_the_peak_of_a_unimodal_curve_within_a_factor_2(hi, dat
     _, results = drive(searcher, peaked(limit, peak))
     upward, probes, f = split_line(results, hi, tolerance)
     check_descent(upward, probes, f, metric)
-    assert len(results) <= tolerance_bound(hi, limit, tolerance) + max(0, math.floor(math.log2(f)))
+    # The documented bound: the refinement adds at most floor(log2 f) + 1 trials.
+    assert len(probes) <= math.floor(math.log2(f)) + 1
+    assert len(results) <= tolerance_bound(hi, limit, tolerance) + math.floor(math.log2(f)) + 1
     best = searcher.best.spec.micro_batch
     if f // 2 in {r.spec.micro_batch for r in upward}:
-        assert probes == []  # already tried: the rule stops there (a factor 2 is not promised)
+        assert len(probes) <= 1  # already tried: only the final probe (a factor 2 is not promised)
     elif peak <= f:
         assert peak / 2 <= best <= 2 * peak, ([r.spec.micro_batch for r in results], f)
-    else:
-        assert best == f and len(probes) == (1 if f >= 2 else 0)  # rising all the way to the limit
+    else:  # rising all the way to the limit: f // 2 and perhaps the final probe do not improve
+        assert best == f and (1 <= len(probes) <= 2 if f >= 2 else probes == [])
 
 
 def test_refinement_stops_at_the_first_probe_that_does_not_improve(caplog):
@@ -306,25 +358,164 @@ def test_refinement_stops_at_the_first_probe_that_does_not_improve(caplog):
         _, results = drive(make_searcher(s, profile_with_range(1024)), peaked(1000, 40))
     mbs = [r.spec.micro_batch for r in results]
     # Upward: f = 960 with [961, 1024] open, within 10%. Down: 480 ... 30 improve, 15 does not.
-    assert mbs == [512, 768, 896, 960, 480, 240, 120, 60, 30, 15]
+    # Final probe: best 30, its better neighbour 60 (above), round(sqrt(30 * 60)) = 42.
+    assert mbs == [512, 768, 896, 960, 480, 240, 120, 60, 30, 15, 42]
     assert "refining downwards from 480" in caplog.text
-    assert "micro-batch 15 did not improve the line's best" in caplog.text
+    assert "micro-batch 15 did not improve the line's best; final probe at micro-batch 42" in caplog.text
+    assert "final probe at micro-batch 42: improved the line's best" in caplog.text
     check_descent(results[:4], results[4:], 960, "throughput")
-    # A probe that fails ends the refinement there; it moves no bound (best stays 240).
-    searcher = make_searcher(s, profile_with_range(1024))
-    _, results = drive(searcher, peaked(1000, 40, fail_at={120}))
+    # A probe that fails ends the line there, without a final probe; it moves no bound.
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="toolkit.dsat"):
+        searcher = make_searcher(s, profile_with_range(1024))
+        _, results = drive(searcher, peaked(1000, 40, fail_at={120}))
     assert [r.spec.micro_batch for r in results] == [512, 768, 896, 960, 480, 240, 120]
     assert searcher.best.spec.micro_batch == 240 and searcher.done
+    assert "failed at micro-batch 120 (no final probe after a failed probe)" in caplog.text
 
 
 def test_refinement_stops_at_a_micro_batch_the_line_already_tried(caplog):
     s = settings_for("binary", zero_stages=(0,), bisect_tolerance=0, metric="FLOPS_per_gpu")
-    with caplog.at_level(logging.DEBUG, logger="toolkit.dsat.lines"):
+    with caplog.at_level(logging.DEBUG, logger="toolkit.dsat"):
         searcher = make_searcher(s, profile_with_range(41))
         _, results = drive(searcher, peaked(20, 2))
-    # f = 20 and f // 2 = 10 was the first success: nothing new to probe.
-    assert [r.spec.micro_batch for r in results] == [21, 10, 15, 18, 19, 20]
-    assert "nothing left below: micro-batch 10 already tried" in caplog.text
+    # f = 20 and f // 2 = 10 was the first success: no halving. The final probe still comes:
+    # best 10, its only neighbour 15, round(sqrt(150)) = 12 (slower: the peak is at 2).
+    assert [r.spec.micro_batch for r in results] == [21, 10, 15, 18, 19, 20, 12]
+    assert "nothing left below: micro-batch 10 already tried; final probe at micro-batch 12" in caplog.text
+    assert "final probe at micro-batch 12: did not improve the line's best" in caplog.text
+    assert searcher.best.spec.micro_batch == 10 and searcher.done
+
+
+# -- binary: the final probe ----------------------------------------------------------------------
+# Samples/s of the CPU benchmark's stage-1 line (measured), and the micro-batch it ran out of memory above.
+CPU_CURVE = {256: 2997, 512: 3146, 1024: 3490, 2048: 2813, 4096: 2050}
+CPU_LIMIT = 2700
+
+
+def measured(curve: dict[int, float], limit: int):
+    """Trial -> result from a measured curve: linear in log2(micro-batch) between the measured
+    points (flat beyond them), OOM above ``limit``. Its peak is the highest measured point."""
+    xs = sorted(curve)
+
+    def speed(m: int) -> float:
+        if m <= xs[0] or m >= xs[-1]:
+            return float(curve[xs[0] if m <= xs[0] else xs[-1]])
+        a = max(x for x in xs if x <= m)
+        b = min(x for x in xs if x > m)
+        t = (math.log2(m) - math.log2(a)) / (math.log2(b) - math.log2(a))
+        return curve[a] + t * (curve[b] - curve[a])
+
+    def run(spec: TrialSpec) -> TrialResult:
+        m = spec.micro_batch
+        if m > limit:
+            return TrialResult(spec, OOM, error="simulated out of memory")
+        v = speed(m)
+        return TrialResult(spec, OK, {"throughput": v, "FLOPS_per_gpu": 1e6 * v, "latency": 1000 * m / v,
+                                      "forward": 300 * m / v, "backward": 600 * m / v})
+    return run
+
+
+@pytest.mark.parametrize("metric", LARGER)
+def test_final_probe_lifts_the_measured_cpu_curve_to_within_3_percent_of_its_peak(metric, caplog):
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, metric=metric)
+    run = measured(CPU_CURVE, CPU_LIMIT)
+    peak = max(CPU_CURVE.values())
+    with caplog.at_level(logging.DEBUG, logger="toolkit.dsat"):
+        searcher = make_searcher(s, profile_with_range(7106))
+        _, results = drive(searcher, run)
+    mbs = [r.spec.micro_batch for r in results]
+    # Upward (within 10% of 2664), halving 1332, 666 (better), 333 (worse), then the final
+    # probe between 666 and its better neighbour 1332: round(sqrt(666 * 1332)) = 942.
+    assert mbs == [3553, 1776, 2664, 3108, 2886, 1332, 666, 333, 942]
+    halving_best = best_result(results[:-1], metric)
+    assert halving_best.spec.micro_batch == 666 and halving_best.metrics["throughput"] < 0.95 * peak
+    assert searcher.best is results[-1] and searcher.best.metrics["throughput"] >= 0.97 * peak
+    assert "geometric midpoint of the best 666 and its better neighbour 1332" in caplog.text
+    assert searcher.done and searcher.propose(4) == []
+
+
+@pytest.mark.parametrize("peak, neighbour, final", [
+    (40, 60, 42),   # best 30: 60 beats 15 (the peak lies above 30), round(sqrt(1800)) = 42
+    (27, 15, 21),   # best 30: 15 beats 60 (the peak lies below 30), round(sqrt(450)) = 21
+])
+def test_final_probe_is_the_geometric_midpoint_toward_the_better_neighbour(peak, neighbour, final, caplog):
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, metric="throughput")
+    run = peaked(1000, peak)
+    with caplog.at_level(logging.DEBUG, logger="toolkit.dsat"):
+        _, results = drive(make_searcher(s, profile_with_range(1024)), run)
+    mbs = [r.spec.micro_batch for r in results]
+    assert mbs == [512, 768, 896, 960, 480, 240, 120, 60, 30, 15, final]
+    values = {r.spec.micro_batch: r.metrics["throughput"] for r in results}
+    other = 75 - neighbour  # 60 <-> 15: the neighbour that is not chosen is the worse one
+    assert values[neighbour] > values[other] and max(values, key=values.get) in (30, final)
+    assert final == round(math.sqrt(30 * neighbour)) and min(30, neighbour) < final < max(30, neighbour)
+    assert f"geometric midpoint of the best 30 and its better neighbour {neighbour}" in caplog.text
+
+
+@pytest.mark.parametrize("metric", sorted(SMALLER_IS_BETTER))
+def test_no_final_probe_for_smaller_is_better_metrics(metric):
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, metric=metric)
+    _, results = drive(make_searcher(s, profile_with_range(7106)), measured(CPU_CURVE, CPU_LIMIT))
+    assert [r.spec.micro_batch for r in results] == [3553, 1776, 2664, 3108, 2886]  # upward only
+
+
+@pytest.mark.parametrize("limit, run, expected, midpoint", [
+    # Monotone, exact bisection: best 20, neighbour 19 (10 already tried: no halving).
+    (41, oracle(20), [21, 10, 15, 18, 19, 20], "best 20 and its better neighbour 19 is 19"),
+    # Faster all the way down: halving reaches 1, its neighbour is 2.
+    (2048, peaked(1024, 1),
+     [1024, 1536, 1280, 1152, 1088, 1056, 1040, 1032, 1028, 1026, 1025, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1],
+     "best 1 and its better neighbour 2 is 1"),
+])
+def test_no_final_probe_when_the_midpoint_was_tried(limit, run, expected, midpoint, caplog):
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, metric="throughput", bisect_tolerance=0)
+    with caplog.at_level(logging.DEBUG, logger="toolkit.dsat"):
+        searcher = make_searcher(s, profile_with_range(limit))
+        _, results = drive(searcher, run)
+    assert [r.spec.micro_batch for r in results] == expected
+    assert f"no final probe: geometric midpoint of the {midpoint}: already tried" in caplog.text
+    assert searcher.done
+
+
+@pytest.mark.parametrize("status", [OOM, FAILED])
+def test_a_final_probe_that_fails_just_ends_the_line(status):
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, metric="throughput")
+    base = peaked(1000, 40)
+
+    def run(spec):  # the final probe (42) crashes or is reported out of memory
+        return TrialResult(spec, status, error="simulated") if spec.micro_batch == 42 else base(spec)
+    searcher = make_searcher(s, profile_with_range(1024))
+    _, results = drive(searcher, run)
+    assert [r.spec.micro_batch for r in results] == [512, 768, 896, 960, 480, 240, 120, 60, 30, 15, 42]
+    assert searcher.best.spec.micro_batch == 30 and searcher.done and searcher.propose(2) == []
+
+
+def test_replay_rebuilds_a_search_interrupted_during_the_final_probe():
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, metric="throughput")
+    run = measured(CPU_CURVE, CPU_LIMIT)
+    full = _run_to_end(make_searcher(s, profile_with_range(7106)), run, [], {}, 1)
+    assert [mb for _, mb, _ in full][-2:] == [333, 942]
+    for cut in (len(full) - 1, len(full)):  # the final probe in flight; the search over
+        original = make_searcher(s, profile_with_range(7106))
+        observed_before: dict[int, int] = {}
+        results = []
+        for _ in range(cut):
+            (spec,) = original.propose(1)
+            observed_before[spec.trial_id] = original.observed_count
+            results.append(run(spec))
+            original.observe(results[-1])
+        in_flight = original.propose(1)
+        for spec in in_flight:
+            observed_before[spec.trial_id] = original.observed_count
+        resumed = make_searcher(s, profile_with_range(7106))
+        records = [TrialResult.from_json(r.to_json()) for r in results]
+        rerun = replay(resumed, results=records, observed_before=observed_before)
+        assert [spec.micro_batch for spec in rerun] == ([942] if cut < len(full) else [])
+        assert rerun == in_flight and resumed.best == original.best and resumed.done == (not rerun)
+        for spec in rerun:
+            resumed.observe(run(spec))
+        assert resumed.done and resumed.propose(1) == [] and resumed.best.spec.micro_batch == 942
 
 
 @PROP
@@ -392,7 +583,7 @@ def _single_line_run(max_trials: int) -> list[int]:
 
 def test_refinement_respects_the_trial_cap():
     full = _single_line_run(200)
-    assert len(full) == 10
+    assert len(full) == 11  # the last one is the final probe
     for max_trials in range(2, len(full) + 3):
         assert _single_line_run(max_trials) == full[:max_trials - 1]
 
@@ -473,7 +664,7 @@ def test_caps_ids_and_termination(method, stages, max_trials, concurrency, hi, l
     for line_specs in by_line.values():  # a line is one ZeRO config
         assert all(spec.zero == line_specs[0].zero for spec in line_specs)
     assert len({repr(sorted(v[0].zero.items())) for v in by_line.values()}) == len(by_line)
-    check_bounds(by_line, results, descent=method == "binary")
+    check_bounds(by_line, results, descent=method == "binary", metric=s.metric)
     # At most one trial of a line in flight at a time: replay the proposal/observation order.
     flying: set[int] = set()
     observed = iter(results)

@@ -46,7 +46,7 @@ def _lines(path: Path) -> list[dict]:
 
 @pytest.fixture
 def writer(tmp_path):
-    with MetricsWriter(_context(), tmp_path / "logs") as w:
+    with MetricsWriter(_context(), tmp_path / "logs", reduce_every=1) as w:
         yield w
 
 
@@ -96,6 +96,8 @@ def test_other_bad_inputs(writer):
     ({"jsonl_name": "sub/metrics.jsonl"}, "jsonl_name"), ({"jsonl_name": ""}, "jsonl_name"),
     ({"flush_every": 0}, "flush_every"), ({"flush_secs": 0}, "flush_secs"),
     ({"max_queue": 1.5}, "max_queue"), ({"resume_step": -3}, "resume_step"),
+    ({"reduce_every": 0}, "reduce_every"), ({"reduce_every": 2.0}, "reduce_every"),
+    ({"reduce_secs": 0}, "reduce_secs"), ({"reduce_secs": math.inf}, "reduce_secs"),
 ])
 def test_settings_are_validated(tmp_path, kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -119,7 +121,7 @@ def test_scalar_kinds_are_accepted_and_written(tmp_path):
     values = {"zero_d": torch.tensor(0.5, requires_grad=True) * 1, "one_elem": torch.tensor([2.0]),
               "np_scalar": np.float32(0.25), "np_array": np.array([3]), "int": 7, "flag": True,
               "f64": torch.tensor(1e-12, dtype=torch.float64)}
-    with MetricsWriter(_context(), log_dir) as w:
+    with MetricsWriter(_context(), log_dir, reduce_every=1) as w:
         returned = w.report_training_metrics(3, values)
     expected = {"zero_d": 0.5, "one_elem": 2.0, "np_scalar": 0.25, "np_array": 3.0, "int": 7.0,
                 "flag": 1.0, "f64": 1e-12}
@@ -134,7 +136,7 @@ def test_scalar_kinds_are_accepted_and_written(tmp_path):
 def test_jsonl_lines_and_tensorboard_tags(tmp_path):
     log_dir = tmp_path / "logs"
     before = time.time()
-    with MetricsWriter(_context(), log_dir, jsonl_name="m.jsonl") as w:
+    with MetricsWriter(_context(), log_dir, jsonl_name="m.jsonl", reduce_every=1) as w:
         w.report_training_metrics(2, {"loss": 0.5, "acc": 0.1},
                                   batch_metrics=[{"loss": 0.7}, {"loss": 0.3}])
         w.report_validation_metrics(2, {"loss": 0.4})
@@ -157,7 +159,7 @@ def test_jsonl_lines_and_tensorboard_tags(tmp_path):
 def test_nan_and_inf_are_written_and_warned_once_per_key(tmp_path, caplog):
     log_dir = tmp_path / "logs"
     with caplog.at_level(logging.WARNING, logger="toolkit.metrics"):
-        with MetricsWriter(_context(), log_dir) as w:
+        with MetricsWriter(_context(), log_dir, reduce_every=1) as w:
             w.report_training_metrics(1, {"loss": math.nan, "acc": 1.0})
             w.report_training_metrics(2, {"loss": math.nan, "acc": math.inf})
             w.report_training_metrics(3, {"loss": math.inf, "acc": -math.inf})
@@ -175,7 +177,7 @@ def test_nan_and_inf_are_written_and_warned_once_per_key(tmp_path, caplog):
 def test_samples_per_second_from_the_clock_between_reports(tmp_path, monkeypatch):
     clock = [100.0]
     monkeypatch.setattr(metrics_module, "_monotonic", lambda: clock[0])
-    with MetricsWriter(_context(), tmp_path) as w:
+    with MetricsWriter(_context(), tmp_path, reduce_every=1) as w:
         clock[0] = 102.0                       # 2 s since the writer was created
         assert w.report_training_metrics(1, {}, samples=64) == {SAMPLES_PER_SECOND: 32.0}
         clock[0] = 106.0                       # validation time is left out of the next interval
@@ -187,7 +189,7 @@ def test_samples_per_second_from_the_clock_between_reports(tmp_path, monkeypatch
 
 def test_reports_are_buffered_and_flushed_every_n(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    w = MetricsWriter(_context(), tmp_path, flush_every=3, flush_secs=3600)
+    w = MetricsWriter(_context(), tmp_path, flush_every=3, flush_secs=3600, reduce_every=1)
     w.report_training_metrics(1, {"loss": 1.0})
     w.report_training_metrics(2, {"loss": 1.0})
     assert path.read_text() == ""              # no flush (no system call) per report
@@ -197,6 +199,50 @@ def test_reports_are_buffered_and_flushed_every_n(tmp_path):
     w.flush()
     assert len(_lines(path)) == 4
     w.close()
+
+
+def test_training_reports_are_averaged_in_batches_of_reduce_every(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    w = MetricsWriter(_context(), tmp_path, flush_every=1, reduce_every=3)
+    assert w.report_training_metrics(1, {"loss": 1.0}) is None
+    assert w.report_training_metrics(2, {"loss": 2.0}) is None
+    assert path.read_text() == ""              # waiting for the batch
+    assert w.report_training_metrics(3, {"loss": 3.0}) == {"loss": 3.0}
+    assert [x["steps_completed"] for x in _lines(path)] == [1, 2, 3]
+    assert w.report_training_metrics(4, {"loss": 4.0}) is None
+    # A validation report averages what is pending, in report order, then itself.
+    assert w.report_validation_metrics(4, {"acc": 0.5}) == {"acc": 0.5}
+    assert [(x["group"], x["steps_completed"]) for x in _lines(path)][3:] == [("training", 4), ("validation", 4)]
+    w.report_training_metrics(5, {"loss": 5.0})
+    w.close()                                  # writes the pending report
+    assert _scalars(tmp_path)["training/loss"] == [(s, float(s)) for s in range(1, 6)]
+
+
+def test_adaptive_batches_hold_about_reduce_secs_of_reports(tmp_path, monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(metrics_module, "_monotonic", lambda: clock[0])
+    returned = []
+    with MetricsWriter(_context(), tmp_path, reduce_secs=1.0) as w:   # reduce_every=None: adaptive
+        for step in range(1, 34):
+            # A report every 0.1 s: batches of 1 (the first), 10, 10; then every 2 s: the batch
+            # of 10 in flight completes, and the next ones hold a single report.
+            clock[0] += 0.1 if step <= 21 else 2.0
+            returned.append(w.report_training_metrics(step, {"loss": float(step)}) is not None)
+        assert [i + 1 for i, r in enumerate(returned) if r] == [1, 11, 21, 31, 32, 33]
+        w.report_training_metrics(34, {"loss": 34.0})
+    assert [s for s, _ in _scalars(tmp_path)["training/loss"]] == list(range(1, 35))
+
+
+def test_an_exception_drops_the_pending_reports_without_a_collective(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="toolkit.metrics"), pytest.raises(KeyError):
+        with MetricsWriter(_context(), tmp_path, reduce_every=10) as w:
+            w.report_training_metrics(1, {"loss": 1.0})
+            w.report_training_metrics(2, {"loss": 1.0})
+            raise KeyError("the loop failed")
+    assert "dropping 2 metric reports not averaged yet (steps 1-2)" in caplog.text
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    with pytest.raises(RuntimeError, match="closed"):
+        w.report_training_metrics(3, {"loss": 1.0})
 
 
 def test_context_manager_closes_and_later_reports_raise(tmp_path):
@@ -224,7 +270,7 @@ def test_resume_step_hides_the_interrupted_runs_later_points(tmp_path):
 
 def test_non_chief_creates_no_file(tmp_path):
     log_dir = tmp_path / "logs"
-    with MetricsWriter(_context(rank=1), log_dir) as w:
+    with MetricsWriter(_context(rank=1), log_dir, reduce_every=1) as w:
         assert w.report_training_metrics(1, {"loss": 0.5}) == {"loss": 0.5}
     assert not log_dir.exists()
 
@@ -295,10 +341,30 @@ def test_two_ranks_one_collective_per_report_once_names_are_agreed(two_ranks):
             ["training", 8, 1], ["validation", 8, 1], ["training", 10, 3]]
 
 
+def test_two_ranks_batched_one_collective_per_batch(two_ranks):
+    base, _, records = two_ranks
+    for record in records:
+        counts = [(kind, step, n) for kind, step, n, _ in record["batched"]]
+        # Steps 4 and 8 complete batches (the first agrees on the names: 3 calls); validation at
+        # 9 averages the pending step 9 with itself (a new group: 3 calls); close() steps 10-11.
+        assert counts == [("training", s, {4: 3, 8: 1}.get(s, 0)) for s in range(1, 10)] + [
+            ("validation", 9, 3), ("close", 11, 1)], counts
+        returned = {(kind, step): out for kind, step, _, out in record["batched"]}
+        assert returned[("training", 4)] == {"loss": 4.5} and returned[("training", 3)] is None
+        assert returned[("validation", 9)] == {"val": 0.5}
+    lines = _lines(base / "batched" / "metrics.jsonl")
+    assert [(x["group"], x["steps_completed"]) for x in lines] == (
+        [("training", s) for s in range(1, 10)] + [("validation", 9), ("training", 10), ("training", 11)])
+    assert [x["metrics"]["loss"] for x in lines if x["group"] == "training"] == [s + 0.5 for s in range(1, 12)]
+    assert _scalars(base / "batched")["training/loss"] == [(s, s + 0.5) for s in range(1, 12)]
+
+
 def test_two_ranks_disagreeing_ranks_all_raise_instead_of_hanging(two_ranks):
     _, _, records = two_ranks
     for record in records:
         names, steps = record["errors"]["names"], record["errors"]["steps"]
         assert names is not None and "different metrics" in names
-        assert "rank 0: metrics ['acc', 'count', 'loss']" in names and "rank 1: metrics ['loss']" in names
-        assert steps is not None and "different steps_completed [9, 10]" in steps
+        assert "rank 0: training metrics ['acc', 'count', 'loss']" in names and "rank 1: training metrics ['loss']" in names
+        assert steps is not None and "different steps_completed [[9], [10]]" in steps
+        batched = record["errors"]["batched_names"]
+        assert batched is not None and "rank 1: training metrics ['other']" in batched, batched

@@ -1,6 +1,5 @@
 """Initialise the toolkit context, exercise its collectives, write what it saw to OUT_DIR/rank<N>.json."""
 import json
-import os
 import sys
 from pathlib import Path
 

@@ -68,7 +68,8 @@ def main() -> None:
         else:
             record["errors"][label] = None
 
-    writer = MetricsWriter(ctx, log_dir, flush_every=3)
+    # reduce_every=1: every report is its own collective, so each call's behaviour shows alone.
+    writer = MetricsWriter(ctx, log_dir, flush_every=3, reduce_every=1)
     with writer:
         for step in (2, 4, 6, 8):
             report("training", step,
@@ -90,6 +91,31 @@ def main() -> None:
                      batch_metrics=[{"batch_loss": 1.0}, {"batch_loss": 1.0}])
         # Still usable after both errors, and a new set of names is agreed on again.
         report("training", 10, {"loss": 3.0 * r})                # mean 1.5
+
+    # The default batching: one collective per reduce_every training reports; validation and
+    # close() average what is pending; names that disagree inside a batch still raise on all ranks.
+    batched: list = []
+    with MetricsWriter(ctx, log_dir.parent / "batched", reduce_every=4) as bw:
+        for step in range(1, 10):
+            before = calls["n"]
+            out = bw.report_training_metrics(step, {"loss": float(step + r)})  # mean step + 0.5
+            batched.append(["training", step, calls["n"] - before, out])
+        before = calls["n"]
+        out = bw.report_validation_metrics(9, {"val": float(r)})            # mean 0.5, + pending 9
+        batched.append(["validation", 9, calls["n"] - before, out])
+        for step in (10, 11):
+            bw.report_training_metrics(step, {"loss": float(step + r)})
+        before = calls["n"]
+    batched.append(["close", 11, calls["n"] - before, None])
+    with MetricsWriter(ctx, log_dir.parent / "batched_bad", reduce_every=2) as bad:
+        bad.report_training_metrics(1, {"loss": 1.0})
+        try:  # the second report completes the batch: rank 1 passes other names
+            bad.report_training_metrics(2, {"loss": 1.0} if r == 0 else {"other": 1.0})
+        except ValueError as err:
+            record["errors"]["batched_names"] = str(err)
+        else:
+            record["errors"]["batched_names"] = None
+    record["batched"] = batched
 
     # Files only on the chief: give each rank its own directory and see which ones appear.
     with MetricsWriter(ctx, log_dir.parent / f"per_rank_{r}") as own:

@@ -7,9 +7,11 @@ A *line* is one random ZeRO configuration (drawn without repeats from
 micro-batch; trial ids, the trial cap, in-flight trials, bounds and the best result live here.
 
 A line's trials first narrow its range ``[lo, hi]`` (its *upward* search). ``binary`` may then
-refine a line *downwards* (:attr:`Line.probe`): those probes lie below the largest micro-batch
-known to fit, so they move no bound, and the line stays idle-and-open while it has a probe to
-run even when its range is closed. Pure logic, rank 0 only by use (the orchestrator).
+refine a line *downwards* (:attr:`Line.probe`), ending with one final probe (:attr:`Line.final`):
+those probes lie below the largest micro-batch known to fit, so they move no bound, and the line
+stays idle-and-open while it has a probe to run even when its range is closed. Each line keeps
+the metric of its successful trials (:attr:`Line.values`) so that a method can look at the
+neighbours of its best micro-batch. Pure logic, rank 0 only by use (the orchestrator).
 """
 
 from __future__ import annotations
@@ -79,7 +81,10 @@ class Line:
     best: TrialResult | None = None
     stopped: str | None = None  # why the line takes no more trials
     tried: set[int] = dataclasses.field(default_factory=set)  # micro-batches proposed on this line
+    # micro-batch -> finite metric of the line's OK trials (at most one trial per micro-batch)
+    values: dict[int, float] = dataclasses.field(default_factory=dict)
     probe: int | None = None    # binary: the next micro-batch of the downward refinement
+    final: bool = False         # binary: ``probe`` is the line's final probe (its last trial)
     rung: int = 0               # asha: the rung the line is allowed to run to
     finished_rung: int = -1     # asha: the highest rung it finished
     rung_best: dict[int, TrialResult | None] = dataclasses.field(default_factory=dict)
@@ -158,6 +163,8 @@ class LineSearcher:
         line.in_flight = False
         self._results.append(result)
         value = metric_value(result, self.settings.metric)
+        if value is not None:
+            line.values[spec.micro_batch] = value
         improved = value is not None and is_better(self.settings.metric, value, self._best_value())
         if improved:
             self._best = result

@@ -15,10 +15,11 @@ closed when ``lo > hi``; the best fitting micro-batch of the line is then ``lo -
   its range closes or, once a trial fits, the open range is within ``bisect_tolerance`` of the
   largest fitting micro-batch ``f = lo - 1``: ``hi - f <= bisect_tolerance * f``. Then, for the
   larger-is-better metrics, it refines the line downwards (halving from ``f`` while that
-  improves the line's best; see :class:`BinarySearcher`). Lines run side by side to fill the
-  capacity. Bounds, for a line whose largest fitting micro-batch is ``T`` (``1 <= T <= hi``;
-  the range ``[lo, hi]`` holds at most ``floor(hi / 2**k)`` micro-batches after ``k`` trials
-  and always contains ``T``):
+  improves the line's best) and ends it with one final probe at the geometric midpoint between
+  the line's best micro-batch and its better tried neighbour (see :class:`BinarySearcher`).
+  Lines run side by side to fill the capacity. Bounds, for a line whose largest fitting
+  micro-batch is ``T`` (``1 <= T <= hi``; the range ``[lo, hi]`` holds at most
+  ``floor(hi / 2**k)`` micro-batches after ``k`` trials and always contains ``T``):
 
   - ``bisect_tolerance = 0``: the upward search finds ``f = T`` within ``floor(log2 hi) + 1``
     trials (exact bisection);
@@ -26,8 +27,9 @@ closed when ``lo > hi``; the best fitting micro-batch of the line is then ``lo -
     ``min(floor(log2 hi) + 1, ceil(log2((1 + tol) * hi / (tol * T))))`` trials with
     ``T - f <= tol * f``, i.e. ``f >= T / (1 + tol)`` (once the range holds at most
     ``tol * T / (1 + tol)`` micro-batches, ``f >= T - (hi - f)`` gives ``hi - f <= tol * f``);
-  - the downward refinement adds at most ``floor(log2 f)`` trials (``f // 2``, ``f // 4``, ...,
-    1), and a single one when the first probe does not improve the line's best.
+  - the downward refinement adds at most ``floor(log2 f) + 1`` trials (``f // 2``, ``f // 4``,
+    ..., 1, then the final probe), at most two when the first probe does not improve the line's
+    best, and at most one (the final probe) when ``f // 2`` was already tried or is below 1.
 * :class:`RandomSearcher` (``random``): a random micro-batch in ``[lo, hi]`` per trial, with the
   early-stopping rules of :class:`RandomSearcher`.
 * :class:`AshaSearcher` (``asha``): binary-search lines as ASHA's resource; see its docstring
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Mapping, Sequence
 
 from toolkit.dsat.lines import Line, LineSearcher, best_result, metric_value
@@ -78,7 +81,18 @@ class BinarySearcher(LineSearcher):
     trials), and only for a line with a success: it probes ``f // 2``, then keeps halving from
     the last probe while each probe strictly improves the line's best metric (``is_better``). It
     stops at the first probe that does not improve, is not ``OK``, would be below 1, or was already
-    tried on the line; the line is then done. Probes move no bound.
+    tried on the line. Probes move no bound.
+
+    Final probe: halving only visits ``f / 2**k``, so the peak may lie between two of them. When
+    the refinement stops (also when it never started because ``f // 2`` was already tried or is
+    below 1), the line gets one last trial: with ``b`` its best micro-batch and ``n`` the better
+    (``is_better``; ties go to the one above) of ``b``'s neighbours among the line's ``OK``
+    trials with a finite metric (the nearest above and the nearest below ``b``), it probes the
+    geometric midpoint ``m = round(sqrt(b * n))`` (the range is searched on a log scale) unless
+    ``m`` was tried, ``m`` is ``b`` or ``n``, ``m < 1`` or ``m >= lo`` (not known to fit). Not
+    after a probe that failed: a crash or timeout below a micro-batch known to fit says the line
+    misbehaves, so it gets no more trials. ``b`` without an ``OK`` neighbour: no final probe.
+    After the final probe (whatever its outcome, a failure included) the line is done.
 
     Idle lines (open range or a probe due) get the next trials first (oldest first); spare
     capacity starts new lines, one in-flight trial per line. Pure; rank 0 only by use.
@@ -100,6 +114,14 @@ class BinarySearcher(LineSearcher):
         return bool(self._idle_lines()) or self._space.remaining() > 0
 
     def _after_observe(self, line: Line, result: TrialResult, improved: bool) -> None:
+        if line.final:
+            m = result.spec.micro_batch
+            line.probe = None
+            outcome = ("improved the line's best" if line.best is result else
+                       "did not improve the line's best" if result.status is TrialStatus.OK
+                       else result.status.value)
+            line.stopped = f"final probe at micro-batch {m}: {outcome}"
+            return
         if line.descending:
             self._descend(line, result)
             return
@@ -118,8 +140,8 @@ class BinarySearcher(LineSearcher):
         if self.settings.metric in SMALLER_IS_BETTER:
             line.stopped = f"{reason}; no downward refinement for {self.settings.metric}"
         elif probe < 1 or probe in line.tried:
-            line.stopped = f"{reason}; nothing left below: micro-batch {probe} " + (
-                "already tried" if probe >= 1 else "is below 1")
+            self._finish(line, f"{reason}; nothing left below: micro-batch {probe} " + (
+                "already tried" if probe >= 1 else "is below 1"))
         else:
             line.probe = probe
             logger.debug("line %d: upward search over (%s); refining downwards from %d",
@@ -131,15 +153,53 @@ class BinarySearcher(LineSearcher):
         line.probe = None
         # observe() made ``result`` the line's best exactly when it strictly improved on it.
         if result.status is not TrialStatus.OK:
-            line.stopped = f"downward refinement: {result.status.value} at micro-batch {m}"
+            line.stopped = (f"downward refinement: {result.status.value} at micro-batch {m} "
+                            "(no final probe after a failed probe)")
         elif line.best is not result:
-            line.stopped = f"downward refinement: micro-batch {m} did not improve the line's best"
+            self._finish(line, f"downward refinement: micro-batch {m} did not improve the line's best")
         elif nxt < 1:
-            line.stopped = "downward refinement reached micro-batch 1"
+            self._finish(line, "downward refinement reached micro-batch 1")
         elif nxt in line.tried:  # the rule; below the first probe a bisected line never tried one
-            line.stopped = f"downward refinement: micro-batch {nxt} already tried"
+            self._finish(line, f"downward refinement: micro-batch {nxt} already tried")
         else:
             line.probe = nxt
+
+    def _finish(self, line: Line, reason: str) -> None:
+        """The refinement of ``line`` is over: give it its final probe, or stop it."""
+        m, why = _final_probe(line, self.settings.metric)
+        if m is None:
+            line.stopped = f"{reason}; no final probe: {why}"
+            return
+        line.probe, line.final = m, True
+        logger.debug("line %d: %s; final probe at micro-batch %d (%s)", line.line_id, reason, m, why)
+
+
+def _final_probe(line: Line, metric: str) -> tuple[int | None, str]:
+    """``binary``'s final probe of ``line``: (micro-batch or None, why), pure.
+
+    The geometric midpoint ``round(sqrt(b * n))`` of the line's best micro-batch ``b`` and the
+    better of its nearest ``OK`` neighbours above and below (ties go to the one above); None
+    when ``b`` has no ``OK`` neighbour or the midpoint was tried, equals ``b`` or ``n``, is below
+    1 or is not below ``line.lo``. Rank 0 only by use.
+    """
+    if line.best is None:
+        return None, "no successful trial"
+    b = line.best.spec.micro_batch
+    above = min((mb for mb in line.values if mb > b), default=None)
+    below = max((mb for mb in line.values if mb < b), default=None)
+    if above is None and below is None:
+        return None, f"the best micro-batch {b} has no successful neighbour"
+    if above is None or (below is not None and is_better(metric, line.values[below], line.values[above])):
+        n = below
+    else:
+        n = above
+    r = math.isqrt(b * n)
+    m = r + 1 if b * n > r * (r + 1) else r  # round(sqrt(b * n)), exactly: b * n is an integer
+    where = f"geometric midpoint of the best {b} and its better neighbour {n}"
+    if m in (b, n) or m in line.tried or m < 1 or m >= line.lo:
+        return None, f"{where} is {m}: " + ("already tried" if m in line.tried or m in (b, n)
+                                            else "not known to fit")
+    return m, where
 
 
 class RandomSearcher(LineSearcher):

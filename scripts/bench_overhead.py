@@ -3,8 +3,9 @@
     .venv/bin/python scripts/bench_overhead.py            # 2 CPU ranks under torchrun (it launches itself)
     .venv/bin/python scripts/bench_overhead.py --nproc 1 --blocks 20
 
-Both loops run in the same processes, in alternating blocks (plain, helpers, plain, helpers, ...)
-so that drift in machine load hits both alike. "helpers" adds, every step:
+Three arms run in the same processes, in blocks of ``--steps`` steps, every order of the three
+in turn so that drift in machine load hits all alike: "plain", "helpers", and "control" (the plain
+loop again, whose ratio to "plain" shows what noise alone gives: an A/A test). "helpers" adds, every step:
 ``MetricsWriter.report_training_metrics`` (loss + samples/s, averaged across ranks, written by
 the chief), ``PreemptionWatcher.should_preempt()`` and ``dsat_reporting_context`` (outside a
 trial). Checkpoints are excluded (they run every N steps and cost what DeepSpeed's save costs).
@@ -19,6 +20,7 @@ the ratio is the cost; ``--nproc 1`` shows the helpers' own CPU time.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import subprocess
@@ -75,54 +77,59 @@ def worker(args: argparse.Namespace) -> None:
 
     for _ in range(5):  # warm-up: first steps allocate and pick kernels
         step()
-    plain_times, helper_times, inside = [], [], []
+    times: dict[str, list[float]] = {"plain": [], "helpers": [], "control": []}
+    inside: list[float] = []
     parts = dict.fromkeys(("report_training_metrics", "should_preempt", "dsat_reporting_context"), 0.0)
     with tempfile.TemporaryDirectory() as tmp, toolkit.MetricsWriter(ctx, Path(tmp) / "tb") as metrics, \
             toolkit.watch_preemption(ctx) as preemption:
         done = 0
 
-        def plain_block() -> None:
-            ctx.barrier()
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                step()
-            plain_times.append((time.perf_counter() - start) / args.steps)
-
-        def helper_block() -> None:
+        def block(arm: str) -> None:
+            # The same code for every arm, clock reads included: only the helper calls differ.
             nonlocal done
+            helpers = arm == "helpers"
             ctx.barrier()
             start, spent = time.perf_counter(), 0.0
             for _ in range(args.steps):
                 t0 = time.perf_counter()
-                context = toolkit.dsat_reporting_context(engine, steps_completed=done)
-                context.__enter__()
+                if helpers:
+                    context = toolkit.dsat_reporting_context(engine, steps_completed=done)
+                    context.__enter__()
                 t1 = time.perf_counter()
                 loss = step()
                 t2 = time.perf_counter()
-                context.__exit__(None, None, None)
-                done += 1
+                if helpers:
+                    context.__exit__(None, None, None)
+                    done += 1
                 t3 = time.perf_counter()
-                metrics.report_training_metrics(done, {"loss": loss.detach()}, samples=8)
+                if helpers:
+                    metrics.report_training_metrics(done, {"loss": loss.detach()}, samples=8)
                 t4 = time.perf_counter()
-                if preemption.should_preempt():
+                if helpers and preemption.should_preempt():
                     raise SystemExit("a signal arrived during the benchmark")
                 t5 = time.perf_counter()
-                spent += (t1 - t0) + (t5 - t2)
-                parts["dsat_reporting_context"] += (t1 - t0) + (t3 - t2)
-                parts["report_training_metrics"] += t4 - t3
-                parts["should_preempt"] += t5 - t4
-            helper_times.append((time.perf_counter() - start) / args.steps)
-            inside.append(spent / args.steps)
+                if helpers:
+                    spent += (t1 - t0) + (t5 - t2)
+                    parts["dsat_reporting_context"] += (t1 - t0) + (t3 - t2)
+                    parts["report_training_metrics"] += t4 - t3
+                    parts["should_preempt"] += t5 - t4
+            times[arm].append((time.perf_counter() - start) / args.steps)
+            if helpers:
+                inside.append(spent / args.steps)
 
-        # ABBA order: whichever loop runs first after a barrier pays for waking up; alternating
-        # cancels that, and slow drift of the machine's load hits both loops alike.
-        for block in range(args.blocks):
-            for run in ((plain_block, helper_block) if block % 2 == 0 else (helper_block, plain_block)):
-                run()
-    plain, helpers, own = statistics.median(plain_times), statistics.median(helper_times), statistics.median(inside)
+        # Every order of the three arms in turn: whichever runs first after a barrier pays for
+        # waking up, and slow drift of the machine's load hits all arms alike. "control" is the
+        # plain loop again: its ratio to "plain" is what noise alone gives (an A/A test).
+        orders = list(itertools.permutations(times))
+        for b in range(args.blocks):
+            for arm in orders[b % len(orders)]:
+                block(arm)
+    plain, helpers, own = (statistics.median(times["plain"]), statistics.median(times["helpers"]),
+                           statistics.median(inside))
     # Costs paid every few hundred steps (the metrics' batched collective) fall in a few blocks
     # only, which a median leaves out: the ratio of the arms' total times is the one to judge.
-    total_plain, total_helpers = ctx.all_reduce([sum(plain_times), sum(helper_times)], op="max")
+    total_plain, total_helpers, total_control = ctx.all_reduce(
+        [sum(times["plain"]), sum(times["helpers"]), sum(times["control"])], op="max")
     calls = args.blocks * args.steps
     agreed_parts = ctx.all_reduce([v / calls for v in parts.values()], op="max")
     agreed = ctx.all_reduce([plain, helpers, own], op="max")
@@ -133,6 +140,7 @@ def worker(args: argparse.Namespace) -> None:
         print(f"plain loop        : {plain * 1e3:8.3f} ms/step (median of blocks, slowest rank)")
         print(f"loop with helpers : {helpers * 1e3:8.3f} ms/step")
         print(f"ratio of total times (all blocks)  : {total_helpers / total_plain:.4f}   target <= 1.01")
+        print(f"control: plain / plain (A/A noise) : {total_control / total_plain:.4f}")
         print(f"ratio of median block times        : {helpers / plain:.4f}")
         print(f"time inside helper calls per step  : {own * 1e6:8.1f} us ({own / plain:.2%} of a plain step; "
               "median of blocks)")
@@ -147,7 +155,7 @@ def worker(args: argparse.Namespace) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--blocks", type=int, default=30)
+    parser.add_argument("--blocks", type=int, default=36, help="blocks per arm (6 orders of the 3 arms)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

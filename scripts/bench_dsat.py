@@ -86,9 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metric", choices=METRICS, default="throughput")
     p.add_argument("--zero-stages", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--search-range-factor", type=float, default=1.0)
+    p.add_argument("--bisect-tolerance", type=float, default=None,
+                   help="dsat binary's --bisect-tolerance (default: dsat's own)")
     p.add_argument("--random-seed", type=int, default=42)
-    p.add_argument("--start-profile-step", type=int, default=2)
-    p.add_argument("--end-profile-step", type=int, default=3)
+    # 4 timed steps per trial: with 1-2 the metric of one config varies by +-10% between trials
+    # here, and the best of many noisy trials (the grid's) is biased upwards.
+    p.add_argument("--start-profile-step", type=int, default=3)
+    p.add_argument("--end-profile-step", type=int, default=6)
     p.add_argument("--trial-timeout", type=float, default=300.0)
     p.add_argument("--width", type=int, default=8, help="ResNet width of the example model")
     p.add_argument("--image-size", type=int, default=16)
@@ -167,6 +171,8 @@ def dsat_cli_args(args: argparse.Namespace, experiment: Path, output_dir: Path) 
             "--trial-timeout", str(args.trial_timeout), "--max-slots", "2", "--output-dir", str(output_dir)]
     if args.method in ("binary", "asha"):
         argv += ["--search-range-factor", str(args.search_range_factor)]
+    if args.method == "binary" and args.bisect_tolerance is not None:
+        argv += ["--bisect-tolerance", str(args.bisect_tolerance)]
     return argv
 
 

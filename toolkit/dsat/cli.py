@@ -126,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     binary.add_argument("--search-range-factor", type=_positive_float, default=1.0)
     binary.add_argument("--bisect-tolerance", type=_fraction, default=0.1, metavar="FRACTION",
                         help="stop bisecting a config's micro-batch once the open range is within this "
-                             "fraction of its largest fitting micro-batch, then refine downwards for "
-                             "throughput/FLOPS_per_gpu (0: bisect to the last unit; default 0.1)")
+                             "fraction of its largest fitting micro-batch; for throughput/FLOPS_per_gpu "
+                             "then halve it while that improves, and end with one probe midway (on a log "
+                             "scale) toward the better neighbour (0: bisect to the last unit; default 0.1)")
     rand = methods.add_parser("random", parents=[common], help="random ZeRO configs with early stopping")
     rand.add_argument("--trials-per-random-config", type=_int_at_least(1), default=5)
     rand.add_argument("--early-stopping", type=_int_at_least(1), default=None,

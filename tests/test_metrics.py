@@ -95,7 +95,7 @@ def test_other_bad_inputs(writer):
 @pytest.mark.parametrize("kwargs, field", [
     ({"jsonl_name": "sub/metrics.jsonl"}, "jsonl_name"), ({"jsonl_name": ""}, "jsonl_name"),
     ({"flush_every": 0}, "flush_every"), ({"flush_secs": 0}, "flush_secs"),
-    ({"max_queue": 1.5}, "max_queue"), ({"resume_step": -3}, "resume_step"),
+    ({"resume_step": -3}, "resume_step"),
     ({"reduce_every": 0}, "reduce_every"), ({"reduce_every": 2.0}, "reduce_every"),
     ({"reduce_secs": 0}, "reduce_secs"), ({"reduce_secs": math.inf}, "reduce_secs"),
 ])

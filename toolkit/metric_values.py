@@ -58,7 +58,10 @@ def _values(where: str, metrics: Any) -> tuple[tuple[str, ...], list[float]]:
     keys = tuple(sorted(metrics, key=str))
     raw = [_scalar(where, k, metrics[k]) for k in keys]
     tensors = [(i, v) for i, v in enumerate(raw) if isinstance(v, torch.Tensor)]
-    if tensors:
+    if len(tensors) == 1:  # the usual case, a loss: one copy, without building a new tensor
+        i, t = tensors[0]
+        raw[i] = float(t.detach().reshape(()).item())
+    elif tensors:
         # One device-to-host copy per device rather than a synchronising .item() per tensor.
         by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for i, t in tensors:

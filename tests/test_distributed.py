@@ -114,7 +114,10 @@ def test_bad_arguments(code, message):
 
 def test_adopts_process_group_made_by_deepspeed(tmp_path):
     code = ("import deepspeed, toolkit, torch.distributed as dist; deepspeed.init_distributed('gloo'); "
-            "ctx = toolkit.init_distributed(); print('ADOPTED', ctx.rank, ctx.world_size, ctx.backend)")
+            # One write per rank: print() of several values writes them one by one, and the two
+            # ranks share torchrun's stdout, so their pieces could interleave.
+            "ctx = toolkit.init_distributed(); import sys; "
+            "sys.stdout.write(f'ADOPTED {ctx.rank} {ctx.world_size} {ctx.backend}\\n'); sys.stdout.flush()")
     script = tmp_path / "adopt.py"
     script.write_text(code)
     out = p.check(p.run(p.torchrun_argv(script)))

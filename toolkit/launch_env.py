@@ -8,10 +8,11 @@ inside an ``srun`` step sees both torchrun's and Slurm's variables and torchrun'
 ========== ======================================================================================
 launcher   variables read
 ========== ======================================================================================
-torchrun   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT
+torchrun   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,
+           MASTER_ADDR, MASTER_PORT
 deepspeed  RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE, MASTER_ADDR/PORT
-env        RANK, WORLD_SIZE (+ LOCAL_RANK, LOCAL_WORLD_SIZE), e.g. a hand-written launcher
-mpirun     OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE,NODE_RANK} (Open MPI) or
+env        RANK, WORLD_SIZE (+ LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK), e.g. a hand-written launcher
+mpirun     OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE} (Open MPI) or
            PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS (MPICH, Intel MPI)
 slurm      SLURM_PROCID, SLURM_STEP_NUM_TASKS or SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID,
            SLURM_STEP_NUM_NODES or SLURM_NNODES, SLURM_STEP_NODELIST or SLURM_JOB_NODELIST,
@@ -20,6 +21,15 @@ slurm      SLURM_PROCID, SLURM_STEP_NUM_TASKS or SLURM_NTASKS, SLURM_LOCALID, SL
            a single process
 none       nothing set: a world of size 1
 ========== ======================================================================================
+
+Node rank and number of nodes: torchrun's GROUP_RANK / GROUP_WORLD_SIZE (one agent per node; its
+rendezvous assigns GROUP_RANK, so a node's rank can differ from its ``--node-rank`` under c10d),
+the deepspeed launcher's CROSS_RANK / CROSS_SIZE, Slurm's SLURM_NODEID / SLURM_STEP_NUM_NODES.
+Under mpirun they are derived (``rank // local size``): Open MPI's OMPI_COMM_WORLD_NODE_RANK is
+*not* the node's index but "the relative rank of this process on this node looking across all
+jobs", and MPICH sets no node index; both launchers place ranks by slot (consecutive ranks on a
+node) by default. Under srun, the local world size is this node's entry of
+SLURM_STEP_TASKS_PER_NODE (``2(x3),1``: 1 on the fourth node).
 
 Every variable read is validated, and a bad one is named: ``LOCAL_RANK='x' is not an integer``.
 """
@@ -102,10 +112,16 @@ class _Reader:
         return raw.strip() if raw is not None else None
 
 
-def _slurm_tasks_per_node(raw: str) -> int | None:
-    """First entry of SLURM_TASKS_PER_NODE / SLURM_STEP_TASKS_PER_NODE, e.g. ``'2(x3),1'`` -> 2."""
-    match = re.match(r"^\s*(\d+)", raw)
-    return int(match.group(1)) if match else None
+def _slurm_tasks_per_node(raw: str, node: int | None = None) -> int | None:
+    """This node's entry of SLURM_STEP_TASKS_PER_NODE, e.g. ``'2(x3),1'`` -> 2 on nodes 0-2, 1 on node 3."""
+    counts: list[int] = []
+    for item in raw.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
+        if not match:
+            return None
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    node = node or 0
+    return counts[node] if node < len(counts) else counts[0]
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -207,7 +223,7 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
             num_nodes = r.int("CROSS_SIZE", minimum=1)
         elif r.has("GROUP_RANK") or r.has("TORCHELASTIC_RUN_ID"):
             launcher, local_size_var, node_var = "torchrun", "LOCAL_WORLD_SIZE", "GROUP_RANK"
-            num_nodes = None
+            num_nodes = r.int("GROUP_WORLD_SIZE", minimum=1)
         else:
             launcher, local_size_var, node_var = "env", "LOCAL_WORLD_SIZE", "NODE_RANK"
             num_nodes = None
@@ -225,7 +241,7 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
             "mpi", r,
             rank=r.int("OMPI_COMM_WORLD_RANK"), world_size=world,
             local_rank=r.int("OMPI_COMM_WORLD_LOCAL_RANK"), local_world_size=local_size,
-            node_rank=r.int("OMPI_COMM_WORLD_NODE_RANK"), num_nodes=None,
+            node_rank=None, num_nodes=None,  # OMPI_COMM_WORLD_NODE_RANK is not a node index
             master_addr=r.str("MASTER_ADDR") or _local_master(world, local_size),
             master_port=r.int("MASTER_PORT", DEFAULT_MASTER_PORT, minimum=1))
 
@@ -248,7 +264,7 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
         if num_nodes is None:
             num_nodes = r.int("SLURM_NNODES", minimum=1)
         per_node_raw = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-        local_size = _slurm_tasks_per_node(per_node_raw) if per_node_raw else None
+        local_size = _slurm_tasks_per_node(per_node_raw, r.int("SLURM_NODEID")) if per_node_raw else None
         if per_node_raw and local_size is None:
             r.problems.append(f"SLURM_STEP_TASKS_PER_NODE={per_node_raw!r} cannot be parsed; expected e.g. '2(x3)'")
         master = r.str("MASTER_ADDR")

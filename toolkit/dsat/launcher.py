@@ -25,6 +25,21 @@ Decisions (documented here because tests compare argv lists exactly):
   comes from the environment (``LOCAL_RANK``), as under torchrun, so scripts need no
   ``--local_rank`` argument.
 
+Across hosts (:func:`build_multihost_argv`, used when a trial's slots are on a host that is not
+this machine, see :mod:`toolkit.dsat.hosts`):
+
+* ``pdsh``, ``openmpi``, ``mvapich``, ``mpich``, ``impi``: DeepSpeed's own multinode runner,
+  ``python -m deepspeed.launcher.runner --hostfile TRIAL_HOSTFILE`` with the trial's hosts only,
+  ``--master_addr`` its first host, ``--master_port`` its own port, ``--force_multi`` (a single
+  remote host would otherwise be started on this machine) and ``--no_local_rank``; under pdsh also
+  ``--include host:ids@host:ids`` (the slot ids, hence the GPUs, of each host; DeepSpeed's MPI
+  runners refuse ``--include`` and run one process per listed slot). ``ssh_port`` becomes
+  ``--ssh_port``.
+* ``srun`` (inside a Slurm allocation): ``srun --nodes N --ntasks T --ntasks-per-node K
+  --nodelist H1,H2 --exact --kill-on-bad-exit=1`` and the rendezvous address in ``--export``;
+  ranks read the Slurm variables (:mod:`toolkit.launch_env`). srun places tasks by count, so a
+  trial must have the same number of slots on each host (``place_trial(uniform=True)``).
+
 Example::
 
     >>> build_trial_argv(["python3", "train.py", "--flag"], launcher="torchrun", nproc=2,
@@ -39,14 +54,17 @@ import json
 import os
 import re
 import sys
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from toolkit.errors import ConfigError
 
-__all__ = ["LAUNCHERS", "build_trial_argv", "world_info"]
+__all__ = ["LAUNCHERS", "MULTIHOST_LAUNCHERS", "build_trial_argv", "build_multihost_argv",
+           "build_remote_kill_argv", "world_info"]
 
 #: Launchers a trial can be started with.
 LAUNCHERS = ("torchrun", "deepspeed")
+#: Launchers of a trial across hosts: DeepSpeed's multinode runners, or ``srun``.
+MULTIHOST_LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "srun")
 
 _PYTHON = re.compile(r"python(\d+(\.\d+)*)?")
 _TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
@@ -178,3 +196,99 @@ def build_trial_argv(entrypoint: Sequence[str], *, launcher: str, nproc: int, ma
                 "--master_addr=127.0.0.1", f"--master_port={master_port}", "--no_local_rank"]
         argv += {"module": ["--module"], "exec": ["--no_python"], "script": []}[mode]
     return argv + [target] + args
+
+
+def _check_placement(placement: Mapping[str, Sequence[int]]) -> None:
+    if not isinstance(placement, Mapping) or not placement:
+        raise ValueError(f"placement={placement!r}: expected a non-empty mapping host -> slot ids")
+    for host, ids in placement.items():
+        if not isinstance(host, str) or not host or any(c.isspace() or c in ",@:" for c in host):
+            raise ValueError(f"placement host {host!r}: expected a host name without spaces, ',', '@' or ':'")
+        if isinstance(ids, str) or not ids or not all(_is_int(i) and i >= 0 for i in ids) \
+                or len(set(ids)) != len(ids):
+            raise ValueError(f"placement {host!r}: {ids!r}, expected distinct slot ids >= 0")
+
+
+def build_multihost_argv(entrypoint: Sequence[str], *, placement: Mapping[str, Sequence[int]], via: str,
+                         master_port: int, hostfile: str | os.PathLike[str] | None = None,
+                         ssh_port: int | None = None, gpus: bool = False) -> list[str]:
+    """The argv that starts ``entrypoint`` on the hosts of ``placement``. Pure; any process.
+
+    Args:
+        entrypoint: as for :func:`build_trial_argv`.
+        placement: host -> slot ids, in rank order (from :func:`toolkit.dsat.hosts.place_trial`).
+        via: one of :data:`MULTIHOST_LAUNCHERS`.
+        master_port: the trial's own rendezvous port on the first host.
+        hostfile: DeepSpeed runners only: a hostfile listing exactly the placement's hosts with
+            their slot counts (the runner writes one per trial).
+        ssh_port: DeepSpeed runners only: ssh port of the hosts (``--ssh_port``).
+        gpus: ``srun`` only: ask for the slots as GPUs (``--gpus-per-node``).
+
+    Returns:
+        A new argv list; never run through a shell.
+
+    Raises:
+        ConfigError: the entrypoint cannot be launched.
+        ValueError: a bad ``via``, ``placement``, ``master_port``, ``hostfile`` or ``ssh_port``;
+            under srun, unequal slot counts per host.
+
+    Example::
+
+        argv = build_multihost_argv(["python3", "train.py"], placement={"w0": [0, 1], "w1": [0, 1]},
+                                    via="pdsh", master_port=29512, hostfile="trial_7/hostfile")
+    """
+    if isinstance(entrypoint, str) or not entrypoint or not all(isinstance(p, str) and p for p in entrypoint):
+        raise ConfigError(f"entrypoint={entrypoint!r}: expected a non-empty list of non-empty strings, "
+                          "e.g. ['python3', 'train.py']")
+    if via not in MULTIHOST_LAUNCHERS:
+        raise ValueError(f"via={via!r}: expected one of {', '.join(MULTIHOST_LAUNCHERS)}")
+    _check_placement(placement)
+    if not _is_int(master_port) or not 1 <= master_port <= 65535:
+        raise ValueError(f"master_port={master_port!r}: expected an integer port in 1..65535")
+    if ssh_port is not None and (not _is_int(ssh_port) or not 1 <= ssh_port <= 65535):
+        raise ValueError(f"ssh_port={ssh_port!r}: expected an integer port in 1..65535, or None")
+    mode, target, args = _unwrap_launcher(*_split_entrypoint(entrypoint), entrypoint)
+    hosts = list(placement)
+    if via == "srun":
+        counts = {len(ids) for ids in placement.values()}
+        if len(counts) != 1:
+            raise ValueError(f"placement={dict(placement)!r}: srun starts the same number of tasks on every "
+                             "host; place the trial with place_trial(uniform=True)")
+        per_host = counts.pop()
+        argv = ["srun", f"--nodes={len(hosts)}", f"--ntasks={per_host * len(hosts)}",
+                f"--ntasks-per-node={per_host}", f"--nodelist={','.join(hosts)}", "--exact",
+                "--kill-on-bad-exit=1", f"--export=ALL,MASTER_ADDR={hosts[0]},MASTER_PORT={master_port}"]
+        if gpus:
+            argv.append(f"--gpus-per-node={per_host}")
+        command = {"module": [sys.executable, "-u", "-m", target], "exec": [target],
+                   "script": [sys.executable, "-u", target]}[mode]
+        return argv + command + args
+    if hostfile is None or not os.fspath(hostfile):
+        raise ValueError(f"via={via!r} needs the trial's hostfile (hostfile=None given)")
+    from toolkit.dsat.hosts import format_include  # pure, no cycle at import time
+
+    argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", os.fspath(hostfile)]
+    if via == "pdsh":  # DeepSpeed's MPI runners refuse --include: their hostfile is the trial's alone
+        argv += ["--include", format_include(placement)]
+    argv += ["--master_addr", hosts[0], "--master_port", str(master_port), "--launcher", via,
+             "--force_multi", "--no_local_rank"]
+    if ssh_port is not None:
+        argv += ["--ssh_port", str(ssh_port)]
+    argv += {"module": ["--module"], "exec": ["--no_python"], "script": []}[mode]
+    return argv + [target] + args
+
+
+def build_remote_kill_argv(hosts: Sequence[str], *, master_port: int, ssh_port: int | None = None) -> list[str]:
+    """pdsh argv that stops one trial's DeepSpeed launchers on its hosts. Pure; any process.
+
+    DeepSpeed's runner, on SIGTERM, runs ``pkill -f`` on *every* ``deepspeed.launcher.launch``
+    of the hosts, other trials' too; this one matches only the launcher with the trial's own
+    ``--master_port`` (``[d]`` keeps the pattern from matching the remote shell running it).
+    ``deepspeed.launcher.launch`` stops its ranks on SIGTERM.
+    """
+    if isinstance(hosts, str) or not hosts or not all(isinstance(h, str) and h for h in hosts):
+        raise ValueError(f"hosts={hosts!r}: expected a non-empty list of host names")
+    if not _is_int(master_port) or not 1 <= master_port <= 65535:
+        raise ValueError(f"master_port={master_port!r}: expected an integer port in 1..65535")
+    pattern = f"'[d]eepspeed.launcher.launch.*--master_port={master_port}( |$)'"
+    return ["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts), "pkill", "-TERM", "-f", pattern]

@@ -60,7 +60,9 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from toolkit.config import OUTPUT_DIR_ENV, TRIAL_HPARAMS_ENV
-from toolkit.dsat.launcher import LAUNCHERS, build_trial_argv
+from toolkit.dsat.hosts import Host, format_include, is_local_host, place_trial
+from toolkit.dsat.launcher import (LAUNCHERS, MULTIHOST_LAUNCHERS, build_multihost_argv, build_remote_kill_argv,
+                                   build_trial_argv)
 from toolkit.dsat.procs import (RUN_ENV, block_interrupts, find_trial_processes, free_port, kill_until_gone,
                                 rss_bytes, run_to_completion, scan_processes, unblock_interrupts)
 from toolkit.dsat.types import METRICS, TRIAL_ENV, ProfileInfo, TrialContract, TrialResult, TrialSpec, TrialStatus
@@ -101,6 +103,14 @@ class RunnerSettings:
             None on CPU.
         grace_s: SIGTERM-to-SIGKILL grace when killing a trial.
         poll_s: how often running trials are checked (exit, timeout, memory).
+        hosts: the machines and their slots (``--hostfile`` or the Slurm allocation); None: this
+            machine alone (the single-machine path: ``max_slots`` local slots, no ssh). With
+            hosts, each trial is placed with :func:`toolkit.dsat.hosts.place_trial` and records
+            its hosts in ``placement.json``; a trial whose hosts are all this machine (loopback
+            names, this host name) is started locally as without hosts, any other through
+            ``multihost_launcher``.
+        multihost_launcher: one of :data:`~toolkit.dsat.launcher.MULTIHOST_LAUNCHERS`.
+        ssh_port: ssh port of the hosts (DeepSpeed's runners), None for ssh's default.
     """
 
     entrypoint: tuple[str, ...]
@@ -116,6 +126,9 @@ class RunnerSettings:
     gpus: tuple[int, ...] | None = None
     grace_s: float = 5.0
     poll_s: float = 0.25
+    hosts: tuple[Host, ...] | None = None
+    multihost_launcher: str = "pdsh"
+    ssh_port: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise containers (lists from argparse/YAML) before the checks; frozen, hence object.__setattr__.
@@ -125,6 +138,8 @@ class RunnerSettings:
             object.__setattr__(self, "model_dir", Path(self.model_dir))
         if isinstance(self.gpus, list):
             object.__setattr__(self, "gpus", tuple(self.gpus))
+        if isinstance(self.hosts, list):
+            object.__setattr__(self, "hosts", tuple(self.hosts))
         p: list[str] = []
         ep = self.entrypoint
         if not isinstance(ep, tuple) or not ep or not all(isinstance(x, str) and x for x in ep):
@@ -155,9 +170,10 @@ class RunnerSettings:
             g = self.gpus
             if not isinstance(g, tuple) or not all(_is_int(x) and x >= 0 for x in g) or len(set(g)) != len(g):
                 p.append(f"gpus={g!r}: expected distinct GPU ids >= 0, or None on CPU")
-            elif _is_int(self.max_slots) and self.max_slots > len(g):
+            elif _is_int(self.max_slots) and self.max_slots > len(g) and self.hosts is None:
                 p.append(f"max_slots={self.max_slots} but only {len(g)} GPU(s) given ({g}); lower max_slots "
                          "or give more GPUs")
+        p.extend(self._host_problems())
         if not p:  # the entrypoint must be launchable: say so now, not at the first trial
             try:
                 build_trial_argv(list(ep), launcher=self.launcher, nproc=self.slots_per_trial, master_port=29500)
@@ -165,6 +181,30 @@ class RunnerSettings:
                 p.extend(err.problems)
         if p:
             raise ConfigError(p)
+
+
+    def _host_problems(self) -> list[str]:
+        if self.multihost_launcher not in MULTIHOST_LAUNCHERS:
+            return [f"multihost_launcher={self.multihost_launcher!r}: expected one of {', '.join(MULTIHOST_LAUNCHERS)}"]
+        if self.ssh_port is not None and (not _is_int(self.ssh_port) or not 1 <= self.ssh_port <= 65535):
+            return [f"ssh_port={self.ssh_port!r}: expected a port in 1..65535, or None"]
+        if self.hosts is None:
+            return []
+        hosts = self.hosts
+        if not isinstance(hosts, tuple) or not hosts or not all(isinstance(h, Host) for h in hosts) \
+                or len({h.name for h in hosts}) != len(hosts):
+            return [f"hosts={hosts!r}: expected distinct Host entries (toolkit.dsat.hosts), or None"]
+        total = sum(h.slots for h in hosts)
+        if _is_int(self.max_slots) and self.max_slots > total:
+            return [f"max_slots={self.max_slots} but the hosts have {total} slot(s) in all; lower max_slots"]
+        if _is_int(self.slots_per_trial) and place_trial(
+                {h.name: tuple(range(h.slots)) for h in hosts}, self.slots_per_trial,
+                uniform=self.multihost_launcher == "srun") is None:
+            slots = {h.name: h.slots for h in hosts}
+            return [f"slots_per_trial={self.slots_per_trial} cannot be placed on the hosts {slots}"
+                    + (" with the same number of slots on each host (srun)" if self.multihost_launcher == "srun"
+                       else "")]
+        return []
 
 
 def _device_ids(gpus: tuple[int, ...] | None) -> dict[int, str] | None:
@@ -191,6 +231,8 @@ class _Trial:
     port: int
     started: float
     verdict: tuple[TrialStatus, str] | None = None
+    placement: dict[str, tuple[int, ...]] | None = None   # with hosts: host -> slot ids
+    via: str | None = None                                 # the multihost launcher; None: local
 
 
 def _exit_text(code: int) -> str:
@@ -268,6 +310,8 @@ class TrialRunner:
         self._running: dict[int, _Trial] = {}
         self._free_gpus = list(settings.gpus) if settings.gpus is not None else None
         self._device_ids = _device_ids(settings.gpus)
+        self._free_slots = ({h.name: tuple(range(h.slots)) for h in settings.hosts}
+                            if settings.hosts is not None else None)
         self._closed = False
         leftovers = find_trial_processes(f"{self.trials_dir}{os.sep}", prefix=True)
         if leftovers:
@@ -291,7 +335,17 @@ class TrialRunner:
             return 0
         s = self.settings
         free_slots = s.max_slots - s.slots_per_trial * len(self._running)
-        return max(0, min(s.max_concurrent - len(self._running), free_slots // s.slots_per_trial))
+        count = max(0, min(s.max_concurrent - len(self._running), free_slots // s.slots_per_trial))
+        if self._free_slots is not None:  # what placement allows: slots of a host are not pooled
+            free, placed = dict(self._free_slots), 0
+            while placed < count:
+                chosen = place_trial(free, s.slots_per_trial, uniform=s.multihost_launcher == "srun")
+                if chosen is None:
+                    break
+                free = {h: tuple(i for i in ids if i not in chosen.get(h, ())) for h, ids in free.items()}
+                placed += 1
+            count = placed
+        return count
 
     def start(self, spec: TrialSpec, *, ds_config: Mapping[str, Any], hparams: Mapping[str, Any]) -> None:
         """Launch one trial on free slots; returns at once. Autotuner process only.
@@ -331,8 +385,17 @@ class TrialRunner:
                       start_profile_step=s.start_profile_step, end_profile_step=s.end_profile_step,
                       profile=spec.profile, memory_per_slot=s.memory_per_slot).write(contract_path)
 
-        gpus = None
-        if self._free_gpus is not None:
+        gpus = placement = via = None
+        if self._free_slots is not None:
+            placement = place_trial(self._free_slots, s.slots_per_trial, uniform=s.multihost_launcher == "srun")
+            if placement is None:  # capacity() >= 1 said it fits: a bug if reached
+                raise RuntimeError(f"trial {spec.trial_id} does not fit the free slots {self._free_slots}")
+            self._take(placement)
+            if not all(is_local_host(h) for h in placement):
+                via = s.multihost_launcher
+            elif s.gpus is not None and len(placement) == 1:  # this machine: slot ids are its GPU ids
+                gpus = next(iter(placement.values()))
+        elif self._free_gpus is not None:
             gpus, self._free_gpus = tuple(self._free_gpus[:s.slots_per_trial]), self._free_gpus[s.slots_per_trial:]
         try:
             env = dict(os.environ)
@@ -344,23 +407,34 @@ class TrialRunner:
             env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // s.max_slots)))
             include = None
             if gpus is not None:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(self._device_ids[g] for g in gpus)
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(self._device_ids.get(g, str(g)) for g in gpus)
                 if s.launcher == "deepspeed":  # it sets CUDA_VISIBLE_DEVICES of each rank from these
                     include = f"localhost:{env['CUDA_VISIBLE_DEVICES']}"
             port = self._free_port()
-            argv = build_trial_argv(list(s.entrypoint), launcher=s.launcher, nproc=s.slots_per_trial,
-                                    master_port=port, include=include)
+            if via is None:
+                argv = build_trial_argv(list(s.entrypoint), launcher=s.launcher, nproc=s.slots_per_trial,
+                                        master_port=port, include=include)
+            else:
+                argv = self._multihost_argv(directory, placement, via, port, env)
+            if placement is not None:
+                (directory / "placement.json").write_text(json.dumps({
+                    "hosts": {h: list(ids) for h, ids in placement.items()}, "launch": via or "local",
+                    "include": format_include(placement), "master_port": port, "argv": argv}, indent=2),
+                    encoding="utf-8")
             with open(directory / "stdout.log", "wb") as out, open(directory / "stderr.log", "wb") as err:
                 process = subprocess.Popen(argv, cwd=s.model_dir, env=env, stdin=subprocess.DEVNULL,
                                            stdout=out, stderr=err, start_new_session=True)
         except BaseException:
-            if gpus is not None:
+            if placement is not None:
+                self._give_back(placement)
+            elif gpus is not None:
                 self._free_gpus = sorted(self._free_gpus + list(gpus))
             raise
         self._running[spec.trial_id] = _Trial(spec, directory, str(contract_path), process, gpus,
-                                              port, time.monotonic())
-        logger.info("trial %d started (pid %d, port %d%s): %s", spec.trial_id, process.pid, port,
-                    f", GPUs {gpus}" if gpus else "", " ".join(argv))
+                                              port, time.monotonic(), placement=placement, via=via)
+        logger.info("trial %d started (pid %d, port %d%s%s): %s", spec.trial_id, process.pid, port,
+                    f", GPUs {gpus}" if gpus else "", f", hosts {format_include(placement)}" if placement else "",
+                    " ".join(argv))
 
     def wait(self, timeout: float | None = None) -> list[TrialResult]:
         """Block until at least one running trial has ended, or ``timeout`` seconds. Autotuner process only.
@@ -398,6 +472,60 @@ class TrialRunner:
 
     # -- internals ---------------------------------------------------------------------------
 
+    def _take(self, placement: Mapping[str, tuple[int, ...]]) -> None:
+        self._free_slots = {h: tuple(i for i in ids if i not in placement.get(h, ()))
+                            for h, ids in self._free_slots.items()}
+
+    def _give_back(self, placement: Mapping[str, tuple[int, ...]]) -> None:
+        self._free_slots = {h: tuple(sorted(set(ids) | set(placement.get(h, ()))))
+                            for h, ids in self._free_slots.items()}
+
+    def _multihost_argv(self, directory: Path, placement: Mapping[str, tuple[int, ...]], via: str, port: int,
+                        env: dict[str, str]) -> list[str]:
+        """Argv of a trial on other hosts; its hostfile and exported variables go to its directory.
+
+        DeepSpeed's runners pass on only some variables (PYTHON*, UCX*, ...) plus those of the
+        file named by ``DS_ENV_FILE``: the trial's marks, hyperparameters and output directory
+        go there, so every rank on every host carries them. srun exports everything.
+        """
+        s = self.settings
+        if via == "srun":
+            return build_multihost_argv(list(s.entrypoint), placement=placement, via=via, master_port=port,
+                                        gpus=s.gpus is not None)
+        hostfile = directory / "hostfile"
+        hostfile.write_text("".join(f"{h} slots={len(ids)}\n" for h, ids in placement.items()), encoding="utf-8")
+        exported = {k: env[k] for k in (TRIAL_HPARAMS_ENV, TRIAL_ENV, OUTPUT_DIR_ENV, "PYTHONUNBUFFERED",
+                                        "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "PATH") if k in env}
+        env_file = directory / "ds_env"
+        env_file.write_text("".join(f"{k}={v}\n" for k, v in exported.items()), encoding="utf-8")
+        env["DS_ENV_FILE"] = str(env_file)
+        if via == "pdsh":
+            env["PDSH_RCMD_TYPE"] = "ssh"
+        return build_multihost_argv(list(s.entrypoint), placement=placement, via=via, master_port=port,
+                                    hostfile=hostfile, ssh_port=s.ssh_port)
+
+    def _stop_remote(self, trial: _Trial) -> None:
+        """Stop a running pdsh trial on its hosts: only its own launchers (see build_remote_kill_argv).
+
+        DeepSpeed's runner is killed first with SIGKILL, because its SIGTERM handler would
+        ``pkill`` every DeepSpeed launcher on those hosts, other trials' included; the sweep of
+        :meth:`_terminate` then ends what is left on this machine (pdsh, ssh clients).
+        """
+        if trial.via != "pdsh" or trial.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            trial.process.kill()
+        argv = build_remote_kill_argv(list(trial.placement), master_port=trial.port, ssh_port=self.settings.ssh_port)
+        env = dict(os.environ, PDSH_RCMD_TYPE="ssh")
+        if self.settings.ssh_port is not None:
+            env["PDSH_SSH_ARGS_APPEND"] = f"{env.get('PDSH_SSH_ARGS_APPEND', '')} -p {self.settings.ssh_port}".strip()
+        try:
+            subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=max(self.settings.grace_s, 10.0), check=False)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            logger.warning("trial %d: stopping it on %s failed (%s); its ranks there may live on until their "
+                           "rendezvous times out", trial.spec.trial_id, ",".join(trial.placement), err)
+
     def _free_port(self) -> int:
         in_use = {t.port for t in self._running.values()}
         for _ in range(100):
@@ -418,6 +546,8 @@ class TrialRunner:
         started by a :meth:`start` that an interrupt cut short before it was recorded).
         """
         trials = list(trials)
+        for trial in trials:
+            self._stop_remote(trial)
 
         def find(table: Mapping[int, tuple[int, bytes]]) -> set[int]:
             alive = set().union(*(self._members(t, table) for t in trials))
@@ -430,8 +560,11 @@ class TrialRunner:
     def _release(self, trial: _Trial) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             trial.process.wait(timeout=self.settings.grace_s)
-        if self._running.pop(trial.spec.trial_id, None) is not None and trial.gpus is not None:
-            self._free_gpus = sorted(self._free_gpus + list(trial.gpus))
+        if self._running.pop(trial.spec.trial_id, None) is not None:
+            if trial.placement is not None:
+                self._give_back(trial.placement)
+            elif trial.gpus is not None:
+                self._free_gpus = sorted(self._free_gpus + list(trial.gpus))
 
     def _poll(self) -> list[TrialResult]:
         s = self.settings

@@ -108,8 +108,8 @@ def test_method_flags_are_checked(tmp_path, method, flags, fragment, capsys):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("flags, expected", [([], 0.1), (["--bisect-tolerance", "0"], 0.0),
-                                             (["--bisect-tolerance", "0.25"], 0.25)])
+@pytest.mark.parametrize("flags, expected", [([], 0.25), (["--bisect-tolerance", "0"], 0.0),
+                                             (["--bisect-tolerance", "0.1"], 0.1)])
 def test_bisect_tolerance_reaches_the_search_settings(tmp_path, flags, expected):
     from toolkit.dsat.cli import build_parser, make_plan
 

@@ -90,48 +90,61 @@ def settings_for(method, **kw):
 def check_bounds(specs_by_line, results, *, descent=False, metric="FLOPS_per_gpu"):
     """Every trial's micro-batch lies in its line's [lo, hi] from the line's earlier results.
 
-    With ``descent`` (binary), a line may instead end with a downward refinement: a probe at
-    ``f // 2`` for its largest fitting ``f``, then each next probe half the previous, OK one,
-    and at the very end the final probe of :func:`reference_final`.
+    With ``descent`` (binary), a line may instead end with a downward refinement below its
+    largest fitting ``f``: the ladder and final probes of :func:`check_descent` (the trial cap
+    may cut it short).
     """
     by_id = {r.spec.trial_id: r for r in results}
     for line, specs in specs_by_line.items():
-        lo, hi, probe, probe_ok = 1, None, None, False
-        seen: list[TrialResult] = []
+        lo, hi = 1, None
         for i, spec in enumerate(specs):
             m = spec.micro_batch
-            if probe is None and m >= lo and (hi is None or m <= hi):
-                if by_id[spec.trial_id].status is OK:
-                    lo = m + 1
-                else:
-                    hi = m - 1
-            else:
-                assert descent and lo > 1, (line, spec)  # only below a micro-batch known to fit
-                halving = m == (lo - 1) // 2 if probe is None else (probe_ok and m == probe // 2)
-                final = i == len(specs) - 1 and m == reference_final(seen, metric)
-                assert halving or final, (line, spec)
-                probe, probe_ok = m, by_id[spec.trial_id].status is OK
-            seen.append(by_id[spec.trial_id])
+            if m >= lo and (hi is None or m <= hi):
+                lo, hi = (m + 1, hi) if by_id[spec.trial_id].status is OK else (lo, m - 1)
+                continue
+            assert descent and lo > 1, (line, spec)  # only below a micro-batch known to fit
+            line_results = [by_id[s.trial_id] for s in specs]
+            check_descent(line_results[:i], line_results[i:], lo - 1, metric, complete=False)
+            break
 
 
-def reference_final(results: list[TrialResult], metric: str) -> int | None:
-    """The final probe after these trials of one line, written out independently: ``b`` the
-    first best OK micro-batch, ``n`` the better of its nearest OK neighbours (ties: the one
-    above), ``round(sqrt(b * n))`` unless that was tried; None without a neighbour."""
-    ok = {r.spec.micro_batch: r.metrics[metric] for r in results if r.status is OK}
+def power_of_two_below(f: int) -> int:
+    """The largest power of two strictly below ``f``, 0 if there is none (``f <= 1``)."""
+    p = 1
+    while 2 * p < f:
+        p *= 2
+    return p if p < f else 0
+
+
+def ladder_rungs(f: int) -> list[int]:
+    """The ladder's micro-batches for a line with largest fitting ``f``: the largest power of
+    two below ``f``, then each one // 4, down to 1."""
+    rungs, p = [], power_of_two_below(f)
+    while p >= 1:
+        rungs.append(p)
+        p //= 4
+    return rungs
+
+
+def reference_finals(ladder: list[TrialResult], seen: list[TrialResult], metric: str, lo: int) -> list[int]:
+    """The final probes after a line's ladder, written out independently (larger-is-better
+    metrics): ``b`` the first best OK result of ``ladder`` (its probes, skipped ones included);
+    the candidates ``2 * b`` and ``b // 2``, ``b // 2`` first iff the nearest OK micro-batch of
+    ``seen`` (every trial of the line) below ``b`` is strictly faster than the nearest one above
+    it, or there is none above; a candidate is kept iff ``1 <= m < lo`` and ``m`` was not tried."""
+    values = {r.spec.micro_batch: r.metrics[metric] for r in seen if r.status is OK}
     b = None
-    for r in results:
-        if r.status is OK and (b is None or is_better(metric, ok[r.spec.micro_batch], ok[b])):
+    for r in ladder:
+        if r.status is OK and (b is None or values[r.spec.micro_batch] > values[b]):
             b = r.spec.micro_batch
     if b is None:
-        return None
-    above = min((mb for mb in ok if mb > b), default=None)
-    below = max((mb for mb in ok if mb < b), default=None)
-    if above is None and below is None:
-        return None
-    n = below if above is None or (below is not None and is_better(metric, ok[below], ok[above])) else above
-    m = round(math.sqrt(b * n))
-    return None if m in {r.spec.micro_batch for r in results} else m
+        return []
+    above = [mb for mb in values if mb > b]
+    below = [mb for mb in values if mb < b]
+    below_first = bool(below) and (not above or values[max(below)] > values[min(above)])
+    tried = {r.spec.micro_batch for r in seen}
+    order = [b // 2, 2 * b] if below_first else [2 * b, b // 2]
+    return [m for m in order if 1 <= m < lo and m not in tried]
 
 
 def peaked(limits: dict[int, int] | int, peaks: dict[int, int] | int, *, fail_at=()):
@@ -181,46 +194,47 @@ def tolerance_bound(hi: int, target: int, tolerance: float) -> int:
     return min(exact, k)
 
 
-def line_value(result: TrialResult, metric: str) -> float | None:
-    return result.metrics.get(metric) if result.status is OK else None
-
-
 def check_descent(upward: list[TrialResult], probes: list[TrialResult], f: int, metric: str, *,
                   complete: bool = True) -> None:
-    """The probes follow the refinement rule: ``f // 2``, then halving while each probe strictly
-    improves the line's best; it stops at a probe that did not improve, failed, or when nothing
-    is left to probe (below 1 or already tried); then, unless a probe failed, the final probe of
-    :func:`reference_final` if one is due, and nothing after it. ``complete=False``: the trial
-    cap may have cut it short."""
-    seen = list(upward)
-    tried = {r.spec.micro_batch for r in upward}
-    best = None
-    for r in upward:
-        value = line_value(r, metric)
-        if value is not None and is_better(metric, value, best):
-            best = value
-    nxt = f // 2
-    halving = f >= 1 and nxt >= 1 and nxt not in tried
-    for i, r in enumerate(probes):
-        last = i == len(probes) - 1
-        if not halving:  # the final probe: the geometric midpoint toward the better neighbour
-            assert f >= 1 and last and r.spec.micro_batch == reference_final(seen, metric), (i, r.spec, f)
+    """The downward trials of one line follow the rule, written out independently.
+
+    Ladder: the rungs of :func:`ladder_rungs`; a rung the line already tried is not run (its
+    recorded result stands in); after each rung, not OK: the line ends there (no final probes);
+    under half the line's best (all its OK results so far, this rung included): the ladder
+    ends; else on to the next rung. Then the final probes of :func:`reference_finals` in order,
+    a failed one being the last trial. ``complete=False``: the trial cap may have cut it short.
+    """
+    seen, tried = list(upward), {r.spec.micro_batch: r for r in upward}
+    ladder, i = [], 0
+    for rung in ladder_rungs(f):
+        if rung in tried:
+            r = tried[rung]  # already tried: judged on its record, not run again
+        elif i == len(probes):
+            assert not complete, f"the ladder stopped early at {rung} (f = {f})"
             return
-        assert r.spec.micro_batch == nxt, (i, r.spec, f)
-        seen.append(r)
-        tried.add(nxt)
-        value = line_value(r, metric)
-        if value is None:
-            assert last, "the line went on after a probe that failed"
+        else:
+            r = probes[i]
+            i += 1
+            assert r.spec.micro_batch == rung, (i, r.spec, f)
+            seen.append(r)
+            tried[rung] = r
+        ladder.append(r)
+        if r.status is not OK:
+            assert i == len(probes), "the line went on after a ladder probe that failed"
             return
-        if not is_better(metric, value, best):
-            halving = False
-            continue
-        best, nxt = value, nxt // 2
-        halving = nxt >= 1 and nxt not in tried
-    if complete:  # the refinement ended, and no final probe was due
-        assert not halving, (f, nxt, [r.spec.micro_batch for r in probes])
-        assert f == 0 or reference_final(seen, metric) is None, [r.spec.micro_batch for r in probes]
+        if r.metrics[metric] < max(x.metrics[metric] for x in seen if x.status is OK) / 2:
+            break
+    finals = reference_finals(ladder, seen, metric, f + 1)
+    rest = probes[i:]
+    assert [r.spec.micro_batch for r in rest] == finals[:len(rest)], (f, [r.spec.micro_batch for r in probes])
+    assert all(r.status is OK for r in rest[:-1]), "a final probe ran after one that failed"
+    if complete and all(r.status is OK for r in rest):
+        assert len(rest) == len(finals), (f, finals, [r.spec.micro_batch for r in probes])
+
+
+def floor_log4(n: int) -> int:
+    """floor(log4 n) for n >= 1, exactly."""
+    return max(k for k in range(40) if 4**k <= n)
 
 
 def split_line(results: list[TrialResult], hi: int, tolerance: float) -> tuple[list, list, int]:
@@ -245,8 +259,8 @@ def test_bisect_tolerance_is_validated(value):
         SearchSettings(method="binary", bisect_tolerance=value)
 
 
-def test_bisect_tolerance_accepts_0_to_below_1_and_defaults_to_a_tenth():
-    assert SearchSettings(method="binary").bisect_tolerance == 0.1
+def test_bisect_tolerance_accepts_0_to_below_1_and_defaults_to_a_quarter():
+    assert SearchSettings(method="binary").bisect_tolerance == 0.25
     for value in (0, 0.0, 0.5, 0.999):
         assert SearchSettings(method="binary", bisect_tolerance=value).bisect_tolerance == value
 
@@ -263,14 +277,16 @@ def test_zero_tolerance_is_the_exact_bisection_within_the_log2_bound(hi, data, m
     upward, f = bisection(hi, target)
     assert f == target and len(upward) <= math.floor(math.log2(hi)) + 1
     assert mbs[:len(upward)] == upward  # the old behaviour, trial for trial
-    # The oracle is fastest at the largest micro-batch, so a refinement stops at its first probe;
-    # the final probe lies between target and the nearest success below it.
-    refine = metric in LARGER and target // 2 >= 1 and target // 2 not in upward
+    # The oracle is linear through 0 in the micro-batch (GPU-like): the ladder's first rung p0
+    # (the largest power of two below target) is within half of the best (target), p0 // 4 is
+    # under half; the ladder's best p0 gets one final probe, p0 // 2 (2 * p0 >= target was tried
+    # or does not fit). A rung the upward search tried is not run again; nothing improves.
     probes = results[len(upward):]
     if metric in LARGER:
         check_descent(results[:len(upward)], probes, target, metric)
-        assert not refine or probes[0].spec.micro_batch == target // 2
-        assert len(probes) <= 2 and all(r.spec.micro_batch < target for r in probes)
+        p0 = power_of_two_below(target)
+        assert [r.spec.micro_batch for r in probes] == [m for m in (p0, p0 // 4, p0 // 2)
+                                                       if m >= 1 and m not in upward]
     else:
         assert probes == []
     assert searcher.best.spec.micro_batch == target
@@ -290,9 +306,9 @@ def test_tolerance_stops_within_tolerance_of_the_largest_fitting_micro_batch(hi,
     assert len(upward) <= tolerance_bound(hi, target, tolerance)
     if metric == "latency":
         assert not probes
-    else:  # monotone oracle: f // 2 does not improve, then perhaps the final probe
+    else:  # linear oracle: the first rung, the next one under half the best, one final probe
         check_descent(upward, probes, f, metric)
-        assert len(probes) <= 2
+        assert len(probes) <= 3 and best_result(results, metric).spec.micro_batch == f
 
 
 def test_tolerance_spares_the_trials_at_the_memory_boundary(caplog):
@@ -302,8 +318,11 @@ def test_tolerance_spares_the_trials_at_the_memory_boundary(caplog):
     assert exact[:7] == [3553, 1776, 2664, 3108, 2886, 2775, 2719] and len(exact) == 13 and f == 2700
     with caplog.at_level(logging.DEBUG, logger="toolkit.dsat.lines"):
         _, results = drive(make_searcher(s, profile_with_range(7106)), oracle(2700))
-    assert [r.spec.micro_batch for r in results] == [3553, 1776, 2664, 3108, 2886]
-    assert "within 10% of the largest fitting micro-batch 2664" in caplog.text
+    assert [r.spec.micro_batch for r in results] == [3553, 1776, 2664, 3108]  # default tolerance 0.25
+    assert "within 25% of the largest fitting micro-batch 2664" in caplog.text
+    tenth = drive(make_searcher(dataclasses.replace(s, bisect_tolerance=0.1), profile_with_range(7106)),
+                  oracle(2700))[1]
+    assert [r.spec.micro_batch for r in tenth] == [3553, 1776, 2664, 3108, 2886]
     exact_run = drive(make_searcher(dataclasses.replace(s, bisect_tolerance=0), profile_with_range(7106)),
                       oracle(2700))[1]
     assert [r.spec.micro_batch for r in exact_run] == exact
@@ -328,66 +347,270 @@ def test_binary_treats_failed_and_timeout_like_oom(status):
     assert all(r.spec.micro_batch <= 37 or r.status is status for r in results)
 
 
-# -- binary: downward refinement -----------------------------------------------------------------
+# -- binary: the downward ladder -----------------------------------------------------------------
+def nearest_power_of_two(p: int) -> int:
+    """The power of two nearest ``p >= 1`` on a log scale (never a tie: ``p * p`` is no odd
+    power of two)."""
+    lower = 1
+    while 2 * lower <= p:
+        lower *= 2
+    return lower if p * p < 2 * lower * lower else 2 * lower
+
+
 @PROP
 @given(hi=st.integers(2, 10**5), data=st.data(), tolerance=st.floats(0, 0.5),
        metric=st.sampled_from(LARGER))
-def test_refinement_finds_the_peak_of_a_unimodal_curve_within_a_factor_2(hi, data, tolerance, metric):
+def test_a_peaked_curve_gets_the_power_of_two_nearest_its_peak(hi, data, tolerance, metric):
     limit = data.draw(st.integers(1, hi), label="limit")
     peak = data.draw(st.integers(1, limit), label="peak")
     s = settings_for("binary", zero_stages=(0,), max_trials=200, bisect_tolerance=tolerance, metric=metric)
     searcher = make_searcher(s, profile_with_range(hi))
-    _, results = drive(searcher, peaked(limit, peak))
+    run = peaked(limit, peak)
+    _, results = drive(searcher, run)
     upward, probes, f = split_line(results, hi, tolerance)
     check_descent(upward, probes, f, metric)
-    # The documented bound: the refinement adds at most floor(log2 f) + 1 trials.
-    assert len(probes) <= math.floor(math.log2(f)) + 1
-    assert len(results) <= tolerance_bound(hi, limit, tolerance) + math.floor(math.log2(f)) + 1
-    best = searcher.best.spec.micro_batch
-    if f // 2 in {r.spec.micro_batch for r in upward}:
-        assert len(probes) <= 1  # already tried: only the final probe (a factor 2 is not promised)
-    elif peak <= f:
-        assert peak / 2 <= best <= 2 * peak, ([r.spec.micro_batch for r in results], f)
-    else:  # rising all the way to the limit: f // 2 and perhaps the final probe do not improve
-        assert best == f and (1 <= len(probes) <= 2 if f >= 2 else probes == [])
+    # The documented bounds: floor(log4(f - 1)) + 1 rungs (none for f = 1), of which only the
+    # first may have been tried upwards (the upward trials are >= f / 2); then at most 2 final
+    # probes (powers of two of the other parity: never a rung).
+    rungs = ladder_rungs(f)
+    assert len(rungs) == (floor_log4(f - 1) + 1 if f >= 2 else 0)
+    assert not {r.spec.micro_batch for r in upward} & set(rungs[1:])
+    ladder = [r for r in probes if r.spec.micro_batch in rungs]
+    assert probes[:len(ladder)] == ladder and len(probes) - len(ladder) <= 2
+    assert len(results) <= tolerance_bound(hi, limit, tolerance) + (floor_log4(f - 1) + 3 if f >= 2 else 0)
+    tried = {r.spec.micro_batch for r in results}
+    value = searcher.best.metrics[metric]
+    if peak <= f:
+        # P, the power of two nearest the peak, is tried when it fits (P <= f), else P / 2 (the
+        # largest power of two below f: the peak lies between it and f).
+        p2 = nearest_power_of_two(peak)
+        wanted = p2 if p2 <= f else p2 // 2
+        assert wanted in tried, (f, peak, p2, sorted(tried))
+        assert value >= run(TrialSpec(0, wanted, {"stage": 0})).metrics[metric]
+        if rungs and peak <= rungs[0]:  # the rung a >= peak > a // 4: a // 4, a // 2, a all tried
+            a = min(r for r in rungs if r >= peak)
+            assert {m for m in (a // 4, a // 2, a) if m >= 1} <= tried, (f, peak, a, sorted(tried))
+    else:  # rising up to f: f stays the best, the ladder's best is its first rung p0 and the
+        # only final probe is p0 // 2 (2 * p0 >= f was tried or is not known to fit)
+        assert searcher.best.spec.micro_batch == f
+        finals = [r.spec.micro_batch for r in probes[len(ladder):]]
+        assert finals == ([rungs[0] // 2] if rungs and rungs[0] >= 2 else [])
 
 
-def test_refinement_stops_at_the_first_probe_that_does_not_improve(caplog):
+@PROP
+@given(hi=st.integers(2, 10**5), data=st.data(), tolerance=st.floats(0, 0.5),
+       status=st.sampled_from([OOM, FAILED, TIMEOUT]))
+def test_a_probe_that_fails_is_the_line_last_trial(hi, data, tolerance, status):
+    limit = data.draw(st.integers(1, hi), label="limit")
+    peak = data.draw(st.integers(1, limit), label="peak")
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, bisect_tolerance=tolerance, metric="throughput")
+    _, clean = drive(make_searcher(s, profile_with_range(hi)), peaked(limit, peak))
+    upward, probes, f = split_line(clean, hi, tolerance)
+    if not probes:
+        return
+    failing = probes[data.draw(st.integers(0, len(probes) - 1), label="failing probe")].spec.micro_batch
+    base = peaked(limit, peak)
+
+    def run(spec):  # the same curve, with one of the line's probes failing (never an upward trial)
+        return TrialResult(spec, status, error="simulated") if spec.micro_batch == failing else base(spec)
+    searcher = make_searcher(s, profile_with_range(hi))
+    _, results = drive(searcher, run)
+    mbs = [r.spec.micro_batch for r in results]
+    # The same trials up to the failing probe, and none after it (ladder or final probe alike).
+    assert mbs == [r.spec.micro_batch for r in clean][:mbs.index(failing) + 1] and mbs[-1] == failing
+    check_descent(results[:len(upward)], results[len(upward):], f, "throughput")
+    assert searcher.done and searcher.best is best_result(results, "throughput")
+
+
+
+
+def test_ladder_skips_a_tried_rung_stops_under_half_then_runs_both_final_probes(caplog):
     s = settings_for("binary", zero_stages=(0,), max_trials=200, metric="throughput")
     with caplog.at_level(logging.DEBUG, logger="toolkit.dsat"):
-        _, results = drive(make_searcher(s, profile_with_range(1024)), peaked(1000, 40))
+        searcher = make_searcher(s, profile_with_range(1024))
+        _, results = drive(searcher, peaked(1000, 40))
     mbs = [r.spec.micro_batch for r in results]
-    # Upward: f = 960 with [961, 1024] open, within 10%. Down: 480 ... 30 improve, 15 does not.
-    # Final probe: best 30, its better neighbour 60 (above), round(sqrt(30 * 60)) = 42.
-    assert mbs == [512, 768, 896, 960, 480, 240, 120, 60, 30, 15, 42]
-    assert "refining downwards from 480" in caplog.text
-    assert "micro-batch 15 did not improve the line's best; final probe at micro-batch 42" in caplog.text
-    assert "final probe at micro-batch 42: improved the line's best" in caplog.text
-    check_descent(results[:4], results[4:], 960, "throughput")
-    # A probe that fails ends the line there, without a final probe; it moves no bound.
-    caplog.clear()
+    # Upward: f = 896 with [897, 1024] open, within 25%. Ladder: 512 (the first upward trial:
+    # not run again; within half of the best, which it is), 128, 32 (the best), 8 (7.7: under
+    # half of 32's 19.5, the end). Final probes around the ladder's best 32: its nearest
+    # successes are 128 (11.4) above and 8 (7.7) below: 2 * 32 = 64 first, then 16.
+    assert mbs == [512, 768, 896, 128, 32, 8, 64, 16]
+    values = {r.spec.micro_batch: r.metrics["throughput"] for r in results}
+    assert values[512] == max(values[m] for m in (512, 768, 896)) and values[128] > values[512]
+    assert values[32] / 2 > values[8] and values[128] > values[8]
+    assert "ladder down from 512" in caplog.text
+    assert "ladder: micro-batch 512 already tried (ok): not run again" in caplog.text
+    assert ("ladder: micro-batch 8 (7.69231) is under half the line's best (19.5122 at micro-batch 32); "
+            "final probes at micro-batches 64, 16 (nearest successes: 128 above, 8 below, above first") in caplog.text
+    assert "final probe at micro-batch 64: did not improve the line's best; next final probe at micro-batch 16" \
+        in caplog.text
+    assert "final probe at micro-batch 16: did not improve the line's best" in caplog.text
+    assert searcher.best.spec.micro_batch == 32 and searcher.done
+    check_descent(results[:3], results[3:], 896, "throughput")
+
+
+def test_ladder_ends_the_line_at_a_probe_that_fails(caplog):
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, metric="throughput")
     with caplog.at_level(logging.DEBUG, logger="toolkit.dsat"):
         searcher = make_searcher(s, profile_with_range(1024))
-        _, results = drive(searcher, peaked(1000, 40, fail_at={120}))
-    assert [r.spec.micro_batch for r in results] == [512, 768, 896, 960, 480, 240, 120]
-    assert searcher.best.spec.micro_batch == 240 and searcher.done
-    assert "failed at micro-batch 120 (no final probe after a failed probe)" in caplog.text
+        _, results = drive(searcher, peaked(1000, 40, fail_at={32}))
+    # No final probes after a failed probe, and the failure below 896 moves no bound.
+    assert [r.spec.micro_batch for r in results] == [512, 768, 896, 128, 32]
+    assert searcher.best.spec.micro_batch == 128 and searcher.done and searcher.propose(2) == []
+    assert "ladder: failed at micro-batch 32 (no final probes after a failed probe)" in caplog.text
+    check_descent(results[:3], results[3:], 896, "throughput")
 
 
-def test_refinement_stops_at_a_micro_batch_the_line_already_tried(caplog):
-    s = settings_for("binary", zero_stages=(0,), bisect_tolerance=0, metric="FLOPS_per_gpu")
+def test_ladder_ends_below_micro_batch_1(caplog):
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, metric="throughput")
     with caplog.at_level(logging.DEBUG, logger="toolkit.dsat"):
-        searcher = make_searcher(s, profile_with_range(41))
-        _, results = drive(searcher, peaked(20, 2))
-    # f = 20 and f // 2 = 10 was the first success: no halving. The final probe still comes:
-    # best 10, its only neighbour 15, round(sqrt(150)) = 12 (slower: the peak is at 2).
-    assert [r.spec.micro_batch for r in results] == [21, 10, 15, 18, 19, 20, 12]
-    assert "nothing left below: micro-batch 10 already tried; final probe at micro-batch 12" in caplog.text
-    assert "final probe at micro-batch 12: did not improve the line's best" in caplog.text
-    assert searcher.best.spec.micro_batch == 10 and searcher.done
+        searcher = make_searcher(s, profile_with_range(1024))
+        _, results = drive(searcher, peaked(1000, 1))  # fastest at micro-batch 1: every rung improves
+    # 2 // 4 = 0 ends the ladder (all floor(log4 895) + 1 = 5 rungs); around its best 2: 4 first
+    # (above: 8 is the only neighbour), then 1, the peak.
+    assert [r.spec.micro_batch for r in results] == [512, 768, 896, 128, 32, 8, 2, 4, 1]
+    assert "ladder reached micro-batch 2: 2 // 4 is below 1; final probes at micro-batches 4, 1" in caplog.text
+    assert searcher.best.spec.micro_batch == 1
+    check_descent(results[:3], results[3:], 896, "throughput")
+    # f = 3: the only rung, 2, was tried upwards; 4 (tried, out of memory) is dropped, 1 is run.
+    caplog.clear()
+    s = dataclasses.replace(s, bisect_tolerance=0)
+    with caplog.at_level(logging.DEBUG, logger="toolkit.dsat"):
+        _, results = drive(make_searcher(s, profile_with_range(8)), peaked(3, 100))
+    assert [r.spec.micro_batch for r in results] == [4, 2, 3, 1]
+    assert ("ladder reached micro-batch 2 (already tried: not run again): 2 // 4 is below 1; final probes at "
+            "micro-batches 1 (nearest successes: 3 above, none below, above first; 4 (twice the ladder's best 2): "
+            "already tried; 1 (half the ladder's best 2))") in caplog.text
+    # f = 1: no power of two below it, no ladder, no final probe.
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="toolkit.dsat"):
+        _, results = drive(make_searcher(s, profile_with_range(8)), peaked(1, 100))
+    assert [r.spec.micro_batch for r in results] == [4, 2, 1]
+    assert "range closed; no ladder: no power of two below micro-batch 1 (no final probes)" in caplog.text
 
 
-# -- binary: the final probe ----------------------------------------------------------------------
+@pytest.mark.parametrize("recorded, expected, message", [
+    # 32 recorded OK and faster than 128: not run; on to 8 (under half of 32), then the final
+    # probes around the ladder's best, the skipped 32.
+    (OK, [512, 768, 896, 128, 8, 64, 16], "ladder: micro-batch 8 (7.69231) is under half the line's best "
+                                          "(19.5122 at micro-batch 32); final probes at micro-batches 64, 16"),
+    # 32 recorded as failed: the line ends as after a failed probe.
+    (FAILED, [512, 768, 896, 128], "ladder: failed at micro-batch 32 (already tried: not run again) "
+                                   "(no final probes after a failed probe)"),
+])
+def test_a_rung_below_the_first_already_tried_is_judged_on_its_record(recorded, expected, message, caplog):
+    # Unreachable through bisection (only the first rung can be an upward trial, see
+    # test_a_peaked_curve_gets_the_power_of_two_nearest_its_peak), so the line is given a trial
+    # at 32 by hand, as its observation would record it: white-box, to check the rule itself.
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, metric="throughput")
+    searcher = make_searcher(s, profile_with_range(1024))
+    run = peaked(1000, 40)
+    results = []
+    with caplog.at_level(logging.DEBUG, logger="toolkit.dsat"):
+        while not searcher.done:
+            (spec,) = searcher.propose(1)
+            if spec.micro_batch == 128:
+                line = searcher._lines[0]
+                earlier = run(TrialSpec(99, 32, spec.zero, line=0))
+                line.tried.add(32)
+                line.statuses[32] = recorded
+                if recorded is OK:
+                    line.values[32] = earlier.metrics["throughput"]
+                    line.best = earlier
+            results.append(run(spec))
+            searcher.observe(results[-1])
+    assert [r.spec.micro_batch for r in results] == expected
+    assert message in caplog.text
+
+
+@pytest.mark.parametrize("failing, status", [(128, OOM), (128, FAILED), (32, FAILED)])
+def test_final_probes_run_in_order_and_a_failing_one_ends_the_line(failing, status, caplog):
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, metric="throughput")
+    base = peaked(1300, 64)
+
+    def run(spec):
+        return TrialResult(spec, status, error="simulated") if spec.micro_batch == failing else base(spec)
+    with caplog.at_level(logging.DEBUG, logger="toolkit.dsat"):
+        searcher = make_searcher(s, profile_with_range(2048))
+        _, results = drive(searcher, run)
+    # f = 1280; ladder 1024 (tried upwards), 256, 64 (the peak), 16 (under half). 64's nearest
+    # successes 256 and 16 are exactly as fast (the curve is symmetric on a log scale): a tie,
+    # so above first: 128, then 32. A failing first final probe suppresses
+    # the second; a failing second one just ends the line.
+    values = {r.spec.micro_batch: r.metrics["throughput"] for r in results if r.status is OK}
+    assert values[256] == values[16]
+    full = [1024, 1536, 1280, 256, 64, 16, 128, 32]
+    expected = full[:full.index(failing) + 1]
+    assert [r.spec.micro_batch for r in results] == expected
+    assert "final probes at micro-batches 128, 32 (nearest successes: 256 above, 16 below, above first" in caplog.text
+    if failing == 128:
+        assert (f"final probe at micro-batch 128: {status.value} (final probe at micro-batch 32 not run "
+                "after a failed probe)") in caplog.text
+    else:
+        assert f"final probe at micro-batch 32: {status.value}" in caplog.text
+    assert searcher.best.spec.micro_batch == 64 and searcher.done and searcher.propose(2) == []
+    check_descent(results[:3], results[3:], 1280, "throughput")
+
+
+# -- binary: a non-monotone curve (the CPU benchmark) ---------------------------------------------
+# Samples/s of the CPU example, stage 1, by micro-batch (measured by scripts/bench_dsat.py):
+# not monotone (a cache cliff after 128), out of memory from 3379 on; the memory model's range
+# is [1, 7724]. The grid's best is 128.
+BENCH_TABLE = {1: 99, 2: 235, 4: 334, 8: 1127, 16: 1170, 32: 1675, 64: 5038, 128: 6696, 256: 4070,
+               512: 4293, 1024: 4151, 1931: 5903, 2048: 5689, 4096: 4514}
+BENCH_LIMIT, BENCH_HI = 3300, 7724
+
+
+def _bench_search(stages, *, limit=BENCH_LIMIT, max_trials=10):
+    # The bench's budget: --max-trials 10, i.e. 9 tuning trials, run one at a time. Every stage
+    # gets the stage-1 curve and range (only the stage-1 line runs: it takes the whole budget).
+    s = settings_for("binary", zero_stages=stages, max_trials=max_trials, metric="throughput")
+    searcher = make_searcher(s, profile_with_range(BENCH_HI))
+    _, results = drive(searcher, measured(BENCH_TABLE, limit))
+    return searcher, results
+
+
+@pytest.mark.parametrize("stages", [(1,), (1, 2, 3)])
+def test_binary_finds_the_grid_best_of_the_cpu_benchmark_curve(stages, caplog):
+    with caplog.at_level(logging.DEBUG, logger="toolkit.dsat"):
+        searcher, results = _bench_search(stages)
+    mbs = [r.spec.micro_batch for r in results]
+    # Upward (tolerance 0.25): f = 2896 with [2897, 3378] open. Ladder from 2048: 512 lies in the
+    # dip (slower than 1931, but within half of it), 128 (past the cliff: the grid's best), 32
+    # (under half: the end). The budget's last trial is the first final probe around 128, toward
+    # its faster nearest success (512 above, 32 below): 256.
+    assert mbs == [3862, 1931, 2896, 3379, 2048, 512, 128, 32, 256]
+    assert {r.spec.line for r in results} == {0} and len(results) == 9
+    values = {r.spec.micro_batch: r.metrics["throughput"] for r in results if r.status is OK}
+    assert values[1931] / 2 <= values[512] < values[1931] / 1.3 and values[128] > values[1931]
+    assert "ladder down from 2048" in caplog.text
+    assert ("ladder: micro-batch 32 (1675) is under half the line's best (6696 at micro-batch 128); "
+            "final probes at micro-batches 256, 64") in caplog.text
+    check_descent(results[:4], results[4:], 2896, "throughput", complete=False)
+    assert searcher.best.spec.micro_batch == 128
+    assert searcher.best.metrics["throughput"] >= 0.95 * max(BENCH_TABLE.values())
+
+
+@pytest.mark.parametrize("limit, max_trials, expected, best", [
+    # f = 1931 (4 upward trials): the ladder 1024, 256, 64, 16 has the other parity; 128 is its
+    # first final probe (around 64, toward 256), the budget's 9th trial.
+    (2000, 10, [3862, 1931, 2896, 2413, 1024, 256, 64, 16, 128], 128),
+    # f = 1689 takes 5 upward trials: 9 tuning trials end with the ladder, a 10th finds 128.
+    (1900, 10, [3862, 1931, 965, 1448, 1689, 1024, 256, 64, 16], 1689),
+    (1900, 11, [3862, 1931, 965, 1448, 1689, 1024, 256, 64, 16, 128], 128),
+])
+def test_the_cpu_benchmark_curve_with_f_between_1024_and_2048(limit, max_trials, expected, best):
+    searcher, results = _bench_search((1,), limit=limit, max_trials=max_trials)
+    assert [r.spec.micro_batch for r in results] == expected
+    upward, probes, f = split_line(results, BENCH_HI, 0.25)
+    assert 1024 < f <= 2048 and [r.spec.micro_batch for r in probes][:4] == [1024, 256, 64, 16]
+    check_descent(upward, probes, f, "throughput", complete=False)
+    assert searcher.best.spec.micro_batch == best
+    if best == 128:
+        assert searcher.best.metrics["throughput"] == max(BENCH_TABLE.values())
+
+
+# -- binary: the final probes ---------------------------------------------------------------------
 # Samples/s of the CPU benchmark's stage-1 line (measured), and the micro-batch it ran out of memory above.
 CPU_CURVE = {256: 2997, 512: 3146, 1024: 3490, 2048: 2813, 4096: 2050}
 CPU_LIMIT = 2700
@@ -416,8 +639,10 @@ def measured(curve: dict[int, float], limit: int):
     return run
 
 
+
+
 @pytest.mark.parametrize("metric", LARGER)
-def test_final_probe_lifts_the_measured_cpu_curve_to_within_3_percent_of_its_peak(metric, caplog):
+def test_final_probes_find_the_peak_of_the_measured_cpu_curve(metric, caplog):
     s = settings_for("binary", zero_stages=(0,), max_trials=200, metric=metric)
     run = measured(CPU_CURVE, CPU_LIMIT)
     peak = max(CPU_CURVE.values())
@@ -425,78 +650,73 @@ def test_final_probe_lifts_the_measured_cpu_curve_to_within_3_percent_of_its_pea
         searcher = make_searcher(s, profile_with_range(7106))
         _, results = drive(searcher, run)
     mbs = [r.spec.micro_batch for r in results]
-    # Upward (within 10% of 2664), halving 1332, 666 (better), 333 (worse), then the final
-    # probe between 666 and its better neighbour 1332: round(sqrt(666 * 1332)) = 942.
-    assert mbs == [3553, 1776, 2664, 3108, 2886, 1332, 666, 333, 942]
-    halving_best = best_result(results[:-1], metric)
-    assert halving_best.spec.micro_batch == 666 and halving_best.metrics["throughput"] < 0.95 * peak
-    assert searcher.best is results[-1] and searcher.best.metrics["throughput"] >= 0.97 * peak
-    assert "geometric midpoint of the best 666 and its better neighbour 1332" in caplog.text
+    # Upward (within 25% of 2664); the ladder from 2048 goes down to 2 (the curve is flat below
+    # 256, so every rung is within half); its best 512 gets its two final probes: toward 128 (as
+    # fast as 256, faster than 1776 above) 256 first, then 1024, the peak.
+    assert mbs == [3553, 1776, 2664, 3108, 2048, 512, 128, 32, 8, 2, 256, 1024]
+    ladder_best = best_result(results[:-2], metric)
+    assert ladder_best.spec.micro_batch == 512 and ladder_best.metrics["throughput"] < 0.95 * peak
+    assert searcher.best is results[-1] and searcher.best.metrics["throughput"] == peak
+    assert ("final probes at micro-batches 256, 1024 (nearest successes: 1776 above, 128 below, below first; "
+            "256 (half the ladder's best 512); 1024 (twice the ladder's best 512))") in caplog.text
+    assert "final probe at micro-batch 1024: improved the line's best" in caplog.text
     assert searcher.done and searcher.propose(4) == []
 
 
-@pytest.mark.parametrize("peak, neighbour, final", [
-    (40, 60, 42),   # best 30: 60 beats 15 (the peak lies above 30), round(sqrt(1800)) = 42
-    (27, 15, 21),   # best 30: 15 beats 60 (the peak lies below 30), round(sqrt(450)) = 21
+@pytest.mark.parametrize("peak, order", [
+    (40, [64, 16]),  # the ladder's best 32: 128 (above) beats 8 (below): 2 * 32 first
+    (20, [16, 64]),  # the ladder's best 32: 8 (below) beats 128 (above): 32 // 2 first
 ])
-def test_final_probe_is_the_geometric_midpoint_toward_the_better_neighbour(peak, neighbour, final, caplog):
+def test_final_probes_go_toward_the_better_side_first(peak, order, caplog):
     s = settings_for("binary", zero_stages=(0,), max_trials=200, metric="throughput")
-    run = peaked(1000, peak)
     with caplog.at_level(logging.DEBUG, logger="toolkit.dsat"):
-        _, results = drive(make_searcher(s, profile_with_range(1024)), run)
+        _, results = drive(make_searcher(s, profile_with_range(1024)), peaked(1000, peak))
     mbs = [r.spec.micro_batch for r in results]
-    assert mbs == [512, 768, 896, 960, 480, 240, 120, 60, 30, 15, final]
+    assert mbs[:6] == [512, 768, 896, 128, 32, 8] and mbs[-2:] == order
     values = {r.spec.micro_batch: r.metrics["throughput"] for r in results}
-    other = 75 - neighbour  # 60 <-> 15: the neighbour that is not chosen is the worse one
-    assert values[neighbour] > values[other] and max(values, key=values.get) in (30, final)
-    assert final == round(math.sqrt(30 * neighbour)) and min(30, neighbour) < final < max(30, neighbour)
-    assert f"geometric midpoint of the best 30 and its better neighbour {neighbour}" in caplog.text
+    assert values[32] == max(values[m] for m in mbs[3:-2])  # the ladder's best
+    assert (values[128] > values[8]) == (order[0] == 64)
+    side = "above" if order[0] == 64 else "below"
+    assert f"final probes at micro-batches {order[0]}, {order[1]} (nearest successes: 128 above, 8 below, " \
+           f"{side} first" in caplog.text
+    check_descent(results[:3], results[3:], 896, "throughput")
 
 
 @pytest.mark.parametrize("metric", sorted(SMALLER_IS_BETTER))
 def test_no_final_probe_for_smaller_is_better_metrics(metric):
     s = settings_for("binary", zero_stages=(0,), max_trials=200, metric=metric)
     _, results = drive(make_searcher(s, profile_with_range(7106)), measured(CPU_CURVE, CPU_LIMIT))
-    assert [r.spec.micro_batch for r in results] == [3553, 1776, 2664, 3108, 2886]  # upward only
+    assert [r.spec.micro_batch for r in results] == [3553, 1776, 2664, 3108]  # upward only
 
 
-@pytest.mark.parametrize("limit, run, expected, midpoint", [
-    # Monotone, exact bisection: best 20, neighbour 19 (10 already tried: no halving).
-    (41, oracle(20), [21, 10, 15, 18, 19, 20], "best 20 and its better neighbour 19 is 19"),
-    # Faster all the way down: halving reaches 1, its neighbour is 2.
-    (2048, peaked(1024, 1),
-     [1024, 1536, 1280, 1152, 1088, 1056, 1040, 1032, 1028, 1026, 1025, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1],
-     "best 1 and its better neighbour 2 is 1"),
+
+
+@pytest.mark.parametrize("limit, run, expected, note", [
+    # Linear, exact bisection: f = 20; ladder 16, 4 (under half); 2 * 16 = 32 does not fit.
+    (41, oracle(20), [21, 10, 15, 18, 19, 20, 16, 4, 8], "32 (twice the ladder's best 16): not known to fit"),
+    # f = 16: ladder 8, 2 (under half); 2 * 8 = 16 was tried (the largest that fits).
+    (31, oracle(16), [16, 24, 20, 18, 17, 8, 2, 4], "16 (twice the ladder's best 8): already tried"),
+    # Fastest at 1: f = 5, ladder 4 (tried), 1 (the best): 1 // 2 is below 1.
+    (8, peaked(5, 1), [4, 6, 5, 1, 2], "0 (half the ladder's best 1): below 1"),
 ])
-def test_no_final_probe_when_the_midpoint_was_tried(limit, run, expected, midpoint, caplog):
+def test_a_final_probe_is_dropped_when_tried_below_1_or_not_known_to_fit(limit, run, expected, note, caplog):
     s = settings_for("binary", zero_stages=(0,), max_trials=200, metric="throughput", bisect_tolerance=0)
     with caplog.at_level(logging.DEBUG, logger="toolkit.dsat"):
         searcher = make_searcher(s, profile_with_range(limit))
         _, results = drive(searcher, run)
     assert [r.spec.micro_batch for r in results] == expected
-    assert f"no final probe: geometric midpoint of the {midpoint}: already tried" in caplog.text
+    assert note in caplog.text
     assert searcher.done
+    upward, probes, f = split_line(results, limit, 0)
+    check_descent(upward, probes, f, "throughput")
 
 
-@pytest.mark.parametrize("status", [OOM, FAILED])
-def test_a_final_probe_that_fails_just_ends_the_line(status):
-    s = settings_for("binary", zero_stages=(0,), max_trials=200, metric="throughput")
-    base = peaked(1000, 40)
-
-    def run(spec):  # the final probe (42) crashes or is reported out of memory
-        return TrialResult(spec, status, error="simulated") if spec.micro_batch == 42 else base(spec)
-    searcher = make_searcher(s, profile_with_range(1024))
-    _, results = drive(searcher, run)
-    assert [r.spec.micro_batch for r in results] == [512, 768, 896, 960, 480, 240, 120, 60, 30, 15, 42]
-    assert searcher.best.spec.micro_batch == 30 and searcher.done and searcher.propose(2) == []
-
-
-def test_replay_rebuilds_a_search_interrupted_during_the_final_probe():
+def test_replay_rebuilds_a_search_interrupted_during_the_final_probes():
     s = settings_for("binary", zero_stages=(0,), max_trials=200, metric="throughput")
     run = measured(CPU_CURVE, CPU_LIMIT)
     full = _run_to_end(make_searcher(s, profile_with_range(7106)), run, [], {}, 1)
-    assert [mb for _, mb, _ in full][-2:] == [333, 942]
-    for cut in (len(full) - 1, len(full)):  # the final probe in flight; the search over
+    assert [mb for _, mb, _ in full][-3:] == [2, 256, 1024]
+    for cut in (len(full) - 2, len(full) - 1, len(full)):  # a final probe in flight; the search over
         original = make_searcher(s, profile_with_range(7106))
         observed_before: dict[int, int] = {}
         results = []
@@ -511,11 +731,41 @@ def test_replay_rebuilds_a_search_interrupted_during_the_final_probe():
         resumed = make_searcher(s, profile_with_range(7106))
         records = [TrialResult.from_json(r.to_json()) for r in results]
         rerun = replay(resumed, results=records, observed_before=observed_before)
-        assert [spec.micro_batch for spec in rerun] == ([942] if cut < len(full) else [])
+        assert [spec.micro_batch for spec in rerun] == [mb for _, mb, _ in full[cut:cut + 1]]
         assert rerun == in_flight and resumed.best == original.best and resumed.done == (not rerun)
-        for spec in rerun:
-            resumed.observe(run(spec))
-        assert resumed.done and resumed.propose(1) == [] and resumed.best.spec.micro_batch == 942
+        while not resumed.done:
+            for spec in rerun or resumed.propose(1):
+                resumed.observe(run(spec))
+            rerun = []
+        assert resumed.propose(1) == [] and resumed.best.spec.micro_batch == 1024
+        assert resumed.observed_count == len(full)
+
+
+def test_replay_rebuilds_a_search_interrupted_around_a_skipped_rung():
+    # The first rung, 512, was the first upward trial: replayed, the line skips it again.
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, metric="throughput")
+    run = peaked(1000, 40)
+    full = _run_to_end(make_searcher(s, profile_with_range(1024)), run, [], {}, 1)
+    assert [mb for _, mb, _ in full] == [512, 768, 896, 128, 32, 8, 64, 16]
+    for cut in range(len(full) + 1):
+        original = make_searcher(s, profile_with_range(1024))
+        observed_before: dict[int, int] = {}
+        results = []
+        for _ in range(cut):
+            (spec,) = original.propose(1)
+            observed_before[spec.trial_id] = original.observed_count
+            results.append(run(spec))
+            original.observe(results[-1])
+        in_flight = original.propose(1)
+        for spec in in_flight:
+            observed_before[spec.trial_id] = original.observed_count
+        resumed = make_searcher(s, profile_with_range(1024))
+        records = [TrialResult.from_json(r.to_json()) for r in results]
+        rerun = replay(resumed, results=records, observed_before=observed_before)
+        assert rerun == in_flight and resumed.best == original.best
+        rest = _run_to_end(resumed, run, list(rerun), dict(observed_before), 1)
+        assert [mb for _, mb, _ in full[:cut]] + [spec.micro_batch for spec in rerun] + [mb for _, mb, _ in rest] \
+            == [mb for _, mb, _ in full]
 
 
 @PROP
@@ -547,7 +797,7 @@ def test_every_line_refines_by_its_own_best(seed, concurrency, order_seed, toler
     for line, rs in by_line.items():
         upward, probes, f = split_line(rs, hi, tolerance)
         check_descent(upward, probes, f, metric, complete=line not in cut)
-        if line not in cut:  # finished: upward search over, then refined as long as it improved
+        if line not in cut:  # finished: upward search over, then the ladder and final probes
             assert f >= 1 and len(upward) == len(bisection(hi, limits[rs[0].spec.stage], tolerance)[0])
     assert searcher.best is best_result(results, metric)
 
@@ -583,7 +833,7 @@ def _single_line_run(max_trials: int) -> list[int]:
 
 def test_refinement_respects_the_trial_cap():
     full = _single_line_run(200)
-    assert len(full) == 11  # the last one is the final probe
+    assert len(full) == 8  # the last two are the final probes
     for max_trials in range(2, len(full) + 3):
         assert _single_line_run(max_trials) == full[:max_trials - 1]
 

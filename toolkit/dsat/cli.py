@@ -18,6 +18,8 @@ from typing import Any, Callable, Sequence
 
 from toolkit.config import entrypoint_argv, load_experiment_config
 from toolkit.ds_config import get_ds_config_from_hparams, validate_ds_config
+from toolkit.dsat.hosts import read_hostfile, slurm_hosts
+from toolkit.dsat.launcher import MULTIHOST_LAUNCHERS
 from toolkit.dsat.types import METRICS, SearchSettings
 from toolkit.errors import ConfigError
 
@@ -115,7 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-per-slot", type=parse_bytes, default=None, metavar="SIZE",
                    help="CPU only: memory budget per slot, e.g. 4GiB (default: host memory / max slots); "
                         "a trial process above it is killed and recorded as out-of-memory")
-    g.add_argument("--launcher", choices=("torchrun", "deepspeed"), default="torchrun")
+    g.add_argument("--launcher", choices=("torchrun", "deepspeed"), default="torchrun",
+                   help="starts a trial whose slots are all on this machine")
+    h = common.add_argument_group("hosts (default: this machine alone, or the Slurm allocation's nodes)")
+    h.add_argument("--hostfile", type=Path, default=None,
+                   help="DeepSpeed hostfile ('HOST slots=N' per line): the hosts and slots trials run on; "
+                        "a trial larger than one host's slots spans hosts")
+    h.add_argument("--multihost-launcher", choices=MULTIHOST_LAUNCHERS, default=None,
+                   help="starts a trial on other hosts: DeepSpeed's runner (pdsh, openmpi, mvapich, mpich, "
+                        "impi) or srun (default: srun inside a Slurm allocation, else pdsh)")
+    h.add_argument("--ssh-port", type=_int_at_least(1), default=None, help="ssh port of the hosts (pdsh)")
     g.add_argument("--output-dir", type=Path, default=None, help="default: MODEL_DIR/dsat_output")
     g.add_argument("--resume", action="store_true", help="continue the search recorded in --output-dir")
 
@@ -124,11 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     methods = parser.add_subparsers(dest="method", required=True, metavar="{binary,random,asha}")
     binary = methods.add_parser("binary", parents=[common], help="bisect the micro-batch of random ZeRO configs")
     binary.add_argument("--search-range-factor", type=_positive_float, default=1.0)
-    binary.add_argument("--bisect-tolerance", type=_fraction, default=0.1, metavar="FRACTION",
+    binary.add_argument("--bisect-tolerance", type=_fraction, default=0.25, metavar="FRACTION",
                         help="stop bisecting a config's micro-batch once the open range is within this "
-                             "fraction of its largest fitting micro-batch; for throughput/FLOPS_per_gpu "
-                             "then halve it while that improves, and end with one probe midway (on a log "
-                             "scale) toward the better neighbour (0: bisect to the last unit; default 0.1)")
+                             "fraction of its largest fitting micro-batch f; for throughput/FLOPS_per_gpu "
+                             "then probe down a ladder of powers of two (the largest below f, then /4 each "
+                             "time) while each probe is within half of the config's best, and end with up "
+                             "to two probes at the powers of two next to the ladder's best (twice and half "
+                             "it) (0: bisect to the last unit; default 0.25)")
     rand = methods.add_parser("random", parents=[common], help="random ZeRO configs with early stopping")
     rand.add_argument("--trials-per-random-config", type=_int_at_least(1), default=5)
     rand.add_argument("--early-stopping", type=_int_at_least(1), default=None,
@@ -149,6 +162,21 @@ def _host_memory() -> int:
 def _script_of(entrypoint: list[str]) -> str | None:
     """The first ``.py`` argument of the entrypoint (the script a trial runs), if any."""
     return next((part for part in entrypoint if part.endswith(".py")), None)
+
+
+def _hosts(args: argparse.Namespace, problems: list[str]):
+    """(hosts or None, multihost launcher): ``--hostfile``, else the Slurm allocation, else this machine."""
+    hosts = None
+    try:
+        if args.hostfile is not None:
+            hosts = read_hostfile(args.hostfile)
+        else:
+            hosts = slurm_hosts()
+    except ConfigError as err:
+        problems.extend(err.problems)
+    in_slurm = args.hostfile is None and hosts is not None
+    via = args.multihost_launcher or ("srun" if in_slurm else "pdsh")
+    return hosts, via
 
 
 def make_plan(args: argparse.Namespace):
@@ -188,8 +216,12 @@ def make_plan(args: argparse.Namespace):
         raise UsageError(str(err)) from None
 
     cuda = torch.cuda.is_available()
-    max_slots = args.max_slots or _machine_slots()
-    if cuda and max_slots > torch.cuda.device_count():
+    hosts, via = _hosts(args, problems)
+    total = sum(h.slots for h in hosts) if hosts else None
+    max_slots = args.max_slots or total or _machine_slots()
+    if hosts and max_slots > total:
+        problems.append(f"--max-slots {max_slots}: the hosts have {total} slot(s) in all")
+    if cuda and not hosts and max_slots > torch.cuda.device_count():
         problems.append(f"--max-slots {max_slots}: this machine has {torch.cuda.device_count()} GPU(s)")
     if slots > max_slots:
         problems.append(f"resources.slots_per_trial={slots} > --max-slots {max_slots}: no trial could start; "
@@ -226,7 +258,8 @@ def make_plan(args: argparse.Namespace):
                                 timeout_s=args.trial_timeout, launcher=args.launcher,
                                 memory_per_slot=memory_per_slot, start_profile_step=args.start_profile_step,
                                 end_profile_step=args.end_profile_step,
-                                gpus=tuple(range(torch.cuda.device_count())) if cuda else None)
+                                gpus=tuple(range(torch.cuda.device_count())) if cuda else None,
+                                hosts=hosts, multihost_launcher=via, ssh_port=args.ssh_port)
     except ConfigError as err:
         problems.extend(err.problems)
     if (output_dir / "events.jsonl").exists() and not args.resume:

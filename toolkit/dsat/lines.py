@@ -7,11 +7,14 @@ A *line* is one random ZeRO configuration (drawn without repeats from
 micro-batch; trial ids, the trial cap, in-flight trials, bounds and the best result live here.
 
 A line's trials first narrow its range ``[lo, hi]`` (its *upward* search). ``binary`` may then
-refine a line *downwards* (:attr:`Line.probe`), ending with one final probe (:attr:`Line.final`):
-those probes lie below the largest micro-batch known to fit, so they move no bound, and the line
-stays idle-and-open while it has a probe to run even when its range is closed. Each line keeps
-the metric of its successful trials (:attr:`Line.values`) so that a method can look at the
-neighbours of its best micro-batch. Pure logic, rank 0 only by use (the orchestrator).
+refine a line *downwards* with a ladder over powers of two (:attr:`Line.probe`, :attr:`Line.ladder`),
+ending with up to two final probes around the ladder's best (:attr:`Line.finals`,
+:func:`final_probes`): those probes lie below the largest micro-batch known to fit, so they move
+no bound, and the line stays idle-and-open while it has a probe to run even when its range is
+closed. Each line keeps the outcome of every trial (:attr:`Line.statuses`) and the metric of its
+successful ones (:attr:`Line.values`), so that a ladder probe the line already tried is judged on
+its recorded result instead of being run again, and so that the final probes can look at the
+neighbours of the ladder's best. Pure logic, rank 0 only by use (the orchestrator).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from toolkit.dsat.space import ZeroSpace
 from toolkit.dsat.types import (ProfileInfo, SearchSettings, TrialResult, TrialSpec, TrialStatus,
                                 is_better)
 
-__all__ = ["best_result", "metric_value", "Line", "LineSearcher"]
+__all__ = ["best_result", "final_probes", "metric_value", "Line", "LineSearcher"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +86,13 @@ class Line:
     tried: set[int] = dataclasses.field(default_factory=set)  # micro-batches proposed on this line
     # micro-batch -> finite metric of the line's OK trials (at most one trial per micro-batch)
     values: dict[int, float] = dataclasses.field(default_factory=dict)
-    probe: int | None = None    # binary: the next micro-batch of the downward refinement
-    final: bool = False         # binary: ``probe`` is the line's final probe (its last trial)
+    # micro-batch -> status of the line's observed trials (a skipped ladder probe is judged on it)
+    statuses: dict[int, TrialStatus] = dataclasses.field(default_factory=dict)
+    probe: int | None = None    # binary: the next micro-batch of the downward ladder, to run
+    # binary: the ladder's micro-batches so far, in order, those skipped as already tried included
+    ladder: list[int] = dataclasses.field(default_factory=list)
+    # binary: the final probes still to run, next first (set once, when the ladder ends)
+    finals: list[int] = dataclasses.field(default_factory=list)
     rung: int = 0               # asha: the rung the line is allowed to run to
     finished_rung: int = -1     # asha: the highest rung it finished
     rung_best: dict[int, TrialResult | None] = dataclasses.field(default_factory=dict)
@@ -99,8 +107,8 @@ class Line:
 
     @property
     def descending(self) -> bool:
-        """binary: the upward search is over and the line probes smaller micro-batches."""
-        return self.probe is not None
+        """binary: the upward search is over and the line has a ladder or final probe to run."""
+        return self.probe is not None or bool(self.finals)
 
     @property
     def idle_open(self) -> bool:
@@ -163,6 +171,7 @@ class LineSearcher:
         line.in_flight = False
         self._results.append(result)
         value = metric_value(result, self.settings.metric)
+        line.statuses[spec.micro_batch] = result.status
         if value is not None:
             line.values[spec.micro_batch] = value
         improved = value is not None and is_better(self.settings.metric, value, self._best_value())
@@ -255,3 +264,47 @@ class LineSearcher:
 
     def _after_observe(self, line: Line, result: TrialResult, improved: bool) -> None:
         """Method-specific reaction to a result (bounds are already updated)."""
+
+
+def final_probes(line: Line, metric: str) -> tuple[list[int], str]:
+    """``binary``'s final probes of ``line``: (micro-batches in order, why). Pure; rank 0 only by use.
+
+    Around the ladder's best probe ``b`` (the best finite value among :attr:`Line.ladder`, skipped
+    probes included; the first one on ties), the powers of two ``2 * b`` and ``b // 2``: the
+    midpoints, on the log scale, between ``b`` and its ladder neighbours ``4 * b`` and ``b // 4``.
+    Toward the better side first: the value of the nearest successful micro-batch of the line
+    above ``b`` against the nearest one below ``b`` (any trial of the line, upward ones included);
+    a missing side counts as worse, ties go above first. A probe is dropped when it is below 1,
+    was tried, or is not below ``line.lo`` (not known to fit). No probe when no ladder probe
+    has a finite value.
+
+    Example (rank 0, when the ladder of a line ends)::
+
+        finals, why = final_probes(line, "throughput")   # e.g. [256, 64] around the ladder's 128
+    """
+    ladder_ok = [mb for mb in line.ladder if mb in line.values]
+    if not ladder_ok:
+        return [], "no ladder probe has a finite " + metric
+    b = ladder_ok[0]
+    for mb in ladder_ok[1:]:
+        if is_better(metric, line.values[mb], line.values[b]):
+            b = mb
+    above = min((mb for mb in line.values if mb > b), default=None)
+    below = max((mb for mb in line.values if mb < b), default=None)
+    below_first = below is not None and (above is None
+                                         or is_better(metric, line.values[below], line.values[above]))
+    side = (f"nearest successes: {'none' if above is None else above} above, "
+            f"{'none' if below is None else below} below, {'below' if below_first else 'above'} first")
+    probes, notes = [], []
+    for m in ([b // 2, 2 * b] if below_first else [2 * b, b // 2]):
+        where = f"{m} ({'twice' if m > b else 'half'} the ladder's best {b})"
+        if m < 1:
+            notes.append(f"{where}: below 1")
+        elif m in line.tried:
+            notes.append(f"{where}: already tried")
+        elif m >= line.lo:
+            notes.append(f"{where}: not known to fit")
+        else:
+            probes.append(m)
+            notes.append(where)
+    return probes, f"{side}; " + "; ".join(notes)

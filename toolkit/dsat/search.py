@@ -14,12 +14,11 @@ closed when ``lo > hi``; the best fitting micro-batch of the line is then ``lo -
 * :class:`BinarySearcher` (``binary``): bisects each line upwards (``m = (lo + hi) // 2``) until
   its range closes or, once a trial fits, the open range is within ``bisect_tolerance`` of the
   largest fitting micro-batch ``f = lo - 1``: ``hi - f <= bisect_tolerance * f``. Then, for the
-  larger-is-better metrics, it refines the line downwards (halving from ``f`` while that
-  improves the line's best) and ends it with one final probe at the geometric midpoint between
-  the line's best micro-batch and its better tried neighbour (see :class:`BinarySearcher`).
-  Lines run side by side to fill the capacity. Bounds, for a line whose largest fitting
-  micro-batch is ``T`` (``1 <= T <= hi``; the range ``[lo, hi]`` holds at most
-  ``floor(hi / 2**k)`` micro-batches after ``k`` trials and always contains ``T``):
+  larger-is-better metrics, refines it downwards: a ladder over powers of two, then up to two
+  final probes next to the ladder's best (rules and bounds: :class:`BinarySearcher`). Lines
+  run side by side. Bounds, for a line whose largest fitting micro-batch is ``T`` (``1 <= T <=
+  hi``; the range ``[lo, hi]`` holds at most ``floor(hi / 2**k)`` micro-batches after ``k``
+  trials and always contains ``T``):
 
   - ``bisect_tolerance = 0``: the upward search finds ``f = T`` within ``floor(log2 hi) + 1``
     trials (exact bisection);
@@ -27,9 +26,7 @@ closed when ``lo > hi``; the best fitting micro-batch of the line is then ``lo -
     ``min(floor(log2 hi) + 1, ceil(log2((1 + tol) * hi / (tol * T))))`` trials with
     ``T - f <= tol * f``, i.e. ``f >= T / (1 + tol)`` (once the range holds at most
     ``tol * T / (1 + tol)`` micro-batches, ``f >= T - (hi - f)`` gives ``hi - f <= tol * f``);
-  - the downward refinement adds at most ``floor(log2 f) + 1`` trials (``f // 2``, ``f // 4``,
-    ..., 1, then the final probe), at most two when the first probe does not improve the line's
-    best, and at most one (the final probe) when ``f // 2`` was already tried or is below 1.
+  - downward: at most ``floor(log4(f - 1)) + 3`` trials (none for ``f = 1``).
 * :class:`RandomSearcher` (``random``): a random micro-batch in ``[lo, hi]`` per trial, with the
   early-stopping rules of :class:`RandomSearcher`.
 * :class:`AshaSearcher` (``asha``): binary-search lines as ASHA's resource; see its docstring
@@ -56,10 +53,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from typing import Mapping, Sequence
 
-from toolkit.dsat.lines import Line, LineSearcher, best_result, metric_value
+from toolkit.dsat.lines import Line, LineSearcher, best_result, final_probes, metric_value
 from toolkit.dsat.types import (SMALLER_IS_BETTER, ProfileInfo, SearchSettings, Searcher, TrialResult,
                                 TrialSpec, TrialStatus, is_better)
 
@@ -73,26 +69,68 @@ class BinarySearcher(LineSearcher):
 
     Upward search: bisection until the range closes or, after a success, ``hi - f <=
     bisect_tolerance * f`` with ``f = lo - 1``. Why stop early: bisecting the memory boundary
-    to the last unit costs about ``log2(1 / tolerance)`` more trials per line, and where
-    throughput peaks well below the memory limit (as on CPU) they find nothing faster.
+    to the last unit costs about ``log2(1 / tolerance)`` more trials per line (the largest
+    micro-batches: the slowest trials, often out of memory), and where throughput peaks well
+    below the memory limit (as on CPU) they find nothing faster; the ladder below spends them
+    on the range under the boundary instead.
 
-    Downward refinement, for ``throughput`` and ``FLOPS_per_gpu`` only (for ``latency``,
-    ``forward`` and ``backward`` a smaller micro-batch wins trivially, so it would only spend
-    trials), and only for a line with a success: it probes ``f // 2``, then keeps halving from
-    the last probe while each probe strictly improves the line's best metric (``is_better``). It
-    stops at the first probe that does not improve, is not ``OK``, would be below 1, or was already
-    tried on the line. Probes move no bound.
+    Downward refinement, the *ladder*, for ``throughput`` and ``FLOPS_per_gpu`` only (for
+    ``latency``, ``forward`` and ``backward`` a smaller micro-batch wins trivially, so it would
+    only spend trials), and only for a line with a success ``f = lo - 1``:
 
-    Final probe: halving only visits ``f / 2**k``, so the peak may lie between two of them. When
-    the refinement stops (also when it never started because ``f // 2`` was already tried or is
-    below 1), the line gets one last trial: with ``b`` its best micro-batch and ``n`` the better
-    (``is_better``; ties go to the one above) of ``b``'s neighbours among the line's ``OK``
-    trials with a finite metric (the nearest above and the nearest below ``b``), it probes the
-    geometric midpoint ``m = round(sqrt(b * n))`` (the range is searched on a log scale) unless
-    ``m`` was tried, ``m`` is ``b`` or ``n``, ``m < 1`` or ``m >= lo`` (not known to fit). Not
-    after a probe that failed: a crash or timeout below a micro-batch known to fit says the line
-    misbehaves, so it gets no more trials. ``b`` without an ``OK`` neighbour: no final probe.
-    After the final probe (whatever its outcome, a failure included) the line is done.
+    1. the first probe is the largest power of two strictly below ``f`` (none if ``f == 1``),
+       each next one the previous probe ``// 4``: all probes are powers of two of one parity
+       (2048, 512, 128, 32, ... or 1024, 256, 64, 16, ...). Why powers of two: GPU kernels and
+       CPU vector code are tuned for them, and with the final probes every power of two next
+       to the ladder's best gets tried;
+    2. after an ``OK`` probe with a finite value ``v`` it goes on iff ``v >= 0.5 * best``, with
+       ``best`` the line's best value, this probe included: a probe within half of the best may
+       have a better one below it (throughput on CPU is not monotone: a cache cliff can put a
+       dip between the memory boundary and the peak), while under half the best, smaller
+       micro-batches are dominated by per-step overhead. An ``OK`` probe without a finite
+       value also ends the ladder; so does a next probe below 1;
+    3. a probe the line already tried is not run again but judged on its recorded result (its
+       value for the rule above; the ladder then goes on to its ``// 4``). Only the first probe
+       can be one on a bisected line: the upward trials are all ``>= s >= f / 2`` (``s`` the
+       first success: ``f <= hi <= 2 * s`` then), the later probes ``< f / 4``;
+    4. a probe that is not ``OK`` (out of memory, failed, timeout; run or recorded) ends the
+       line at once, without final probes: a failure below a micro-batch known to fit says the
+       line misbehaves.
+
+    Probes move no bound.
+
+    Final probes (up to two, computed once when the ladder ends, see
+    :func:`~toolkit.dsat.lines.final_probes`): around the ladder's best probe ``b`` (skipped
+    probes included; the first one on ties), ``2 * b`` and ``b // 2``, the midpoints on the log
+    scale between ``b`` and its ladder neighbours; toward the better side first (the nearest
+    successful micro-batch of the line above ``b`` against the nearest one below, any trial
+    of the line; a missing side is worse; ties: above first). One is dropped when tried,
+    below 1 or not below ``lo``; none when no ladder probe has a finite value. Why around the
+    ladder's best and not the line's: the upward search already sampled the region near ``f``
+    finely (to the bisect tolerance); the ladder's region is the coarse one, so it gets the
+    refinement, and with it the best power of two near the ladder's best is tried whichever
+    parity the ladder has. A final probe that is not ``OK`` ends the line (the other one is
+    not run); after the last one the line is done.
+
+    Bounds of the downward trials of a line with largest fitting micro-batch ``f >= 2``: the
+    ladder's rungs are ``2**k, 2**(k - 2), ... >= 1`` with ``k = floor(log2(f - 1))``, so at
+    most ``floor(k / 2) + 1 = floor(log4(f - 1)) + 1 <= floor(log4 f) + 1`` ladder probes
+    (all of them when every probe is within half of the best, e.g. a curve fastest at
+    micro-batch 1), then at most 2 final probes.
+
+    With a metric that increases with the micro-batch (GPU-like: fastest at the largest
+    micro-batch that fits) the line's best stays ``f``; the ladder's best is its first probe
+    ``p0`` (``f / 2 <= p0 < f``), so ``2 * p0 >= f`` is dropped and ``p0 // 2`` is the only
+    final probe. For ``v(m) = a * m`` the ladder is exactly ``p0`` then ``p0 // 4`` if ``>= 1``
+    (``v(p0 // 4) < v(f) / 4``: under half): at most 3 downward trials, none improving. With a
+    unimodal metric peaking at ``p <= f`` whose first probe ``p0`` is within half of the line's
+    best (e.g. ``v(m) = m / (1 + (m / p)**2)``, symmetric on a log scale: its values within a
+    factor 2 of each other never differ by 2x), and ``P`` the power of two nearest ``p`` on a
+    log scale, the search (without failures, within its trial cap) tries ``P`` when ``P <= f``,
+    else ``p0 = P / 2``. Why: every later rung above the peak beats all earlier trials (those
+    are ``>= 2 * rung``), so the ladder reaches the smallest rung ``a >= p``, then ``a // 4``;
+    the ladder's best is one of the two, so ``a // 2`` is a final probe, and ``P`` is one of
+    ``a // 4, a // 2, a``. When ``p > p0``, ``P`` is ``p0`` or ``2 * p0`` (``f``, or above it).
 
     Idle lines (open range or a probe due) get the next trials first (oldest first); spare
     capacity starts new lines, one in-flight trial per line: first one line per searched stage,
@@ -102,11 +140,15 @@ class BinarySearcher(LineSearcher):
     Example (rank 0 only)::
 
         searcher = make_searcher(SearchSettings(method="binary", metric="throughput",
-                                                bisect_tolerance=0.1), profile)
+                                                bisect_tolerance=0.25), profile)
     """
 
     def _micro_batch(self, line: Line) -> int:
-        return line.probe if line.probe is not None else super()._micro_batch(line)
+        if line.probe is not None:
+            return line.probe
+        if line.finals:
+            return line.finals[0]
+        return super()._micro_batch(line)
 
     def _next_line(self) -> Line | None:
         idle = self._idle_lines()
@@ -123,16 +165,15 @@ class BinarySearcher(LineSearcher):
         return bool(self._idle_lines()) or self._space.remaining() > 0
 
     def _after_observe(self, line: Line, result: TrialResult, improved: bool) -> None:
-        if line.final:
-            m = result.spec.micro_batch
-            line.probe = None
-            outcome = ("improved the line's best" if line.best is result else
-                       "did not improve the line's best" if result.status is TrialStatus.OK
-                       else result.status.value)
-            line.stopped = f"final probe at micro-batch {m}: {outcome}"
+        if line.finals:  # ``result`` is the final probe ``finals[0]``
+            self._after_final(line, result)
             return
-        if line.descending:
-            self._descend(line, result)
+        if line.probe is not None:
+            m = line.probe
+            line.probe = None
+            line.ladder.append(m)
+            if self._judge(line, m):
+                self._descend(line, m // 4)
             return
         if line.lo <= 1:
             return  # no success yet: nothing to be within tolerance of, nothing to refine
@@ -145,70 +186,70 @@ class BinarySearcher(LineSearcher):
                       f"(open range [{line.lo}, {line.hi}])")
         else:
             return
-        probe = fits // 2
         if self.settings.metric in SMALLER_IS_BETTER:
             line.stopped = f"{reason}; no downward refinement for {self.settings.metric}"
-        elif probe < 1 or probe in line.tried:
-            self._finish(line, f"{reason}; nothing left below: micro-batch {probe} " + (
-                "already tried" if probe >= 1 else "is below 1"))
+        elif fits == 1:
+            line.stopped = f"{reason}; no ladder: no power of two below micro-batch 1 (no final probes)"
         else:
-            line.probe = probe
-            logger.debug("line %d: upward search over (%s); refining downwards from %d",
-                         line.line_id, reason, probe)
+            first = 1 << ((fits - 1).bit_length() - 1)  # the largest power of two below ``fits``
+            logger.debug("line %d: upward search over (%s); ladder down from %d", line.line_id, reason, first)
+            self._descend(line, first)
 
-    def _descend(self, line: Line, result: TrialResult) -> None:
-        m = result.spec.micro_batch
-        nxt = m // 2
-        line.probe = None
-        # observe() made ``result`` the line's best exactly when it strictly improved on it.
-        if result.status is not TrialStatus.OK:
-            line.stopped = (f"downward refinement: {result.status.value} at micro-batch {m} "
-                            "(no final probe after a failed probe)")
-        elif line.best is not result:
-            self._finish(line, f"downward refinement: micro-batch {m} did not improve the line's best")
-        elif nxt < 1:
-            self._finish(line, "downward refinement reached micro-batch 1")
-        elif nxt in line.tried:  # the rule; below the first probe a bisected line never tried one
-            self._finish(line, f"downward refinement: micro-batch {nxt} already tried")
+    def _descend(self, line: Line, m: int) -> None:
+        """Make ``m >= 1`` the next ladder probe; one the line already tried is judged on its
+        recorded result instead of being run again (then the ladder goes on below it)."""
+        while m in line.tried:  # all of a line's tried micro-batches are observed by now
+            line.ladder.append(m)
+            logger.debug("line %d: ladder: micro-batch %d already tried (%s): not run again",
+                         line.line_id, m, line.statuses[m].value)
+            if not self._judge(line, m, skipped=True):
+                return
+            m //= 4
+        line.probe = m
+
+    def _judge(self, line: Line, m: int, *, skipped: bool = False) -> bool:
+        """The ladder's rule after its probe ``m``: True to go on to ``m // 4``; else it ends the
+        ladder (final probes) or, after a failed probe, the line."""
+        status, value = line.statuses[m], line.values.get(m)
+        best = metric_value(line.best, self.settings.metric) if line.best is not None else None
+        what = f"micro-batch {m}" + (" (already tried: not run again)" if skipped else "")
+        if status is not TrialStatus.OK:
+            line.stopped = f"ladder: {status.value} at {what} (no final probes after a failed probe)"
+        elif value is None or best is None:
+            self._finish(line, f"ladder: {what} has no finite {self.settings.metric}")
+        elif value < 0.5 * best:
+            self._finish(line, f"ladder: {what} ({value:.6g}) is under half the line's best "
+                               f"({best:.6g} at micro-batch {line.best.spec.micro_batch})")
+        elif m // 4 < 1:
+            self._finish(line, f"ladder reached {what}: {m} // 4 is below 1")
         else:
-            line.probe = nxt
+            return True
+        return False
 
     def _finish(self, line: Line, reason: str) -> None:
-        """The refinement of ``line`` is over: give it its final probe, or stop it."""
-        m, why = _final_probe(line, self.settings.metric)
-        if m is None:
+        """The ladder of ``line`` is over: give it its final probes, or stop it."""
+        finals, why = final_probes(line, self.settings.metric)
+        if not finals:
             line.stopped = f"{reason}; no final probe: {why}"
             return
-        line.probe, line.final = m, True
-        logger.debug("line %d: %s; final probe at micro-batch %d (%s)", line.line_id, reason, m, why)
+        line.finals = finals
+        logger.debug("line %d: %s; final probes at micro-batches %s (%s)", line.line_id, reason,
+                     ", ".join(map(str, finals)), why)
 
-
-def _final_probe(line: Line, metric: str) -> tuple[int | None, str]:
-    """``binary``'s final probe of ``line``: (micro-batch or None, why), pure.
-
-    The geometric midpoint ``round(sqrt(b * n))`` of the line's best micro-batch ``b`` and the
-    better of its nearest ``OK`` neighbours above and below (ties go to the one above); None
-    when ``b`` has no ``OK`` neighbour or the midpoint was tried, equals ``b`` or ``n``, is below
-    1 or is not below ``line.lo``. Rank 0 only by use.
-    """
-    if line.best is None:
-        return None, "no successful trial"
-    b = line.best.spec.micro_batch
-    above = min((mb for mb in line.values if mb > b), default=None)
-    below = max((mb for mb in line.values if mb < b), default=None)
-    if above is None and below is None:
-        return None, f"the best micro-batch {b} has no successful neighbour"
-    if above is None or (below is not None and is_better(metric, line.values[below], line.values[above])):
-        n = below
-    else:
-        n = above
-    r = math.isqrt(b * n)
-    m = r + 1 if b * n > r * (r + 1) else r  # round(sqrt(b * n)), exactly: b * n is an integer
-    where = f"geometric midpoint of the best {b} and its better neighbour {n}"
-    if m in (b, n) or m in line.tried or m < 1 or m >= line.lo:
-        return None, f"{where} is {m}: " + ("already tried" if m in line.tried or m in (b, n)
-                                            else "not known to fit")
-    return m, where
+    def _after_final(self, line: Line, result: TrialResult) -> None:
+        m = line.finals.pop(0)
+        outcome = ("improved the line's best" if line.best is result else
+                   "did not improve the line's best" if result.status is TrialStatus.OK
+                   else result.status.value)
+        if result.status is not TrialStatus.OK and line.finals:
+            line.stopped = (f"final probe at micro-batch {m}: {outcome} (final probe at micro-batch "
+                            f"{line.finals[0]} not run after a failed probe)")
+            line.finals = []
+        elif line.finals:
+            logger.debug("line %d: final probe at micro-batch %d: %s; next final probe at micro-batch %d",
+                         line.line_id, m, outcome, line.finals[0])
+        else:
+            line.stopped = f"final probe at micro-batch {m}: {outcome}"
 
 
 class RandomSearcher(LineSearcher):

@@ -220,6 +220,8 @@ class SearchSettings:
         bisect_tolerance: ``binary``: a line stops bisecting upwards once its open range is
             within this fraction of its largest fitting micro-batch ``f``
             (``hi - f <= bisect_tolerance * f``), in ``[0, 1)``; 0 bisects to the last unit.
+            Default 0.25: the last trials at the memory boundary (the largest micro-batches,
+            often out of memory) buy little; the downward ladder explores below it instead.
         max_rungs, min_binary_search_trials, asha_early_stopping, divisor: ``asha`` method.
     """
 
@@ -233,7 +235,7 @@ class SearchSettings:
     trials_per_random_config: int = 5
     early_stopping: int | None = None
     search_range_factor: float = 1.0
-    bisect_tolerance: float = 0.1
+    bisect_tolerance: float = 0.25
     max_rungs: int = 5
     min_binary_search_trials: int = 3
     asha_early_stopping: int = 0
@@ -258,7 +260,7 @@ class SearchSettings:
         _check(p, isinstance(self.bisect_tolerance, (int, float)) and not isinstance(self.bisect_tolerance, bool)
                and 0 <= self.bisect_tolerance < 1,
                f"bisect_tolerance={self.bisect_tolerance!r}: expected a number >= 0 and < 1 (0 bisects "
-               "the micro-batch range exactly, 0.1 stops within 10% of the largest fitting micro-batch)")
+               "the micro-batch range exactly, 0.25 stops within 25% of the largest fitting micro-batch)")
         _check(p, isinstance(self.max_rungs, int) and self.max_rungs >= 1,
                f"max_rungs={self.max_rungs!r}: expected an integer >= 1")
         _check(p, isinstance(self.min_binary_search_trials, int) and self.min_binary_search_trials >= 1,

@@ -91,8 +91,9 @@ def test_sigterm_at_a_random_moment_then_resume_is_bitwise_exact(tmp_path, scrip
     out, rng = tmp_path / "interrupted", random.Random(seed)
     # The signal follows the run's progress, not the clock, so it lands mid-run however busy the
     # machine is: a random delay after the checkpoint of a random step of the first half (the
-    # examples checkpoint every 5 steps here), a random rank.
-    after_step, delay = rng.randrange(5, int(steps) // 2 + 1, 5), rng.uniform(0.0, 0.3)
+    # examples checkpoint every 5 steps here), a random rank. The first quarter: the watcher
+    # answers within about two check intervals (2 s by default), about 33 steps of 60 ms.
+    after_step, delay = rng.randrange(5, int(steps) // 4 + 1, 5), rng.uniform(0.0, 0.3)
     argv = p.torchrun_argv(EXAMPLES / script, "--config", str(config), "--output-dir", str(out), "--max-steps", steps)
     with open(tmp_path / "interrupted.log", "w+") as log:
         proc = subprocess.Popen(argv, env=p.child_env(), stdout=log, stderr=subprocess.STDOUT,

@@ -41,10 +41,12 @@ about ``check_interval`` seconds apart: the interval in calls is
 suits either short steps (cost) or long steps (delay), not both: what a scheduler grants is a
 grace period in *seconds*, and what a check costs matters relative to the step *time*. Launching
 a non-blocking gloo all-reduce costs 0.2-0.8 ms of the caller's time (measured on 2 CPU ranks of
-a busy 2-core machine; the wait one interval later is ~15 us), so the default of 0.25 s costs
-about 0.2% of a 30 ms step (``check_interval=1.0`` makes it ~0.05%, with a 4x longer delay),
-and the answer comes within about half a second for short steps and within two steps for 10 s
-steps.
+a busy 2-core machine; the wait one interval later is ~15 us), and gloo's threads, woken for it,
+take about as much again from the ranks. Measured with ``scripts/bench_overhead.py --only
+preempt`` (2 CPU ranks, 30 ms steps): a 0.25 s interval cost about 1% of the step time (paired
+ratio 1.013, CPU-time ratio 1.010, against A/A controls of 1.003), hence the default of 1 s:
+about 0.25%, and the answer comes within about two seconds for short steps and within two steps
+for 10 s steps, well inside the grace period schedulers give (torchrun and Kubernetes: 30 s).
 
 Delay bound: if a signal is handled before call ``m``, ``should_preempt()`` returns True on every
 rank at call ``m + 2 * I - 1`` at the latest, where ``I`` is the interval in calls (``check_every``,
@@ -124,7 +126,7 @@ class PreemptionWatcher:
     """
 
     def __init__(self, ctx: DistributedContext, *, signals: Iterable[Any] = DEFAULT_SIGNALS,
-                 check_every: int | None = None, check_interval: float = 0.25) -> None:
+                 check_every: int | None = None, check_interval: float = 1.0) -> None:
         if not isinstance(ctx, DistributedContext):
             raise TypeError(f"ctx={ctx!r}: expected the DistributedContext returned by "
                             "toolkit.init_distributed()")
@@ -135,7 +137,7 @@ class PreemptionWatcher:
         if (isinstance(check_interval, bool) or not isinstance(check_interval, (int, float))
                 or not math.isfinite(check_interval) or check_interval <= 0):
             raise ValueError(f"check_interval={check_interval!r}: expected a number of seconds > 0, "
-                             "for example 0.25")
+                             "for example 1.0")
         self._signals = _as_signals(signals)
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("watch_preemption() was called outside the main thread; Python delivers "
@@ -316,7 +318,7 @@ class PreemptionWatcher:
 
 
 def watch_preemption(ctx: DistributedContext, *, signals: Iterable[Any] = DEFAULT_SIGNALS,
-                     check_every: int | None = None, check_interval: float = 0.25) -> PreemptionWatcher:
+                     check_every: int | None = None, check_interval: float = 1.0) -> PreemptionWatcher:
     """Install signal handlers and return the watcher that agrees on a stop. Call on all ranks.
 
     Call it in the main thread, before the loop, on every rank, with the same arguments.

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
@@ -123,6 +124,19 @@ def _agree(ctx: DistributedContext, error: str | None, what: str) -> None:
     failed = [f"rank {rank}: {err}" for rank, err in enumerate(errors) if err is not None]
     if failed:
         raise CheckpointError(f"{what} failed on {len(failed)} rank(s):\n  " + "\n  ".join(failed))
+
+
+def _write_failed(what: str, err: BaseException, directory: Path) -> str:
+    """Why a checkpoint write failed, with the free space: torch reports a full disk as a bare
+    ``RuntimeError`` ("unexpected pos ...") that does not say so."""
+    try:
+        free = shutil.disk_usage(directory if directory.exists() else directory.parent).free
+        space = (f"the disk is full: {free // 1024} KiB free" if free < 64 * 2**20 else
+                 f"{free // 2**20} MiB free, so perhaps a quota or file size limit") + f" under {directory}"
+    except OSError:
+        space = "is the disk full or over quota?"
+    return (f"{what}: {type(err).__name__}: {err} ({space}). Nothing was committed: the previous checkpoint "
+            "is still the latest; free space and save again")
 
 
 def _rng_path(root: str, tag: str, rank: int) -> Path:
@@ -222,11 +236,22 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
     try:
         saved = {"rank": ctx.rank, "world_size": ctx.world_size, "rng": capture_rng_state()}
         layout.atomic_write(_rng_path(root, tag, ctx.rank), lambda fh: torch.save(saved, fh))
-    except OSError as err:  # still enter DeepSpeed's collective save, then fail together below
-        rank_error = f"writing the RNG states: {err}"
+    except (OSError, RuntimeError) as err:  # torch.save reports a failed write as RuntimeError too
+        # Still enter DeepSpeed's collective save, then fail together below.
+        rank_error = _write_failed("writing the RNG states", err, tag_dir)
     ours = {"steps_completed": steps_completed, "client_state": dict(client_state or {}),
             "run_id": this_run, "tag": tag}
-    engine.save_checkpoint(root, tag=tag, client_state={_CLIENT_KEY: ours}, save_latest=False)
+    try:
+        engine.save_checkpoint(root, tag=tag, client_state={_CLIENT_KEY: ours}, save_latest=False)
+    except (OSError, RuntimeError) as err:
+        # A failed write (disk full, quota, file size limit) raises on the ranks that hit it after
+        # the save's collectives but before DeepSpeed's closing barrier: stand in for that barrier,
+        # so that every rank meets in the agreement below and raises there; none is left waiting.
+        import deepspeed.comm
+
+        rank_error = rank_error or _write_failed(f"DeepSpeed could not write its files into {tag_dir}", err,
+                                                 tag_dir)
+        deepspeed.comm.barrier()
     if rank_error is None and ctx.is_local_chief:
         try:  # flush every file of this node before the commit can be written
             layout.fsync_tree(tag_dir)

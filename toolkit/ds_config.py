@@ -426,7 +426,9 @@ def validate_ds_config(ds_config: Mapping[str, Any], *, pipeline: bool = False,
                         "optimizer offload needs ZeRO stage 2 or 3; raise the stage or remove "
                         "offload_optimizer")
     if "nvme" in (param_dev, opt_dev) and stage != 3:
-        problems.append(f"NVMe offload with stage {stage}: NVMe offload needs ZeRO stage 3")
+        key = "offload_optimizer" if opt_dev == "nvme" else "offload_param"
+        problems.append(f"zero_optimization.{key}.device='nvme' with stage {stage}: NVMe offload needs ZeRO "
+                        "stage 3; set stage to 3 or offload to 'cpu'")
     if zero.get("cpu_offload") is True and stage < 2:
         problems.append(f"zero_optimization.cpu_offload=true with stage {stage}: optimizer offload needs "
                         "ZeRO stage 2 or 3")

@@ -100,8 +100,11 @@ def main() -> None:
     stream = micro_batches(loader, sampler, steps_completed=steps_completed, gradient_accumulation_steps=grad_acc)
     samples_per_step = engine.train_micro_batch_size_per_gpu() * grad_acc
 
+    # Optional hyperparameter: seconds between the ranks' preemption checks (toolkit's default is
+    # 1 s; a shorter one stops sooner after a signal, for a tight grace period, at a small cost).
+    interval = hparams.get("preemption_check_interval")
     with toolkit.MetricsWriter(ctx, out / "tensorboard", resume_step=steps_completed) as metrics, \
-            toolkit.watch_preemption(ctx) as preemption:
+            toolkit.watch_preemption(ctx, **({} if interval is None else {"check_interval": interval})) as preemption:
         while steps_completed < max_steps:
             # dsat times this step inside an autotuning trial; elsewhere the context does nothing.
             with toolkit.dsat_reporting_context(engine, steps_completed=steps_completed):

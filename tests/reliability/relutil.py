@@ -41,7 +41,10 @@ def small_config(directory: Path, *, checkpoint_every: int = 2) -> Path:
     """The example's own config, shrunk (as tests/test_examples.py does) to seconds per run."""
     config = yaml.safe_load((EXAMPLES / "deepspeed.yaml").read_text())
     config["hyperparameters"].update({"dataset_size": 512, "image_size": 16, "width": 8, "validate_every": 10**6,
-                                      "checkpoint_every": checkpoint_every})
+                                      "checkpoint_every": checkpoint_every,
+                                      # A signal then stops the run within about 0.5 s (two checks),
+                                      # so that shots land mid-run rather than after the last step.
+                                      "preemption_check_interval": 0.25})
     overrides = config["hyperparameters"].setdefault("overwrite_deepspeed_args", {})
     overrides["zero_optimization"] = {**overrides.get("zero_optimization", {}),
                                       "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}

@@ -32,7 +32,7 @@ EVERY = 2  # checkpoint every 2 steps: saves are frequent, so "during a save" is
 
 def _max_steps(shots: int) -> int:
     # Room for every shot to land before the run ends: a SIGTERM lets the run go on for up to two
-    # preemption checks (0.25 s each) before it stops: 10-45 steps of this small model (measured).
+    # preemption checks (0.25 s each: relutil.small_config sets that) before it stops: 10-45 steps of this small model (measured).
     return 50 * shots + 100
 
 

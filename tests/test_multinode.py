@@ -26,13 +26,13 @@ import procutil as p
 WORKER = p.WORKERS / "multinode_train.py"
 
 
-def agent_argv(node: int, port: int, run_id: str, *args: str) -> list[str]:
+def agent_argv(node: int, port: int, run_id: str, *args: str, script: Path = WORKER) -> list[str]:
     # is_host: the first agent serves the rendezvous store; both would match 127.0.0.1 otherwise,
     # and which one serves it would be a race (the loser falls back to client, but say it plainly).
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
             "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1",
-            "--max-restarts", "0", str(WORKER), *args]
+            "--max-restarts", "0", str(script), *args]
 
 
 def start_nodes(out: Path, ckpt: Path, *args: str) -> list[subprocess.Popen]:
@@ -147,6 +147,25 @@ def test_two_nodes_report_their_place_stop_together_commit_once_and_resume(tmp_p
     results = [read(out / f"result{r}.json") for r in (0, 1)]
     assert all(r["start"] == stopped and r["stopped_at"] == stopped + 2 and not r["preempted"] for r in results)
     assert (ckpt / "latest").read_text().strip() == f"step_{stopped + 2}"
+
+
+def test_the_example_runs_unchanged_on_two_nodes(tmp_path):
+    """examples/core_api/train.py, as it is, under two torchrun agents (one rank per "node"):
+    it trains, writes TensorBoard logs and commits its checkpoints on the shared directory."""
+    from test_examples import EXAMPLES, small_config
+
+    config, out = small_config(tmp_path, "train.py"), tmp_path / "out"
+    port, run_id = p.free_port(), uuid.uuid4().hex[:8]
+    procs = []
+    for node in (0, 1):
+        with open(tmp_path / f"agent{node}.log", "w") as log:
+            procs.append(subprocess.Popen(
+                agent_argv(node, port, run_id, "--config", str(config), "--output-dir", str(out), "--max-steps", "10",
+                           script=EXAMPLES / "train.py"),
+                env=p.child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    assert wait_all(procs, tmp_path) == [0, 0], (tmp_path / "agent0.log").read_text()[-3000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_10"
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
 
 
 # ---------------------------------------------------------------- pdsh + ssh on loopback (optional)

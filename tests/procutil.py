@@ -35,6 +35,18 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def clean_launch_env(monkeypatch) -> None:
+    """This process's environment as dsat trials should inherit it: no launcher variables, one
+    OpenMP thread, toolkit importable (a pytest fixture's body; undone by ``monkeypatch``)."""
+    for key in list(os.environ):
+        if key.startswith(("TOOLKIT_", "OMPI_", "PMI_", "SLURM_")) or key in (
+                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE",
+                "CUDA_VISIBLE_DEVICES"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def torchrun_argv(script: str | Path, *args: str, nproc: int = 2, port: int | None = None,
                   extra: list[str] | None = None) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),

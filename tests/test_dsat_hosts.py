@@ -212,13 +212,7 @@ def test_deepspeed_reads_our_argv_as_meant(tmp_path):
 # ---------------------------------------------------------------- real trials on a 2-"host" hostfile
 @pytest.fixture()
 def clean_env(monkeypatch):
-    for key in list(os.environ):
-        if key.startswith(("TOOLKIT_", "OMPI_", "PMI_", "SLURM_")) or key in (
-                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE",
-                "CUDA_VISIBLE_DEVICES"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("PYTHONPATH", str(p.REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p.clean_launch_env(monkeypatch)
     monkeypatch.setenv(p.SESSION_ENV, p.SESSION_ID)
 
 

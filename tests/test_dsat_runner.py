@@ -14,25 +14,20 @@ from pathlib import Path
 
 import pytest
 
+import procutil
+
 from toolkit.dsat.runner import RunnerSettings, TrialRunner, find_trial_processes
 from toolkit.dsat.types import METRICS, TrialSpec, TrialStatus
 from toolkit.errors import ConfigError
 
 WORKERS = Path(__file__).resolve().parent / "workers"
-REPO = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024
 
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     """Trials inherit this environment: no launcher variables, one OpenMP thread, toolkit importable."""
-    for key in list(os.environ):
-        if key.startswith(("TOOLKIT_", "OMPI_", "PMI_", "SLURM_")) or key in (
-                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE",
-                "CUDA_VISIBLE_DEVICES"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procutil.clean_launch_env(monkeypatch)
 
 
 def make_settings(**kw):

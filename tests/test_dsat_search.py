@@ -20,7 +20,7 @@ from hypothesis import given, settings, strategies as st
 from toolkit.dsat.search import (AshaSearcher, BinarySearcher, RandomSearcher, best_result,
                                  make_searcher, replay)
 from toolkit.dsat.types import (METRICS, SMALLER_IS_BETTER, ProfileInfo, SearchSettings,
-                                TrialResult, TrialSpec, TrialStatus, is_better)
+                                TrialResult, TrialSpec, TrialStatus)
 from toolkit.errors import ConfigError
 
 OK, OOM, FAILED, TIMEOUT = TrialStatus.OK, TrialStatus.OOM, TrialStatus.FAILED, TrialStatus.TIMEOUT
@@ -711,26 +711,33 @@ def test_a_final_probe_is_dropped_when_tried_below_1_or_not_known_to_fit(limit, 
     check_descent(upward, probes, f, "throughput")
 
 
+def _interrupt_and_replay(s, run, hi: int, cut: int):
+    """A search stopped after ``cut`` results with one proposal in flight, rebuilt by :func:`replay`
+    in a fresh searcher: (original, in_flight, resumed, rerun, observed_before)."""
+    original = make_searcher(s, profile_with_range(hi))
+    observed_before: dict[int, int] = {}
+    results = []
+    for _ in range(cut):
+        (spec,) = original.propose(1)
+        observed_before[spec.trial_id] = original.observed_count
+        results.append(run(spec))
+        original.observe(results[-1])
+    in_flight = original.propose(1)
+    for spec in in_flight:
+        observed_before[spec.trial_id] = original.observed_count
+    resumed = make_searcher(s, profile_with_range(hi))
+    records = [TrialResult.from_json(r.to_json()) for r in results]
+    rerun = replay(resumed, results=records, observed_before=observed_before)
+    return original, in_flight, resumed, rerun, observed_before
+
+
 def test_replay_rebuilds_a_search_interrupted_during_the_final_probes():
     s = settings_for("binary", zero_stages=(0,), max_trials=200, metric="throughput")
     run = measured(CPU_CURVE, CPU_LIMIT)
     full = _run_to_end(make_searcher(s, profile_with_range(7106)), run, [], {}, 1)
     assert [mb for _, mb, _ in full][-3:] == [2, 256, 1024]
     for cut in (len(full) - 2, len(full) - 1, len(full)):  # a final probe in flight; the search over
-        original = make_searcher(s, profile_with_range(7106))
-        observed_before: dict[int, int] = {}
-        results = []
-        for _ in range(cut):
-            (spec,) = original.propose(1)
-            observed_before[spec.trial_id] = original.observed_count
-            results.append(run(spec))
-            original.observe(results[-1])
-        in_flight = original.propose(1)
-        for spec in in_flight:
-            observed_before[spec.trial_id] = original.observed_count
-        resumed = make_searcher(s, profile_with_range(7106))
-        records = [TrialResult.from_json(r.to_json()) for r in results]
-        rerun = replay(resumed, results=records, observed_before=observed_before)
+        original, in_flight, resumed, rerun, observed_before = _interrupt_and_replay(s, run, 7106, cut)
         assert [spec.micro_batch for spec in rerun] == [mb for _, mb, _ in full[cut:cut + 1]]
         assert rerun == in_flight and resumed.best == original.best and resumed.done == (not rerun)
         while not resumed.done:
@@ -748,20 +755,7 @@ def test_replay_rebuilds_a_search_interrupted_around_a_skipped_rung():
     full = _run_to_end(make_searcher(s, profile_with_range(1024)), run, [], {}, 1)
     assert [mb for _, mb, _ in full] == [512, 768, 896, 128, 32, 8, 64, 16]
     for cut in range(len(full) + 1):
-        original = make_searcher(s, profile_with_range(1024))
-        observed_before: dict[int, int] = {}
-        results = []
-        for _ in range(cut):
-            (spec,) = original.propose(1)
-            observed_before[spec.trial_id] = original.observed_count
-            results.append(run(spec))
-            original.observe(results[-1])
-        in_flight = original.propose(1)
-        for spec in in_flight:
-            observed_before[spec.trial_id] = original.observed_count
-        resumed = make_searcher(s, profile_with_range(1024))
-        records = [TrialResult.from_json(r.to_json()) for r in results]
-        rerun = replay(resumed, results=records, observed_before=observed_before)
+        original, in_flight, resumed, rerun, observed_before = _interrupt_and_replay(s, run, 1024, cut)
         assert rerun == in_flight and resumed.best == original.best
         rest = _run_to_end(resumed, run, list(rerun), dict(observed_before), 1)
         assert [mb for _, mb, _ in full[:cut]] + [spec.micro_batch for spec in rerun] + [mb for _, mb, _ in rest] \

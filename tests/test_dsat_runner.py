@@ -4,6 +4,7 @@ tests/workers/dsat_fake_trial.py (plain Python, so trials start fast).
 Every test ends by scanning /proc for any process carrying the trial mark: none may be left.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -222,6 +223,44 @@ def test_memory_budget_is_enforced_per_worker(tmp_path):
     assert int(big.error.split()[1]) > 150
     assert results[2].status is TrialStatus.OK
     assert marked_processes(out) == []
+
+
+_FORK_THEN_EXEC = """
+import os, sys, time
+ballast = bytearray(b"x") * (300 << 20)  # touched: resident, like torchrun's imports
+pid = os.fork()
+if pid == 0:
+    time.sleep(2)  # a fork that has not exec'd yet
+    os.execve(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)"],
+              {**os.environ, "LOCAL_RANK": "0"})
+print(pid, flush=True)
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_launchers_fork_before_its_exec_is_not_held_to_the_budget():
+    # Seen in CI: torchrun's fork of a worker, caught before its exec, showed torchrun's own RSS
+    # (222 MiB) and failed a trial of tiny workers. Real processes: a big parent forks a child that
+    # waits before exec'ing into a small "rank" (LOCAL_RANK set, as the launchers do).
+    from toolkit.dsat.procs import is_rank_process, rss_bytes, scan_processes
+
+    parent = subprocess.Popen([sys.executable, "-c", _FORK_THEN_EXEC], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        before = scan_processes()[child][1]
+        assert not is_rank_process(before)          # still the parent's environment ...
+        assert rss_bytes(child) > 250 * MIB         # ... and the parent's memory
+        deadline = time.monotonic() + 30
+        while not is_rank_process(scan_processes().get(child, (0, b""))[1]):
+            assert time.monotonic() < deadline, "the child never exec'd"
+            time.sleep(0.05)
+        assert rss_bytes(child) < 100 * MIB         # the rank itself is small
+    finally:
+        parent.kill()
+        with contextlib.suppress(NameError, ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+        parent.wait(timeout=30)
+        parent.stdout.close()
 
 
 def overlap(spans):

@@ -24,8 +24,8 @@ from typing import Callable, Iterable, Mapping
 from toolkit.config import OUTPUT_DIR_ENV
 from toolkit.dsat.types import TRIAL_ENV
 
-__all__ = ["RUN_ENV", "block_interrupts", "find_trial_processes", "free_port", "kill_until_gone", "rss_bytes",
-           "run_to_completion", "scan_processes", "unblock_interrupts"]
+__all__ = ["RUN_ENV", "block_interrupts", "find_trial_processes", "free_port", "is_rank_process", "kill_until_gone",
+           "rss_bytes", "run_to_completion", "scan_processes", "unblock_interrupts"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,19 @@ def find_trial_processes(trial_file: str | os.PathLike[str], *, root: int | None
         found |= seen
     found.discard(os.getpid())
     return found
+
+
+def is_rank_process(environ: bytes) -> bool:
+    """Whether a process (by its ``/proc/PID/environ``) is a rank or was started by one.
+
+    Every launcher we start trials with (torchrun, ``deepspeed.launcher.launch``) sets
+    ``LOCAL_RANK`` for its workers, and their children inherit it. The launcher itself has none,
+    and neither has a child it has forked but not yet exec'd: until ``execve`` such a child still
+    shows the launcher's environment, and its VmRSS is the launcher's (shared pages after
+    ``fork``, the very same memory after ``vfork``). Counting that instant against the per-slot
+    budget once failed a trial whose workers were tiny ("RSS 222 MiB" of torchrun's own imports).
+    """
+    return b"\0LOCAL_RANK=" in b"\0" + environ
 
 
 def rss_bytes(pid: int) -> int:

@@ -32,7 +32,8 @@ any other exit                             FAILED "exit status N" / "killed by s
 =========================================  ==============================================
 
 FAILED errors end with the last lines of the trial's stderr, for display only. A trial's
-workers (not its launcher) are held to ``memory_per_slot`` by polling their RSS in :meth:`TrialRunner.wait`.
+workers (the processes with ``LOCAL_RANK`` set, and their children; not the launcher, nor a fork of
+it before its exec) are held to ``memory_per_slot`` by polling their RSS in :meth:`TrialRunner.wait`.
 :func:`run_to_completion` runs a job that is not a trial (the full experiment) with the same care.
 
 Example::
@@ -64,7 +65,8 @@ from toolkit.dsat.hosts import Host, format_include, is_local_host, place_trial
 from toolkit.dsat.launcher import (LAUNCHERS, MULTIHOST_LAUNCHERS, build_multihost_argv, build_remote_kill_argv,
                                    build_trial_argv)
 from toolkit.dsat.procs import (RUN_ENV, block_interrupts, find_trial_processes, free_port, kill_until_gone,
-                                rss_bytes, run_to_completion, scan_processes, unblock_interrupts)
+                                is_rank_process, rss_bytes, run_to_completion, scan_processes,
+                                unblock_interrupts)
 from toolkit.dsat.types import METRICS, TRIAL_ENV, ProfileInfo, TrialContract, TrialResult, TrialSpec, TrialStatus
 from toolkit.errors import ConfigError
 
@@ -577,6 +579,8 @@ class TrialRunner:
                     trial.verdict = (TrialStatus.TIMEOUT, f"ran past the timeout of {s.timeout_s:g} s")
                 elif s.memory_per_slot is not None:
                     for pid in self._members(trial, table) - {trial.process.pid}:
+                        if not is_rank_process(table[pid][1]):  # the launcher's fork before its exec
+                            continue
                         rss = rss_bytes(pid)
                         if rss > s.memory_per_slot:
                             trial.verdict = (TrialStatus.OOM, f"RSS {rss / _MIB:.0f} MiB exceeded the memory "

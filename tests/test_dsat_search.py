@@ -1015,12 +1015,13 @@ def test_replay_rebuilds_an_interrupted_search(method, seed, concurrency, order_
 
 
 def test_replay_rejects_a_record_from_other_settings():
+    # Trials 1-3 are the user's ZeRO section at stages 1-3 whatever the seed; 4-5 are random draws.
     s = settings_for("binary", random_seed=1)
-    first = make_searcher(s, profile_with_range(300)).propose(3)
+    first = make_searcher(s, profile_with_range(300)).propose(5)
     other = make_searcher(settings_for("binary", random_seed=2), profile_with_range(300))
     results = [oracle(100)(spec) for spec in first]
-    with pytest.raises(ValueError, match="micro_batch|proposes"):
-        replay(other, results=results, observed_before={1: 0, 2: 0, 3: 0})
+    with pytest.raises(ValueError, match="micro_batch|proposes|zero"):
+        replay(other, results=results, observed_before={i: 0 for i in range(1, 6)})
 
 
 def test_observe_rejects_unknown_or_repeated_trials_and_ignores_profiling():
@@ -1253,3 +1254,20 @@ def test_binary_starts_one_line_per_stage_lowest_first_then_draws_at_random(stag
     assert [spec.stage for spec in first[:len(stages)]] == sorted(stages)
     assert len({spec.line for spec in first}) == len(first)  # one in-flight trial per line
     assert {spec.stage for spec in first[len(stages):]} <= set(stages)
+
+
+def test_binary_starts_each_stage_with_the_users_own_zero_section():
+    base = {"stage": 2, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}
+    s = settings_for("binary", zero_stages=(3, 1, 2), base_zero=base, random_seed=11)
+    searcher = make_searcher(s, profile_with_range(300))
+    first = searcher.propose(3)
+    assert [spec.zero for spec in first] == [{**base, "stage": stage} for stage in (1, 2, 3)]
+    assert [spec.line for spec in first] == [0, 1, 2]
+    # Later lines are random draws of the space (searched bucket sizes, not the user's 5e6).
+    pending, later = list(first), []
+    while pending and len(later) < 2:  # every trial fails: the first lines close after ~9 each
+        searcher.observe(oracle(0)(pending.pop(0)))
+        pending += searcher.propose(1)
+        later += [spec for spec in pending[-1:] if spec.line >= 3]
+    assert [spec.line for spec in later] == [3, 4]
+    assert all(spec.zero["reduce_bucket_size"] in (50_000_000, 200_000_000, 500_000_000) for spec in later)

@@ -103,3 +103,51 @@ def test_invalid_stage_is_rejected():
         zero_config_for_stage({}, 4)
     with pytest.raises(ValueError, match="zero stage 5"):
         ZeroSpace((1, 5), base_zero={})
+
+
+def _effective_knobs(zero, stage, ds_zero_config):
+    """The knob values DeepSpeed itself reads from ``zero`` at ``stage`` (its defaults filled in)."""
+    parsed = ds_zero_config(**zero)
+    fields = {"stage3_prefetch_bucket_size": "prefetch_bucket_size",
+              "stage3_param_persistence_threshold": "param_persistence_threshold",
+              "stage3_max_live_parameters": "max_live_parameters"}
+    return {key: getattr(parsed, fields.get(key, key)) for key, _ in STAGE_KNOBS[stage]}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_users_section_left_at_deepspeeds_defaults_counts_as_drawn(stage, ds_zero_config):
+    space = ZeroSpace((stage,), base_zero={"stage": 1})
+    before = space.remaining()
+    assert space.user_config(stage) == {"stage": stage}
+    assert space.remaining() == before - 1
+    defaults = _effective_knobs({"stage": stage}, stage, ds_zero_config)
+    rng = random.Random(0)
+    while (zero := space.draw(rng)) is not None:  # no draw repeats the user's configuration
+        assert _effective_knobs(zero, stage, ds_zero_config) != defaults
+
+
+def test_the_users_section_outside_the_space_is_extra_and_kept_as_written():
+    base = {"stage": 2, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5e6, "overlap_comm": True}
+    space = ZeroSpace((1, 2), base_zero=base)
+    before = space.remaining()
+    assert space.user_config(1) == {**base, "stage": 1}
+    assert space.remaining() == before                # 5e6 is not a searched bucket size
+    assert base == {"stage": 2, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5e6, "overlap_comm": True}
+
+
+def test_the_users_section_is_matched_by_value_and_by_deepspeeds_field_names():
+    # 5e8 written as a float, a stage-3 knob under its field name: still the same configuration.
+    base = {"stage": 3, "reduce_bucket_size": 5e8, "prefetch_bucket_size": 200_000_000, "overlap_comm": False}
+    space = ZeroSpace((3,), base_zero=base)
+    before = space.remaining()
+    space.user_config(3)
+    assert space.remaining() == before - 1
+    # A bucket size of 1 is not the boolean True (and overlap_comm=1 is not a value of the grid).
+    odd = ZeroSpace((1,), base_zero={"stage": 1, "overlap_comm": 1})
+    odd.user_config(1)
+    assert odd.remaining() == odd.size()
+
+
+def test_user_config_of_a_stage_outside_the_space_is_rejected():
+    with pytest.raises(ValueError, match=r"stage=2: not a stage of this space \[1\]"):
+        ZeroSpace((1,), base_zero={}).user_config(2)

@@ -1,7 +1,7 @@
 """Lines: the bookkeeping every search method shares, and :func:`best_result`.
 
-A *line* is one random ZeRO configuration (drawn without repeats from
-:class:`~toolkit.dsat.space.ZeroSpace`) whose micro-batch is narrowed on
+A *line* is one ZeRO configuration (drawn at random without repeats from
+:class:`~toolkit.dsat.space.ZeroSpace`, or the user's own section at a stage) whose micro-batch is narrowed on
 ``[1, ceil(search_range_factor * approx_max_micro_batch)]`` of the memory model. The methods of
 :mod:`toolkit.dsat.search` differ only in which line gets the next trial and at which
 micro-batch; trial ids, the trial cap, in-flight trials, bounds and the best result live here.
@@ -233,8 +233,12 @@ class LineSearcher:
         self._in_flight[spec.trial_id] = (line, spec)
         return spec
 
-    def _new_line(self, stages: Iterable[int] | None = None) -> Line | None:
-        zero = self._space.draw(self._rng, stages=stages)
+    def _new_line(self, stages: Iterable[int] | None = None, *, user_stage: int | None = None) -> Line | None:
+        """A new line: the user's own ZeRO section at ``user_stage``, or a random draw from ``stages``."""
+        if user_stage is not None:
+            zero = self._space.user_config(user_stage)
+        else:
+            zero = self._space.draw(self._rng, stages=stages)
         if zero is None:
             return None
         off_opt, off_par = offload_flags(zero)

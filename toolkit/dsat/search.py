@@ -1,7 +1,8 @@
 """The autotuner's search methods: pure logic from trial results to the next trials.
 
-Every method explores *lines* (:mod:`toolkit.dsat.lines`): a line is one random ZeRO
-configuration (drawn without repeats from :class:`~toolkit.dsat.space.ZeroSpace`) whose
+Every method explores *lines* (:mod:`toolkit.dsat.lines`): a line is one ZeRO
+configuration (drawn at random without repeats from :class:`~toolkit.dsat.space.ZeroSpace`, or
+for ``binary``'s first line of each stage the user's own section) whose
 micro-batch is narrowed on the range ``[1, ceil(search_range_factor * approx_max_micro_batch)]``
 of the memory model. A line keeps
 ``lo`` (smallest micro-batch not yet known to fit) and ``hi`` (largest not yet known to fail):
@@ -65,7 +66,7 @@ logger = logging.getLogger(__name__)
 
 
 class BinarySearcher(LineSearcher):
-    """``binary``: bisect each random ZeRO configuration's micro-batch range, then refine downwards.
+    """``binary``: bisect each ZeRO configuration's micro-batch range, then refine downwards.
 
     Upward search: bisection until the range closes or, after a success, ``hi - f <=
     bisect_tolerance * f`` with ``f = lo - 1``. Why stop early: bisecting the memory boundary
@@ -134,8 +135,9 @@ class BinarySearcher(LineSearcher):
 
     Idle lines (open range or a probe due) get the next trials first (oldest first); spare
     capacity starts new lines, one in-flight trial per line: first one line per searched stage,
-    lowest stage first (a lower stage that fits is faster), then random ZeRO configs of any
-    stage. Pure; rank 0 only by use.
+    lowest stage first (a lower stage that fits is faster), each with the user's own ZeRO
+    section at that stage (its knobs unchanged), then random ZeRO configs of any stage. Pure;
+    rank 0 only by use.
 
     Example (rank 0 only)::
 
@@ -156,10 +158,14 @@ class BinarySearcher(LineSearcher):
             return idle[0]
         # Each searched stage gets its first line in ascending order (DeepSpeed knowledge: a
         # lower stage that fits is faster; measured on the CPU example, stage 1's best beat
-        # stage 3's by 7%), then lines are drawn at random from all stages.
+        # stage 3's by 7%), with the user's own ZeRO knobs: the tuned result is then at least
+        # the user's configuration at its best micro-batch, whatever the random draws give.
+        # Then lines are drawn at random from all stages.
         started = {line.stage for line in self._lines}
-        fresh = [st for st in self._space.stages if st not in started and self._space.remaining([st]) > 0]
-        return self._new_line([min(fresh)] if fresh else None)
+        fresh = [st for st in self._space.stages if st not in started]
+        if fresh:
+            return self._new_line(user_stage=min(fresh))
+        return self._new_line()
 
     def _has_work(self) -> bool:
         return bool(self._idle_lines()) or self._space.remaining() > 0

@@ -59,6 +59,20 @@ STAGE_KNOBS: Mapping[int, tuple[tuple[str, tuple[Any, ...]], ...]] = {
 }
 
 
+#: DeepSpeed 0.19's values for knobs a ZeRO section leaves out (``deepspeed/runtime/zero/config.py``;
+#: ``overlap_comm`` defaults to True at stage 3 only), and the field names its config model also
+#: accepts for the ``stage3_`` aliases: to recognise a user's section equal to one of the space.
+_KNOB_DEFAULTS: Mapping[str, Any] = {
+    "reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000, "reduce_scatter": True,
+    "contiguous_gradients": True, "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000, "stage3_max_live_parameters": 1_000_000_000,
+    "sub_group_size": 1_000_000_000,
+}
+_FIELD_NAMES: Mapping[str, str] = {"stage3_prefetch_bucket_size": "prefetch_bucket_size",
+                                   "stage3_param_persistence_threshold": "param_persistence_threshold",
+                                   "stage3_max_live_parameters": "max_live_parameters"}
+
+
 def zero_config_for_stage(base_zero: Mapping[str, Any], stage: int,
                           knobs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The user's ZeRO section at ``stage`` with ``knobs`` set; a new dict, ``base_zero`` untouched.
@@ -146,6 +160,43 @@ class ZeroSpace:
             index = rng.choice([i for i in range(size) if i not in drawn])
         drawn.add(index)
         return zero_config_for_stage(self._base, stage, self._knobs(stage, index))
+
+    def user_config(self, stage: int) -> dict[str, Any]:
+        """The user's own ZeRO section at ``stage``, knobs as the user set them (or left them out).
+
+        Not random. When its knob values (DeepSpeed's defaults for those left out) are one of
+        the stage's configurations, that configuration counts as drawn, so no later
+        :meth:`draw` repeats it; otherwise it is a configuration outside the space, and drawing
+        is unaffected. Call it at most once per stage.
+
+        Example:
+            >>> space = ZeroSpace((0, 1), base_zero={"stage": 1})
+            >>> space.user_config(0), space.remaining([0])
+            ({'stage': 0}, 0)
+        """
+        if stage not in self._stages:
+            raise ValueError(f"stage={stage!r}: not a stage of this space {list(self._stages)}")
+        zero = zero_config_for_stage(self._base, stage)
+        index = self._index_of(stage, zero)
+        if index is not None:
+            self._drawn[stage].add(index)
+        return zero
+
+    @staticmethod
+    def _index_of(stage: int, zero: Mapping[str, Any]) -> int | None:
+        """The index of the stage's configuration equal to ``zero``'s knobs, or None."""
+        index, radix = 0, 1
+        for key, values in STAGE_KNOBS[stage]:
+            default = (stage == 3) if key == "overlap_comm" else _KNOB_DEFAULTS[key]
+            value = zero.get(key, zero.get(_FIELD_NAMES.get(key, key), default))
+            # bool first: True == 1, and a bucket size of 1 is not "true"
+            digit = next((i for i, v in enumerate(values)
+                          if isinstance(v, bool) == isinstance(value, bool) and v == value), None)
+            if digit is None:
+                return None
+            index += digit * radix
+            radix *= len(values)
+        return index
 
     def _pick(self, stages: Iterable[int] | None) -> Sequence[int]:
         if stages is None:

@@ -10,6 +10,14 @@ loop again, whose ratio to "plain" shows what noise alone gives: an A/A test). "
 the chief), ``PreemptionWatcher.should_preempt()`` and ``dsat_reporting_context`` (outside a
 trial). Checkpoints are excluded (they run every N steps and cost what DeepSpeed's save costs).
 
+Pace of the periodic work: the preemption check points and the metrics collective are paced in
+seconds, adapted from the time between calls. Interleaved, the "helpers" arm gets a third of the
+wall time, so the adaptive rules would put three check points and three collectives on its steps
+for every one a real loop of the same step time pays. By default (``--cadence loop``) the
+intervals are therefore fixed, in calls, to what those rules give a loop of this step time
+alone (step time measured after warm-up; printed); ``--cadence adaptive`` shows the inflated
+figure.
+
 Printed: the ratio of the two loops' total times (target <= 1.01; a cost paid every few hundred
 steps, such as the metrics writer's batched collective, counts in full), the median step time of
 each loop and their ratio, and the time spent inside each helper. With 2 ranks that time includes waiting for the slower rank in the
@@ -40,9 +48,16 @@ def launch(args: argparse.Namespace) -> int:
         port = sock.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port",
-            str(port), __file__, "--worker", "--blocks", str(args.blocks), "--steps", str(args.steps),
-            "--width", str(args.width), "--only", args.only] + (["--gc-freeze"] if args.gc_freeze else [])
+    ops = ROOT / ".venv" / "torch_extensions"
+    if "TORCH_EXTENSIONS_DIR" not in env and ops.is_dir():
+        # DeepSpeed's CPU ops as scripts/setup.sh built them (and the venv's ninja, as scripts/test.sh
+        # does), rather than a build of their own in ~/.cache, whose lock a killed build can leave.
+        env["TORCH_EXTENSIONS_DIR"] = str(ops)
+        env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    argv = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port",
+             str(port), __file__, "--worker", "--blocks", str(args.blocks), "--steps", str(args.steps),
+             "--width", str(args.width), "--only", args.only, "--cadence", args.cadence]
+            + (["--gc-freeze"] if args.gc_freeze else []))
     return subprocess.run(argv, env=env, timeout=3600).returncode
 
 
@@ -77,6 +92,35 @@ def worker(args: argparse.Namespace) -> None:
 
     for _ in range(5):  # warm-up: first steps allocate and pick kernels
         step()
+    # The helpers' periodic work is paced in seconds (the preemption check point about every
+    # check_interval s, the metrics collective about every reduce_secs s), adapted from the time
+    # between calls. Here the "helpers" arm gets a third of the wall time, so adapted intervals
+    # would put three times as many check points and collectives on each of its steps as a real
+    # loop of this step time gets. --cadence loop (default) fixes the intervals, in calls, at
+    # what the adaptive rules give a loop of this step time alone (measured here, the same on
+    # every rank); --cadence adaptive leaves the rules to adapt inside the interleaved benchmark.
+    watch_kw: dict = {}
+    metrics_kw: dict = {}
+    if args.cadence == "loop":
+        import inspect
+
+        warm = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            step()
+            warm.append(time.perf_counter() - t0)
+        (step_s,) = ctx.all_reduce([statistics.median(warm)], op="max")
+        check_interval = inspect.signature(toolkit.watch_preemption).parameters["check_interval"].default
+        from toolkit.metrics import MetricsSettings
+
+        reduce_secs = MetricsSettings().reduce_secs
+        watch_kw = {"check_every": max(1, round(check_interval / step_s))}
+        metrics_kw = {"reduce_every": max(1, round(reduce_secs / step_s))}
+        cadence = (f"cadence of a loop of {step_s * 1e3:.1f} ms steps alone: a preemption check point every "
+                   f"{watch_kw['check_every']} calls ({check_interval:g} s), a metrics collective every "
+                   f"{metrics_kw['reduce_every']} reports ({reduce_secs:g} s)")
+    else:
+        cadence = "adaptive cadence inside the interleaved benchmark (3x the periodic work per helper step)"
     if args.gc_freeze:  # diagnosis: what the cyclic GC's passes over the model's objects cost
         import gc
 
@@ -89,8 +133,8 @@ def worker(args: argparse.Namespace) -> None:
     cpu: dict[str, list[float]] = {"plain": [], "helpers": [], "control": []}
     inside: list[float] = []
     parts = dict.fromkeys(("report_training_metrics", "should_preempt", "dsat_reporting_context"), 0.0)
-    with tempfile.TemporaryDirectory() as tmp, toolkit.MetricsWriter(ctx, Path(tmp) / "tb") as metrics, \
-            toolkit.watch_preemption(ctx) as preemption:
+    with tempfile.TemporaryDirectory() as tmp, toolkit.MetricsWriter(ctx, Path(tmp) / "tb", **metrics_kw) as metrics, \
+            toolkit.watch_preemption(ctx, **watch_kw) as preemption:
         done = 0
 
         def block(arm: str) -> None:
@@ -160,6 +204,7 @@ def worker(args: argparse.Namespace) -> None:
         print(f"ranks: {ctx.world_size}, blocks: {args.blocks} x {args.steps} steps each, model: example ResNet "
               f"width {args.width}, micro-batch 8, ZeRO 1; helpers: {args.only}"
               + ("; gc frozen after warm-up" if args.gc_freeze else ""))
+        print(cadence)
         print(f"plain loop        : {plain * 1e3:8.3f} ms/step (median of blocks, slowest rank)")
         print(f"loop with helpers : {helpers * 1e3:8.3f} ms/step")
         print(f"ratio of total times (all blocks)  : {total_helpers / total_plain:.4f}")
@@ -198,6 +243,9 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--only", default="metrics,preempt,dsat",
                         help="diagnosis: the helpers the 'helpers' arm calls, comma-separated (default: all)")
+    parser.add_argument("--cadence", choices=("loop", "adaptive"), default="loop",
+                        help="periodic helper work at the pace of a real loop of this step time (default), "
+                             "or left to adapt inside the interleaved arms (3x too often per helper step)")
     parser.add_argument("--gc-freeze", action="store_true",
                         help="diagnosis: gc.freeze() after warm-up, in every arm")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -153,7 +153,7 @@ class MetricsWriter:
         self.settings = MetricsSettings(**settings)
         self.log_dir = Path(log_dir)
         self._agreed: dict[str, tuple] = {}          # group -> names every rank reported
-        self._pending: list[_Report] = []           # reported here, not averaged yet
+        self._pending = _PendingReports()           # reported here, not averaged yet
         self._warned: set[str] = set()
         self._unflushed = 0
         self._closed = False
@@ -235,7 +235,7 @@ class MetricsWriter:
         signature = (keys, samples is not None, tuple(k for k, _ in batches))
         flat = header + values + [v for _, vs in batches for v in vs]
         self._clock_start = now
-        self._pending.append(_Report("training", signature, steps, flat, now))
+        self._pending.append("training", signature, steps, flat, now)
         if len(self._pending) < self._batch:
             return None
         return self._reduce_pending(where)[-1]
@@ -265,7 +265,7 @@ class MetricsWriter:
             raise ValueError(f"{where}: metrics is empty: expected at least one name -> number")
         # The throughput interval restarts here, so evaluation time is not counted as training.
         self._clock_start = now
-        self._pending.append(_Report("validation", (keys, False, ()), steps, values, now))
+        self._pending.append("validation", (keys, False, ()), steps, values, now)
         return self._reduce_pending(where)[-1]
 
     def flush(self) -> None:
@@ -308,10 +308,10 @@ class MetricsWriter:
             return
         # Other ranks may never reach a collective after an exception on this one: no collective.
         if self._pending and not self._closed:
+            first, last = self._pending.step_range()
             logger.warning("dropping %d metric reports not averaged yet (steps %d-%d): the writer is "
-                           "left by an exception", len(self._pending), self._pending[0].steps,
-                           self._pending[-1].steps)
-        self._pending = []
+                           "left by an exception", len(self._pending), first, last)
+        self._pending.drain()
         if not self._closed:
             self._close_files()
 
@@ -330,7 +330,7 @@ class MetricsWriter:
         its group sets its flag, and sends only the header plus zeros of the agreed size, so the
         collective stays well formed; a flag anywhere sends every rank to the slow path together.
         """
-        reports, self._pending = self._pending, []
+        reports = self._pending.drain()
         now = _monotonic()
 
         def vector(real: bool) -> list[float]:
@@ -429,13 +429,68 @@ class MetricsWriter:
 
 @dataclasses.dataclass(frozen=True)
 class _Report:
-    """One report as this rank made it, waiting to be averaged."""
+    """One report as this rank made it, being averaged (built from :class:`_PendingReports`)."""
 
     group: str            # "training" or "validation"
     signature: tuple      # (names, has samples, batch names): must match across ranks
     steps: int
     values: list[float]   # [samples, elapsed]? + values + batch values, in signature order
     now: float            # the writer's clock at the report
+
+
+class _PendingReports:
+    """The reports waiting for their batch's collective, kept in a few growing lists.
+
+    Why not a list of :class:`_Report`: each waiting report would add objects that the cyclic
+    garbage collector tracks (a dataclass instance, a list), and a batch of hundreds of them
+    surviving for seconds is what makes the collector run its full passes over every object
+    of the training process, PyTorch's and DeepSpeed's included. Measured with
+    ``scripts/bench_overhead.py`` (2 CPU ranks, 30 ms steps): the loop with the helpers ran
+    ~2.5% slower than without, and 0.2% slower with ``gc.freeze()``. Appending ints and floats
+    to existing lists creates no tracked object; the distinct signatures (a handful) are kept
+    once each.
+    """
+
+    def __init__(self) -> None:
+        self._kinds: list[tuple[str, tuple]] = []            # distinct (group, signature)
+        self._kind_ids: dict[tuple[str, tuple], int] = {}
+        self._drain()
+
+    def _drain(self) -> None:
+        self._kind: list[int] = []
+        self._steps: list[int] = []
+        self._nows: list[float] = []
+        self._ends: list[int] = []      # end of each report's values in _values
+        self._values: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def append(self, group: str, signature: tuple, steps: int, values: list[float], now: float) -> None:
+        key = (group, signature)
+        kind = self._kind_ids.get(key)
+        if kind is None:
+            kind = self._kind_ids[key] = len(self._kinds)
+            self._kinds.append(key)
+        self._kind.append(kind)
+        self._steps.append(steps)
+        self._nows.append(now)
+        self._values += values
+        self._ends.append(len(self._values))
+
+    def step_range(self) -> tuple[int, int]:
+        """``steps_completed`` of the first and the last waiting report (some must wait)."""
+        return self._steps[0], self._steps[-1]
+
+    def drain(self) -> list[_Report]:
+        """The waiting reports, oldest first; none wait afterwards."""
+        reports, start = [], 0
+        for kind, steps, now, end in zip(self._kind, self._steps, self._nows, self._ends):
+            group, signature = self._kinds[kind]
+            reports.append(_Report(group, signature, steps, self._values[start:end], now))
+            start = end
+        self._drain()
+        return reports
 
 
 def _signature_size(signature: tuple) -> int:

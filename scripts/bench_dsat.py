@@ -16,7 +16,8 @@ at ~0.4 GiB), one after the other in this process:
    in the shared cache.
 1. **dsat**: ``python -m toolkit.dsat METHOD`` with ``--max-trials`` (default 8, profiling trial
    included: with 10, dsat's trials, large micro-batches near the memory limit among them, took
-   0.265 of the grid's trial-seconds on this model; with 8 about 0.22). Its best ``--metric`` (default ``throughput``, samples/s over both ranks) is read
+   0.265 of the grid's trial-seconds on this model; with 8, 0.216). Its best ``--metric``
+   (default ``throughput``, samples/s over both ranks) is read
    from best_ds_metrics.json; its trial-seconds are the ``duration_s`` of every trial in
    trials.jsonl, the profiling trial included.
 2. **grid**: the same real trials (:class:`toolkit.dsat.runner.TrialRunner`, configs from

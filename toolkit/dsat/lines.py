@@ -167,7 +167,8 @@ class LineSearcher:
             raise ValueError(f"trial {spec.trial_id}: the result is for micro_batch={result.spec.micro_batch}, "
                              f"line {result.spec.line}, zero {dict(result.spec.zero)}; this searcher proposed "
                              f"micro_batch={spec.micro_batch}, line {spec.line}, zero {dict(spec.zero)}: the "
-                             "recorded search does not match these settings (seed, method, stages?)")
+                             "recorded search does not match these settings (seed, method, stages?), or a "
+                             "toolkit version that searches differently recorded it")
         line.in_flight = False
         self._results.append(result)
         value = metric_value(result, self.settings.metric)

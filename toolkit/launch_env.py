@@ -43,7 +43,7 @@ from typing import Mapping
 
 from toolkit.errors import LaunchEnvError
 
-__all__ = ["LaunchInfo", "detect_launch", "first_slurm_host"]
+__all__ = ["LaunchInfo", "detect_launch", "first_slurm_host", "parse_slurm_counts", "parse_slurm_nodelist"]
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -112,14 +112,61 @@ class _Reader:
         return raw.strip() if raw is not None else None
 
 
-def _slurm_tasks_per_node(raw: str, node: int | None = None) -> int | None:
-    """This node's entry of SLURM_STEP_TASKS_PER_NODE, e.g. ``'2(x3),1'`` -> 2 on nodes 0-2, 1 on node 3."""
+def parse_slurm_counts(text: str) -> list[int] | None:
+    """Slurm's per-node counts, ``'2(x3),1'`` -> ``[2, 2, 2, 1]``; None when malformed. Pure."""
     counts: list[int] = []
-    for item in raw.split(","):
+    for item in str(text).split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
         if not match:
             return None
         counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas outside brackets: ``a[1-2],b`` -> ``['a[1-2]', 'b']``."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += char == "["
+        depth -= char == "]"
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def parse_slurm_nodelist(nodelist: str) -> list[str] | None:
+    """Every host of a Slurm node list, in order, without ``scontrol``; None when malformed. Pure.
+
+    ``node[01-03,7]`` -> ``node01 node02 node03 node7`` (zero padding kept),
+    ``gpu-a[1-2],gpu-b7`` -> ``gpu-a1 gpu-a2 gpu-b7``; one bracket group per name.
+    """
+    if not isinstance(nodelist, str) or not nodelist.strip():
+        return None
+    hosts: list[str] = []
+    for part in _split_top(nodelist.strip()):
+        match = re.fullmatch(r"([^\[\],]+)(?:\[([^\[\]]+)\]([^\[\],]*))?", part.strip())
+        if not match:
+            return None
+        prefix, ranges, suffix = match.group(1), match.group(2), match.group(3) or ""
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for item in ranges.split(","):
+            low, _, high = item.partition("-")
+            if not low.isdigit() or (high and not high.isdigit()) or (high and int(high) < int(low)):
+                return None
+            for number in range(int(low), int(high or low) + 1):
+                hosts.append(f"{prefix}{number:0{len(low)}d}{suffix}")
+    return hosts
+
+
+def _slurm_tasks_per_node(raw: str, node: int | None = None) -> int | None:
+    """This node's entry of SLURM_STEP_TASKS_PER_NODE, e.g. ``'2(x3),1'`` -> 2 on nodes 0-2, 1 on node 3."""
+    counts = parse_slurm_counts(raw)
+    if counts is None:
+        return None
     node = node or 0
     return counts[node] if node < len(counts) else counts[0]
 
@@ -133,15 +180,10 @@ def first_slurm_host(nodelist: str) -> str:
     Raises:
         LaunchEnvError: when the list is empty or cannot be parsed.
     """
-    text = nodelist.strip()
-    match = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?", text)
-    if not text or not match:
+    hosts = parse_slurm_nodelist(nodelist)
+    if not hosts:
         raise LaunchEnvError(f"SLURM node list {nodelist!r} cannot be parsed; expected e.g. 'node[01-04]'")
-    prefix, ranges = match.group(1), match.group(2)
-    if ranges is None:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    return hosts[0]
 
 
 def _finish(launcher: str, r: _Reader, *, rank, world_size, local_rank, local_world_size,

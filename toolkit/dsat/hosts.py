@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from toolkit.errors import ConfigError
+from toolkit.launch_env import parse_slurm_counts, parse_slurm_nodelist
 
 __all__ = ["Host", "parse_hostfile", "read_hostfile", "expand_slurm_nodelist", "expand_slurm_counts",
            "slurm_hosts", "is_local_host", "local_names", "place_trial", "format_include"]
@@ -110,47 +111,19 @@ def read_hostfile(path: str | os.PathLike[str]) -> tuple[Host, ...]:
     return parse_hostfile(text, source=f"hostfile {os.fspath(path)}")
 
 
-def _split_top(text: str) -> list[str]:
-    """Split on commas outside brackets: ``a[1-2],b`` -> ``['a[1-2]', 'b']``."""
-    parts, depth, start = [], 0, 0
-    for i, char in enumerate(text):
-        depth += char == "["
-        depth -= char == "]"
-        if char == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return parts
-
-
 def expand_slurm_nodelist(nodelist: str) -> list[str]:
     """Every host of a Slurm node list, in order, without calling ``scontrol``. Any process.
 
     ``node[01-03,7]`` -> ``node01 node02 node03 node7`` (zero padding kept),
-    ``gpu-a[1-2],gpu-b7`` -> ``gpu-a1 gpu-a2 gpu-b7``; one bracket group per name.
+    ``gpu-a[1-2],gpu-b7`` -> ``gpu-a1 gpu-a2 gpu-b7``; one bracket group per name
+    (:func:`toolkit.launch_env.parse_slurm_nodelist`).
 
     Raises:
         ConfigError: an empty or malformed list, named.
     """
-    bad = ConfigError(f"SLURM node list {nodelist!r} cannot be parsed; expected e.g. 'node[01-03,7],login1'")
-    if not isinstance(nodelist, str) or not nodelist.strip():
-        raise bad
-    hosts: list[str] = []
-    for part in _split_top(nodelist.strip()):
-        match = re.fullmatch(r"([^\[\],]+)(?:\[([^\[\]]+)\]([^\[\],]*))?", part.strip())
-        if not match:
-            raise bad
-        prefix, ranges, suffix = match.group(1), match.group(2), match.group(3) or ""
-        if ranges is None:
-            hosts.append(prefix)
-            continue
-        for item in ranges.split(","):
-            low, _, high = item.partition("-")
-            if not low.isdigit() or (high and not high.isdigit()) or (high and int(high) < int(low)):
-                raise bad
-            width = len(low)
-            for number in range(int(low), int(high or low) + 1):
-                hosts.append(f"{prefix}{number:0{width}d}{suffix}")
+    hosts = parse_slurm_nodelist(nodelist)
+    if hosts is None:
+        raise ConfigError(f"SLURM node list {nodelist!r} cannot be parsed; expected e.g. 'node[01-03,7],login1'")
     return hosts
 
 
@@ -160,12 +133,9 @@ def expand_slurm_counts(text: str) -> list[int]:
     Raises:
         ConfigError: a malformed value, named.
     """
-    counts: list[int] = []
-    for item in str(text).split(","):
-        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
-        if not match:
-            raise ConfigError(f"Slurm count list {text!r} cannot be parsed; expected e.g. '2(x3),1'")
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    counts = parse_slurm_counts(text)
+    if counts is None:
+        raise ConfigError(f"Slurm count list {text!r} cannot be parsed; expected e.g. '2(x3),1'")
     return counts
 
 

@@ -219,10 +219,15 @@ def make_plan(args: argparse.Namespace):
     hosts, via = _hosts(args, problems)
     total = sum(h.slots for h in hosts) if hosts else None
     max_slots = args.max_slots or total or _machine_slots()
+    # Reported here with the flag's name; RunnerSettings gets the most it could take, so that it
+    # does not report the same problem again in its own words.
+    runner_max_slots = max_slots
     if hosts and max_slots > total:
         problems.append(f"--max-slots {max_slots}: the hosts have {total} slot(s) in all")
+        runner_max_slots = total
     if cuda and not hosts and max_slots > torch.cuda.device_count():
         problems.append(f"--max-slots {max_slots}: this machine has {torch.cuda.device_count()} GPU(s)")
+        runner_max_slots = torch.cuda.device_count()
     if slots > max_slots:
         problems.append(f"resources.slots_per_trial={slots} > --max-slots {max_slots}: no trial could start; "
                         "lower slots_per_trial or raise --max-slots")
@@ -254,7 +259,7 @@ def make_plan(args: argparse.Namespace):
                                 random_seed=args.random_seed, base_zero=dict(zero) if isinstance(zero, dict) else {},
                                 **method_args)
         runner = RunnerSettings(entrypoint=tuple(entrypoint), model_dir=model_dir, slots_per_trial=slots,
-                                max_slots=max_slots, max_concurrent=args.max_concurrent_trials,
+                                max_slots=runner_max_slots, max_concurrent=args.max_concurrent_trials,
                                 timeout_s=args.trial_timeout, launcher=args.launcher,
                                 memory_per_slot=memory_per_slot, start_profile_step=args.start_profile_step,
                                 end_profile_step=args.end_profile_step,

@@ -237,6 +237,12 @@ class _Trial:
     via: str | None = None                                 # the multihost launcher; None: local
 
 
+def _without(free: Mapping[str, tuple[int, ...]], placement: Mapping[str, Iterable[int]]
+             ) -> dict[str, tuple[int, ...]]:
+    """``free`` (host -> slot ids) less the slots of ``placement``; a new dict. Pure."""
+    return {h: tuple(i for i in ids if i not in placement.get(h, ())) for h, ids in free.items()}
+
+
 def _exit_text(code: int) -> str:
     if code < 0:
         try:
@@ -344,7 +350,7 @@ class TrialRunner:
                 chosen = place_trial(free, s.slots_per_trial, uniform=s.multihost_launcher == "srun")
                 if chosen is None:
                     break
-                free = {h: tuple(i for i in ids if i not in chosen.get(h, ())) for h, ids in free.items()}
+                free = _without(free, chosen)
                 placed += 1
             count = placed
         return count
@@ -475,8 +481,7 @@ class TrialRunner:
     # -- internals ---------------------------------------------------------------------------
 
     def _take(self, placement: Mapping[str, tuple[int, ...]]) -> None:
-        self._free_slots = {h: tuple(i for i in ids if i not in placement.get(h, ()))
-                            for h, ids in self._free_slots.items()}
+        self._free_slots = _without(self._free_slots, placement)
 
     def _give_back(self, placement: Mapping[str, tuple[int, ...]]) -> None:
         self._free_slots = {h: tuple(sorted(set(ids) | set(placement.get(h, ()))))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -82,3 +83,10 @@ def run(argv: list[str], *, env: dict[str, str] | None = None, timeout: float = 
 def check(result: subprocess.CompletedProcess) -> str:
     assert result.returncode == 0, f"exit {result.returncode}; output:\n{result.stdout[-6000:]}"
     return result.stdout
+
+
+def install_sim_model(model: Path, model_dir: Path) -> None:
+    """Put a simulated dsat model into ``model_dir`` as ``model.py``, with the result helper
+    (tests/workers/dsat_sim_result.py) it imports from its own directory."""
+    shutil.copy(model, model_dir / "model.py")
+    shutil.copy(WORKERS / "dsat_sim_result.py", model_dir / "dsat_sim_result.py")

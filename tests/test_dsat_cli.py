@@ -3,7 +3,6 @@
 import csv
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ MODEL = p.WORKERS / "dsat_model_trial.py"
 def make_model_dir(tmp_path, *, slots=1, hparams=None, ds=None, experiment=None):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    shutil.copy(MODEL, model_dir / "model.py")
+    p.install_sim_model(MODEL, model_dir)
     (model_dir / "ds_config.json").write_text(json.dumps(ds or {
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1},

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -188,7 +187,7 @@ def _tree(root: Path) -> dict[str, str]:
 def _model_dir(tmp_path: Path, payload: dict) -> Path:
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    shutil.copy(MODEL, model_dir / "model.py")
+    p.install_sim_model(MODEL, model_dir)
     ds = {**BASE_DS, **payload.get("ds", {})}
     (model_dir / "ds_config.json").write_text(payload.get("ds_text") or json.dumps(ds))
     config = {"name": "sim", "entrypoint": payload.get("entrypoint", "python3 model.py"),

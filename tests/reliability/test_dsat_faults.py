@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -40,7 +39,7 @@ MAX_TRIALS = 9
 def _model_dir(base: Path) -> Path:
     model_dir = base / "model"
     model_dir.mkdir(parents=True)
-    shutil.copy(MODEL, model_dir / "model.py")
+    p.install_sim_model(MODEL, model_dir)
     (model_dir / "ds_config.json").write_text(json.dumps({
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}}))

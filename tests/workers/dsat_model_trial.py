@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from dsat_sim_result import simulated_result, write_result  # copied beside this file
+
 hparams = json.loads(Path(os.environ["TOOLKIT_TRIAL_HPARAMS"]).read_text())
 ds_config = json.loads(Path(hparams["deepspeed_config"]).read_text())
 if "TOOLKIT_DSAT_TRIAL" not in os.environ:  # --run-full-experiment: a normal run, not a trial
@@ -27,7 +29,6 @@ with open(trial_dir / "starts.log", "a") as fh:
     fh.write(f"{rank} {time.time()}\n")
 
 mb = ds_config["train_micro_batch_size_per_gpu"]
-stage = ds_config["zero_optimization"]["stage"]
 assert ds_config["train_batch_size"] == mb * ds_config["gradient_accumulation_steps"] * int(os.environ["WORLD_SIZE"])
 behaviour = hparams.get("profile", "ok") if contract["profile"] else hparams.get("tuning", "ok")
 time.sleep(float(hparams.get("sleep_s", 0.0)))
@@ -37,14 +38,5 @@ if behaviour == "crash":
 if rank != 0:
     sys.exit(0)
 oom = mb > int(hparams.get("oom_above", 10**9))
-latency = 10.0 + mb * (1.0 + 0.1 * stage)
-result = {"trial_id": contract["trial_id"], "status": "oom" if oom else "ok",
-          "metrics": {} if oom else {"FLOPS_per_gpu": 1e6 * mb / latency * (1 + 0.01 * stage), "throughput": 1000 * mb / latency,
-                                     "forward": latency / 3, "backward": latency / 2, "latency": latency},
-          "profile": {"num_params": 10**6, "trainable_params": 10**6, "activation_bytes_per_example": 10**6,
-                      "memory_per_slot": contract["memory_per_slot"] or 2**30, "baseline_bytes": 0,
-                      "half_precision": False, "device": "cpu"} if contract["profile"] else None}
-tmp = Path(contract["result_path"] + ".tmp")
-tmp.write_text(json.dumps(result))
-os.replace(tmp, contract["result_path"])
+write_result(contract, simulated_result(contract, ds_config, oom=oom))
 sys.exit(75 if oom else 0)

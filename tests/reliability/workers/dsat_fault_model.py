@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from dsat_sim_result import simulated_result, write_result  # copied beside this file
+
 hparams = json.loads(Path(os.environ["TOOLKIT_TRIAL_HPARAMS"]).read_text())
 ds_config = json.loads(Path(hparams["deepspeed_config"]).read_text())
 contract = json.loads(Path(os.environ["TOOLKIT_DSAT_TRIAL"]).read_text())
@@ -59,15 +61,4 @@ if fault == "corrupt":
     Path(contract["result_path"]).write_text('{"trial_id": %d, "status": "ok", "metr' % trial_id)
     sys.exit(0)
 
-mb = ds_config["train_micro_batch_size_per_gpu"]
-stage = ds_config["zero_optimization"]["stage"]
-latency = 10.0 + mb * (1.0 + 0.1 * stage)
-result = {"trial_id": trial_id, "status": "ok",
-          "metrics": {"FLOPS_per_gpu": 1e6 * mb / latency * (1 + 0.01 * stage), "throughput": 1000 * mb / latency,
-                      "forward": latency / 3, "backward": latency / 2, "latency": latency},
-          "profile": {"num_params": 10**6, "trainable_params": 10**6, "activation_bytes_per_example": 10**6,
-                      "memory_per_slot": contract["memory_per_slot"] or 2**30, "baseline_bytes": 0,
-                      "half_precision": False, "device": "cpu"} if contract["profile"] else None}
-tmp = Path(contract["result_path"] + ".tmp")
-tmp.write_text(json.dumps(result))
-os.replace(tmp, contract["result_path"])
+write_result(contract, simulated_result(contract, ds_config))

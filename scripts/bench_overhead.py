@@ -96,13 +96,8 @@ def worker(args: argparse.Namespace) -> None:
 
     for _ in range(5):  # warm-up: first steps allocate and pick kernels
         step()
-    # The helpers' periodic work is paced in seconds (the preemption check point about every
-    # check_interval s, the metrics collective about every reduce_secs s), adapted from the time
-    # between calls. Here the "helpers" arm gets a third of the wall time, so adapted intervals
-    # would put three times as many check points and collectives on each of its steps as a real
-    # loop of this step time gets. --cadence loop (default) fixes the intervals, in calls, at
-    # what the adaptive rules give a loop of this step time alone (measured here, the same on
-    # every rank); --cadence adaptive leaves the rules to adapt inside the interleaved benchmark.
+    # --cadence loop: the intervals a loop of this step time alone gets (see "Pace" in the module
+    # docstring); the step time is measured here and agreed, so every rank uses the same ones.
     watch_kw: dict = {}
     metrics_kw: dict = {}
     if args.cadence == "loop":

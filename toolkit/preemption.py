@@ -43,9 +43,10 @@ grace period in *seconds*, and what a check costs matters relative to the step *
 a non-blocking gloo all-reduce costs 0.2-0.8 ms of the caller's time (measured on 2 CPU ranks of
 a busy 2-core machine; the wait one interval later is ~15 us), and gloo's threads, woken for it,
 take about as much again from the ranks. Measured with ``scripts/bench_overhead.py --only
-preempt`` (2 CPU ranks, 30 ms steps): a 0.25 s interval cost about 1% of the step time (paired
-ratio 1.013, CPU-time ratio 1.010, against A/A controls of 1.003), hence the default of 1 s:
-about 0.25%, and the answer comes within about two seconds for short steps and within two steps
+preempt --cadence adaptive`` (2 CPU ranks, 30 ms steps): a 0.25 s interval cost about 1% of the
+step time (paired ratio 1.013, CPU-time ratio 1.010, against A/A controls of 1.003; an upper
+bound, as the interleaved arms gave each helper step about 3x a real loop's check points),
+hence the default of 1 s: at most about 0.25%, and the answer comes within about two seconds for short steps and within two steps
 for 10 s steps, well inside the grace period schedulers give (torchrun and Kubernetes: 30 s).
 
 Delay bound: if a signal is handled before call ``m``, ``should_preempt()`` returns True on every

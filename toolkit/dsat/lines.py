@@ -1,10 +1,11 @@
 """Lines: the bookkeeping every search method shares, and :func:`best_result`.
 
 A *line* is one ZeRO configuration (drawn at random without repeats from
-:class:`~toolkit.dsat.space.ZeroSpace`, or the user's own section at a stage) whose micro-batch is narrowed on
-``[1, ceil(search_range_factor * approx_max_micro_batch)]`` of the memory model. The methods of
-:mod:`toolkit.dsat.search` differ only in which line gets the next trial and at which
-micro-batch; trial ids, the trial cap, in-flight trials, bounds and the best result live here.
+:class:`~toolkit.dsat.space.ZeroSpace`, or the user's own section at a stage) whose micro-batch
+is narrowed on ``[1, ceil(search_range_factor * approx_max_micro_batch)]`` of the memory model.
+The methods of :mod:`toolkit.dsat.search` differ only in which line gets the next trial and at
+which micro-batch; trial ids, the trial cap, in-flight trials, bounds and the best result live
+here.
 
 A line's trials first narrow its range ``[lo, hi]`` (its *upward* search). ``binary`` may then
 refine a line *downwards* with a ladder over powers of two (:attr:`Line.probe`, :attr:`Line.ladder`),

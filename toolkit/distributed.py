@@ -30,6 +30,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from toolkit.ds_shm import unlink_buffer
 from toolkit.errors import LaunchEnvError
 from toolkit.launch_env import LaunchInfo, detect_launch
 
@@ -176,18 +177,31 @@ class DistributedContext:
                 self.barrier()
 
 
-def _share_with_deepspeed(backend: str, timeout: timedelta) -> None:
-    """Hand the process group to ``deepspeed.comm`` too.
+def _share_with_deepspeed(backend: str, timeout: timedelta, info: LaunchInfo) -> None:
+    """Hand the process group to ``deepspeed.comm`` too. Call on all ranks.
 
     DeepSpeed keeps its own communication backend object; ``PipelineModule(...)`` and other
     DeepSpeed calls made before ``deepspeed.initialize`` assert that it exists. With
     torch.distributed already initialised, DeepSpeed's init only wraps the existing group.
+
+    On the CPU, that init also creates this rank's shared-memory all-reduce segment, which
+    DeepSpeed never removes (:mod:`toolkit.ds_shm`). Once every rank is past the init, every rank
+    has mapped every peer's segment, so each removes the name of its own: the memory goes back
+    when the ranks exit, even if they are killed.
     """
     try:
         import deepspeed.comm as ds_comm
+        from deepspeed.comm import comm as ds_comm_state
     except ImportError:  # toolkit's config and launch helpers work without DeepSpeed
         return
     ds_comm.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
+    # One machine only: there every rank has the same DeepSpeed build, so all ranks agree on
+    # whether to take part in the barrier (DeepSpeed makes segments only when all ranks are local).
+    if info.num_nodes == 1 and getattr(ds_comm_state.cdb, "shm_comm_op", None) is not None:
+        if info.world_size > 1:
+            dist.barrier()
+        if unlink_buffer(info.rank):
+            logger.debug("removed the name of DeepSpeed's shared-memory segment of rank %d", info.rank)
 
 
 _EXIT_GRACE_S = 0.1
@@ -324,7 +338,7 @@ def init_distributed(*, backend: str | None = None,
             # gloo rank can abort at exit ("terminate called without an active exception").
             atexit.register(_destroy_at_exit)
 
-        _share_with_deepspeed(chosen, timeout)
+        _share_with_deepspeed(chosen, timeout, info)
 
         # Control-plane collectives on CPU: under nccl a separate gloo group, created on all ranks.
         group = dist.new_group(backend="gloo", timeout=timeout) if chosen == "nccl" else None

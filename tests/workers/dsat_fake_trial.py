@@ -18,6 +18,8 @@ dsat_fake_trial.py``; what it does comes from the trial's hyperparameters
 
 Every rank writes ``rank<R>.json`` into the trial directory at start (pid, times, environment
 seen) and adds ``"end"`` when it leaves normally; grandchild pids go to ``grandchild<R>.pid``.
+With ``shm: true`` every rank first leaves a file where DeepSpeed leaves its shared-memory
+all-reduce segment (/dev/shm, named from the uid, MASTER_ADDR, MASTER_PORT and RANK).
 """
 import json
 import os
@@ -38,6 +40,10 @@ record = {"pid": os.getpid(), "start": time.time(), "cwd": os.getcwd(),
           "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "MASTER_PORT",
                                                  "WORLD_SIZE", "LOCAL_RANK", "TOOLKIT_DSAT_TRIAL",
                                                  "TOOLKIT_TRIAL_HPARAMS", "TOOLKIT_OUTPUT_DIR")}}
+if hparams.get("shm"):  # before the marker: a test that saw the marker finds the segment
+    segment = Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_"
+                                  f"{os.environ['MASTER_PORT']}_{rank}")
+    segment.write_bytes(b"\0" * 4096)
 marker = trial_dir / f"rank{rank}.json"
 marker.write_text(json.dumps(record))
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Callable
 
 from toolkit.config import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV, max_length_steps
-from toolkit.dsat.launcher import build_trial_argv
+from toolkit.ds_shm import remove_buffers
+from toolkit.dsat.launcher import LOOPBACK, build_trial_argv
 from toolkit.dsat.outputs import write_json_atomic
 
 __all__ = ["run_full_experiment", "FULL_RUN_TIMEOUT_S"]
@@ -37,11 +38,13 @@ def run_full_experiment(plan, outcome, *, say: Callable[[str], None] = print,
     hparams["deepspeed_config"] = str(plan.output_dir / "best_ds_config.json")
     write_json_atomic(directory / "hparams.json", hparams)
     steps = max_length_steps(plan.experiment)
+    port = free_port()
     argv = build_trial_argv(list(plan.runner.entrypoint), launcher=plan.runner.launcher,
-                            nproc=plan.runner.slots_per_trial, master_port=free_port())
+                            nproc=plan.runner.slots_per_trial, master_port=port)
     env = {TRIAL_HPARAMS_ENV: str(directory / "hparams.json"), EXPERIMENT_CONFIG_ENV: str(plan.config_path)}
     say(f"full experiment: {' '.join(argv)} ({steps or 'script-defined'} steps; logs in {directory})")
     code = run_to_completion(argv, cwd=Path(plan.runner.model_dir), env=env, log_dir=directory, timeout_s=timeout_s,
                              nproc=plan.runner.slots_per_trial)
+    remove_buffers(addr=LOOPBACK, port=port)  # what DeepSpeed leaves in /dev/shm (toolkit.ds_shm)
     say(f"full experiment exited with status {code}")
     return code

@@ -58,13 +58,15 @@ from typing import Mapping, Sequence
 
 from toolkit.errors import ConfigError
 
-__all__ = ["LAUNCHERS", "MULTIHOST_LAUNCHERS", "build_trial_argv", "build_multihost_argv",
+__all__ = ["LAUNCHERS", "LOOPBACK", "MULTIHOST_LAUNCHERS", "build_trial_argv", "build_multihost_argv",
            "build_remote_kill_argv", "world_info"]
 
 #: Launchers a trial can be started with.
 LAUNCHERS = ("torchrun", "deepspeed")
 #: Launchers of a trial across hosts: DeepSpeed's multinode runners, or ``srun``.
 MULTIHOST_LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "srun")
+#: The rendezvous address of a trial on this machine.
+LOOPBACK = "127.0.0.1"
 
 _PYTHON = re.compile(r"python(\d+(\.\d+)*)?")
 _TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
@@ -189,11 +191,11 @@ def build_trial_argv(entrypoint: Sequence[str], *, launcher: str, nproc: int, ma
     mode, target, args = _unwrap_launcher(*_split_entrypoint(entrypoint), entrypoint)
     if launcher == "torchrun":
         argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_addr", "127.0.0.1", "--master_port", str(master_port)]
+                "--master_addr", LOOPBACK, "--master_port", str(master_port)]
         argv += {"module": ["--module"], "exec": ["--no-python"], "script": []}[mode]
     else:
         argv = [sys.executable, "-m", "deepspeed.launcher.launch", f"--world_info={world_info(include, nproc)}",
-                "--master_addr=127.0.0.1", f"--master_port={master_port}", "--no_local_rank"]
+                f"--master_addr={LOOPBACK}", f"--master_port={master_port}", "--no_local_rank"]
         argv += {"module": ["--module"], "exec": ["--no_python"], "script": []}[mode]
     return argv + [target] + args
 

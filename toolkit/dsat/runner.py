@@ -61,9 +61,10 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from toolkit.config import OUTPUT_DIR_ENV, TRIAL_HPARAMS_ENV
+from toolkit.ds_shm import remove_buffers
 from toolkit.dsat.hosts import Host, format_include, is_local_host, place_trial
-from toolkit.dsat.launcher import (LAUNCHERS, MULTIHOST_LAUNCHERS, build_multihost_argv, build_remote_kill_argv,
-                                   build_trial_argv)
+from toolkit.dsat.launcher import (LAUNCHERS, LOOPBACK, MULTIHOST_LAUNCHERS, build_multihost_argv,
+                                   build_remote_kill_argv, build_trial_argv)
 from toolkit.dsat.procs import (RUN_ENV, block_interrupts, find_trial_processes, free_port, kill_until_gone,
                                 is_rank_process, rss_bytes, run_to_completion, scan_processes,
                                 unblock_interrupts)
@@ -567,6 +568,10 @@ class TrialRunner:
     def _release(self, trial: _Trial) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             trial.process.wait(timeout=self.settings.grace_s)
+        if trial.via is None:  # ranks on this machine, rendezvous on 127.0.0.1 (see start)
+            # DeepSpeed never removes its CPU all-reduce segments; a trial that did not use
+            # toolkit.init_distributed, or died during start-up, leaves 69 MB per rank in /dev/shm.
+            remove_buffers(addr=LOOPBACK, port=trial.port)
         if self._running.pop(trial.spec.trial_id, None) is not None:
             if trial.placement is not None:
                 self._give_back(trial.placement)

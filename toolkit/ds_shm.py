@@ -1,0 +1,136 @@
+"""DeepSpeed's shared-memory all-reduce buffers, which DeepSpeed itself never removes.
+
+On the CPU accelerator, when every rank runs on one machine (``LOCAL_SIZE`` equal to the world
+size; the deepspeed launcher sets it), DeepSpeed 0.19 creates one POSIX shared-memory segment per
+rank while it sets up its communication backend::
+
+    /dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>    (69 MB each)
+
+(``shm_initialize`` in ``deepspeed/ops/csrc/cpu/comm/shm.cpp``, for its low-latency inference
+all-reduce). It never calls ``shm_unlink``, so every run leaves its segments behind, and /dev/shm
+is memory: a few hundred 2-rank runs on a fresh port each (tests, autotuner trials) held 20 GB of
+a 24 GB machine, until compilers were killed for memory.
+
+Three ways out, all used by toolkit:
+
+* :func:`unlink_buffer`: once every rank has mapped every peer's segment, its name is no longer
+  needed; the mappings stay valid, and the kernel frees the memory when the last rank exits,
+  however it exits (SIGKILL included). :func:`toolkit.init_distributed` does this after a barrier.
+* :func:`remove_buffers`: the autotuner, after a trial's processes are gone, removes what a trial
+  left on its own port (a script that calls ``deepspeed.initialize`` without
+  ``toolkit.init_distributed``, or one killed during its start-up).
+* :func:`remove_stale_buffers`: segments of this user that no live process maps, left by earlier
+  runs; ``scripts/setup.sh`` (run by the test and main commands) clears them by running this file.
+
+Only this user's segments are ever touched (the uid is part of the name).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+__all__ = ["SHM_DIR", "buffer_name", "remove_buffers", "remove_stale_buffers", "unlink_buffer"]
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+_PREFIX = "deepspeed_allreduce_buffer"
+#: A segment younger than this may be between its creation and its rank's ``mmap``.
+_MIN_AGE_S = 60.0
+
+
+def buffer_name(*, addr: str, port: str | int, rank: int, uid: int | None = None) -> str:
+    """The name DeepSpeed gives rank ``rank``'s segment (``shm.cpp``'s ``shm_initialize``).
+
+    >>> buffer_name(addr="127.0.0.1", port=29500, rank=1, uid=0)
+    'deepspeed_allreduce_buffer_0_127.0.0.1_29500_1'
+    """
+    return f"{_PREFIX}_{os.getuid() if uid is None else uid}_{addr}_{port}_{rank}"
+
+
+def unlink_buffer(rank: int, *, environ: dict[str, str] | None = None, shm_dir: Path = SHM_DIR) -> bool:
+    """Remove the name of this rank's segment, if DeepSpeed made one. This rank only.
+
+    Safe only once every peer has mapped it: DeepSpeed's set-up returns on a rank after it mapped
+    all peers' segments, so call this after a barrier that follows DeepSpeed's communication
+    set-up on every rank (as :func:`toolkit.init_distributed` does). The name is read from
+    ``MASTER_ADDR`` and ``MASTER_PORT`` as DeepSpeed read them.
+
+    Returns:
+        True when a segment was unlinked.
+    """
+    env = os.environ if environ is None else environ
+    path = shm_dir / buffer_name(addr=env.get("MASTER_ADDR", ""), port=env.get("MASTER_PORT", ""), rank=rank)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def remove_buffers(*, addr: str, port: int, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Remove every rank's segment of the rendezvous ``addr:port``. Only after its processes ended.
+
+    Example::
+
+        # the dsat runner, once a local trial's processes are gone
+        remove_buffers(addr="127.0.0.1", port=trial.port)
+    """
+    removed = []
+    prefix = buffer_name(addr=addr, port=port, rank=0)[:-1]
+    for path in shm_dir.glob(f"{prefix}*"):
+        if path.name[len(prefix):].isdigit():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _mapped_paths(shm_dir: Path) -> set[str]:
+    """Paths of files in ``shm_dir`` that some process of this user maps (/proc/<pid>/maps)."""
+    mapped, folder = set(), f"{shm_dir}/"
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text(errors="replace")
+        except OSError:  # the process ended, or belongs to another user
+            continue
+        for line in text.splitlines():
+            at = line.find(folder)
+            if at >= 0:
+                mapped.add(line[at:].removesuffix(" (deleted)"))
+    return mapped
+
+
+def remove_stale_buffers(*, shm_dir: Path = SHM_DIR, min_age_s: float = _MIN_AGE_S) -> list[Path]:
+    """Remove this user's DeepSpeed segments that no live process maps. Any process, any time.
+
+    A live rank maps its own segment from a moment after creating it until it exits, so a segment
+    older than ``min_age_s`` that nobody maps belongs to no running job.
+
+    Returns:
+        The removed paths.
+    """
+    mapped = _mapped_paths(shm_dir)
+    now = time.time()
+    removed = []
+    for path in shm_dir.glob(f"{_PREFIX}_{os.getuid()}_*"):
+        try:
+            if now - path.stat().st_mtime < min_age_s or str(path) in mapped:
+                continue
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    if removed:
+        logger.info("removed %d stale DeepSpeed shared-memory segment(s) from %s", len(removed), shm_dir)
+    return removed
+
+
+if __name__ == "__main__":
+    # scripts/setup.sh runs this file by path, with -P (no toolkit import, so no torch: fast).
+    gone = remove_stale_buffers()
+    if gone:
+        print(f"setup: removed {len(gone)} DeepSpeed shared-memory segment(s) from {SHM_DIR} that earlier runs "
+              "left and no process maps")

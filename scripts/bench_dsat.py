@@ -73,6 +73,7 @@ ENTRY = ROOT / "scripts" / "ds_autotune_entry.py"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from toolkit.ds_shm import remove_buffers  # noqa: E402
 from toolkit.dsat.cli import build_parser, make_plan, parse_bytes  # noqa: E402
 from toolkit.dsat.space import zero_config_for_stage  # noqa: E402
 from toolkit.dsat.types import METRICS, SMALLER_IS_BETTER, TrialResult, TrialSpec, TrialStatus  # noqa: E402
@@ -391,7 +392,8 @@ def run_ds_autotuner(args: argparse.Namespace, work: Path, cap: int) -> dict[str
     # PATH, not the whole venv/bin: the venv's ninja differs from the system's, and alternating
     # ninjas rebuild DeepSpeed's JIT ops (minutes each) for every process that follows.
     (out / "bin" / "deepspeed").symlink_to(deepspeed_bin)
-    argv = [str(deepspeed_bin), "--autotuning", "tune", "--num_gpus", "2", "--master_port", str(free_port()),
+    base_port = free_port()
+    argv = [str(deepspeed_bin), "--autotuning", "tune", "--num_gpus", "2", "--master_port", str(base_port),
             str(ENTRY), "--deepspeed_config", str(out / "ds_config.json"), "--width", str(args.width),
             "--image-size", str(args.image_size), "--dataset-size", str(args.dataset_size)]
     env = {"LOCAL_SIZE": "2",  # DeepSpeed's CPU accelerator: the number of "devices" on this node
@@ -403,6 +405,10 @@ def run_ds_autotuner(args: argparse.Namespace, work: Path, cap: int) -> dict[str
     start = time.monotonic()
     code = run_to_completion(argv, cwd=out, env=env, log_dir=out / "log", timeout_s=args.ds_timeout, nproc=2)
     wall = time.monotonic() - start
+    # Its experiment k ran on port base_port + k and, like every DeepSpeed run on CPU, left its
+    # shared-memory all-reduce segments in /dev/shm (toolkit.ds_shm): 69 MB per rank.
+    for port in range(base_port, base_port + 1000):
+        remove_buffers(addr="127.0.0.1", port=port)
     experiments = []
     for exp_dir in sorted((p for p in (out / "results").glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime):
         entry: dict[str, Any] = {"name": exp_dir.name, "ds_verdict_error": _ds_search_error(exp_dir / "stderr.log")}

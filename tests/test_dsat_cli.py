@@ -197,8 +197,9 @@ def test_binary_search_finds_the_limit_and_writes_everything(tmp_path):
     assert [l["trial_id"] for l in lines] == list(range(8))
 
 
-@pytest.mark.parametrize("metric, pick", [("latency", min), ("forward", min), ("backward", min),
-                                          ("throughput", max), ("FLOPS_per_gpu", max)])
+# One metric of each direction end to end (a search each, ~9 s); every metric's direction is
+# tested on the pure best_result (test_dsat_search.py::test_best_result_follows_the_metric_direction).
+@pytest.mark.parametrize("metric, pick", [("latency", min), ("throughput", max)])
 def test_metric_direction(tmp_path, metric, pick):
     model_dir = make_model_dir(tmp_path)
     result = dsat(model_dir, "--max-trials", "6", "--metric", metric, "--zero-stages", "1", "--memory-per-slot", "100MiB")

@@ -18,22 +18,10 @@ killed with SIGKILL leaves them orphaned. A trial's processes are those whose
 ``/proc/<pid>/environ`` carries its mark, plus every descendant of its launcher
 (``/proc/<pid>/stat``). They get SIGTERM, then SIGKILL after a grace period, until none is left.
 
-Outcomes, decided from the exit status and the result file, never from the logs:
-
-=========================================  ==============================================
-ran past ``timeout_s``                     TIMEOUT (all its processes killed)
-a worker's RSS above ``memory_per_slot``   OOM "RSS X MiB exceeded the memory budget ..."
-result ``"oom"``                           OOM (CUDA out of memory inside the trial)
-result ``"ok"`` with the 5 metrics, exit 0 OK (the profiling trial also needs its profile)
-unreadable or malformed result             FAILED "corrupt result file: ..."
-result ``"failed"``, exit 0                FAILED with the trial's own reason
-exit 0 and no result                       FAILED "exited 0 without a result file"
-any other exit                             FAILED "exit status N" / "killed by signal SIGX"
-=========================================  ==============================================
-
-FAILED errors end with the last lines of the trial's stderr, for display only. A trial's
-workers (the processes with ``LOCAL_RANK`` set, and their children; not the launcher, nor a fork of
-it before its exec) are held to ``memory_per_slot`` by polling their RSS in :meth:`TrialRunner.wait`.
+How a trial ended is decided by :func:`toolkit.dsat.outcome.classify` (its table), from the exit
+status and the result file, never from the logs. A trial's workers (the processes with
+``LOCAL_RANK`` set, and their children; not the launcher, nor a fork of it before its exec) are
+held to ``memory_per_slot`` by polling their RSS in :meth:`TrialRunner.wait`.
 :func:`run_to_completion` runs a job that is not a trial (the full experiment) with the same care.
 
 Example::
@@ -51,10 +39,8 @@ import copy
 import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -62,152 +48,20 @@ from typing import Any, Iterable, Mapping
 
 from toolkit.config import OUTPUT_DIR_ENV, TRIAL_HPARAMS_ENV
 from toolkit.ds_shm import remove_buffers
-from toolkit.dsat.hosts import Host, format_include, is_local_host, place_trial
-from toolkit.dsat.launcher import (LAUNCHERS, LOOPBACK, MULTIHOST_LAUNCHERS, build_multihost_argv,
-                                   build_remote_kill_argv, build_trial_argv)
+from toolkit.dsat.hosts import format_include, is_local_host, place_trial
+from toolkit.dsat.launcher import LOOPBACK, build_multihost_argv, build_remote_kill_argv, build_trial_argv
+from toolkit.dsat.outcome import classify
 from toolkit.dsat.procs import (RUN_ENV, block_interrupts, find_trial_processes, free_port, kill_until_gone,
                                 is_rank_process, rss_bytes, run_to_completion, scan_processes,
                                 unblock_interrupts)
-from toolkit.dsat.types import METRICS, TRIAL_ENV, ProfileInfo, TrialContract, TrialResult, TrialSpec, TrialStatus
-from toolkit.errors import ConfigError
+from toolkit.dsat.runner_settings import RunnerSettings
+from toolkit.dsat.types import TRIAL_ENV, TrialContract, TrialResult, TrialSpec, TrialStatus
 
 __all__ = ["RunnerSettings", "TrialRunner", "find_trial_processes", "free_port", "run_to_completion", "RUN_ENV"]
 
 logger = logging.getLogger(__name__)
 
 _MIB = 1024 * 1024
-_STDERR_LINES = 5
-_LAUNCHER_EPILOGUE = ("] failed (exitcode:", "ChildFailedError", "exits with return code")
-
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunnerSettings:
-    """How trials are launched and limited. Validated on construction.
-
-    Attributes:
-        entrypoint: the experiment's entrypoint argv, e.g. ``("python3", "train.py")``.
-        model_dir: the trial's working directory (where the entrypoint lives).
-        slots_per_trial: processes (GPUs) per trial.
-        max_slots: slots in use at once, over all trials.
-        max_concurrent: trials running at once.
-        timeout_s: wall-clock limit of one trial, from its start.
-        launcher: ``"torchrun"`` or ``"deepspeed"``.
-        memory_per_slot: CPU budget in bytes per worker process, enforced on its RSS; None: none.
-        start_profile_step, end_profile_step: the timed steps (``steps_completed`` values, both
-            included; FLOPs are counted on the step before, so start >= 1).
-        gpus: the GPUs to hand out, numbered as this process sees them (``torch.cuda``
-            numbering): under an inherited ``CUDA_VISIBLE_DEVICES`` (Slurm sets one) index i
-            means its i-th entry. Each trial gets its share through ``CUDA_VISIBLE_DEVICES``.
-            None on CPU.
-        grace_s: SIGTERM-to-SIGKILL grace when killing a trial.
-        poll_s: how often running trials are checked (exit, timeout, memory).
-        hosts: the machines and their slots (``--hostfile`` or the Slurm allocation); None: this
-            machine alone (the single-machine path: ``max_slots`` local slots, no ssh). With
-            hosts, each trial is placed with :func:`toolkit.dsat.hosts.place_trial` and records
-            its hosts in ``placement.json``; a trial whose hosts are all this machine (loopback
-            names, this host name) is started locally as without hosts, any other through
-            ``multihost_launcher``.
-        multihost_launcher: one of :data:`~toolkit.dsat.launcher.MULTIHOST_LAUNCHERS`.
-        ssh_port: ssh port of the hosts (DeepSpeed's runners), None for ssh's default.
-    """
-
-    entrypoint: tuple[str, ...]
-    model_dir: Path
-    slots_per_trial: int
-    max_slots: int
-    max_concurrent: int
-    timeout_s: float
-    launcher: str = "torchrun"
-    memory_per_slot: int | None = None
-    start_profile_step: int = 3
-    end_profile_step: int = 5
-    gpus: tuple[int, ...] | None = None
-    grace_s: float = 5.0
-    poll_s: float = 0.25
-    hosts: tuple[Host, ...] | None = None
-    multihost_launcher: str = "pdsh"
-    ssh_port: int | None = None
-
-    def __post_init__(self) -> None:
-        # Normalise containers (lists from argparse/YAML) before the checks; frozen, hence object.__setattr__.
-        if isinstance(self.entrypoint, (list, tuple)):
-            object.__setattr__(self, "entrypoint", tuple(self.entrypoint))
-        if isinstance(self.model_dir, (str, os.PathLike)):
-            object.__setattr__(self, "model_dir", Path(self.model_dir))
-        if isinstance(self.gpus, list):
-            object.__setattr__(self, "gpus", tuple(self.gpus))
-        if isinstance(self.hosts, list):
-            object.__setattr__(self, "hosts", tuple(self.hosts))
-        p: list[str] = []
-        ep = self.entrypoint
-        if not isinstance(ep, tuple) or not ep or not all(isinstance(x, str) and x for x in ep):
-            p.append(f"entrypoint={ep!r}: expected a non-empty list of strings, e.g. ('python3', 'train.py')")
-        if not isinstance(self.model_dir, Path) or not self.model_dir.is_dir():
-            p.append(f"model_dir={str(self.model_dir)!r}: expected an existing directory (the entrypoint's)")
-        for name in ("slots_per_trial", "max_slots", "max_concurrent"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                p.append(f"{name}={value!r}: expected an integer >= 1")
-        if _is_int(self.slots_per_trial) and _is_int(self.max_slots) and self.max_slots < self.slots_per_trial:
-            p.append(f"max_slots={self.max_slots} < slots_per_trial={self.slots_per_trial}: no trial could "
-                     "ever start; raise max_slots or lower slots_per_trial")
-        for name in ("timeout_s", "grace_s", "poll_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
-                    or value <= 0:
-                p.append(f"{name}={value!r}: expected a number of seconds > 0")
-        if self.launcher not in LAUNCHERS:
-            p.append(f"launcher={self.launcher!r}: expected one of {', '.join(LAUNCHERS)}")
-        if self.memory_per_slot is not None and (not _is_int(self.memory_per_slot) or self.memory_per_slot < 1):
-            p.append(f"memory_per_slot={self.memory_per_slot!r}: expected a number of bytes >= 1, or None")
-        s, e = self.start_profile_step, self.end_profile_step
-        if not (_is_int(s) and _is_int(e) and 1 <= s <= e):
-            p.append(f"start_profile_step={s!r}, end_profile_step={e!r}: expected integers with "
-                     "1 <= start <= end (step start-1 counts the FLOPs)")
-        if self.gpus is not None:
-            g = self.gpus
-            if not isinstance(g, tuple) or not all(_is_int(x) and x >= 0 for x in g) or len(set(g)) != len(g):
-                p.append(f"gpus={g!r}: expected distinct GPU ids >= 0, or None on CPU")
-            elif _is_int(self.max_slots) and self.max_slots > len(g) and self.hosts is None:
-                p.append(f"max_slots={self.max_slots} but only {len(g)} GPU(s) given ({g}); lower max_slots "
-                         "or give more GPUs")
-        p.extend(self._host_problems())
-        if not p:  # the entrypoint must be launchable: say so now, not at the first trial
-            try:
-                build_trial_argv(list(ep), launcher=self.launcher, nproc=self.slots_per_trial, master_port=29500)
-            except ConfigError as err:
-                p.extend(err.problems)
-        if p:
-            raise ConfigError(p)
-
-
-    def _host_problems(self) -> list[str]:
-        if self.multihost_launcher not in MULTIHOST_LAUNCHERS:
-            return [f"multihost_launcher={self.multihost_launcher!r}: expected one of {', '.join(MULTIHOST_LAUNCHERS)}"]
-        if self.ssh_port is not None and (not _is_int(self.ssh_port) or not 1 <= self.ssh_port <= 65535):
-            return [f"ssh_port={self.ssh_port!r}: expected a port in 1..65535, or None"]
-        if self.hosts is None:
-            return []
-        hosts = self.hosts
-        if not isinstance(hosts, tuple) or not hosts or not all(isinstance(h, Host) for h in hosts) \
-                or len({h.name for h in hosts}) != len(hosts):
-            return [f"hosts={hosts!r}: expected distinct Host entries (toolkit.dsat.hosts), or None"]
-        total = sum(h.slots for h in hosts)
-        if _is_int(self.max_slots) and self.max_slots > total:
-            return [f"max_slots={self.max_slots} but the hosts have {total} slot(s) in all; lower max_slots"]
-        if _is_int(self.slots_per_trial) and place_trial(
-                {h.name: tuple(range(h.slots)) for h in hosts}, self.slots_per_trial,
-                uniform=self.multihost_launcher == "srun") is None:
-            slots = {h.name: h.slots for h in hosts}
-            return [f"slots_per_trial={self.slots_per_trial} cannot be placed on the hosts {slots}"
-                    + (" with the same number of slots on each host (srun)" if self.multihost_launcher == "srun"
-                       else "")]
-        return []
 
 
 def _device_ids(gpus: tuple[int, ...] | None) -> dict[int, str] | None:
@@ -242,62 +96,6 @@ def _without(free: Mapping[str, tuple[int, ...]], placement: Mapping[str, Iterab
              ) -> dict[str, tuple[int, ...]]:
     """``free`` (host -> slot ids) less the slots of ``placement``; a new dict. Pure."""
     return {h: tuple(i for i in ids if i not in placement.get(h, ())) for h, ids in free.items()}
-
-
-def _exit_text(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
-
-
-def _stderr_tail(path: Path) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(max(fh.seek(0, os.SEEK_END) - 16384, 0))
-            text = fh.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-    lines = [line.rstrip()[:300] for line in text.splitlines() if line.strip()]
-    # The launcher's own epilogue (torchrun's ChildFailedError table) hides the worker's error.
-    ends = [i for i, line in enumerate(lines) if any(m in line for m in _LAUNCHER_EPILOGUE)]
-    if ends and ends[0] > 0:
-        lines = lines[:ends[0]]
-    lines = lines[-_STDERR_LINES:]
-    return ("\nlast lines of stderr:\n  " + "\n  ".join(lines)) if lines else ""
-
-
-def _check_result(data: Any, spec: TrialSpec) -> str | None:
-    """What is wrong with a result file's content, or None."""
-    if not isinstance(data, dict):
-        return f"expected a JSON object, got {type(data).__name__}"
-    if data.get("trial_id") != spec.trial_id:
-        return f"trial_id={data.get('trial_id')!r}, expected {spec.trial_id}"
-    status = data.get("status")
-    if status not in ("ok", "oom", "failed"):
-        return f"status={status!r}, expected 'ok', 'oom' or 'failed'"
-    if status != "ok":
-        return None
-    metrics = data.get("metrics")
-    if not isinstance(metrics, dict):
-        return f"metrics={metrics!r:.80}, expected an object with {', '.join(METRICS)}"
-    for name in METRICS:
-        value = metrics.get(name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-            return f"metric {name}={value!r}: expected a finite number >= 0"
-    profile = data.get("profile")
-    if spec.profile or profile is not None:
-        try:
-            info = ProfileInfo.from_json(profile)
-        except (TypeError, AttributeError) as err:
-            return f"profile={profile!r:.120}: {err}"
-        if not all(_is_int(getattr(info, f)) and getattr(info, f) >= 0 for f in
-                   ("num_params", "trainable_params", "activation_bytes_per_example", "memory_per_slot",
-                    "baseline_bytes")):
-            return f"profile={profile!r:.200}: expected integer counts >= 0"
-    return None
 
 
 class TrialRunner:
@@ -602,38 +400,6 @@ class TrialRunner:
             # Ended, or to be ended: no process of it may outlive it (orphans in their own session too).
             self._terminate([trial])
             self._release(trial)
-            finished.append(self._classify(trial, trial.process.returncode))
+            finished.append(classify(trial.spec, directory=trial.directory, code=trial.process.returncode,
+                                     duration_s=time.monotonic() - trial.started, verdict=trial.verdict))
         return finished
-
-    def _classify(self, trial: _Trial, code: int | None) -> TrialResult:
-        spec, duration = trial.spec, time.monotonic() - trial.started
-
-        def result(status: TrialStatus, error: str | None = None, **kw: Any) -> TrialResult:
-            if status is TrialStatus.FAILED and error is not None:
-                error += _stderr_tail(trial.directory / "stderr.log")
-            logger.info("trial %d ended: %s%s", spec.trial_id, status.value, f" ({error})" if error else "")
-            return TrialResult(spec, status, duration_s=duration, error=error, **kw)
-
-        if trial.verdict is not None:
-            return result(*trial.verdict)
-        code = -1 if code is None else code  # not reaped within the grace period: treat as killed
-        path = trial.directory / "result.json"
-        if not path.exists():
-            return result(TrialStatus.FAILED, "exited 0 without a result file" if code == 0 else _exit_text(code))
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            return result(TrialStatus.FAILED, f"corrupt result file: {err}")
-        problem = _check_result(data, spec)
-        if problem is not None:
-            return result(TrialStatus.FAILED, f"corrupt result file: {problem}")
-        if data["status"] == "oom":
-            return result(TrialStatus.OOM, str(data.get("error") or "out of memory (reported by the trial)"))
-        if data["status"] == "failed":  # the trial's own reason; an exit status says more if there is one
-            return result(TrialStatus.FAILED, _exit_text(code) if code else str(data.get("error") or "failed"))
-        if code != 0:
-            return result(TrialStatus.FAILED, f"{_exit_text(code)} (after writing its result)")
-        metrics = {name: float(data["metrics"][name]) for name in METRICS}
-        return result(TrialStatus.OK, metrics=metrics, profile=data.get("profile"))
-
-

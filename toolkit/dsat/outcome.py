@@ -41,10 +41,6 @@ _STDERR_LINES = 5
 _LAUNCHER_EPILOGUE = ("] failed (exitcode:", "ChildFailedError", "exits with return code")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def exit_text(code: int | None) -> str:
     """``"exit status N"`` or ``"killed by signal SIGX"`` for a Popen return code (None: not reaped). Pure."""
     if code is None:
@@ -98,9 +94,9 @@ def check_result(data: Any, spec: TrialSpec) -> str | None:
             info = ProfileInfo.from_json(profile)
         except (TypeError, AttributeError) as err:
             return f"profile={profile!r:.120}: {err}"
-        if not all(_is_int(getattr(info, f)) and getattr(info, f) >= 0 for f in
-                   ("num_params", "trainable_params", "activation_bytes_per_example", "memory_per_slot",
-                    "baseline_bytes")):
+        counts = (info.num_params, info.trainable_params, info.activation_bytes_per_example, info.memory_per_slot,
+                  info.baseline_bytes)
+        if not all(type(n) is int and n >= 0 for n in counts):  # parsed JSON: bool is its only int subclass
             return f"profile={profile!r:.200}: expected integer counts >= 0"
     return None
 

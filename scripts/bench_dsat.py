@@ -20,7 +20,7 @@ at ~0.4 GiB), one after the other in this process:
    (default ``throughput``, samples/s over both ranks) is read
    from best_ds_metrics.json; its trial-seconds are the ``duration_s`` of every trial in
    trials.jsonl, the profiling trial included.
-2. **grid**: the same real trials (:class:`toolkit.dsat.runner.TrialRunner`, configs from
+2. **grid**: the same real trials (:class:`toolkit.dsat.execution.runner.TrialRunner`, configs from
    :func:`~toolkit.dsat.orchestrator.trial_ds_config` and
    :func:`~toolkit.dsat.orchestrator.trial_hparams`, with the plan that dsat's own CLI builds from
    the same flags: same entrypoint, launcher, budget, profile steps and timeout) over every
@@ -73,10 +73,11 @@ ENTRY = ROOT / "scripts" / "ds_autotune_entry.py"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from toolkit.ds_shm import remove_buffers  # noqa: E402
+from toolkit.runtime.ds_shm import remove_buffers  # noqa: E402
 from toolkit.dsat.cli import build_parser, make_plan, parse_bytes  # noqa: E402
-from toolkit.dsat.space import zero_config_for_stage  # noqa: E402
-from toolkit.dsat.types import METRICS, SMALLER_IS_BETTER, TrialResult, TrialSpec, TrialStatus  # noqa: E402
+from toolkit.dsat.search.space import zero_config_for_stage  # noqa: E402
+from toolkit.dsat.contract import METRICS, TrialStatus  # noqa: E402
+from toolkit.dsat.search.types import SMALLER_IS_BETTER, TrialResult, TrialSpec  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -177,7 +178,7 @@ def dsat_cli_args(args: argparse.Namespace, experiment: Path, output_dir: Path) 
 
 # ------------------------------------------------------------------------------------------ 1. dsat
 def run_dsat(args: argparse.Namespace, experiment: Path, work: Path) -> dict[str, Any]:
-    from toolkit.dsat.runner import run_to_completion
+    from toolkit.dsat.execution.runner import run_to_completion
 
     out, log = work / "dsat", work / "dsat_log"
     argv = [sys.executable, "-m", "toolkit.dsat", *dsat_cli_args(args, experiment, out)]
@@ -229,11 +230,11 @@ class TrialArm:
 
     def run(self, specs: list[TrialSpec], *, label: str, skip=None) -> list[TrialResult]:
         """Run ``specs`` in order, one at a time; ``skip(spec, results_so_far)`` True leaves one out."""
-        from toolkit.ds_config import overwrite_deepspeed_config
+        from toolkit.config.deepspeed import overwrite_deepspeed_config
         from toolkit.dsat.orchestrator import trial_ds_config, trial_hparams
-        from toolkit.dsat.reporting import instrumentation_overrides
-        from toolkit.dsat.runner import TrialRunner
-        from toolkit.dsat.types import TrialContract
+        from toolkit.dsat.trial.reporting import instrumentation_overrides
+        from toolkit.dsat.execution.runner import TrialRunner
+        from toolkit.dsat.contract import TrialContract
 
         plan, results = self.plan, []
         with TrialRunner(plan.runner, output_dir=self.output_dir) as runner:
@@ -264,7 +265,7 @@ def grid_micro_batches(hi: int) -> list[int]:
 
 
 def search_range(args: argparse.Namespace, profile: dict[str, Any]) -> dict[int, int]:
-    """Per stage, the top of the micro-batch range dsat bisects (see ``toolkit.dsat.lines``)."""
+    """Per stage, the top of the micro-batch range dsat bisects (see ``toolkit.dsat.search.lines``)."""
     prediction = profile["prediction"]
     return {s: max(1, math.ceil(args.search_range_factor * int(prediction[str(s)]["approx_max_micro_batch"])))
             for s in args.zero_stages}
@@ -276,7 +277,7 @@ def first_failure(results: list[TrialResult], stage: int) -> int | None:
 
 
 def run_grid(args: argparse.Namespace, arm: TrialArm, dsat: dict[str, Any], profile: dict[str, Any]) -> dict[str, Any]:
-    from toolkit.dsat.search import best_result
+    from toolkit.dsat.search.methods import best_result
 
     tops = search_range(args, profile)
     specs: list[TrialSpec] = []
@@ -374,7 +375,7 @@ def _ds_search_error(stderr: Path) -> str | None:
 
 
 def run_ds_autotuner(args: argparse.Namespace, work: Path, cap: int) -> dict[str, Any]:
-    from toolkit.dsat.runner import free_port, run_to_completion
+    from toolkit.dsat.execution.runner import free_port, run_to_completion
 
     out = work / "ds_autotuner"
     shutil.rmtree(out, ignore_errors=True)
@@ -406,7 +407,7 @@ def run_ds_autotuner(args: argparse.Namespace, work: Path, cap: int) -> dict[str
     code = run_to_completion(argv, cwd=out, env=env, log_dir=out / "log", timeout_s=args.ds_timeout, nproc=2)
     wall = time.monotonic() - start
     # Its experiment k ran on port base_port + k and, like every DeepSpeed run on CPU, left its
-    # shared-memory all-reduce segments in /dev/shm (toolkit.ds_shm): 69 MB per rank.
+    # shared-memory all-reduce segments in /dev/shm (toolkit.runtime.ds_shm): 69 MB per rank.
     for port in range(base_port, base_port + 1000):
         remove_buffers(addr="127.0.0.1", port=port)
     experiments = []

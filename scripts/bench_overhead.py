@@ -110,7 +110,7 @@ def worker(args: argparse.Namespace) -> None:
             warm.append(time.perf_counter() - t0)
         (step_s,) = ctx.all_reduce([statistics.median(warm)], op="max")
         check_interval = inspect.signature(toolkit.watch_preemption).parameters["check_interval"].default
-        from toolkit.metrics import MetricsSettings
+        from toolkit.metrics.writer import MetricsSettings
 
         reduce_secs = MetricsSettings().reduce_secs
         watch_kw = {"check_every": max(1, round(check_interval / step_s))}

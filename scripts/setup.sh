@@ -21,8 +21,8 @@ want="$(stamp_of)"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$venv/torch_extensions}"
 build_ops() {
   # DeepSpeed never removes its CPU all-reduce segments from /dev/shm (memory); runs that ended
-  # without toolkit.init_distributed leave them. Compilers starved by them fail (toolkit/ds_shm.py).
-  "$venv/bin/python" -P "$root/toolkit/ds_shm.py"
+  # without toolkit.init_distributed leave them. Compilers starved by them fail (toolkit/runtime/ds_shm.py).
+  "$venv/bin/python" -P "$root/toolkit/runtime/ds_shm.py"
   if [ "$(cat "$venv/.ops-stamp" 2>/dev/null)" != "$want:$TORCH_EXTENSIONS_DIR" ]; then
     PATH="$venv/bin:$PATH" "$venv/bin/python" "$root/scripts/build_ops.py"
     echo "$want:$TORCH_EXTENSIONS_DIR" > "$venv/.ops-stamp"

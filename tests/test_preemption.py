@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import procutil as p
-from toolkit.distributed import DistributedContext
+from toolkit.runtime.context import DistributedContext
 from toolkit.preemption import DEFAULT_SIGNALS, PreemptionWatcher, watch_preemption
 
 WORKER = p.WORKERS / "preempt_loop.py"

@@ -12,31 +12,28 @@ See ``examples/core_api/train.py`` for a complete loop with metrics, checkpoints
 the dsat autotuner's reporting context.
 """
 
-from toolkit.checkpoint import consolidate_checkpoint, load_checkpoint, save_checkpoint
+from toolkit.checkpoint import consolidate_checkpoint, load_checkpoint, replay_cpu_adam_state, save_checkpoint
 from toolkit.config import (
     EXPERIMENT_CONFIG_ENV,
     OUTPUT_DIR_ENV,
     TRIAL_HPARAMS_ENV,
     ConfigWarning,
+    build_ds_config,
+    get_ds_config_from_hparams,
     get_hparams,
     get_output_dir,
     load_experiment_config,
     max_length_steps,
-)
-from toolkit.cpu_adam_state import replay_cpu_adam_state
-from toolkit.data import ResumableDistributedSampler, ResumePosition, resume_position, seed_everything
-from toolkit.distributed import DistributedContext, get_context, init_distributed
-from toolkit.ds_config import (
-    build_ds_config,
-    get_ds_config_from_hparams,
     overwrite_deepspeed_config,
     resolve_ds_config,
     validate_ds_config,
 )
-from toolkit.dsat.reporting import dsat_reporting_context
+from toolkit.data import ResumableDistributedSampler, ResumePosition, resume_position, seed_everything
+from toolkit.dsat.trial import dsat_reporting_context
 from toolkit.errors import CheckpointError, ConfigError, LaunchEnvError
 from toolkit.metrics import MetricsWriter
 from toolkit.preemption import PreemptionWatcher, watch_preemption
+from toolkit.runtime import DistributedContext, get_context, init_distributed
 
 __version__ = "0.1.0"
 

@@ -242,7 +242,7 @@ def seed_everything(seed: int, *, deterministic: bool = False) -> None:
     equal to an uninterrupted run's, with ``deterministic`` left False. (An earlier suspicion
     that oneDNN rounds differently in a fresh process was a misreading: the drift came from
     DeepSpeed's CPU Adam kernel, which ``toolkit.load_checkpoint`` repairs; see
-    :mod:`toolkit.cpu_adam_state`.)
+    :mod:`toolkit.checkpoint.cpu_adam`.)
 
     ``deterministic=True`` is for GPUs: it turns off cuDNN's benchmark mode, which picks
     convolution kernels by timing them in each process (so a resumed process may round

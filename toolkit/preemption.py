@@ -79,7 +79,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from toolkit.distributed import DistributedContext
+from toolkit.runtime.context import DistributedContext
 
 __all__ = ["PreemptionWatcher", "watch_preemption", "DEFAULT_SIGNALS", "MAX_ADAPTIVE_CHECK_EVERY"]
 

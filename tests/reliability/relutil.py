@@ -28,8 +28,8 @@ import yaml
 
 import procutil as p
 import toolkit
-import toolkit.checkpoint_layout as layout
-from toolkit.dsat.procs import find_trial_processes, kill_until_gone
+import toolkit.checkpoint.layout as layout
+from toolkit.dsat.execution.procs import find_trial_processes, kill_until_gone
 
 EXAMPLES = p.REPO / "examples" / "core_api"
 SCRIPT = EXAMPLES / "train.py"

@@ -12,7 +12,7 @@ Entry points:
     ds        toolkit.build_ds_config(hparams, data_parallel_size=2, ...) with ds_config.json
     cli       toolkit.dsat.cli.main(argv), the code of ``python -m toolkit.dsat``
     ckpt      toolkit.save_checkpoint / load_checkpoint argument checks, and the checkpoint
-              directory decisions (toolkit.checkpoint_layout) that save/load apply to a directory
+              directory decisions (toolkit.checkpoint.layout) that save/load apply to a directory
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import yaml
 
 import procutil as p
 import toolkit
-import toolkit.checkpoint_layout as layout
+import toolkit.checkpoint.layout as layout
 from toolkit.errors import CheckpointError, ConfigError
 
 CATEGORY = "bad input"

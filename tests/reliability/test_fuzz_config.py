@@ -19,14 +19,14 @@ import os
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from toolkit.config import _check_experiment
-from toolkit.ds_config import (BATCH_KEYS, build_ds_config, overwrite_deepspeed_config, resolve_ds_config,
+from toolkit.config.experiment import _check_experiment
+from toolkit.config.deepspeed import (BATCH_KEYS, build_ds_config, overwrite_deepspeed_config, resolve_ds_config,
                                validate_ds_config)
 from toolkit.errors import ConfigError
 
 FULL = os.environ.get("TOOLKIT_RELIABILITY_FULL") == "1"  # set by scripts/reliability.py
 CATEGORY = "fuzzing"
-pytestmark = pytest.mark.filterwarnings("ignore::toolkit.config.ConfigWarning")  # unknown fuzzed keys warn
+pytestmark = pytest.mark.filterwarnings("ignore::toolkit.config.experiment.ConfigWarning")  # unknown fuzzed keys warn
 EXAMPLES = 600 if FULL else 60
 fuzz = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -25,8 +25,8 @@ from hypothesis import given, settings, strategies as st
 
 import procutil as p
 import toolkit
-import toolkit.checkpoint_layout as layout
-from toolkit.config import entrypoint_argv
+import toolkit.checkpoint.layout as layout
+from toolkit.config.experiment import entrypoint_argv
 from toolkit.errors import CheckpointError, ConfigError
 
 CATEGORY = "security"
@@ -74,7 +74,7 @@ def test_no_shell_anywhere_in_the_sources():
 def test_an_entrypoint_with_shell_syntax_stays_inert_words():
     argv = entrypoint_argv({"entrypoint": "python3 train.py; rm -rf / $(touch pwned) `id` | cat"})
     assert argv[:2] == ["python3", "train.py;"] and "$(touch" in argv and "|" in argv
-    from toolkit.dsat.launcher import build_trial_argv
+    from toolkit.dsat.execution.argv import build_trial_argv
 
     # The trial launcher passes the words on as separate argv items, never as one command string.
     for launcher in ("torchrun", "deepspeed"):
@@ -95,8 +95,8 @@ def test_every_torch_load_is_weights_only_but_the_documented_one():
                 loose.append(f"{path.relative_to(p.REPO)}:{call.lineno}")
     # consolidate_checkpoint reads DeepSpeed's ZeRO-0 model file, which pickles more than tensors;
     # it is documented as "trusted checkpoints only" in its docstring and in the module's Trust note.
-    assert len(loose) == 1 and loose[0].startswith("toolkit/checkpoint.py"), loose
-    source = (p.REPO / "toolkit" / "checkpoint.py").read_text()
+    assert len(loose) == 1 and loose[0].startswith("toolkit/checkpoint/api.py"), loose
+    source = (p.REPO / "toolkit" / "checkpoint" / "api.py").read_text()
     assert "trusted" in source and "weights_only=False" in source
 
 

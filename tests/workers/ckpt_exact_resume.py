@@ -14,7 +14,7 @@ import deepspeed
 import torch
 
 import toolkit
-import toolkit.checkpoint as tkc
+import toolkit.checkpoint.api as tkc
 
 # float32 beta2**step by running product differs from pow(beta2, step) at steps 19..36 (and beta1
 # at 27..31): a resume at 20 makes the first step after it use a different bias correction.

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import ckpt_common as c
 import toolkit
-import toolkit.checkpoint_layout as layout
-from toolkit.checkpoint import load_checkpoint, save_checkpoint
+import toolkit.checkpoint.layout as layout
+from toolkit.checkpoint.api import load_checkpoint, save_checkpoint
 from toolkit.errors import CheckpointError
 
 phase, dirs = sys.argv[1], [Path(d) for d in sys.argv[2:]]

@@ -12,10 +12,10 @@ import torch
 
 import ckpt_common as c
 import toolkit
-import toolkit.checkpoint as tkc
-from toolkit.checkpoint import load_checkpoint, save_checkpoint
+import toolkit.checkpoint.api as tkc
+from toolkit.checkpoint.api import load_checkpoint, save_checkpoint
 from toolkit.errors import CheckpointError
-from toolkit.checkpoint_layout import COMMIT_FILE, STARTED_FILE
+from toolkit.checkpoint.layout import COMMIT_FILE, STARTED_FILE
 
 out = Path(sys.argv[1])
 ctx = toolkit.init_distributed()

@@ -10,7 +10,7 @@ import torch
 
 import ckpt_common as c
 import toolkit
-from toolkit.checkpoint import consolidate_checkpoint, load_checkpoint
+from toolkit.checkpoint.api import consolidate_checkpoint, load_checkpoint
 from toolkit.errors import CheckpointError
 
 out = Path(sys.argv[1])

@@ -29,7 +29,7 @@ import torch
 import deepspeed
 
 import toolkit
-from toolkit.dsat.reporting import dsat_reporting_context
+from toolkit.dsat.trial.reporting import dsat_reporting_context
 
 
 class Sleep(torch.nn.Module):

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import toolkit.metrics as metrics_module
-from toolkit.distributed import init_distributed
-from toolkit.metrics import MetricsWriter
+import toolkit.metrics.writer as metrics_module
+from toolkit.runtime.context import init_distributed
+from toolkit.metrics.writer import MetricsWriter
 
 # Count the collectives toolkit issues (it calls them as attributes of torch.distributed).
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list",

@@ -16,11 +16,12 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from toolkit.config import entrypoint_argv, load_experiment_config
-from toolkit.ds_config import get_ds_config_from_hparams, validate_ds_config
-from toolkit.dsat.hosts import read_hostfile, slurm_hosts
-from toolkit.dsat.launcher import MULTIHOST_LAUNCHERS
-from toolkit.dsat.types import METRICS, SearchSettings
+from toolkit.config.deepspeed import get_ds_config_from_hparams, validate_ds_config
+from toolkit.config.experiment import entrypoint_argv, load_experiment_config
+from toolkit.dsat.contract import METRICS
+from toolkit.dsat.execution.argv import MULTIHOST_LAUNCHERS
+from toolkit.dsat.execution.hosts import read_hostfile, slurm_hosts
+from toolkit.dsat.search.types import SearchSettings
 from toolkit.errors import ConfigError
 
 __all__ = ["build_parser", "make_plan", "main", "UsageError"]
@@ -187,8 +188,8 @@ def make_plan(args: argparse.Namespace):
     """
     import torch
 
+    from toolkit.dsat.execution.runner import RunnerSettings
     from toolkit.dsat.orchestrator import Plan, profile_spec, trial_ds_config
-    from toolkit.dsat.runner import RunnerSettings
 
     problems: list[str] = []
     model_dir = args.model_dir.resolve()

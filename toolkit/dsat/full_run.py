@@ -9,10 +9,11 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from toolkit.config import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV, max_length_steps
-from toolkit.ds_shm import remove_buffers
-from toolkit.dsat.launcher import LOOPBACK, build_trial_argv
-from toolkit.dsat.outputs import write_json_atomic
+from toolkit.config.experiment import max_length_steps
+from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV
+from toolkit.dsat.execution.argv import LOOPBACK, build_trial_argv
+from toolkit.dsat.records import write_json_atomic
+from toolkit.runtime.ds_shm import remove_buffers
 
 __all__ = ["run_full_experiment", "FULL_RUN_TIMEOUT_S"]
 
@@ -28,8 +29,8 @@ def run_full_experiment(plan, outcome, *, say: Callable[[str], None] = print,
     experiment's hyperparameters with ``deepspeed_config`` pointing at ``best_ds_config.json``;
     it trains for ``searcher.max_length`` steps of the experiment config (the script reads it).
     """
+    from toolkit.dsat.execution.runner import free_port, run_to_completion
     from toolkit.dsat.orchestrator import trial_hparams
-    from toolkit.dsat.runner import free_port, run_to_completion
 
     directory = plan.output_dir / "full_experiment"
     directory.mkdir(parents=True, exist_ok=True)
@@ -45,6 +46,6 @@ def run_full_experiment(plan, outcome, *, say: Callable[[str], None] = print,
     say(f"full experiment: {' '.join(argv)} ({steps or 'script-defined'} steps; logs in {directory})")
     code = run_to_completion(argv, cwd=Path(plan.runner.model_dir), env=env, log_dir=directory, timeout_s=timeout_s,
                              nproc=plan.runner.slots_per_trial)
-    remove_buffers(addr=LOOPBACK, port=port)  # what DeepSpeed leaves in /dev/shm (toolkit.ds_shm)
+    remove_buffers(addr=LOOPBACK, port=port)  # what DeepSpeed leaves in /dev/shm (toolkit.runtime.ds_shm)
     say(f"full experiment exited with status {code}")
     return code

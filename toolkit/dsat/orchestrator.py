@@ -1,7 +1,7 @@
 """The search loop: profiling trial, memory model, search method, trials, outputs, resume.
 
 Rank 0 only: this runs in the autotuner's own process (``python -m toolkit.dsat ...``); the
-trials are separate launches of the user's entrypoint (see :mod:`toolkit.dsat.runner`).
+trials are separate launches of the user's entrypoint (see :mod:`toolkit.dsat.execution.runner`).
 """
 
 from __future__ import annotations
@@ -14,14 +14,20 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from toolkit.ds_config import BATCH_KEYS, overwrite_deepspeed_config, resolve_ds_config
-from toolkit.dsat import memory, search
-from toolkit.dsat.outputs import (EventLog, TensorBoardTrials, summary_table, write_json_atomic,
-                                  write_trial_tables)
-from toolkit.dsat.reporting import instrumentation_overrides
-from toolkit.dsat.runner import RunnerSettings, TrialRunner
-from toolkit.dsat.types import (ProfileInfo, SearchSettings, TrialContract, TrialResult, TrialSpec,
-                                TrialStatus)
+from toolkit.config.deepspeed import BATCH_KEYS, overwrite_deepspeed_config, resolve_ds_config
+from toolkit.dsat.contract import ProfileInfo, TrialContract, TrialStatus
+from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
+from toolkit.dsat.records import (
+    EventLog,
+    TensorBoardTrials,
+    summary_table,
+    write_json_atomic,
+    write_trial_tables,
+)
+from toolkit.dsat.search import memory
+from toolkit.dsat.search import methods as search
+from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
+from toolkit.dsat.trial.reporting import instrumentation_overrides
 
 __all__ = ["Plan", "trial_ds_config", "trial_hparams", "profile_spec", "Autotuner", "SearchOutcome"]
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workers"))
 import ckpt_common as c  # noqa: E402
 
 import toolkit  # noqa: E402
-import toolkit.checkpoint_layout as layout  # noqa: E402
+import toolkit.checkpoint.layout as layout  # noqa: E402
 
 ckpt, out, modes = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3].split(",")
 ctx = toolkit.init_distributed()

@@ -1,0 +1,266 @@
+"""The dsat command line and search loop, with real trial processes of a simulated model (fast)."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+import procutil as p
+from toolkit.dsat.orchestrator import profile_spec, trial_ds_config
+from toolkit.dsat.search.types import TrialSpec
+
+MODEL = p.WORKERS / "dsat_model_trial.py"
+
+
+def make_model_dir(tmp_path, *, slots=1, hparams=None, ds=None, experiment=None):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    p.install_sim_model(MODEL, model_dir)
+    (model_dir / "ds_config.json").write_text(json.dumps(ds or {
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1},
+        "flops_profiler": {"enabled": False}}))
+    config = {"name": "sim", "entrypoint": "python3 model.py", "resources": {"slots_per_trial": slots},
+              "searcher": {"max_length": 10},
+              "hyperparameters": {"deepspeed_config": "ds_config.json", "oom_above": 37, **(hparams or {})}}
+    config.update(experiment or {})
+    (model_dir / "deepspeed.yaml").write_text(yaml.safe_dump(config))
+    return model_dir
+
+
+def dsat(model_dir, *flags, method="binary", output=None, timeout=300):
+    argv = [sys.executable, "-m", "toolkit.dsat", method, str(model_dir / "deepspeed.yaml"), str(model_dir),
+            "--output-dir", str(output or model_dir.parent / "out"), "--trial-timeout", "60", *flags]
+    return p.run(argv, timeout=timeout)
+
+
+def dsat_in_process(model_dir, *flags, method="binary", capsys):
+    """The CLI in this process (bad input never launches anything, so no subprocess is needed)."""
+    from toolkit.dsat.cli import main
+
+    argv = [method, str(model_dir / "deepspeed.yaml"), str(model_dir), "--output-dir", str(model_dir.parent / "out"),
+            "--trial-timeout", "60", *flags]
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own exit on a bad flag
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def trial_rows(out):
+    with open(out / "trials.csv") as fh:
+        return list(csv.DictReader(fh))
+
+
+# ---------------------------------------------------------------- bad input: exit 2, nothing written
+@pytest.mark.parametrize("flags, fragment", [
+    (["--max-trials", "1"], "argument --max-trials: 1 is too small: expected an integer >= 2"),
+    (["--max-trials", "x"], "argument --max-trials: 'x' is not an integer"),
+    (["--max-concurrent-trials", "0"], "argument --max-concurrent-trials: 0 is too small"),
+    (["--zero-stages", "4"], "argument --zero-stages: '4' is not a ZeRO stage"),
+    (["--metric", "speed"], "argument --metric: invalid choice: 'speed'"),
+    (["--trial-timeout", "0"], "argument --trial-timeout: 0 is out of range"),
+    (["--memory-per-slot", "3XB"], "argument --memory-per-slot: '3XB' is not a size"),
+    (["--start-profile-step", "0"], "argument --start-profile-step: 0 is too small"),
+    (["--start-profile-step", "5", "--end-profile-step", "4"], "--end-profile-step 4 < --start-profile-step 5"),
+    (["--search-range-factor", "-1"], "argument --search-range-factor: -1 is out of range"),
+    (["--bisect-tolerance", "1"], "argument --bisect-tolerance: 1 is out of range: expected a number >= 0 and < 1"),
+    (["--bisect-tolerance", "-0.1"], "argument --bisect-tolerance: -0.1 is out of range"),
+    (["--bisect-tolerance", "nan"], "argument --bisect-tolerance: nan is out of range"),
+    (["--bisect-tolerance", "10%"], "argument --bisect-tolerance: '10%' is not a number"),
+    (["--max-slots", "1"], None),  # valid with slots_per_trial 1: checked separately below
+])
+def test_bad_flags_exit_2_and_write_nothing(tmp_path, flags, fragment, capsys):
+    model_dir = make_model_dir(tmp_path, slots=2 if fragment is None else 1)
+    code, output = dsat_in_process(model_dir, *flags, capsys=capsys)
+    assert code == 2, output[-3000:]
+    assert (fragment or "resources.slots_per_trial=2 > --max-slots 1") in output
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_installed_cli_exits_2_on_bad_input(tmp_path):
+    model_dir = make_model_dir(tmp_path)
+    result = dsat(model_dir, "--max-trials", "1")
+    assert result.returncode == 2 and "argument --max-trials: 1 is too small" in result.stdout
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("method, flags, fragment", [
+    ("asha", ["--divisor", "1"], "argument --divisor: 1 is too small"),
+    ("random", ["--trials-per-random-config", "0"], "argument --trials-per-random-config: 0 is too small"),
+    ("binary", ["--divisor", "2"], "unrecognized arguments: --divisor"),
+    ("asha", ["--bisect-tolerance", "0.1"], "unrecognized arguments: --bisect-tolerance"),
+    ("random", ["--bisect-tolerance", "0.1"], "unrecognized arguments: --bisect-tolerance"),
+    ("grid", [], "invalid choice: 'grid'"),
+])
+def test_method_flags_are_checked(tmp_path, method, flags, fragment, capsys):
+    model_dir = make_model_dir(tmp_path)
+    code, output = dsat_in_process(model_dir, *flags, method=method, capsys=capsys)
+    assert code == 2 and fragment in output, output[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, expected", [([], 0.25), (["--bisect-tolerance", "0"], 0.0),
+                                             (["--bisect-tolerance", "0.1"], 0.1)])
+def test_bisect_tolerance_reaches_the_search_settings(tmp_path, flags, expected):
+    from toolkit.dsat.cli import build_parser, make_plan
+
+    model_dir = make_model_dir(tmp_path)
+    args = build_parser().parse_args(["binary", str(model_dir / "deepspeed.yaml"), str(model_dir),
+                                      "--output-dir", str(tmp_path / "out"), "--memory-per-slot", "100MiB", *flags])
+    plan = make_plan(args)  # checks and plans only: launches and writes nothing
+    assert plan.search.bisect_tolerance == expected
+    assert plan.fingerprint()["search"]["bisect_tolerance"] == expected  # --resume needs the same value
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"experiment": {"entrypoint": None}}, "entrypoint is required by dsat"),
+    ({"experiment": {"resources": {}}}, "resources.slots_per_trial is required by dsat"),
+    ({"experiment": {"resources": {"slots_per_trial": 0}}}, "resources.slots_per_trial=0: expected an integer >= 1"),
+    ({"experiment": {"entrypoint": "python3 missing.py"}}, "missing.py not found in MODEL_DIR"),
+    ({"ds": {"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True}}}, "fp16.enabled=true on a CPU device"),
+    ({"ds": {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}}},
+     "parameter offload needs ZeRO stage 3"),
+    ({"hparams": {"deepspeed_config": "nope.json"}}, "nope.json' not found"),
+    ({"hparams": {"data_parallel_world_size": 3}}, "data_parallel_world_size=3: expected a divisor"),
+])
+def test_bad_config_exits_2_before_launch(tmp_path, change, fragment, capsys):
+    experiment = change.get("experiment")
+    model_dir = make_model_dir(tmp_path, ds=change.get("ds"), hparams=change.get("hparams"), experiment=experiment)
+    if experiment and experiment.get("entrypoint") is None and "entrypoint" in experiment:
+        config = yaml.safe_load((model_dir / "deepspeed.yaml").read_text())
+        del config["entrypoint"]
+        (model_dir / "deepspeed.yaml").write_text(yaml.safe_dump(config))
+    code, output = dsat_in_process(model_dir, capsys=capsys)
+    assert code == 2 and fragment in output, output[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_paths(tmp_path):
+    model_dir = make_model_dir(tmp_path)
+    result = p.run([sys.executable, "-m", "toolkit.dsat", "binary", str(tmp_path / "x.yaml"), str(model_dir)])
+    assert result.returncode == 2 and "x.yaml" in result.stdout and "not found" in result.stdout
+    result = p.run([sys.executable, "-m", "toolkit.dsat", "binary", str(model_dir / "deepspeed.yaml"),
+                    str(tmp_path / "nodir")])
+    assert result.returncode == 2 and "is not a directory" in result.stdout
+
+
+# ---------------------------------------------------------------- pure pieces
+def test_trial_config_keeps_the_batch_relation_and_replaces_zero():
+    base = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    spec = TrialSpec(5, micro_batch=12, zero={"stage": 1, "reduce_bucket_size": 1000}, line=0)
+    config = trial_ds_config(base, spec, data_parallel_size=4)
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"],
+            config["gradient_accumulation_steps"]) == (96, 12, 2)
+    assert config["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 1000}
+    assert base["zero_optimization"] == {"stage": 3, "offload_param": {"device": "cpu"}}
+    assert profile_spec(base).micro_batch == 1 and profile_spec(base).zero["stage"] == 3
+
+
+# ---------------------------------------------------------------- searches with real trial processes
+def test_binary_search_finds_the_limit_and_writes_everything(tmp_path):
+    model_dir = make_model_dir(tmp_path, slots=2)
+    out = tmp_path / "out"
+    result = dsat(model_dir, "--max-trials", "8", "--zero-stages", "1", "2", "--memory-per-slot", "100MiB")
+    assert result.returncode == 0, result.stdout[-4000:]
+    rows = trial_rows(out)
+    assert len(rows) == 8 and rows[0]["status"] == "ok" and rows[0]["profile"] == "True"
+    statuses = {row["status"] for row in rows[1:]}
+    assert "oom" in statuses and "ok" in statuses
+    best = json.loads((out / "best_ds_config.json").read_text())
+    metrics = json.loads((out / "best_ds_metrics.json").read_text())
+    ok_rows = [r for r in rows[1:] if r["status"] == "ok"]
+    assert metrics["metrics"]["FLOPS_per_gpu"] == max(float(r["FLOPS_per_gpu"]) for r in ok_rows)
+    assert best["train_micro_batch_size_per_gpu"] <= 37
+    assert best["train_batch_size"] == best["train_micro_batch_size_per_gpu"] * best["gradient_accumulation_steps"] * 2
+    assert best["optimizer"] == {"type": "Adam", "params": {"lr": 1e-3}}
+    assert "autotuning" not in best and best["flops_profiler"] == {"enabled": False}  # the user's own, untouched
+    # every trial's config and logs, and TensorBoard runs with HParams data
+    trial_config = json.loads((out / "trials" / "trial_1" / "ds_config.json").read_text())
+    assert trial_config["zero_optimization"]["stage"] in (1, 2)
+    assert len(list((out / "tensorboard").iterdir())) == 8
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(out / "tensorboard" / "trial_0001"))
+    acc.Reload()
+    assert "hparams" in acc.PluginTagToContent("hparams") or acc.PluginTagToContent("hparams")
+    assert "stage" in result.stdout and "best" in result.stdout  # progress lines and the summary table
+    lines = [json.loads(l) for l in (out / "trials.jsonl").read_text().splitlines()]
+    assert [l["trial_id"] for l in lines] == list(range(8))
+
+
+# One metric of each direction end to end (a search each, ~9 s); every metric's direction is
+# tested on the pure best_result (tests/dsat/search/test_methods.py::test_best_result_follows_the_metric_direction).
+@pytest.mark.parametrize("metric, pick", [("latency", min), ("throughput", max)])
+def test_metric_direction(tmp_path, metric, pick):
+    model_dir = make_model_dir(tmp_path)
+    result = dsat(model_dir, "--max-trials", "6", "--metric", metric, "--zero-stages", "1", "--memory-per-slot", "100MiB")
+    assert result.returncode == 0, result.stdout[-3000:]
+    rows = [r for r in trial_rows(tmp_path / "out")[1:] if r["status"] == "ok"]
+    best = json.loads((tmp_path / "out" / "best_ds_metrics.json").read_text())
+    assert best["metrics"][metric] == pick(float(r[metric]) for r in rows)
+
+
+def test_profiling_failure_is_one_trial_and_a_failed_search(tmp_path):
+    model_dir = make_model_dir(tmp_path, hparams={"profile": "crash"})
+    result = dsat(model_dir, "--max-trials", "10")
+    assert result.returncode == 1
+    assert "the profiling trial failed" in result.stdout and "simulated crash" in result.stdout
+    assert len(trial_rows(tmp_path / "out")) == 1
+    assert not (tmp_path / "out" / "best_ds_config.json").exists()
+
+
+def test_all_tuning_trials_failing_is_a_failed_search(tmp_path):
+    model_dir = make_model_dir(tmp_path, hparams={"tuning": "crash"})
+    result = dsat(model_dir, "--max-trials", "4", "--zero-stages", "1", "--memory-per-slot", "100MiB")
+    assert result.returncode == 1 and "no tuning trial succeeded" in result.stdout
+    assert [r["status"] for r in trial_rows(tmp_path / "out")] == ["ok", "failed", "failed", "failed"]
+
+
+def test_sigkilled_search_resumes_without_rerunning_finished_trials(tmp_path):
+    model_dir = make_model_dir(tmp_path, hparams={"sleep_s": 1.0})
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "toolkit.dsat", "random", str(model_dir / "deepspeed.yaml"), str(model_dir),
+            "--output-dir", str(out), "--max-trials", "7", "--zero-stages", "1", "2", "--trial-timeout", "60",
+            "--memory-per-slot", "100MiB"]
+    proc = subprocess.Popen(argv, env=p.child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (out / "events.jsonl").exists() or \
+            sum('"event": "result"' in l for l in (out / "events.jsonl").read_text().splitlines()) < 3:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)  # the autotuner and everything in its session
+    proc.wait(timeout=30)
+    finished = {json.loads(l)["trial_id"] for l in (out / "events.jsonl").read_text().splitlines()
+                if '"event": "result"' in l}
+    result = p.run(argv + ["--resume"])
+    assert result.returncode == 0, result.stdout[-3000:]
+    rows = trial_rows(out)
+    assert [int(r["trial_id"]) for r in rows] == list(range(7))
+    for trial_id in finished:  # a finished trial was never started again
+        starts = (out / "trials" / f"trial_{trial_id}" / "starts.log").read_text().splitlines()
+        assert len(starts) == 1, (trial_id, starts)
+    # the same flags are required to resume
+    changed = p.run(argv + ["--resume", "--random-seed", "7"])
+    assert changed.returncode == 2 and "settings differ" in changed.stdout
+
+
+def test_run_full_experiment_trains_with_the_best_config(tmp_path):
+    model_dir = make_model_dir(tmp_path, slots=2)
+    out = tmp_path / "out"
+    result = dsat(model_dir, "--max-trials", "4", "--zero-stages", "2", "--memory-per-slot", "100MiB",
+                  "--run-full-experiment")
+    assert result.returncode == 0, result.stdout[-3000:]
+    best = json.loads((out / "best_ds_config.json").read_text())
+    for rank in (0, 1):
+        assert json.loads((out / "full_experiment" / "output" / f"full_run_rank{rank}.json").read_text()) == best
+    assert "full experiment exited with status 0" in result.stdout

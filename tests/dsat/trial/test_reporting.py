@@ -1,0 +1,201 @@
+"""toolkit.dsat.trial.reporting: real DeepSpeed trials (2 ranks, torchrun, CPU) run by TrialRunner.
+
+The worker, tests/workers/dsat_train.py, is a tiny model whose parameter count, activation bytes
+and FLOPs are known exactly, with sleeps of known length inside forward, backward and the step,
+and its own stopwatch around each ``with`` block. All trials run once, two at a time, in a
+module fixture; each test checks one of them.
+"""
+
+import json
+import os
+import timeit
+from pathlib import Path
+
+import procutil
+import pytest
+
+from toolkit.dsat.trial import reporting
+from toolkit.dsat.trial.reporting import dsat_reporting_context, instrumentation_overrides
+from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
+from toolkit.dsat.contract import METRICS, ProfileInfo, TrialContract, TrialStatus
+from toolkit.dsat.search.types import TrialSpec
+
+WORKERS = procutil.WORKERS
+GIB = 1024 ** 3
+START, END = 3, 5
+SLEEP = {"sleep_forward_ms": 20, "sleep_backward_ms": 10, "sleep_step_ms": 15}
+FWD_FLOPS_PER_EXAMPLE = 2 * 16 * 32 + 32 + 2 * 32 * 4   # Linear + ReLU + Linear, as DeepSpeed counts them
+
+
+def ds_config(*, micro_batch, stage, gas=1, trial_id=0):
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": gas,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000},
+              "steps_per_print": 1000}
+    contract = TrialContract(trial_id, "unused", START, END)
+    config.update(instrumentation_overrides(contract))   # what the orchestrator merges into trials
+    return config
+
+
+TRIALS = {
+    # id: (spec, ds_config, extra hparams)
+    0: (TrialSpec(0, 1, {"stage": 3}, profile=True), ds_config(micro_batch=1, stage=3), {}),
+    1: (TrialSpec(1, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1), SLEEP),
+    2: (TrialSpec(2, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1, gas=2),
+        {"pipeline": True, "sleep_forward_ms": 10, "sleep_backward_ms": 5}),
+    3: (TrialSpec(3, 2, {"stage": 2}, line=0), ds_config(micro_batch=2, stage=2), {"mock_oom_at": [4, 1]}),
+    4: (TrialSpec(4, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1), {"steps": END - 1}),
+    5: (TrialSpec(5, 2, {"stage": 0}, line=0), ds_config(micro_batch=2, stage=0), {"mock_oom_at": ["start", 0]}),
+}
+
+
+@pytest.fixture(scope="module")
+def trials(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dsat")
+    with pytest.MonkeyPatch.context() as mp:
+        for key in list(os.environ):
+            if key.startswith("TOOLKIT_") or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                     "MASTER_PORT", "LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+                mp.delenv(key)
+        mp.setenv("OMP_NUM_THREADS", "1")
+        settings = RunnerSettings(entrypoint=("python3", "dsat_train.py"), model_dir=WORKERS, slots_per_trial=2,
+                                  max_slots=4, max_concurrent=2, timeout_s=280, memory_per_slot=8 * GIB,
+                                  start_profile_step=START, end_profile_step=END)
+        pending, results = sorted(TRIALS), {}
+        with TrialRunner(settings, output_dir=out) as runner:
+            while pending or runner.running():
+                while pending and runner.capacity():
+                    spec, config, extra = TRIALS[pending.pop(0)]
+                    runner.start(spec, ds_config=config, hparams={"deepspeed_config": "ignored.json", **extra})
+                results.update({r.spec.trial_id: r for r in runner.wait(timeout=300)})
+    return out / "trials", results
+
+
+def stopwatch(trials_dir, trial_id, rank):
+    """The worker's own wall time per step, in ms, steps 0.."""
+    return [1000 * s for s in json.loads((trials_dir / f"trial_{trial_id}" / f"stopwatch{rank}.json").read_text())]
+
+
+def ok(result):
+    assert result.status is TrialStatus.OK, result.error
+    assert set(result.metrics) == set(METRICS) and all(v > 0 for v in result.metrics.values()), result.metrics
+    return result.metrics
+
+
+def test_data_parallel_metrics_and_units_against_a_stopwatch(trials):
+    trials_dir, results = trials
+    m = ok(results[1])
+    # forward/backward/latency are ms per step: at least the sleeps placed in each part
+    assert m["forward"] >= SLEEP["sleep_forward_ms"] and m["backward"] >= SLEEP["sleep_backward_ms"]
+    assert m["latency"] >= sum(SLEEP.values()) and m["latency"] >= m["forward"] + m["backward"]
+    # the external stopwatch: the timed steps 3..5 on every rank. The metric is timed inside the
+    # block, so it cannot exceed the slowest rank's stopwatch mean (step 5 there also holds the
+    # result writing); and it agrees with the plain steps 3 and 4 within timing noise.
+    watches = [stopwatch(trials_dir, 1, rank) for rank in (0, 1)]
+    assert all(len(w) == END + 1 for w in watches)  # the trial ended right after end_profile_step
+    assert m["latency"] <= max(sum(w[START:END + 1]) / (END - START + 1) for w in watches) * 1.0001
+    plain = max(sum(w[START:END]) / (END - START) for w in watches)
+    assert 0.5 * plain <= m["latency"] <= 3.0 * plain  # catches s-vs-ms and per-sample mistakes
+    # throughput in samples/s over both ranks: micro-batch 2 x 2 ranks per step
+    assert m["throughput"] == pytest.approx(2 * 2 / (m["latency"] / 1000), rel=1e-9)
+    # FLOPS per rank per second: 3 x the forward FLOPs of one step on one rank, over the step time
+    assert m["FLOPS_per_gpu"] * m["latency"] / 1000 == pytest.approx(3 * FWD_FLOPS_PER_EXAMPLE * 2, rel=1e-9)
+    assert results[1].profile is None
+
+
+def test_pipeline_engine_metrics(trials):
+    trials_dir, results = trials
+    m = ok(results[2])
+    # 2 micro-batches per train_batch(): stage 0 sleeps 10 ms forward and 5 ms backward in each
+    assert m["forward"] >= 2 * 10 and m["backward"] >= 2 * 5
+    assert m["latency"] >= m["forward"] + m["backward"]
+    watches = [stopwatch(trials_dir, 2, rank) for rank in (0, 1)]
+    assert m["latency"] <= max(sum(w[START:END + 1]) / (END - START + 1) for w in watches) * 1.0001
+    # train_batch_size = 2 x 2 micro-batches x data-parallel size 1
+    assert m["throughput"] == pytest.approx(4 / (m["latency"] / 1000), rel=1e-9)
+    # stage FLOPs averaged over the 2 ranks: together one model, 4 examples per step
+    assert m["FLOPS_per_gpu"] * m["latency"] / 1000 == pytest.approx(3 * FWD_FLOPS_PER_EXAMPLE * 4 / 2, rel=1e-9)
+
+
+def test_profiling_trial_reports_the_model_under_zero3(trials):
+    trials_dir, results = trials
+    ok(results[0])
+    info = ProfileInfo.from_json(results[0].profile)
+    assert info.num_params == 16 * 32 + 32 + 32 * 4 + 4 == 676  # ZeRO-3: ds_numel, not the empty placeholders
+    assert info.trainable_params == 672                         # the frozen bias
+    assert info.activation_bytes_per_example == 272             # (32 + 32 + 4) float32 leaf outputs
+    assert info.memory_per_slot == 8 * GIB                      # the CPU budget from the contract
+    assert 50 * 1024 ** 2 < info.baseline_bytes < 4 * GIB       # interpreter + torch + DeepSpeed
+    assert info.half_precision is False and info.device == "cpu"
+    written = json.loads((trials_dir / "trial_0" / "result.json").read_text())
+    assert written["status"] == "ok" and written["profile"] == results[0].profile
+
+
+def test_out_of_memory_inside_the_step_is_reported(trials):
+    # Mocked: torch.cuda.OutOfMemoryError raised on rank 1 at step 4 (no GPU here).
+    trials_dir, results = trials
+    r = results[3]
+    assert r.status is TrialStatus.OOM and "CUDA out of memory" in r.error and "(mocked)" in r.error
+    written = json.loads((trials_dir / "trial_3" / "result.json").read_text())
+    assert written["status"] == "oom" and written["trial_id"] == 3
+    # rank 1 ended inside step 4 (os._exit, no teardown): steps 0..3 are all its stopwatch saw
+    assert len(stopwatch(trials_dir, 3, 1)) == 4
+
+
+def test_out_of_memory_before_the_loop_is_reported(trials):
+    # Mocked: torch.cuda.OutOfMemoryError raised on rank 0 before deepspeed.initialize, outside any
+    # step: the excepthook installed by importing toolkit in a trial reports it.
+    trials_dir, results = trials
+    r = results[5]
+    assert r.status is TrialStatus.OOM and "while placing the model (mocked)" in r.error
+    assert not (trials_dir / "trial_5" / "stopwatch0.json").exists()
+
+
+def test_a_loop_too_short_for_the_profile_window_fails_with_its_reason(trials):
+    _, results = trials
+    r = results[4]
+    assert r.status is TrialStatus.FAILED
+    assert "stopped after 4 step(s)" in r.error and "end_profile_step=5" in r.error
+
+
+class Untouchable:
+    """An engine that fails the test if anything reads or calls it."""
+
+    touched = []
+
+    def __getattribute__(self, name):
+        Untouchable.touched.append(name)
+        raise AssertionError(f"engine.{name} was touched outside a trial")
+
+
+def test_outside_a_trial_it_is_a_shared_no_op(monkeypatch):
+    monkeypatch.delenv("TOOLKIT_DSAT_TRIAL", raising=False)
+    reporting._reset_for_tests()
+    engine = Untouchable()
+    first = dsat_reporting_context(engine, steps_completed=0)
+    assert dsat_reporting_context(engine, steps_completed=10 ** 6) is first
+    with first as value:
+        assert value is None
+    assert Untouchable.touched == []
+    # The cost, measured (not asserted: timings are for benchmarks)
+    per_call = min(timeit.repeat(lambda: dsat_reporting_context(engine, steps_completed=1), number=20000,
+                                 repeat=3)) / 20000
+    print(f"\ndsat_reporting_context outside a trial: {per_call * 1e9:.0f} ns per call")
+
+
+def test_the_environment_is_read_once_per_process(monkeypatch, tmp_path):
+    monkeypatch.delenv("TOOLKIT_DSAT_TRIAL", raising=False)
+    reporting._reset_for_tests()
+    assert dsat_reporting_context(object(), steps_completed=0) is dsat_reporting_context(object(), steps_completed=1)
+    monkeypatch.setenv("TOOLKIT_DSAT_TRIAL", str(tmp_path / "missing.json"))
+    # memoised: setting the variable later in the same process changes nothing
+    assert dsat_reporting_context(object(), steps_completed=0) is reporting._NOOP
+    reporting._reset_for_tests()
+    with pytest.raises(RuntimeError, match="cannot read the trial contract"):
+        dsat_reporting_context(object(), steps_completed=0)
+    reporting._reset_for_tests()
+
+
+def test_instrumentation_overrides_only_switch_off_competing_profilers():
+    overrides = instrumentation_overrides(TrialContract(1, "r.json", START, END, profile=True))
+    assert overrides == {"flops_profiler": {"enabled": False}, "autotuning": {"enabled": False}}

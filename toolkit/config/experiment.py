@@ -1,0 +1,304 @@
+"""Experiment configs (the Determined-compatible ``deepspeed.yaml``) and hyperparameters.
+
+An experiment config looks like this (every key optional unless a tool needs it)::
+
+    name: cifar-zero1
+    entrypoint: python3 train.py            # or a list: [python3, train.py]
+    resources:
+      slots_per_trial: 2
+    searcher:
+      metric: loss
+      smaller_is_better: true
+      max_length: 500                       # or {batches: 500}
+    checkpoint_storage:
+      storage_path: checkpoints
+    hyperparameters:
+      deepspeed_config: ds_config.json
+      overwrite_deepspeed_args:
+        train_micro_batch_size_per_gpu: 16
+
+Inside a dsat trial, :func:`get_hparams` returns the trial's hyperparameters instead: the
+autotuner writes them to a JSON file and passes its path in the environment variable
+``TOOLKIT_TRIAL_HPARAMS`` (:data:`TRIAL_HPARAMS_ENV`). A script therefore runs unchanged as a
+trial or on its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV, TRIAL_HPARAMS_ENV
+from toolkit.errors import ConfigError
+
+__all__ = [
+    "ConfigWarning",
+    "TRIAL_HPARAMS_ENV",
+    "EXPERIMENT_CONFIG_ENV",
+    "OUTPUT_DIR_ENV",
+    "get_output_dir",
+    "load_experiment_config",
+    "get_hparams",
+    "max_length_steps",
+    "entrypoint_argv",
+    "warn_unknown_keys",
+]
+
+_TOP_LEVEL = ("name", "description", "entrypoint", "resources", "hyperparameters", "searcher",
+              "checkpoint_storage", "max_restarts", "labels", "environment")
+_RESOURCES = ("slots_per_trial",)
+_SEARCHER = ("name", "metric", "smaller_is_better", "max_length")
+
+
+class ConfigWarning(UserWarning):
+    """An unknown key in a config: probably a typo; the message suggests the closest known key."""
+
+
+def warn_unknown_keys(mapping: Mapping[str, Any], known: tuple[str, ...] | frozenset[str], *,
+                      where: str) -> list[str]:
+    """Warn once per unknown key, suggesting the closest known one. Any rank.
+
+    Returns:
+        The warning messages (also emitted as :class:`ConfigWarning`).
+    """
+    messages = []
+    for key in mapping:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.75)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        message = f"unknown key {where}{key!r} is ignored{hint}"
+        warnings.warn(message, ConfigWarning, stacklevel=3)
+        messages.append(message)
+    return messages
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def _check_experiment(config: Any, source: str) -> None:
+    problems: list[str] = []
+    if not isinstance(config, dict):
+        raise ConfigError(f"the file must hold a mapping of keys (name, entrypoint, ...), "
+                          f"got {_type_name(config)}: {config!r:.80}", source=source)
+    warn_unknown_keys(config, _TOP_LEVEL, where="")
+
+    for key in ("name", "description"):
+        if key in config and not isinstance(config[key], str):
+            problems.append(f"{key}={config[key]!r}: expected a string, got {_type_name(config[key])}")
+
+    if "entrypoint" in config:
+        ep = config["entrypoint"]
+        if isinstance(ep, str):
+            if not ep.strip():
+                problems.append("entrypoint='': expected a command such as 'python3 train.py'")
+        elif isinstance(ep, list):
+            if not ep or not all(isinstance(part, str) and part for part in ep):
+                problems.append(f"entrypoint={ep!r}: expected a non-empty list of non-empty strings")
+        else:
+            problems.append(f"entrypoint={ep!r}: expected a string or a list of strings, "
+                            f"got {_type_name(ep)}")
+
+    resources = config.get("resources")
+    if resources is not None:
+        if not isinstance(resources, dict):
+            problems.append(f"resources={resources!r}: expected a mapping such as {{slots_per_trial: 2}}")
+        else:
+            warn_unknown_keys(resources, _RESOURCES, where="resources.")
+            slots = resources.get("slots_per_trial")
+            if "slots_per_trial" in resources and (not _is_int(slots) or slots < 1):
+                problems.append(f"resources.slots_per_trial={slots!r}: expected an integer >= 1")
+
+    hparams = config.get("hyperparameters")
+    if hparams is not None and not isinstance(hparams, dict):
+        problems.append(f"hyperparameters={hparams!r:.80}: expected a mapping of names to values")
+    elif isinstance(hparams, dict):
+        for name, value in hparams.items():
+            if isinstance(value, dict) and "type" in value and set(value) - {"type", "val"} \
+                    and value.get("type") in ("int", "double", "log", "categorical"):
+                problems.append(
+                    f"hyperparameters.{name} has type {value['type']!r}: toolkit runs single trials "
+                    "and does not search hyperparameters; give a plain value (or {type: const, val: ...})")
+
+    searcher = config.get("searcher")
+    if searcher is not None:
+        if not isinstance(searcher, dict):
+            problems.append(f"searcher={searcher!r}: expected a mapping with metric, smaller_is_better, "
+                            "max_length")
+        else:
+            warn_unknown_keys(searcher, _SEARCHER, where="searcher.")
+            if "metric" in searcher and (not isinstance(searcher["metric"], str) or not searcher["metric"]):
+                problems.append(f"searcher.metric={searcher['metric']!r}: expected a metric name")
+            if "smaller_is_better" in searcher and not isinstance(searcher["smaller_is_better"], bool):
+                problems.append(f"searcher.smaller_is_better={searcher['smaller_is_better']!r}: "
+                                "expected true or false")
+            if "max_length" in searcher:
+                try:
+                    max_length_steps(config)
+                except ConfigError as err:
+                    problems.extend(err.problems)
+
+    storage = config.get("checkpoint_storage")
+    if storage is not None:
+        if not isinstance(storage, dict):
+            problems.append(f"checkpoint_storage={storage!r}: expected a mapping such as "
+                            "{storage_path: checkpoints}")
+        else:
+            for key in ("storage_path", "host_path"):
+                if key in storage and (not isinstance(storage[key], str) or not storage[key]):
+                    problems.append(f"checkpoint_storage.{key}={storage[key]!r}: expected a directory path")
+            if "save_trial_latest" in storage and (not _is_int(storage["save_trial_latest"])
+                                                   or storage["save_trial_latest"] < 0):
+                problems.append(f"checkpoint_storage.save_trial_latest={storage['save_trial_latest']!r}: "
+                                "expected an integer >= 0")
+    if problems:
+        raise ConfigError(problems, source=source)
+
+
+def _unwrap_const(hparams: dict[str, Any]) -> dict[str, Any]:
+    """Determined's ``{type: const, val: X}`` hyperparameters become plain ``X``."""
+    out = {}
+    for name, value in hparams.items():
+        if isinstance(value, dict) and value.get("type") == "const" and set(value) == {"type", "val"}:
+            value = value["val"]
+        out[name] = copy.deepcopy(value)
+    return out
+
+
+def load_experiment_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Load and check an experiment YAML. Any rank.
+
+    Args:
+        path: the YAML file (``yaml.safe_load``: no Python objects are constructed).
+
+    Returns:
+        A new dict. Hyperparameters written as ``{type: const, val: X}`` are unwrapped to ``X``.
+
+    Raises:
+        FileNotFoundError: the file does not exist (the message gives the absolute path).
+        ConfigError: malformed YAML (with line and column) or wrong types and impossible
+            values, all listed, each naming its key. Unknown keys only warn (:class:`ConfigWarning`).
+
+    Example:
+        >>> config = toolkit.load_experiment_config("examples/core_api/deepspeed.yaml")
+        >>> config["resources"]["slots_per_trial"]
+        2
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"experiment config {str(path)!r} not found (looked at {file.resolve()})")
+    try:
+        config = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"malformed YAML{where}: {getattr(err, 'problem', None) or err}",
+                          source=str(path)) from None
+    if config is None:
+        config = {}
+    _check_experiment(config, str(path))
+    config = copy.deepcopy(config)
+    if isinstance(config.get("hyperparameters"), dict):
+        config["hyperparameters"] = _unwrap_const(config["hyperparameters"])
+    return config
+
+
+def max_length_steps(config: Mapping[str, Any], default: int | None = None) -> int | None:
+    """``searcher.max_length`` as a number of steps (batches). Any rank.
+
+    Accepts ``max_length: 500`` and Determined's ``max_length: {batches: 500}``.
+
+    Raises:
+        ConfigError: any other form, or a number < 1.
+    """
+    searcher = config.get("searcher") or {}
+    if "max_length" not in searcher:
+        return default
+    raw = searcher["max_length"]
+    value = raw.get("batches") if isinstance(raw, dict) and set(raw) == {"batches"} else raw
+    if not _is_int(value) or value < 1:
+        raise ConfigError(f"searcher.max_length={raw!r}: expected a number of steps >= 1, "
+                          "e.g. 500 or {batches: 500}")
+    return value
+
+
+def entrypoint_argv(config: Mapping[str, Any]) -> list[str]:
+    """The experiment's ``entrypoint`` as an argv list (split like a POSIX shell, never run by one).
+
+    Raises:
+        ConfigError: the entrypoint is missing.
+    """
+    import shlex
+
+    ep = config.get("entrypoint")
+    if ep is None:
+        raise ConfigError("entrypoint is missing: expected e.g. 'entrypoint: python3 train.py'")
+    return list(ep) if isinstance(ep, list) else shlex.split(ep)
+
+
+def get_hparams(config_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """This run's hyperparameters. Any rank (every rank reads the same file).
+
+    Order of precedence:
+
+    1. inside a dsat trial, the trial's hyperparameters: the JSON file named by
+       ``TOOLKIT_TRIAL_HPARAMS`` (:data:`TRIAL_HPARAMS_ENV`);
+    2. the ``hyperparameters`` of ``config_path``;
+    3. the ``hyperparameters`` of the YAML named by ``TOOLKIT_EXPERIMENT_CONFIG``.
+
+    Returns:
+        A new dict (empty when the config has no hyperparameters).
+
+    Raises:
+        ConfigError: none of the three is available, or the file is malformed.
+
+    Example::
+
+        # torchrun --nproc_per_node 2 train.py   (or as a dsat trial: no change needed)
+        hparams = toolkit.get_hparams(Path(__file__).with_name("deepspeed.yaml"))
+    """
+    trial_file = os.environ.get(TRIAL_HPARAMS_ENV)
+    if trial_file:
+        try:
+            hparams = json.loads(Path(trial_file).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{TRIAL_HPARAMS_ENV}={trial_file!r}: file not found; it is set by the dsat "
+                              "trial runner, unset it to run outside a trial") from None
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{TRIAL_HPARAMS_ENV}={trial_file!r}: malformed JSON at line {err.lineno}, "
+                              f"column {err.colno}: {err.msg}") from None
+        if not isinstance(hparams, dict):
+            raise ConfigError(f"{TRIAL_HPARAMS_ENV}={trial_file!r}: expected a JSON object, "
+                              f"got {_type_name(hparams)}")
+        return hparams
+    if config_path is None:
+        config_path = os.environ.get(EXPERIMENT_CONFIG_ENV) or None
+    if config_path is None:
+        raise ConfigError("no hyperparameters: pass config_path (the experiment YAML), set "
+                          f"{EXPERIMENT_CONFIG_ENV}, or run as a dsat trial ({TRIAL_HPARAMS_ENV})")
+    config = load_experiment_config(config_path)
+    return config.get("hyperparameters") or {}
+
+
+def get_output_dir(default: str | os.PathLike[str]) -> Path:
+    """Where this run writes: ``$TOOLKIT_OUTPUT_DIR`` when set (dsat trials), else ``default``. Any rank.
+
+    Example::
+
+        # torchrun --nproc_per_node 2 train.py --output-dir runs/exp1
+        out = Path(args.output_dir) if args.output_dir else toolkit.get_output_dir("runs/exp1")
+    """
+    env = os.environ.get(OUTPUT_DIR_ENV)
+    return Path(env) if env else Path(default)

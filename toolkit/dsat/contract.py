@@ -1,0 +1,130 @@
+"""The contract between the autotuner and a trial: every ``TOOLKIT_*`` variable they share, the
+trial file, and the result file.
+
+The core library imports this module (``toolkit.get_hparams`` reads :data:`TRIAL_HPARAMS_ENV`,
+the reporting context reads :data:`TRIAL_ENV`); it imports nothing of the tuner.
+
+The environment of every trial process:
+
+``TOOLKIT_TRIAL_HPARAMS`` (:data:`TRIAL_HPARAMS_ENV`)
+    JSON file with the trial's hyperparameters: the experiment's hyperparameters, with
+    ``deepspeed_config`` set to the absolute path of the trial's complete DeepSpeed JSON and
+    ``overwrite_deepspeed_args`` removed (already merged). See :func:`toolkit.get_hparams`.
+``TOOLKIT_DSAT_TRIAL`` (:data:`TRIAL_ENV`)
+    JSON file describing the trial (:class:`TrialContract`): where to write the result, which
+    steps to profile, whether this is the profiling trial.
+``TOOLKIT_EXPERIMENT_CONFIG`` (:data:`EXPERIMENT_CONFIG_ENV`)
+    the experiment YAML.
+``TOOLKIT_OUTPUT_DIR`` (:data:`OUTPUT_DIR_ENV`)
+    where the run writes checkpoints and TensorBoard logs (the trial's own directory).
+``TOOLKIT_DSAT_RUN`` (:data:`RUN_ENV`)
+    marks every process of a dsat run, so that none outlives it.
+
+The result file (JSON, written atomically by the trial's chief, or by a rank that ran out of
+memory)::
+
+    {"trial_id": 3, "status": "ok" | "oom" | "failed", "metrics": {...METRICS...},
+     "profile": {...ProfileInfo...} | null, "error": "..." (oom / failed only)}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = [
+    "EXPERIMENT_CONFIG_ENV",
+    "METRICS",
+    "OOM_EXIT_STATUS",
+    "OUTPUT_DIR_ENV",
+    "RUN_ENV",
+    "TRIAL_ENV",
+    "TRIAL_HPARAMS_ENV",
+    "ProfileInfo",
+    "TrialContract",
+    "TrialStatus",
+]
+
+#: Path of a JSON file holding this trial's hyperparameters; set by the dsat trial runner.
+TRIAL_HPARAMS_ENV = "TOOLKIT_TRIAL_HPARAMS"
+#: Path of the experiment YAML; used by :func:`toolkit.get_hparams` when no path is passed.
+EXPERIMENT_CONFIG_ENV = "TOOLKIT_EXPERIMENT_CONFIG"
+#: Directory a run writes its checkpoints and TensorBoard logs to; set by dsat for each trial (its
+#: own trial directory) and for the full experiment, so they never touch the user's own runs.
+OUTPUT_DIR_ENV = "TOOLKIT_OUTPUT_DIR"
+#: Environment variable naming the trial's :class:`TrialContract` JSON file.
+TRIAL_ENV = "TOOLKIT_DSAT_TRIAL"
+#: Marks every process of one dsat run (its value: the run's id).
+RUN_ENV = "TOOLKIT_DSAT_RUN"
+#: Exit status of a trial process that ran out of memory (EX_TEMPFAIL: the config does not fit).
+OOM_EXIT_STATUS = 75
+
+#: Metrics a trial reports. Units: FLOPS_per_gpu in floating-point operations per second per
+#: rank; throughput in samples per second over all ranks; forward, backward and latency in
+#: milliseconds per training step (latency = the whole step: forward + backward + optimizer).
+METRICS = ("FLOPS_per_gpu", "throughput", "forward", "backward", "latency")
+
+
+
+class TrialStatus(str, enum.Enum):
+    """How a trial ended. Decided from exit status and the result file, never from logs."""
+
+    OK = "ok"              # result file with metrics, exit status 0
+    OOM = "oom"            # out of memory: CUDA OOM reported by the trial, or the CPU budget exceeded
+    FAILED = "failed"      # any other failure: non-zero exit, no or corrupt result file
+    TIMEOUT = "timeout"    # ran past the per-trial timeout; its process group was killed
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileInfo:
+    """What the profiling trial measured (micro-batch 1).
+
+    Attributes:
+        num_params: all parameters of the model.
+        trainable_params: parameters with ``requires_grad``.
+        activation_bytes_per_example: activation memory per example (bytes).
+        memory_per_slot: bytes available per slot: the GPU's total memory, or on CPU the
+            ``--memory-per-slot`` budget.
+        baseline_bytes: memory used per slot before any model state (CUDA context, or on CPU
+            the process's resident size of interpreter + libraries); the memory model subtracts it.
+        half_precision: fp16 or bf16 enabled in the user's config.
+        device: ``"cuda"`` or ``"cpu"``.
+    """
+
+    num_params: int
+    trainable_params: int
+    activation_bytes_per_example: int
+    memory_per_slot: int
+    baseline_bytes: int = 0
+    half_precision: bool = False
+    device: str = "cpu"
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "ProfileInfo":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialContract:
+    """The JSON file named by :data:`TRIAL_ENV`, read inside the trial's processes."""
+
+    trial_id: int
+    result_path: str
+    start_profile_step: int
+    end_profile_step: int
+    profile: bool = False
+    memory_per_slot: int | None = None
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=2), encoding="utf-8")
+
+    @classmethod
+    def read(cls, path: str | Path) -> "TrialContract":
+        return cls(**json.loads(Path(path).read_text(encoding="utf-8")))

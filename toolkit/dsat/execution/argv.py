@@ -1,0 +1,296 @@
+"""The argv that launches one dsat trial on this machine: pure logic, no processes.
+
+A trial is the experiment's own ``entrypoint`` (``python3 train.py --flag``) started on N local
+processes by torchrun or by DeepSpeed's launcher, with a master port of its own. Only
+:mod:`toolkit.dsat.execution.runner` spawns it.
+
+Decisions (documented here because tests compare argv lists exactly):
+
+* A leading Python interpreter (``python``, ``python3``, ``python3.11``, ``/usr/bin/python3``)
+  is dropped, together with a ``-u`` after it: both launchers start each rank with this
+  process's own interpreter (``sys.executable``). ``python3 -m pkg.train`` becomes the
+  launcher's module mode. Any other interpreter option is an error (the launchers cannot pass it on).
+* An entrypoint that is not Python (``./train.sh``, ``bash run.sh``) is started as is, through
+  the launcher's no-python mode.
+* An entrypoint that already names a launcher (``torchrun ...``, ``python3 -m
+  torch.distributed.run ...``, ``deepspeed ...``, ``python3 -m deepspeed.launcher.runner ...``)
+  is parsed with that launcher's own argument parser; its options (process counts, hosts,
+  ports) are replaced by the trial's, and its script, arguments and module / no-python mode
+  are kept. Determined's ``determined.launch.*`` wrappers are an error with a fix.
+* ``deepspeed`` runs ``deepspeed.launcher.launch`` directly, the per-node launcher that
+  DeepSpeed's ``deepspeed`` command itself runs for a single host: no hostfile lookup, no
+  ssh/pdsh, no device count (which is the number of NUMA nodes on CPU). ``--world_info``
+  lists the local slots (``{"localhost": [0, 1]}``, or the GPU ids of ``include``), which the
+  launcher writes into ``CUDA_VISIBLE_DEVICES`` of each rank. ``--no_local_rank``: the rank
+  comes from the environment (``LOCAL_RANK``), as under torchrun, so scripts need no
+  ``--local_rank`` argument.
+
+Across hosts (:func:`build_multihost_argv`, used when a trial's slots are on a host that is not
+this machine, see :mod:`toolkit.dsat.execution.hosts`):
+
+* ``pdsh``, ``openmpi``, ``mvapich``, ``mpich``, ``impi``: DeepSpeed's own multinode runner,
+  ``python -m deepspeed.launcher.runner --hostfile TRIAL_HOSTFILE`` with the trial's hosts only,
+  ``--master_addr`` its first host, ``--master_port`` its own port, ``--force_multi`` (a single
+  remote host would otherwise be started on this machine) and ``--no_local_rank``; under pdsh also
+  ``--include host:ids@host:ids`` (the slot ids, hence the GPUs, of each host; DeepSpeed's MPI
+  runners refuse ``--include`` and run one process per listed slot). ``ssh_port`` becomes
+  ``--ssh_port``.
+* ``srun`` (inside a Slurm allocation): ``srun --nodes N --ntasks T --ntasks-per-node K
+  --nodelist H1,H2 --exact --kill-on-bad-exit=1`` and the rendezvous address in ``--export``;
+  ranks read the Slurm variables (:mod:`toolkit.runtime.launch_env`). srun places tasks by count, so a
+  trial must have the same number of slots on each host (``place_trial(uniform=True)``).
+
+Example::
+
+    >>> build_trial_argv(["python3", "train.py", "--flag"], launcher="torchrun", nproc=2,
+    ...                  master_port=29511)[3:]
+    ['--nproc_per_node', '2', '--master_addr', '127.0.0.1', '--master_port', '29511', 'train.py', '--flag']
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import sys
+from typing import Mapping, Sequence
+
+from toolkit.errors import ConfigError
+
+__all__ = ["LAUNCHERS", "LOOPBACK", "MULTIHOST_LAUNCHERS", "build_trial_argv", "build_multihost_argv",
+           "build_remote_kill_argv", "world_info"]
+
+#: Launchers a trial can be started with.
+LAUNCHERS = ("torchrun", "deepspeed")
+#: Launchers of a trial across hosts: DeepSpeed's multinode runners, or ``srun``.
+MULTIHOST_LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "srun")
+#: The rendezvous address of a trial on this machine.
+LOOPBACK = "127.0.0.1"
+
+_PYTHON = re.compile(r"python(\d+(\.\d+)*)?")
+_TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+_DEEPSPEED_MODULES = ("deepspeed.launcher.runner",)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def world_info(include: str | None, nproc: int) -> str:
+    """DeepSpeed's ``--world_info``: base64 of ``{"localhost": [slot ids]}``. Any process.
+
+    Args:
+        include: ``"localhost:2,3"`` (DeepSpeed's ``--include`` syntax, one host) or None for
+            slots ``0..nproc-1``.
+        nproc: processes to start; must match the number of ids in ``include``.
+    """
+    if include is None:
+        slots = list(range(nproc))
+    else:
+        host, _, ids = include.partition(":")
+        if host != "localhost" or not ids or "@" in include:
+            raise ValueError(f"include={include!r}: expected 'localhost:ID[,ID...]' (one machine), "
+                             "e.g. 'localhost:0,1'")
+        try:
+            slots = [int(part) for part in ids.split(",")]
+        except ValueError:
+            raise ValueError(f"include={include!r}: slot ids must be integers, e.g. 'localhost:0,1'") from None
+        if len(slots) != nproc or len(set(slots)) != nproc or min(slots) < 0:
+            raise ValueError(f"include={include!r} names {len(set(slots))} distinct slot(s) >= 0, "
+                             f"but nproc={nproc}: give exactly one id per process")
+    payload = json.dumps({"localhost": slots}).encode("utf-8")
+    return base64.urlsafe_b64encode(payload).decode("utf-8")
+
+
+def _split_entrypoint(entrypoint: Sequence[str]) -> tuple[str, str, list[str]]:
+    """(mode, target, args) with mode "script", "module" or "exec" (not Python)."""
+    argv = list(entrypoint)
+    if _PYTHON.fullmatch(os.path.basename(argv[0])) or argv[0] == sys.executable:
+        rest = argv[1:]
+        while rest and rest[0] == "-u":
+            rest = rest[1:]
+        if not rest:
+            raise ConfigError(f"entrypoint={list(entrypoint)!r}: the interpreter has no script; "
+                              "expected e.g. 'python3 train.py'")
+        if rest[0] == "-m":
+            if len(rest) < 2:
+                raise ConfigError(f"entrypoint={list(entrypoint)!r}: '-m' needs a module name")
+            return "module", rest[1], rest[2:]
+        if rest[0].startswith("-"):
+            raise ConfigError(f"entrypoint={list(entrypoint)!r}: interpreter option {rest[0]!r} cannot be "
+                              "passed through the trial launcher; remove it (only -u and -m are understood)")
+        return "script", rest[0], rest[1:]
+    if argv[0].endswith(".py"):
+        return "script", argv[0], argv[1:]
+    return "exec", argv[0], argv[1:]
+
+
+def _unwrap_launcher(mode: str, target: str, args: list[str], entrypoint: Sequence[str]
+                     ) -> tuple[str, str, list[str]]:
+    """Strip a launcher named in the entrypoint, keeping its script, args and mode."""
+    name = os.path.basename(target)
+    if (mode == "exec" and name == "torchrun") or (mode == "module" and target in _TORCHRUN_MODULES):
+        from torch.distributed.run import get_args_parser  # heavy import, only for this case
+
+        parsed = get_args_parser().parse_args(args)
+        inner = "module" if parsed.module else "exec" if parsed.no_python else "script"
+        return inner, parsed.training_script, list(parsed.training_script_args)
+    if (mode == "exec" and name == "deepspeed") or (mode == "module" and target in _DEEPSPEED_MODULES):
+        from deepspeed.launcher.runner import parse_args  # heavy import, only for this case
+
+        parsed = parse_args(args)
+        inner = "module" if parsed.module else "exec" if parsed.no_python else "script"
+        return inner, parsed.user_script, list(parsed.user_args)
+    if mode == "module" and target.startswith("determined.launch"):
+        raise ConfigError(f"entrypoint={list(entrypoint)!r}: Determined's launcher {target!r} is not available "
+                          "here; give the script itself, e.g. 'python3 train.py' (dsat launches it)")
+    return mode, target, args
+
+
+def build_trial_argv(entrypoint: Sequence[str], *, launcher: str, nproc: int, master_port: int,
+                     include: str | None = None) -> list[str]:
+    """The argv that starts ``entrypoint`` on ``nproc`` local processes. Pure; any process.
+
+    Args:
+        entrypoint: the experiment's entrypoint as an argv list, e.g. ``["python3", "train.py"]``
+            (see :func:`toolkit.config.experiment.entrypoint_argv`).
+        launcher: ``"torchrun"`` or ``"deepspeed"``.
+        nproc: processes (slots) of the trial.
+        master_port: the trial's own rendezvous port on 127.0.0.1.
+        include: ``deepspeed`` only: the GPU ids as ``"localhost:2,3"``; under torchrun GPUs are
+            chosen with ``CUDA_VISIBLE_DEVICES`` alone, so passing it there is an error.
+
+    Returns:
+        A new argv list starting with ``sys.executable``; never run through a shell.
+
+    Raises:
+        ConfigError: the entrypoint cannot be launched (empty, interpreter options,
+            Determined's launcher).
+        ValueError: a bad ``launcher``, ``nproc``, ``master_port`` or ``include``.
+
+    Example::
+
+        argv = build_trial_argv(["python3", "train.py"], launcher="deepspeed", nproc=2,
+                                master_port=29512, include="localhost:0,1")
+        subprocess.Popen(argv, start_new_session=True)       # the runner does this
+    """
+    if isinstance(entrypoint, str) or not entrypoint or not all(isinstance(p, str) and p for p in entrypoint):
+        raise ConfigError(f"entrypoint={entrypoint!r}: expected a non-empty list of non-empty strings, "
+                          "e.g. ['python3', 'train.py']")
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher={launcher!r}: expected one of {', '.join(LAUNCHERS)}")
+    if not _is_int(nproc) or nproc < 1:
+        raise ValueError(f"nproc={nproc!r}: expected an integer >= 1")
+    if not _is_int(master_port) or not 1 <= master_port <= 65535:
+        raise ValueError(f"master_port={master_port!r}: expected an integer port in 1..65535")
+    if include is not None and launcher != "deepspeed":
+        raise ValueError(f"include={include!r} is only understood by the deepspeed launcher; under "
+                         "torchrun the runner selects GPUs with CUDA_VISIBLE_DEVICES")
+
+    mode, target, args = _unwrap_launcher(*_split_entrypoint(entrypoint), entrypoint)
+    if launcher == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_addr", LOOPBACK, "--master_port", str(master_port)]
+        argv += {"module": ["--module"], "exec": ["--no-python"], "script": []}[mode]
+    else:
+        argv = [sys.executable, "-m", "deepspeed.launcher.launch", f"--world_info={world_info(include, nproc)}",
+                f"--master_addr={LOOPBACK}", f"--master_port={master_port}", "--no_local_rank"]
+        argv += {"module": ["--module"], "exec": ["--no_python"], "script": []}[mode]
+    return argv + [target] + args
+
+
+def _check_placement(placement: Mapping[str, Sequence[int]]) -> None:
+    if not isinstance(placement, Mapping) or not placement:
+        raise ValueError(f"placement={placement!r}: expected a non-empty mapping host -> slot ids")
+    for host, ids in placement.items():
+        if not isinstance(host, str) or not host or any(c.isspace() or c in ",@:" for c in host):
+            raise ValueError(f"placement host {host!r}: expected a host name without spaces, ',', '@' or ':'")
+        if isinstance(ids, str) or not ids or not all(_is_int(i) and i >= 0 for i in ids) \
+                or len(set(ids)) != len(ids):
+            raise ValueError(f"placement {host!r}: {ids!r}, expected distinct slot ids >= 0")
+
+
+def build_multihost_argv(entrypoint: Sequence[str], *, placement: Mapping[str, Sequence[int]], via: str,
+                         master_port: int, hostfile: str | os.PathLike[str] | None = None,
+                         ssh_port: int | None = None, gpus: bool = False) -> list[str]:
+    """The argv that starts ``entrypoint`` on the hosts of ``placement``. Pure; any process.
+
+    Args:
+        entrypoint: as for :func:`build_trial_argv`.
+        placement: host -> slot ids, in rank order (from :func:`toolkit.dsat.execution.hosts.place_trial`).
+        via: one of :data:`MULTIHOST_LAUNCHERS`.
+        master_port: the trial's own rendezvous port on the first host.
+        hostfile: DeepSpeed runners only: a hostfile listing exactly the placement's hosts with
+            their slot counts (the runner writes one per trial).
+        ssh_port: DeepSpeed runners only: ssh port of the hosts (``--ssh_port``).
+        gpus: ``srun`` only: ask for the slots as GPUs (``--gpus-per-node``).
+
+    Returns:
+        A new argv list; never run through a shell.
+
+    Raises:
+        ConfigError: the entrypoint cannot be launched.
+        ValueError: a bad ``via``, ``placement``, ``master_port``, ``hostfile`` or ``ssh_port``;
+            under srun, unequal slot counts per host.
+
+    Example::
+
+        argv = build_multihost_argv(["python3", "train.py"], placement={"w0": [0, 1], "w1": [0, 1]},
+                                    via="pdsh", master_port=29512, hostfile="trial_7/hostfile")
+    """
+    if isinstance(entrypoint, str) or not entrypoint or not all(isinstance(p, str) and p for p in entrypoint):
+        raise ConfigError(f"entrypoint={entrypoint!r}: expected a non-empty list of non-empty strings, "
+                          "e.g. ['python3', 'train.py']")
+    if via not in MULTIHOST_LAUNCHERS:
+        raise ValueError(f"via={via!r}: expected one of {', '.join(MULTIHOST_LAUNCHERS)}")
+    _check_placement(placement)
+    if not _is_int(master_port) or not 1 <= master_port <= 65535:
+        raise ValueError(f"master_port={master_port!r}: expected an integer port in 1..65535")
+    if ssh_port is not None and (not _is_int(ssh_port) or not 1 <= ssh_port <= 65535):
+        raise ValueError(f"ssh_port={ssh_port!r}: expected an integer port in 1..65535, or None")
+    mode, target, args = _unwrap_launcher(*_split_entrypoint(entrypoint), entrypoint)
+    hosts = list(placement)
+    if via == "srun":
+        counts = {len(ids) for ids in placement.values()}
+        if len(counts) != 1:
+            raise ValueError(f"placement={dict(placement)!r}: srun starts the same number of tasks on every "
+                             "host; place the trial with place_trial(uniform=True)")
+        per_host = counts.pop()
+        argv = ["srun", f"--nodes={len(hosts)}", f"--ntasks={per_host * len(hosts)}",
+                f"--ntasks-per-node={per_host}", f"--nodelist={','.join(hosts)}", "--exact",
+                "--kill-on-bad-exit=1", f"--export=ALL,MASTER_ADDR={hosts[0]},MASTER_PORT={master_port}"]
+        if gpus:
+            argv.append(f"--gpus-per-node={per_host}")
+        command = {"module": [sys.executable, "-u", "-m", target], "exec": [target],
+                   "script": [sys.executable, "-u", target]}[mode]
+        return argv + command + args
+    if hostfile is None or not os.fspath(hostfile):
+        raise ValueError(f"via={via!r} needs the trial's hostfile (hostfile=None given)")
+    from toolkit.dsat.execution.hosts import format_include  # pure, no cycle at import time
+
+    argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", os.fspath(hostfile)]
+    if via == "pdsh":  # DeepSpeed's MPI runners refuse --include: their hostfile is the trial's alone
+        argv += ["--include", format_include(placement)]
+    argv += ["--master_addr", hosts[0], "--master_port", str(master_port), "--launcher", via,
+             "--force_multi", "--no_local_rank"]
+    if ssh_port is not None:
+        argv += ["--ssh_port", str(ssh_port)]
+    argv += {"module": ["--module"], "exec": ["--no_python"], "script": []}[mode]
+    return argv + [target] + args
+
+
+def build_remote_kill_argv(hosts: Sequence[str], *, master_port: int, ssh_port: int | None = None) -> list[str]:
+    """pdsh argv that stops one trial's DeepSpeed launchers on its hosts. Pure; any process.
+
+    DeepSpeed's runner, on SIGTERM, runs ``pkill -f`` on *every* ``deepspeed.launcher.launch``
+    of the hosts, other trials' too; this one matches only the launcher with the trial's own
+    ``--master_port`` (``[d]`` keeps the pattern from matching the remote shell running it).
+    ``deepspeed.launcher.launch`` stops its ranks on SIGTERM.
+    """
+    if isinstance(hosts, str) or not hosts or not all(isinstance(h, str) and h for h in hosts):
+        raise ValueError(f"hosts={hosts!r}: expected a non-empty list of host names")
+    if not _is_int(master_port) or not 1 <= master_port <= 65535:
+        raise ValueError(f"master_port={master_port!r}: expected an integer port in 1..65535")
+    pattern = f"'[d]eepspeed.launcher.launch.*--master_port={master_port}( |$)'"
+    return ["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts), "pkill", "-TERM", "-f", pattern]

@@ -1,0 +1,145 @@
+"""How a dsat trial ended, decided from its exit status and its result file, never from its logs.
+
+=========================================  ==============================================
+ran past ``timeout_s``                     TIMEOUT (all its processes killed)
+a worker's RSS above ``memory_per_slot``   OOM "RSS X MiB exceeded the memory budget ..."
+result ``"oom"``                           OOM (CUDA out of memory inside the trial)
+result ``"ok"`` with the 5 metrics, exit 0 OK (the profiling trial also needs its profile)
+unreadable or malformed result             FAILED "corrupt result file: ..."
+result ``"failed"``, exit 0                FAILED with the trial's own reason
+exit 0 and no result                       FAILED "exited 0 without a result file"
+any other exit                             FAILED "exit status N" / "killed by signal SIGX"
+=========================================  ==============================================
+
+The first two rows are the runner's verdicts (:mod:`toolkit.dsat.execution.runner`), passed to
+:func:`classify`. FAILED errors end with the last lines of the trial's stderr, for display only.
+Autotuner process only.
+
+Example::
+
+    result = classify(spec, directory=trial_dir, code=process.returncode, duration_s=12.5)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus
+from toolkit.dsat.search.types import TrialResult, TrialSpec
+
+__all__ = ["check_result", "classify", "exit_text", "stderr_tail"]
+
+logger = logging.getLogger(__name__)
+
+_STDERR_LINES = 5
+# The launcher's own epilogue (torchrun's ChildFailedError table) hides the worker's error.
+_LAUNCHER_EPILOGUE = ("] failed (exitcode:", "ChildFailedError", "exits with return code")
+
+
+def exit_text(code: int | None) -> str:
+    """``"exit status N"`` or ``"killed by signal SIGX"`` for a Popen return code (None: not reaped). Pure."""
+    if code is None:
+        return "its launcher had not exited by the end of the kill grace period"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def stderr_tail(path: Path) -> str:
+    """The last lines of a trial's stderr before its launcher's epilogue, as a suffix for an error ("" if none)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(fh.seek(0, os.SEEK_END) - 16384, 0))
+            text = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    lines = [line.rstrip()[:300] for line in text.splitlines() if line.strip()]
+    # The launcher's own epilogue (torchrun's ChildFailedError table) hides the worker's error.
+    ends = [i for i, line in enumerate(lines) if any(m in line for m in _LAUNCHER_EPILOGUE)]
+    if ends and ends[0] > 0:
+        lines = lines[:ends[0]]
+    lines = lines[-_STDERR_LINES:]
+    return ("\nlast lines of stderr:\n  " + "\n  ".join(lines)) if lines else ""
+
+
+def check_result(data: Any, spec: TrialSpec) -> str | None:
+    """What is wrong with a result file's content (parsed JSON) for ``spec``, or None. Pure."""
+    if not isinstance(data, dict):
+        return f"expected a JSON object, got {type(data).__name__}"
+    if data.get("trial_id") != spec.trial_id:
+        return f"trial_id={data.get('trial_id')!r}, expected {spec.trial_id}"
+    status = data.get("status")
+    if status not in ("ok", "oom", "failed"):
+        return f"status={status!r}, expected 'ok', 'oom' or 'failed'"
+    if status != "ok":
+        return None
+    metrics = data.get("metrics")
+    if not isinstance(metrics, dict):
+        return f"metrics={metrics!r:.80}, expected an object with {', '.join(METRICS)}"
+    for name in METRICS:
+        value = metrics.get(name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+            return f"metric {name}={value!r}: expected a finite number >= 0"
+    profile = data.get("profile")
+    if spec.profile or profile is not None:
+        try:
+            info = ProfileInfo.from_json(profile)
+        except (TypeError, AttributeError) as err:
+            return f"profile={profile!r:.120}: {err}"
+        counts = (info.num_params, info.trainable_params, info.activation_bytes_per_example, info.memory_per_slot,
+                  info.baseline_bytes)
+        if not all(type(n) is int and n >= 0 for n in counts):  # parsed JSON: bool is its only int subclass
+            return f"profile={profile!r:.200}: expected integer counts >= 0"
+    return None
+
+
+def classify(spec: TrialSpec, *, directory: Path, code: int | None, duration_s: float,
+             verdict: tuple[TrialStatus, str] | None = None) -> TrialResult:
+    """How a trial ended, from the runner's verdict, its exit status and its result file.
+
+    Autotuner process only; reads ``directory/result.json`` and, for a FAILED trial, the tail
+    of ``directory/stderr.log`` (display only: the decision never depends on it).
+
+    Args:
+        spec: the trial.
+        directory: the trial's directory.
+        code: the launcher's exit status (negative: killed by that signal); None when it was
+            not reaped within the grace period (never an OK outcome).
+        duration_s: wall time from start to end.
+        verdict: the runner's own ruling (timeout, memory budget), which takes precedence.
+    """
+    def result(status: TrialStatus, error: str | None = None, **kw: Any) -> TrialResult:
+        if status is TrialStatus.FAILED and error is not None:
+            error += stderr_tail(directory / "stderr.log")
+        logger.info("trial %d ended: %s%s", spec.trial_id, status.value, f" ({error})" if error else "")
+        return TrialResult(spec, status, duration_s=duration_s, error=error, **kw)
+
+    if verdict is not None:
+        return result(*verdict)
+    path = directory / "result.json"
+    if not path.exists():
+        return result(TrialStatus.FAILED, "exited 0 without a result file" if code == 0 else exit_text(code))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return result(TrialStatus.FAILED, f"corrupt result file: {err}")
+    problem = check_result(data, spec)
+    if problem is not None:
+        return result(TrialStatus.FAILED, f"corrupt result file: {problem}")
+    if data["status"] == "oom":
+        return result(TrialStatus.OOM, str(data.get("error") or "out of memory (reported by the trial)"))
+    if data["status"] == "failed":  # the trial's own reason; an exit status says more if there is one
+        return result(TrialStatus.FAILED, exit_text(code) if code else str(data.get("error") or "failed"))
+    if code != 0:
+        return result(TrialStatus.FAILED, f"{exit_text(code)} (after writing its result)")
+    metrics = {name: float(data["metrics"][name]) for name in METRICS}
+    return result(TrialStatus.OK, metrics=metrics, profile=data.get("profile"))

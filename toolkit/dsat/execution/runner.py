@@ -1,0 +1,419 @@
+"""Run dsat trials as real processes: launch, watch, classify, and leave nothing behind.
+
+The only module of toolkit that spawns processes. Each trial is the experiment's entrypoint
+started by torchrun or DeepSpeed's launcher (:func:`toolkit.dsat.execution.argv.build_trial_argv`)
+on its slots, in ``output_dir/trials/trial_<id>/`` with::
+
+    ds_config.json   the trial's complete DeepSpeed config
+    hparams.json     the experiment's hyperparameters, deepspeed_config -> ds_config.json
+    trial.json       the TrialContract read by dsat_reporting_context
+    stdout.log, stderr.log, result.json (written by the trial)
+    output/          the trial's own output directory (TOOLKIT_OUTPUT_DIR, see toolkit.get_output_dir);
+                     emptied when the trial id is started again
+
+Every process of a trial carries ``TOOLKIT_DSAT_TRIAL=<abs path of trial.json>`` in its
+environment. That mark, not the process group, is how its processes are found: torchrun starts
+each worker in a session of its own, so killing torchrun's group misses them, and a torchrun
+killed with SIGKILL leaves them orphaned. A trial's processes are those whose
+``/proc/<pid>/environ`` carries its mark, plus every descendant of its launcher
+(``/proc/<pid>/stat``). They get SIGTERM, then SIGKILL after a grace period, until none is left.
+
+How a trial ended is decided by :func:`toolkit.dsat.execution.classify.classify` (its table), from the exit
+status and the result file, never from the logs. A trial's workers (the processes with
+``LOCAL_RANK`` set, and their children; not the launcher, nor a fork of it before its exec) are
+held to ``memory_per_slot`` by polling their RSS in :meth:`TrialRunner.wait`.
+:func:`run_to_completion` runs a job that is not a trial (the full experiment) with the same care.
+
+Example::
+
+    with TrialRunner(settings, output_dir=out) as runner:       # Ctrl-C: nothing is left running
+        runner.start(spec, ds_config=cfg, hparams=hparams)
+        for result in runner.wait():
+            print(result.status, result.metrics)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from toolkit.dsat.contract import OUTPUT_DIR_ENV, TRIAL_ENV, TRIAL_HPARAMS_ENV, TrialContract, TrialStatus
+from toolkit.dsat.execution.argv import (
+    LOOPBACK,
+    build_multihost_argv,
+    build_remote_kill_argv,
+    build_trial_argv,
+)
+from toolkit.dsat.execution.classify import classify
+from toolkit.dsat.execution.hosts import format_include, is_local_host, place_trial
+from toolkit.dsat.execution.procs import (
+    RUN_ENV,
+    block_interrupts,
+    find_trial_processes,
+    free_port,
+    is_rank_process,
+    kill_until_gone,
+    rss_bytes,
+    run_to_completion,
+    scan_processes,
+    unblock_interrupts,
+)
+from toolkit.dsat.execution.settings import RunnerSettings
+from toolkit.dsat.search.types import TrialResult, TrialSpec
+from toolkit.runtime.ds_shm import remove_buffers
+
+__all__ = ["RunnerSettings", "TrialRunner", "find_trial_processes", "free_port", "run_to_completion", "RUN_ENV"]
+
+logger = logging.getLogger(__name__)
+
+_MIB = 1024 * 1024
+
+
+def _device_ids(gpus: tuple[int, ...] | None) -> dict[int, str] | None:
+    """gpus (this process's numbering) -> the values to put in a trial's CUDA_VISIBLE_DEVICES."""
+    if gpus is None:
+        return None
+    visible = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    if "CUDA_VISIBLE_DEVICES" not in os.environ:
+        return {g: str(g) for g in gpus}
+    missing = [g for g in gpus if g >= len(visible)]
+    if missing:
+        raise ValueError(f"gpus={gpus} but CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} makes only "
+                         f"{len(visible)} GPU(s) visible (indices 0..{len(visible) - 1}); gpus are indices into it")
+    return {g: visible[g] for g in gpus}
+
+
+@dataclasses.dataclass
+class _Trial:
+    spec: TrialSpec
+    directory: Path
+    mark: str       # the trial's TOOLKIT_DSAT_TRIAL value
+    process: subprocess.Popen
+    gpus: tuple[int, ...] | None
+    port: int
+    started: float
+    verdict: tuple[TrialStatus, str] | None = None
+    placement: dict[str, tuple[int, ...]] | None = None   # with hosts: host -> slot ids
+    via: str | None = None                                 # the multihost launcher; None: local
+
+
+def _without(free: Mapping[str, tuple[int, ...]], placement: Mapping[str, Iterable[int]]
+             ) -> dict[str, tuple[int, ...]]:
+    """``free`` (host -> slot ids) less the slots of ``placement``; a new dict. Pure."""
+    return {h: tuple(i for i in ids if i not in placement.get(h, ())) for h, ids in free.items()}
+
+
+class TrialRunner:
+    """Launches trials within the slot and concurrency caps and reports how each ended.
+
+    Use it from one process (the autotuner's; no collectives, not on training ranks), as a
+    context manager; :meth:`shutdown` (also on ``__exit__``) kills every trial's processes and is
+    safe to call twice or from a signal handler. Processes left marked under ``output_dir`` by an
+    autotuner that was killed outright (SIGKILL) are killed on construction, before ``--resume``
+    starts new trials beside them.
+    """
+
+    def __init__(self, settings: RunnerSettings, *, output_dir: Path) -> None:
+        if not isinstance(settings, RunnerSettings):
+            raise TypeError(f"settings must be a RunnerSettings, got {type(settings).__name__}")
+        self.settings = settings
+        self.trials_dir = Path(output_dir).resolve() / "trials"
+        self.trials_dir.mkdir(parents=True, exist_ok=True)
+        self._running: dict[int, _Trial] = {}
+        self._free_gpus = list(settings.gpus) if settings.gpus is not None else None
+        self._device_ids = _device_ids(settings.gpus)
+        self._free_slots = ({h.name: tuple(range(h.slots)) for h in settings.hosts}
+                            if settings.hosts is not None else None)
+        self._closed = False
+        leftovers = find_trial_processes(f"{self.trials_dir}{os.sep}", prefix=True)
+        if leftovers:
+            logger.warning("killing %d process(es) left by an earlier run of trials in %s: %s", len(leftovers),
+                           self.trials_dir, sorted(leftovers))
+            self._terminate([], sweep=True)
+
+    def __enter__(self) -> "TrialRunner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def running(self) -> int:
+        """Trials started and not yet returned by :meth:`wait`. Autotuner process only."""
+        return len(self._running)
+
+    def capacity(self) -> int:
+        """How many more trials may start now (0 after :meth:`shutdown`). Autotuner process only."""
+        if self._closed:
+            return 0
+        s = self.settings
+        free_slots = s.max_slots - s.slots_per_trial * len(self._running)
+        count = max(0, min(s.max_concurrent - len(self._running), free_slots // s.slots_per_trial))
+        if self._free_slots is not None:  # what placement allows: slots of a host are not pooled
+            free, placed = dict(self._free_slots), 0
+            while placed < count:
+                chosen = place_trial(free, s.slots_per_trial, uniform=s.multihost_launcher == "srun")
+                if chosen is None:
+                    break
+                free = _without(free, chosen)
+                placed += 1
+            count = placed
+        return count
+
+    def start(self, spec: TrialSpec, *, ds_config: Mapping[str, Any], hparams: Mapping[str, Any]) -> None:
+        """Launch one trial on free slots; returns at once. Autotuner process only.
+
+        Args:
+            spec: the trial; ``spec.trial_id`` names its directory (files of an earlier run of
+                the same id are replaced, its stale result removed).
+            ds_config: the trial's complete DeepSpeed config (written, not changed).
+            hparams: the experiment's hyperparameters; written with ``deepspeed_config`` set to
+                the trial's ``ds_config.json`` and without ``overwrite_deepspeed_args``.
+
+        Raises:
+            RuntimeError: no capacity (call :meth:`wait` first) or the runner was shut down.
+            ValueError: a trial with this id is running.
+        """
+        s = self.settings
+        if self._closed:
+            raise RuntimeError("the trial runner was shut down; make a new one")
+        if spec.trial_id in self._running:
+            raise ValueError(f"trial {spec.trial_id} is already running; trial ids must be unique")
+        if self.capacity() < 1:
+            raise RuntimeError(f"no free capacity: {len(self._running)} trial(s) running on "
+                               f"{len(self._running) * s.slots_per_trial} of {s.max_slots} slots "
+                               f"(max_concurrent={s.max_concurrent}); call wait() first")
+        directory = self.trials_dir / f"trial_{spec.trial_id}"
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob("result.json*"):
+            stale.unlink(missing_ok=True)
+        shutil.rmtree(directory / "output", ignore_errors=True)  # no checkpoint of an earlier run to resume
+        ds_path, hp_path, contract_path = (directory / n for n in ("ds_config.json", "hparams.json", "trial.json"))
+        ds_path.write_text(json.dumps(ds_config, indent=2), encoding="utf-8")
+        trial_hparams = copy.deepcopy(dict(hparams))
+        trial_hparams.pop("overwrite_deepspeed_args", None)
+        trial_hparams["deepspeed_config"] = str(ds_path)
+        hp_path.write_text(json.dumps(trial_hparams, indent=2), encoding="utf-8")
+        TrialContract(trial_id=spec.trial_id, result_path=str(directory / "result.json"),
+                      start_profile_step=s.start_profile_step, end_profile_step=s.end_profile_step,
+                      profile=spec.profile, memory_per_slot=s.memory_per_slot).write(contract_path)
+
+        gpus = placement = via = None
+        if self._free_slots is not None:
+            placement = place_trial(self._free_slots, s.slots_per_trial, uniform=s.multihost_launcher == "srun")
+            if placement is None:  # capacity() >= 1 said it fits: a bug if reached
+                raise RuntimeError(f"trial {spec.trial_id} does not fit the free slots {self._free_slots}")
+            self._take(placement)
+            if not all(is_local_host(h) for h in placement):
+                via = s.multihost_launcher
+            elif s.gpus is not None and len(placement) == 1:  # this machine: slot ids are its GPU ids
+                gpus = next(iter(placement.values()))
+        elif self._free_gpus is not None:
+            gpus, self._free_gpus = tuple(self._free_gpus[:s.slots_per_trial]), self._free_gpus[s.slots_per_trial:]
+        try:
+            env = dict(os.environ)
+            # OUTPUT_DIR_ENV: the trial's own checkpoints and logs (toolkit.get_output_dir), never shared
+            # with a concurrent trial or picked up by a later one as something to resume from.
+            env.update({TRIAL_HPARAMS_ENV: str(hp_path), TRIAL_ENV: str(contract_path), "PYTHONUNBUFFERED": "1",
+                        OUTPUT_DIR_ENV: str(directory / "output")})
+            # Trials share the cores: without a limit every rank starts one OpenMP thread per core.
+            env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // s.max_slots)))
+            include = None
+            if gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(self._device_ids.get(g, str(g)) for g in gpus)
+                if s.launcher == "deepspeed":  # it sets CUDA_VISIBLE_DEVICES of each rank from these
+                    include = f"localhost:{env['CUDA_VISIBLE_DEVICES']}"
+            port = self._free_port()
+            if via is None:
+                argv = build_trial_argv(list(s.entrypoint), launcher=s.launcher, nproc=s.slots_per_trial,
+                                        master_port=port, include=include)
+            else:
+                argv = self._multihost_argv(directory, placement, via, port, env)
+            if placement is not None:
+                (directory / "placement.json").write_text(json.dumps({
+                    "hosts": {h: list(ids) for h, ids in placement.items()}, "launch": via or "local",
+                    "include": format_include(placement), "master_port": port, "argv": argv}, indent=2),
+                    encoding="utf-8")
+            with open(directory / "stdout.log", "wb") as out, open(directory / "stderr.log", "wb") as err:
+                process = subprocess.Popen(argv, cwd=s.model_dir, env=env, stdin=subprocess.DEVNULL,
+                                           stdout=out, stderr=err, start_new_session=True)
+        except BaseException:
+            if placement is not None:
+                self._give_back(placement)
+            elif gpus is not None:
+                self._free_gpus = sorted(self._free_gpus + list(gpus))
+            raise
+        self._running[spec.trial_id] = _Trial(spec, directory, str(contract_path), process, gpus,
+                                              port, time.monotonic(), placement=placement, via=via)
+        logger.info("trial %d started (pid %d, port %d%s%s): %s", spec.trial_id, process.pid, port,
+                    f", GPUs {gpus}" if gpus else "", f", hosts {format_include(placement)}" if placement else "",
+                    " ".join(argv))
+
+    def wait(self, timeout: float | None = None) -> list[TrialResult]:
+        """Block until at least one running trial has ended, or ``timeout`` seconds. Autotuner process only.
+
+        Trials past their timeout or over the memory budget are killed here, so call it
+        whenever the autotuner has nothing else to do. Returns at once with ``[]`` when no
+        trial is running.
+
+        Returns:
+            The results of the trials that ended (each returned once), possibly empty.
+        """
+        end = None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
+        while True:
+            finished = self._poll()
+            if finished or not self._running:
+                return finished
+            now = time.monotonic()
+            if end is not None and now >= end:
+                return []
+            time.sleep(self.settings.poll_s if end is None else max(min(self.settings.poll_s, end - now), 0.0))
+
+    def shutdown(self) -> None:
+        """Kill every running trial's processes and wait for them. Idempotent. Autotuner process only."""
+        self._closed = True
+        trials = list(self._running.values())
+        masked = block_interrupts()
+        try:
+            if trials:
+                logger.info("stopping %d running trial(s)", len(trials))
+            self._terminate(trials, sweep=True)
+            for trial in trials:
+                self._release(trial)
+        finally:
+            unblock_interrupts(masked)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _take(self, placement: Mapping[str, tuple[int, ...]]) -> None:
+        self._free_slots = _without(self._free_slots, placement)
+
+    def _give_back(self, placement: Mapping[str, tuple[int, ...]]) -> None:
+        self._free_slots = {h: tuple(sorted(set(ids) | set(placement.get(h, ()))))
+                            for h, ids in self._free_slots.items()}
+
+    def _multihost_argv(self, directory: Path, placement: Mapping[str, tuple[int, ...]], via: str, port: int,
+                        env: dict[str, str]) -> list[str]:
+        """Argv of a trial on other hosts; its hostfile and exported variables go to its directory.
+
+        DeepSpeed's runners pass on only some variables (PYTHON*, UCX*, ...) plus those of the
+        file named by ``DS_ENV_FILE``: the trial's marks, hyperparameters and output directory
+        go there, so every rank on every host carries them. srun exports everything.
+        """
+        s = self.settings
+        if via == "srun":
+            return build_multihost_argv(list(s.entrypoint), placement=placement, via=via, master_port=port,
+                                        gpus=s.gpus is not None)
+        hostfile = directory / "hostfile"
+        hostfile.write_text("".join(f"{h} slots={len(ids)}\n" for h, ids in placement.items()), encoding="utf-8")
+        exported = {k: env[k] for k in (TRIAL_HPARAMS_ENV, TRIAL_ENV, OUTPUT_DIR_ENV, "PYTHONUNBUFFERED",
+                                        "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "PATH") if k in env}
+        env_file = directory / "ds_env"
+        env_file.write_text("".join(f"{k}={v}\n" for k, v in exported.items()), encoding="utf-8")
+        env["DS_ENV_FILE"] = str(env_file)
+        if via == "pdsh":
+            env["PDSH_RCMD_TYPE"] = "ssh"
+        return build_multihost_argv(list(s.entrypoint), placement=placement, via=via, master_port=port,
+                                    hostfile=hostfile, ssh_port=s.ssh_port)
+
+    def _stop_remote(self, trial: _Trial) -> None:
+        """Stop a running pdsh trial on its hosts: only its own launchers (see build_remote_kill_argv).
+
+        DeepSpeed's runner is killed first with SIGKILL, because its SIGTERM handler would
+        ``pkill`` every DeepSpeed launcher on those hosts, other trials' included; the sweep of
+        :meth:`_terminate` then ends what is left on this machine (pdsh, ssh clients).
+        """
+        if trial.via != "pdsh" or trial.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            trial.process.kill()
+        argv = build_remote_kill_argv(list(trial.placement), master_port=trial.port, ssh_port=self.settings.ssh_port)
+        env = dict(os.environ, PDSH_RCMD_TYPE="ssh")
+        if self.settings.ssh_port is not None:
+            env["PDSH_SSH_ARGS_APPEND"] = f"{env.get('PDSH_SSH_ARGS_APPEND', '')} -p {self.settings.ssh_port}".strip()
+        try:
+            subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=max(self.settings.grace_s, 10.0), check=False)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            logger.warning("trial %d: stopping it on %s failed (%s); its ranks there may live on until their "
+                           "rendezvous times out", trial.spec.trial_id, ",".join(trial.placement), err)
+
+    def _free_port(self) -> int:
+        in_use = {t.port for t in self._running.values()}
+        for _ in range(100):
+            port = free_port()
+            if port not in in_use:
+                return port
+        raise RuntimeError("could not find a free TCP port on 127.0.0.1")
+
+    def _members(self, trial: _Trial, table: Mapping[int, tuple[int, bytes]]) -> set[int]:
+        # Once reaped, the launcher's pid may belong to someone else: then only the mark counts.
+        root = trial.process.pid if trial.process.returncode is None else None
+        return find_trial_processes(trial.mark, root=root, table=table)
+
+    def _terminate(self, trials: Iterable[_Trial], *, sweep: bool = False) -> bool:
+        """Kill the processes of ``trials`` until none is left.
+
+        ``sweep``: also every process marked with any trial under this runner's directory (one
+        started by a :meth:`start` that an interrupt cut short before it was recorded).
+        """
+        trials = list(trials)
+        for trial in trials:
+            self._stop_remote(trial)
+
+        def find(table: Mapping[int, tuple[int, bytes]]) -> set[int]:
+            alive = set().union(*(self._members(t, table) for t in trials))
+            if sweep:
+                alive |= find_trial_processes(f"{self.trials_dir}{os.sep}", prefix=True, table=table)
+            return alive
+        return kill_until_gone(find, grace_s=self.settings.grace_s, reap=[t.process for t in trials],
+                                what=f"trial(s) {[t.spec.trial_id for t in trials]}")
+
+    def _release(self, trial: _Trial) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            trial.process.wait(timeout=self.settings.grace_s)
+        if trial.via is None:  # ranks on this machine, rendezvous on 127.0.0.1 (see start)
+            # DeepSpeed never removes its CPU all-reduce segments; a trial that did not use
+            # toolkit.init_distributed, or died during start-up, leaves 69 MB per rank in /dev/shm.
+            remove_buffers(addr=LOOPBACK, port=trial.port)
+        if self._running.pop(trial.spec.trial_id, None) is not None:
+            if trial.placement is not None:
+                self._give_back(trial.placement)
+            elif trial.gpus is not None:
+                self._free_gpus = sorted(self._free_gpus + list(trial.gpus))
+
+    def _poll(self) -> list[TrialResult]:
+        s = self.settings
+        finished = []
+        table = scan_processes()
+        for trial in list(self._running.values()):
+            code = trial.process.poll()
+            if code is None:
+                if time.monotonic() - trial.started > s.timeout_s:
+                    trial.verdict = (TrialStatus.TIMEOUT, f"ran past the timeout of {s.timeout_s:g} s")
+                elif s.memory_per_slot is not None:
+                    for pid in self._members(trial, table) - {trial.process.pid}:
+                        if not is_rank_process(table[pid][1]):  # the launcher's fork before its exec
+                            continue
+                        rss = rss_bytes(pid)
+                        if rss > s.memory_per_slot:
+                            trial.verdict = (TrialStatus.OOM, f"RSS {rss / _MIB:.0f} MiB exceeded the memory "
+                                             f"budget {s.memory_per_slot / _MIB:.0f} MiB per slot")
+                            break
+                if trial.verdict is None:
+                    continue
+                logger.info("trial %d: %s; killing its processes", trial.spec.trial_id, trial.verdict[1])
+            # Ended, or to be ended: no process of it may outlive it (orphans in their own session too).
+            self._terminate([trial])
+            self._release(trial)
+            finished.append(classify(trial.spec, directory=trial.directory, code=trial.process.returncode,
+                                     duration_s=time.monotonic() - trial.started, verdict=trial.verdict))
+        return finished

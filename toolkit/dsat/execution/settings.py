@@ -1,0 +1,153 @@
+"""How dsat trials are launched and limited: :class:`RunnerSettings`, validated on construction.
+
+Pure data: nothing here spawns or touches a process (that is :mod:`toolkit.dsat.execution.runner`).
+Every problem is collected and raised once, as a :class:`~toolkit.errors.ConfigError`.
+
+Example::
+
+    settings = RunnerSettings(entrypoint=("python3", "train.py"), model_dir=Path("."),
+                              slots_per_trial=2, max_slots=2, max_concurrent=1, timeout_s=600)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from toolkit.dsat.execution.argv import LAUNCHERS, MULTIHOST_LAUNCHERS, build_trial_argv
+from toolkit.dsat.execution.hosts import Host, place_trial
+from toolkit.errors import ConfigError
+
+__all__ = ["RunnerSettings"]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerSettings:
+    """How trials are launched and limited. Validated on construction.
+
+    Attributes:
+        entrypoint: the experiment's entrypoint argv, e.g. ``("python3", "train.py")``.
+        model_dir: the trial's working directory (where the entrypoint lives).
+        slots_per_trial: processes (GPUs) per trial.
+        max_slots: slots in use at once, over all trials.
+        max_concurrent: trials running at once.
+        timeout_s: wall-clock limit of one trial, from its start.
+        launcher: ``"torchrun"`` or ``"deepspeed"``.
+        memory_per_slot: CPU budget in bytes per worker process, enforced on its RSS; None: none.
+        start_profile_step, end_profile_step: the timed steps (``steps_completed`` values, both
+            included; FLOPs are counted on the step before, so start >= 1).
+        gpus: the GPUs to hand out, numbered as this process sees them (``torch.cuda``
+            numbering): under an inherited ``CUDA_VISIBLE_DEVICES`` (Slurm sets one) index i
+            means its i-th entry. Each trial gets its share through ``CUDA_VISIBLE_DEVICES``.
+            None on CPU.
+        grace_s: SIGTERM-to-SIGKILL grace when killing a trial.
+        poll_s: how often running trials are checked (exit, timeout, memory).
+        hosts: the machines and their slots (``--hostfile`` or the Slurm allocation); None: this
+            machine alone (the single-machine path: ``max_slots`` local slots, no ssh). With
+            hosts, each trial is placed with :func:`toolkit.dsat.execution.hosts.place_trial` and records
+            its hosts in ``placement.json``; a trial whose hosts are all this machine (loopback
+            names, this host name) is started locally as without hosts, any other through
+            ``multihost_launcher``.
+        multihost_launcher: one of :data:`~toolkit.dsat.execution.argv.MULTIHOST_LAUNCHERS`.
+        ssh_port: ssh port of the hosts (DeepSpeed's runners), None for ssh's default.
+    """
+
+    entrypoint: tuple[str, ...]
+    model_dir: Path
+    slots_per_trial: int
+    max_slots: int
+    max_concurrent: int
+    timeout_s: float
+    launcher: str = "torchrun"
+    memory_per_slot: int | None = None
+    start_profile_step: int = 3
+    end_profile_step: int = 5
+    gpus: tuple[int, ...] | None = None
+    grace_s: float = 5.0
+    poll_s: float = 0.25
+    hosts: tuple[Host, ...] | None = None
+    multihost_launcher: str = "pdsh"
+    ssh_port: int | None = None
+
+    def __post_init__(self) -> None:
+        # Normalise containers (lists from argparse/YAML) before the checks; frozen, hence object.__setattr__.
+        if isinstance(self.entrypoint, (list, tuple)):
+            object.__setattr__(self, "entrypoint", tuple(self.entrypoint))
+        if isinstance(self.model_dir, (str, os.PathLike)):
+            object.__setattr__(self, "model_dir", Path(self.model_dir))
+        if isinstance(self.gpus, list):
+            object.__setattr__(self, "gpus", tuple(self.gpus))
+        if isinstance(self.hosts, list):
+            object.__setattr__(self, "hosts", tuple(self.hosts))
+        p: list[str] = []
+        ep = self.entrypoint
+        if not isinstance(ep, tuple) or not ep or not all(isinstance(x, str) and x for x in ep):
+            p.append(f"entrypoint={ep!r}: expected a non-empty list of strings, e.g. ('python3', 'train.py')")
+        if not isinstance(self.model_dir, Path) or not self.model_dir.is_dir():
+            p.append(f"model_dir={str(self.model_dir)!r}: expected an existing directory (the entrypoint's)")
+        for name in ("slots_per_trial", "max_slots", "max_concurrent"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                p.append(f"{name}={value!r}: expected an integer >= 1")
+        if _is_int(self.slots_per_trial) and _is_int(self.max_slots) and self.max_slots < self.slots_per_trial:
+            p.append(f"max_slots={self.max_slots} < slots_per_trial={self.slots_per_trial}: no trial could "
+                     "ever start; raise max_slots or lower slots_per_trial")
+        for name in ("timeout_s", "grace_s", "poll_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
+                    or value <= 0:
+                p.append(f"{name}={value!r}: expected a number of seconds > 0")
+        if self.launcher not in LAUNCHERS:
+            p.append(f"launcher={self.launcher!r}: expected one of {', '.join(LAUNCHERS)}")
+        if self.memory_per_slot is not None and (not _is_int(self.memory_per_slot) or self.memory_per_slot < 1):
+            p.append(f"memory_per_slot={self.memory_per_slot!r}: expected a number of bytes >= 1, or None")
+        s, e = self.start_profile_step, self.end_profile_step
+        if not (_is_int(s) and _is_int(e) and 1 <= s <= e):
+            p.append(f"start_profile_step={s!r}, end_profile_step={e!r}: expected integers with "
+                     "1 <= start <= end (step start-1 counts the FLOPs)")
+        if self.gpus is not None:
+            g = self.gpus
+            if not isinstance(g, tuple) or not all(_is_int(x) and x >= 0 for x in g) or len(set(g)) != len(g):
+                p.append(f"gpus={g!r}: expected distinct GPU ids >= 0, or None on CPU")
+            elif _is_int(self.max_slots) and self.max_slots > len(g) and self.hosts is None:
+                p.append(f"max_slots={self.max_slots} but only {len(g)} GPU(s) given ({g}); lower max_slots "
+                         "or give more GPUs")
+        p.extend(self._host_problems())
+        if not p:  # the entrypoint must be launchable: say so now, not at the first trial
+            try:
+                build_trial_argv(list(ep), launcher=self.launcher, nproc=self.slots_per_trial, master_port=29500)
+            except ConfigError as err:
+                p.extend(err.problems)
+        if p:
+            raise ConfigError(p)
+
+
+    def _host_problems(self) -> list[str]:
+        if self.multihost_launcher not in MULTIHOST_LAUNCHERS:
+            return [f"multihost_launcher={self.multihost_launcher!r}: expected one of {', '.join(MULTIHOST_LAUNCHERS)}"]
+        if self.ssh_port is not None and (not _is_int(self.ssh_port) or not 1 <= self.ssh_port <= 65535):
+            return [f"ssh_port={self.ssh_port!r}: expected a port in 1..65535, or None"]
+        if self.hosts is None:
+            return []
+        hosts = self.hosts
+        if not isinstance(hosts, tuple) or not hosts or not all(isinstance(h, Host) for h in hosts) \
+                or len({h.name for h in hosts}) != len(hosts):
+            return [f"hosts={hosts!r}: expected distinct Host entries (toolkit.dsat.execution.hosts), or None"]
+        total = sum(h.slots for h in hosts)
+        if _is_int(self.max_slots) and self.max_slots > total:
+            return [f"max_slots={self.max_slots} but the hosts have {total} slot(s) in all; lower max_slots"]
+        if _is_int(self.slots_per_trial) and place_trial(
+                {h.name: tuple(range(h.slots)) for h in hosts}, self.slots_per_trial,
+                uniform=self.multihost_launcher == "srun") is None:
+            slots = {h.name: h.slots for h in hosts}
+            return [f"slots_per_trial={self.slots_per_trial} cannot be placed on the hosts {slots}"
+                    + (" with the same number of slots on each host (srun)" if self.multihost_launcher == "srun"
+                       else "")]
+        return []

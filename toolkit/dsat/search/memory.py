@@ -1,0 +1,231 @@
+"""Memory model of the autotuner: model-state bytes per ZeRO stage and the largest micro-batch.
+
+Pure arithmetic on the profiling trial's numbers (:class:`~toolkit.dsat.contract.ProfileInfo`),
+Adam assumed. With ``N`` parameters, ``N_t`` of them trainable, and ``S`` data-parallel slots:
+
+* parameters ``P = N * (2 if fp16/bf16 else 4)``
+* gradients ``G = N_t * 4``
+* optimizer ``O = N_t * ((4 if fp16/bf16 else 0) + 8)`` (fp32 master copy in half precision,
+  plus Adam's two moments)
+
+Per slot, ZeRO stage 0 holds ``P + G + O``; stage 1 ``P + G + O/S``; stage 2 ``P + (G + O)/S``;
+stage 3 ``(P + G + O)/S``. An offloaded part leaves the device: ``offload_optimizer`` removes
+``O``, ``offload_param`` removes ``P``. Divisions round up, so the model never promises a byte
+the device does not have.
+
+The approximate largest micro-batch of a stage is
+``max((memory_per_slot - baseline_bytes - model_memory) // activation_bytes_per_example, 1)``.
+
+Example (rank 0 only, e.g. in the autotuner's orchestrator after the profiling trial)::
+
+    profile = ProfileInfo(num_params=10**8, trainable_params=10**8,
+                          activation_bytes_per_example=2**26, memory_per_slot=16 * 2**30)
+    prediction = predict(profile, data_parallel_size=2, zero_stages=(1, 2, 3))
+    logger.info("memory model:\\n%s", format_prediction(prediction, profile=profile))
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Mapping
+
+from toolkit.dsat.contract import ProfileInfo
+
+__all__ = [
+    "model_memory_bytes",
+    "approx_max_micro_batch",
+    "offload_flags",
+    "predict",
+    "format_prediction",
+]
+
+logger = logging.getLogger(__name__)
+
+_STAGES = (0, 1, 2, 3)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_stage_and_size(stage: int, data_parallel_size: int) -> None:
+    if isinstance(stage, bool) or stage not in _STAGES:
+        raise ValueError(f"stage={stage!r}: expected a ZeRO stage 0, 1, 2 or 3")
+    if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size={data_parallel_size!r}: expected an integer >= 1 "
+                         "(the slots of one trial)")
+
+
+def _state_bytes(profile: ProfileInfo) -> tuple[int, int, int]:
+    """(P, G, O) in bytes for the whole model, before any partitioning."""
+    n, n_t = int(profile.num_params), int(profile.trainable_params)
+    if n < 0 or n_t < 0:
+        raise ValueError(f"num_params={n}, trainable_params={n_t}: expected counts >= 0")
+    half = bool(profile.half_precision)
+    params = n * (2 if half else 4)
+    grads = n_t * 4
+    optim = n_t * ((4 if half else 0) + 8)
+    return params, grads, optim
+
+
+def model_memory_bytes(profile: ProfileInfo, stage: int, *, data_parallel_size: int,
+                       offload_optimizer: bool = False, offload_param: bool = False) -> int:
+    """Bytes of model state (parameters, gradients, Adam state) one slot holds at ``stage``.
+
+    Pure; call anywhere (the autotuner calls it on rank 0 only).
+
+    Args:
+        profile: the profiling trial's numbers (parameter counts, half precision).
+        stage: ZeRO stage 0..3.
+        data_parallel_size: ``S``, the slots of one trial; partitioned parts are divided by it.
+        offload_optimizer: the optimizer state ``O`` lives on the host, not the device.
+        offload_param: the parameters ``P`` live on the host, not the device.
+
+    Returns:
+        Bytes, rounded up.
+
+    Raises:
+        ValueError: a stage outside 0..3 or ``data_parallel_size < 1``.
+
+    Example:
+        >>> p = ProfileInfo(num_params=1000, trainable_params=1000,
+        ...                 activation_bytes_per_example=1, memory_per_slot=10**6)
+        >>> model_memory_bytes(p, 2, data_parallel_size=4)   # 4000 + (4000 + 8000) / 4
+        7000
+    """
+    _check_stage_and_size(stage, data_parallel_size)
+    params, grads, optim = _state_bytes(profile)
+    if offload_param:
+        params = 0
+    if offload_optimizer:
+        optim = 0
+    s = data_parallel_size
+    if stage == 0:
+        return params + grads + optim
+    if stage == 1:
+        return params + grads + _ceil_div(optim, s)
+    if stage == 2:
+        return params + _ceil_div(grads + optim, s)
+    return _ceil_div(params + grads + optim, s)
+
+
+def approx_max_micro_batch(profile: ProfileInfo, stage: int, *, data_parallel_size: int,
+                           offload_optimizer: bool = False, offload_param: bool = False) -> int:
+    """The approximate largest micro-batch per slot at ``stage``; at least 1.
+
+    ``max((memory_per_slot - baseline_bytes - model_memory) // activation_bytes_per_example, 1)``.
+    An activation size of 0 (a model whose activations the profiler could not see) is taken as
+    1 byte, so the bound stays finite; the bisection of the search then corrects it with real
+    out-of-memory results. Pure; call anywhere.
+
+    Example:
+        >>> p = ProfileInfo(num_params=1000, trainable_params=1000,
+        ...                 activation_bytes_per_example=100, memory_per_slot=17000)
+        >>> approx_max_micro_batch(p, 0, data_parallel_size=1)   # (17000 - 16000) // 100
+        10
+    """
+    model = model_memory_bytes(profile, stage, data_parallel_size=data_parallel_size,
+                               offload_optimizer=offload_optimizer, offload_param=offload_param)
+    free = int(profile.memory_per_slot) - int(profile.baseline_bytes) - model
+    activation = max(int(profile.activation_bytes_per_example), 1)
+    return max(free // activation, 1)
+
+
+def offload_flags(zero: Mapping[str, Any]) -> tuple[bool, bool]:
+    """``(offload_optimizer, offload_param)`` as DeepSpeed would apply them for a ZeRO section.
+
+    An offload section whose ``device`` is ``"none"`` offloads nothing; ``offload_param`` only
+    takes effect at stage 3 and ``offload_optimizer`` only at stages 2 and 3 (the rule
+    :func:`toolkit.validate_ds_config` enforces). Pure; call anywhere.
+
+    Example:
+        >>> offload_flags({"stage": 3, "offload_param": {"device": "cpu"}})
+        (False, True)
+    """
+    stage = int(zero.get("stage", 0))
+
+    def _on(section: Any) -> bool:
+        if not isinstance(section, Mapping):
+            return False
+        return str(section.get("device", "none")).lower() not in ("none", "")
+
+    return (stage >= 2 and _on(zero.get("offload_optimizer")),
+            stage == 3 and _on(zero.get("offload_param")))
+
+
+def predict(profile: ProfileInfo, *, data_parallel_size: int, zero_stages: Iterable[int] = _STAGES,
+            offload_optimizer: bool = False, offload_param: bool = False) -> dict[int, dict[str, Any]]:
+    """The memory model for each stage of ``zero_stages``.
+
+    Pure; the autotuner calls it on rank 0 only and writes the result to its output directory.
+
+    Returns:
+        ``{stage: {"model_memory_bytes", "free_bytes", "approx_max_micro_batch", "fits"}}``, with
+        ``free_bytes`` what remains per slot for activations after baseline and model state, and
+        ``fits`` whether one example's activations fit in it (the approximate maximum is 1
+        either way; ``fits`` says whether that 1 is an estimate or a floor).
+
+    Example:
+        >>> p = ProfileInfo(num_params=1000, trainable_params=1000,
+        ...                 activation_bytes_per_example=100, memory_per_slot=17000)
+        >>> predict(p, data_parallel_size=1, zero_stages=(0,))[0]["approx_max_micro_batch"]
+        10
+    """
+    stages = sorted(set(zero_stages))
+    out: dict[int, dict[str, Any]] = {}
+    for stage in stages:
+        off_opt = offload_optimizer and stage >= 1
+        off_par = offload_param and stage == 3
+        model = model_memory_bytes(profile, stage, data_parallel_size=data_parallel_size,
+                                   offload_optimizer=off_opt, offload_param=off_par)
+        free = int(profile.memory_per_slot) - int(profile.baseline_bytes) - model
+        out[stage] = {
+            "model_memory_bytes": model,
+            "free_bytes": free,
+            "approx_max_micro_batch": approx_max_micro_batch(
+                profile, stage, data_parallel_size=data_parallel_size,
+                offload_optimizer=off_opt, offload_param=off_par),
+            "fits": free >= int(profile.activation_bytes_per_example),
+        }
+    return out
+
+
+def _human(n: int) -> str:
+    sign = "-" if n < 0 else ""
+    value = float(abs(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{sign}{value:.0f} {unit}" if unit == "B" else f"{sign}{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def format_prediction(prediction: Mapping[int, Mapping[str, Any]], *,
+                      profile: ProfileInfo | None = None) -> str:
+    """A plain-text table of :func:`predict`'s result, for logs and the console.
+
+    Pure; rank 0 only by convention (it is what the autotuner prints).
+
+    Example:
+        >>> p = ProfileInfo(num_params=1000, trainable_params=1000,
+        ...                 activation_bytes_per_example=100, memory_per_slot=17000)
+        >>> print(format_prediction(predict(p, data_parallel_size=1, zero_stages=(0,))))
+        stage  model memory  free for activations  approx max micro-batch
+            0     15.62 KiB                1000 B                      10
+    """
+    lines: list[str] = []
+    if profile is not None:
+        lines += [
+            f"parameters: {profile.num_params:,} ({profile.trainable_params:,} trainable), "
+            f"{'fp16/bf16' if profile.half_precision else 'fp32'}, device {profile.device}",
+            f"memory per slot: {_human(int(profile.memory_per_slot))}, "
+            f"baseline: {_human(int(profile.baseline_bytes))}, "
+            f"activations per example: {_human(int(profile.activation_bytes_per_example))}",
+        ]
+    lines.append(f"{'stage':>5}  {'model memory':>12}  {'free for activations':>20}  {'approx max micro-batch':>22}")
+    for stage in sorted(prediction):
+        row = prediction[stage]
+        mark = "" if row.get("fits", True) else "  (does not fit)"
+        lines.append(f"{stage:>5}  {_human(int(row['model_memory_bytes'])):>12}  "
+                     f"{_human(int(row['free_bytes'])):>20}  {int(row['approx_max_micro_batch']):>22}{mark}")
+    return "\n".join(lines)

@@ -1,0 +1,205 @@
+"""The vocabulary of the search: trials to run, their results, the search settings, the
+:class:`Searcher` protocol.
+
+Search methods are pure: they see :class:`TrialResult` objects and return the next
+:class:`TrialSpec` objects; the runner (:mod:`toolkit.dsat.execution.runner`) turns a spec into real
+processes and a result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping, Protocol
+
+from toolkit.dsat.contract import METRICS, TrialStatus
+
+__all__ = [
+    "SEARCH_METHODS",
+    "SMALLER_IS_BETTER",
+    "SearchSettings",
+    "Searcher",
+    "TrialResult",
+    "TrialSpec",
+    "is_better",
+]
+
+SEARCH_METHODS = ("binary", "random", "asha")
+SMALLER_IS_BETTER = frozenset({"forward", "backward", "latency"})
+
+
+def is_better(metric: str, candidate: float, incumbent: float | None) -> bool:
+    """True when ``candidate`` beats ``incumbent`` for ``metric`` (None is beaten by anything)."""
+    if metric not in METRICS:
+        raise ValueError(f"metric={metric!r}: expected one of {', '.join(METRICS)}")
+    if incumbent is None:
+        return True
+    return candidate < incumbent if metric in SMALLER_IS_BETTER else candidate > incumbent
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialSpec:
+    """One trial to run: a DeepSpeed config override on top of the user's config.
+
+    Attributes:
+        trial_id: unique and stable within a search (0 is the profiling trial); a resumed
+            search regenerates the same ids for the same trials.
+        micro_batch: ``train_micro_batch_size_per_gpu``.
+        zero: the ``zero_optimization`` section to use (merged over the user's).
+        line: the search line (one random ZeRO config explored by bisection); -1 for profiling.
+        profile: the profiling trial (micro-batch 1, collects model and memory numbers).
+    """
+
+    trial_id: int
+    micro_batch: int
+    zero: Mapping[str, Any]
+    line: int = -1
+    profile: bool = False
+
+    @property
+    def stage(self) -> int:
+        return int(self.zero.get("stage", 0))
+
+    def ds_overrides(self) -> dict[str, Any]:
+        """What to merge over the user's DeepSpeed config for this trial."""
+        return {"train_micro_batch_size_per_gpu": self.micro_batch,
+                "zero_optimization": json.loads(json.dumps(dict(self.zero)))}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"trial_id": self.trial_id, "micro_batch": self.micro_batch,
+                "zero": json.loads(json.dumps(dict(self.zero))), "line": self.line,
+                "profile": self.profile}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "TrialSpec":
+        return cls(int(data["trial_id"]), int(data["micro_batch"]), dict(data["zero"]),
+                   int(data.get("line", -1)), bool(data.get("profile", False)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialResult:
+    """What came of a trial.
+
+    Attributes:
+        spec: the trial.
+        status: how it ended.
+        metrics: the five :data:`METRICS` when ``status`` is OK, else empty.
+        duration_s: wall time of the trial's processes.
+        error: a short human-readable reason for a non-OK status (exit code, signal, what was
+            missing); the trial's own logs are in its directory.
+        profile: for the profiling trial, its :class:`ProfileInfo` as a dict.
+    """
+
+    spec: TrialSpec
+    status: TrialStatus
+    metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    duration_s: float = 0.0
+    error: str | None = None
+    profile: Mapping[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"spec": self.spec.to_json(), "status": self.status.value, "metrics": dict(self.metrics),
+                "duration_s": self.duration_s, "error": self.error,
+                "profile": dict(self.profile) if self.profile is not None else None}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "TrialResult":
+        return cls(TrialSpec.from_json(data["spec"]), TrialStatus(data["status"]),
+                   dict(data.get("metrics") or {}), float(data.get("duration_s", 0.0)),
+                   data.get("error"), data.get("profile"))
+
+
+def _check(problems: list[str], ok: bool, message: str) -> None:
+    if not ok:
+        problems.append(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSettings:
+    """Everything a search method needs besides the profile. Validated on construction.
+
+    Attributes:
+        method: one of :data:`SEARCH_METHODS`.
+        metric: one of :data:`METRICS`.
+        max_trials: all trials of the search, the profiling trial included (>= 2); a searcher
+            proposes at most ``max_trials - 1`` tuning trials.
+        zero_stages: the stages to search, each 0..3.
+        data_parallel_size: slots per trial (S in the memory model).
+        random_seed: seeds the searcher's own ``random.Random``; nothing global is touched.
+        base_zero: the user's ``zero_optimization`` section; trial ZeRO configs are built on it.
+        trials_per_random_config, early_stopping: ``random`` method.
+        search_range_factor: ``binary`` and ``asha``: bisect on [1, factor * approx_max].
+        bisect_tolerance: ``binary``: a line stops bisecting upwards once its open range is
+            within this fraction of its largest fitting micro-batch ``f``
+            (``hi - f <= bisect_tolerance * f``), in ``[0, 1)``; 0 bisects to the last unit.
+            Default 0.25: the last trials at the memory boundary (the largest micro-batches,
+            often out of memory) buy little; the downward ladder explores below it instead.
+        max_rungs, min_binary_search_trials, asha_early_stopping, divisor: ``asha`` method.
+    """
+
+    method: str
+    metric: str = "FLOPS_per_gpu"
+    max_trials: int = 50
+    zero_stages: tuple[int, ...] = (1, 2, 3)
+    data_parallel_size: int = 1
+    random_seed: int = 42
+    base_zero: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    trials_per_random_config: int = 5
+    early_stopping: int | None = None
+    search_range_factor: float = 1.0
+    bisect_tolerance: float = 0.25
+    max_rungs: int = 5
+    min_binary_search_trials: int = 3
+    asha_early_stopping: int = 0
+    divisor: int = 2
+
+    def __post_init__(self) -> None:
+        p: list[str] = []
+        _check(p, self.method in SEARCH_METHODS, f"method={self.method!r}: expected one of {', '.join(SEARCH_METHODS)}")
+        _check(p, self.metric in METRICS, f"metric={self.metric!r}: expected one of {', '.join(METRICS)}")
+        _check(p, isinstance(self.max_trials, int) and self.max_trials >= 2,
+               f"max_trials={self.max_trials!r}: expected an integer >= 2 (it counts the profiling trial)")
+        _check(p, bool(self.zero_stages) and all(isinstance(s, int) and 0 <= s <= 3 for s in self.zero_stages),
+               f"zero_stages={self.zero_stages!r}: expected one or more of 0, 1, 2, 3")
+        _check(p, isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
+               f"data_parallel_size={self.data_parallel_size!r}: expected an integer >= 1")
+        _check(p, isinstance(self.trials_per_random_config, int) and self.trials_per_random_config >= 1,
+               f"trials_per_random_config={self.trials_per_random_config!r}: expected an integer >= 1")
+        _check(p, self.early_stopping is None or (isinstance(self.early_stopping, int) and self.early_stopping >= 1),
+               f"early_stopping={self.early_stopping!r}: expected an integer >= 1 or None")
+        _check(p, isinstance(self.search_range_factor, (int, float)) and self.search_range_factor > 0,
+               f"search_range_factor={self.search_range_factor!r}: expected a number > 0")
+        _check(p, isinstance(self.bisect_tolerance, (int, float)) and not isinstance(self.bisect_tolerance, bool)
+               and 0 <= self.bisect_tolerance < 1,
+               f"bisect_tolerance={self.bisect_tolerance!r}: expected a number >= 0 and < 1 (0 bisects "
+               "the micro-batch range exactly, 0.25 stops within 25% of the largest fitting micro-batch)")
+        _check(p, isinstance(self.max_rungs, int) and self.max_rungs >= 1,
+               f"max_rungs={self.max_rungs!r}: expected an integer >= 1")
+        _check(p, isinstance(self.min_binary_search_trials, int) and self.min_binary_search_trials >= 1,
+               f"min_binary_search_trials={self.min_binary_search_trials!r}: expected an integer >= 1")
+        _check(p, isinstance(self.asha_early_stopping, int) and self.asha_early_stopping >= 0,
+               f"asha_early_stopping={self.asha_early_stopping!r}: expected an integer >= 0")
+        _check(p, isinstance(self.divisor, int) and self.divisor >= 2,
+               f"divisor={self.divisor!r}: expected an integer >= 2")
+        if p:
+            from toolkit.errors import ConfigError
+            raise ConfigError(p)
+
+
+class Searcher(Protocol):
+    """A search method: pure logic over results. Deterministic for a given seed and call order.
+
+    The orchestrator calls :meth:`propose` to fill free capacity and :meth:`observe` with each
+    finished trial, in completion order; replaying the recorded results in that order through a
+    fresh searcher rebuilds its state (this is how ``--resume`` works).
+    """
+
+    def propose(self, capacity: int) -> list[TrialSpec]:
+        """Up to ``capacity`` new trials to start now (may be fewer, or none while waiting)."""
+
+    def observe(self, result: TrialResult) -> None:
+        """Take a finished trial's result into account."""
+
+    @property
+    def done(self) -> bool:
+        """No trial is running or will be proposed."""

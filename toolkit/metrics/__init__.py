@@ -1,0 +1,17 @@
+"""Training and validation metrics, averaged across ranks and written by the chief to
+TensorBoard and ``metrics.jsonl``.
+
+``writer`` is the public :class:`MetricsWriter`; ``values`` checks what a report holds;
+``pending`` keeps the training reports that wait for the next batched all-reduce;
+``tb_events`` writes TensorBoard event files.
+
+Example::
+
+    # torchrun --nproc_per_node 2 train.py
+    writer = MetricsWriter(ctx, "runs/exp")                          # call on all ranks
+    writer.report_training_metrics(step, {"loss": loss}, samples=n)  # call on all ranks
+"""
+
+from toolkit.metrics.writer import MetricsSettings, MetricsWriter
+
+__all__ = ["MetricsSettings", "MetricsWriter"]

@@ -1,0 +1,73 @@
+"""Metric values as the ranks pass them, checked and turned into floats before any collective.
+
+Pure helpers of :mod:`toolkit.metrics.writer` (any rank, no collective): a bad value raises on the rank
+that has it, with the metric's name, what was given and what is expected.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_steps(steps_completed: Any) -> int:
+    if not _is_int(steps_completed):
+        raise TypeError(f"steps_completed={steps_completed!r} ({type(steps_completed).__name__}): "
+                        "expected an int, the number of optimizer steps done so far "
+                        "(convert a tensor with int(t.item()))")
+    if steps_completed < 0:
+        raise ValueError(f"steps_completed={steps_completed}: expected an integer >= 0, the number "
+                         "of optimizer steps done so far")
+    return int(steps_completed)
+
+
+def _scalar(where: str, key: Any, value: Any) -> float | torch.Tensor:
+    """One metric value as a float, or a one-element tensor (converted later, in one go)."""
+    if not isinstance(key, str) or not key:
+        raise TypeError(f"{where}: metric name {key!r} ({type(key).__name__}): expected a non-empty str")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            raise ValueError(f"{where}: metric {key!r} is a tensor of shape {tuple(value.shape)} and "
+                             f"dtype {value.dtype}: expected a real scalar (a 0-d or one-element "
+                             "tensor); reduce it first, e.g. with .mean()")
+        return value
+    if isinstance(value, np.ndarray):
+        if value.size != 1 or not np.isrealobj(value) or value.dtype.kind not in "biuf":
+            raise ValueError(f"{where}: metric {key!r} is a numpy array of shape {value.shape} and "
+                             f"dtype {value.dtype}: expected a real scalar; reduce it first")
+        return float(value.reshape(()))
+    if isinstance(value, (numbers.Real, np.bool_)):
+        return float(value)
+    raise TypeError(f"{where}: metric {key!r} is {type(value).__name__} ({value!r:.60}): expected a "
+                    "real number (int, float, numpy scalar, or a 0-d / one-element tensor); "
+                    "report a number on every rank, not None, a string or a list")
+
+
+def _values(where: str, metrics: Any) -> tuple[tuple[str, ...], list[float]]:
+    """Sorted names and their values as floats. Pure; raises before any collective."""
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"{where}: metrics is {type(metrics).__name__}: expected a dict of "
+                        "name -> number, e.g. {'loss': loss}")
+    keys = tuple(sorted(metrics, key=str))
+    raw = [_scalar(where, k, metrics[k]) for k in keys]
+    tensors = [(i, v) for i, v in enumerate(raw) if isinstance(v, torch.Tensor)]
+    if len(tensors) == 1:  # the usual case, a loss: one copy, without building a new tensor
+        i, t = tensors[0]
+        raw[i] = float(t.detach().reshape(()).item())
+    elif tensors:
+        # One device-to-host copy per device rather than a synchronising .item() per tensor.
+        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        for i, t in tensors:
+            by_device.setdefault(t.device, []).append((i, t))
+        for group in by_device.values():
+            flat = torch.cat([t.detach().reshape(1) for _, t in group]).tolist()
+            for (i, _), v in zip(group, flat):
+                raw[i] = float(v)
+    return keys, raw  # type: ignore[return-value]

@@ -1,0 +1,17 @@
+"""Where a rank sits and how ranks talk: the launcher's environment (``launch_env``), the
+process group and toolkit's collectives (``context``), rank-aware logging (``rank_logging``) and
+DeepSpeed's CPU shared-memory segments (``ds_shm``).
+
+Example::
+
+    # torchrun --nproc_per_node 2 train.py
+    from toolkit.runtime import init_distributed
+    ctx = init_distributed()            # call on all ranks
+    if ctx.is_chief:                    # rank 0 only below
+        print(ctx.world_size)
+"""
+
+from toolkit.runtime.context import DistributedContext, get_context, init_distributed
+from toolkit.runtime.launch_env import LaunchInfo, detect_launch
+
+__all__ = ["DistributedContext", "LaunchInfo", "detect_launch", "get_context", "init_distributed"]

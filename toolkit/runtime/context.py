@@ -1,0 +1,357 @@
+"""The distributed context: where this process sits, and the few collectives toolkit needs.
+
+Launch the same script any of these ways; :func:`init_distributed` finds out which::
+
+    python train.py                                   # world size 1
+    torchrun --nproc_per_node 2 train.py              # torchrun
+    deepspeed --num_gpus 2 train.py                   # DeepSpeed launcher (use --num_gpus on GPU)
+    mpirun -np 2 -x MASTER_ADDR=127.0.0.1 python train.py
+    srun --ntasks-per-node 2 python train.py          # inside a Slurm allocation
+
+Example:
+    >>> import toolkit
+    >>> ctx = toolkit.init_distributed()          # call on all ranks
+    >>> if ctx.is_chief:                           # rank 0 only
+    ...     print("world", ctx.world_size)
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from toolkit.errors import LaunchEnvError
+from toolkit.runtime.ds_shm import unlink_buffer
+from toolkit.runtime.launch_env import LaunchInfo, detect_launch
+
+__all__ = ["DistributedContext", "init_distributed", "get_context", "DEFAULT_TIMEOUT"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+_BACKENDS = ("nccl", "gloo", "mpi", "ucc")
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+# The one context of this process; init_distributed is idempotent through it.
+_context: "DistributedContext | None" = None
+_init_lock = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedContext:
+    """Where this process sits in the job, plus the collectives the toolkit needs.
+
+    Created by :func:`init_distributed`; do not build one by hand.
+
+    Attributes:
+        rank: global rank, 0..world_size-1.
+        local_rank: rank on this node; also the GPU index under nccl.
+        world_size: number of processes.
+        local_world_size: processes on this node.
+        node_rank: index of this node, 0..num_nodes-1.
+        num_nodes: number of nodes.
+        device: ``cuda:<local_rank>`` under nccl, else ``cpu``.
+        backend: the torch.distributed backend in use (``"nccl"`` or ``"gloo"``, ...).
+        launcher: which launcher's variables were read (see :mod:`toolkit.runtime.launch_env`).
+        group: the process group the toolkit's own collectives use. Under nccl it is a separate
+            gloo group, so that small control messages (flags, metrics, pickled objects) need
+            no GPU tensors and never queue behind training traffic on the GPU streams.
+
+    The collectives below are no-ops (returning the obvious answer) at world size 1.
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    device: torch.device
+    backend: str
+    launcher: str
+    group: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def is_chief(self) -> bool:
+        """True on global rank 0, the rank that writes shared files and logs."""
+        return self.rank == 0
+
+    @property
+    def is_local_chief(self) -> bool:
+        """True on local rank 0, the rank that does per-node work (caches, node-local files)."""
+        return self.local_rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True when more than one process takes part."""
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        """Wait until every rank has arrived. Call on all ranks."""
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+    def broadcast_object(self, obj: Any = None, *, src: int = 0) -> Any:
+        """Send a picklable object from rank ``src`` to every rank and return it. Call on all ranks.
+
+        Args:
+            obj: the object on rank ``src``; ignored elsewhere.
+            src: the sending rank.
+
+        Example:
+            >>> run_id = ctx.broadcast_object(new_run_id() if ctx.is_chief else None)
+        """
+        if not self.distributed:
+            return obj
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def gather_object(self, obj: Any, *, dst: int = 0) -> list[Any] | None:
+        """Collect one picklable object from every rank on rank ``dst``. Call on all ranks.
+
+        Returns:
+            The list indexed by rank on ``dst``; ``None`` on every other rank.
+        """
+        if not self.distributed:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst, group=self.group)
+        return out
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Collect one picklable object from every rank on every rank. Call on all ranks."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def all_reduce(self, values: Sequence[float], *, op: str = "sum") -> list[float]:
+        """Reduce a short vector of numbers across ranks, in float64. Call on all ranks.
+
+        Args:
+            values: the same number of values on every rank.
+            op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+
+        Returns:
+            The reduced values, identical on every rank.
+        """
+        if op not in ("sum", "mean", "max", "min"):
+            raise ValueError(f"op={op!r}: expected one of 'sum', 'mean', 'max', 'min'")
+        values = [float(v) for v in values]
+        if not self.distributed or not values:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=_REDUCE_OPS["sum" if op == "mean" else op], group=self.group)
+        if op == "mean":
+            tensor /= self.world_size
+        return tensor.tolist()
+
+    @contextlib.contextmanager
+    def chief_first(self) -> Iterator[None]:
+        """Run the body on the chief first, then on the other ranks. Call on all ranks.
+
+        For work whose result the others reuse: a download, a cache, a directory.
+
+        Example:
+            >>> with ctx.chief_first():
+            ...     dataset = build_or_load_cache(path)
+        """
+        if not self.is_chief:
+            self.barrier()
+        try:
+            yield
+        finally:
+            if self.is_chief:
+                self.barrier()
+
+
+def _share_with_deepspeed(backend: str, timeout: timedelta, info: LaunchInfo) -> None:
+    """Hand the process group to ``deepspeed.comm`` too. Call on all ranks.
+
+    DeepSpeed keeps its own communication backend object; ``PipelineModule(...)`` and other
+    DeepSpeed calls made before ``deepspeed.initialize`` assert that it exists. With
+    torch.distributed already initialised, DeepSpeed's init only wraps the existing group.
+
+    On the CPU, that init also creates this rank's shared-memory all-reduce segment, which
+    DeepSpeed never removes (:mod:`toolkit.runtime.ds_shm`). Once every rank is past the init, every rank
+    has mapped every peer's segment, so each removes the name of its own: the memory goes back
+    when the ranks exit, even if they are killed.
+    """
+    try:
+        import deepspeed.comm as ds_comm
+        from deepspeed.comm import comm as ds_comm_state
+    except ImportError:  # toolkit's config and launch helpers work without DeepSpeed
+        return
+    ds_comm.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
+    # One machine only: there every rank has the same DeepSpeed build, so all ranks agree on
+    # whether to take part in the barrier (DeepSpeed makes segments only when all ranks are local).
+    if info.num_nodes == 1 and getattr(ds_comm_state.cdb, "shm_comm_op", None) is not None:
+        if info.world_size > 1:
+            dist.barrier()
+        if unlink_buffer(info.rank):
+            logger.debug("removed the name of DeepSpeed's shared-memory segment of rank %d", info.rank)
+
+
+_EXIT_GRACE_S = 0.1
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    # A gloo worker thread drops its reference to the last collective's work object after the
+    # caller has returned; when that is the last reference, it frees the work's tensors, which
+    # needs the GIL. If the interpreter is finalising by then, Python ends that thread, and a
+    # thread ended inside C++ code aborts the process ("terminate called without an active
+    # exception", exit status -6, about 1 run in 20 of a script whose last act is a
+    # collective). Releasing the GIL for a moment lets those threads finish first.
+    time.sleep(_EXIT_GRACE_S)
+
+
+def get_context() -> DistributedContext:
+    """The context made by :func:`init_distributed`. Any rank.
+
+    Raises:
+        RuntimeError: when :func:`init_distributed` has not been called in this process.
+    """
+    if _context is None:
+        raise RuntimeError("toolkit.init_distributed() has not been called in this process; call it "
+                           "first, on every rank")
+    return _context
+
+
+def _pick_backend(backend: str | None) -> str:
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if not isinstance(backend, str) or backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {', '.join(_BACKENDS)} or None "
+                         "(None picks nccl with CUDA, gloo otherwise)")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False here; "
+                         "use backend='gloo' or leave it None")
+    return backend
+
+
+def _export_env(info: LaunchInfo) -> None:
+    """Make the launch visible to libraries that read the torchrun variables themselves.
+
+    DeepSpeed reads LOCAL_RANK/RANK/WORLD_SIZE from os.environ in several places; under mpirun
+    or srun those are not set, so we set them (only where unset) to what we detected.
+    """
+    values = {
+        "RANK": info.rank, "WORLD_SIZE": info.world_size, "LOCAL_RANK": info.local_rank,
+        "LOCAL_WORLD_SIZE": info.local_world_size,
+        "MASTER_ADDR": info.master_addr or "127.0.0.1",
+        "MASTER_PORT": info.master_port or 29500,
+    }
+    for key, value in values.items():
+        os.environ.setdefault(key, str(value))
+
+
+def init_distributed(*, backend: str | None = None,
+                     timeout: timedelta = DEFAULT_TIMEOUT) -> DistributedContext:
+    """Initialise torch.distributed from the launcher's variables, once. Call on all ranks.
+
+    Reads the variables of torchrun, the deepspeed launcher, mpirun (Open MPI, MPICH/Intel MPI)
+    or an ``srun`` step (see :mod:`toolkit.runtime.launch_env`). With none of them set, the world has
+    size 1 and needs no set-up from the user: a one-rank process group is made on an in-memory
+    store (no port, no network) so that ``deepspeed.initialize`` finds torch.distributed ready
+    instead of trying MPI discovery.
+
+    DeepSpeed's communication layer (``deepspeed.comm``) is handed the same process group, so
+    ``PipelineModule`` and ``deepspeed.initialize`` need no ``deepspeed.init_distributed`` call.
+
+    A second call returns the same context. If torch.distributed was already initialised (for
+    example by ``deepspeed.init_distributed``), its rank and world size are adopted after
+    checking them against the launcher's variables.
+
+    Args:
+        backend: ``"nccl"``, ``"gloo"``, ``"mpi"`` or ``"ucc"``; ``None`` picks nccl when CUDA is
+            available, gloo otherwise.
+        timeout: for the rendezvous and every collective.
+
+    Returns:
+        The frozen :class:`DistributedContext`.
+
+    Raises:
+        LaunchEnvError: a launcher variable is malformed or inconsistent; it is named.
+        ValueError: ``backend`` is unknown, or nccl without CUDA, or differs from the backend of
+            an earlier call.
+
+    Example::
+
+        # torchrun --nproc_per_node 2 train.py
+        ctx = toolkit.init_distributed()
+        model = model.to(ctx.device)
+    """
+    global _context
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout={timeout!r}: expected a datetime.timedelta")
+    with _init_lock:
+        if _context is not None:
+            if backend is not None and backend != _context.backend:
+                raise ValueError(f"init_distributed(backend={backend!r}) but this process was already "
+                                 f"initialised with backend {_context.backend!r}")
+            return _context
+
+        info = detect_launch()
+        chosen = _pick_backend(backend)
+        _export_env(info)
+
+        if dist.is_initialized():
+            chosen = dist.get_backend()
+            if dist.get_rank() != info.rank or dist.get_world_size() != info.world_size:
+                raise LaunchEnvError(
+                    f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                    f"{dist.get_world_size()}, but the {info.launcher} variables say rank {info.rank} of "
+                    f"{info.world_size}; initialise once, through toolkit.init_distributed()")
+        else:
+            if chosen == "nccl":
+                count = torch.cuda.device_count()
+                if info.local_rank >= count:
+                    raise LaunchEnvError(
+                        f"LOCAL_RANK={info.local_rank} but only {count} CUDA device(s) are visible; "
+                        "start at most one process per GPU")
+                torch.cuda.set_device(info.local_rank)
+            if info.world_size == 1:
+                dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1,
+                                        timeout=timeout)
+            elif info.uses_env_rendezvous:
+                dist.init_process_group(chosen, init_method="env://", rank=info.rank,
+                                        world_size=info.world_size, timeout=timeout)
+            else:
+                dist.init_process_group(chosen, init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                                        rank=info.rank, world_size=info.world_size, timeout=timeout)
+
+            # Join the backend's threads before the interpreter tears them down: without this a
+            # gloo rank can abort at exit ("terminate called without an active exception").
+            atexit.register(_destroy_at_exit)
+
+        _share_with_deepspeed(chosen, timeout, info)
+
+        # Control-plane collectives on CPU: under nccl a separate gloo group, created on all ranks.
+        group = dist.new_group(backend="gloo", timeout=timeout) if chosen == "nccl" else None
+        device = torch.device("cuda", info.local_rank) if chosen == "nccl" else torch.device("cpu")
+        _context = DistributedContext(
+            rank=info.rank, local_rank=info.local_rank, world_size=info.world_size,
+            local_world_size=info.local_world_size, node_rank=info.node_rank,
+            num_nodes=info.num_nodes, device=device, backend=chosen, launcher=info.launcher,
+            group=group)
+        from toolkit.runtime.rank_logging import (
+            configure_rank_logging,  # local: log imports nothing heavy, no cycle
+        )
+        configure_rank_logging(_context.rank)
+        logger.info("initialised %s: world size %d, %d node(s), backend %s, launcher %s",
+                    device, info.world_size, info.num_nodes, chosen, info.launcher)
+        return _context

@@ -73,11 +73,11 @@ ENTRY = ROOT / "scripts" / "ds_autotune_entry.py"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from toolkit.runtime.ds_shm import remove_buffers  # noqa: E402
 from toolkit.dsat.cli import build_parser, make_plan, parse_bytes  # noqa: E402
-from toolkit.dsat.search.space import zero_config_for_stage  # noqa: E402
 from toolkit.dsat.contract import METRICS, TrialStatus  # noqa: E402
+from toolkit.dsat.search.space import zero_config_for_stage  # noqa: E402
 from toolkit.dsat.search.types import SMALLER_IS_BETTER, TrialResult, TrialSpec  # noqa: E402
+from toolkit.runtime.ds_shm import remove_buffers  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -231,10 +231,10 @@ class TrialArm:
     def run(self, specs: list[TrialSpec], *, label: str, skip=None) -> list[TrialResult]:
         """Run ``specs`` in order, one at a time; ``skip(spec, results_so_far)`` True leaves one out."""
         from toolkit.config.deepspeed import overwrite_deepspeed_config
+        from toolkit.dsat.contract import TrialContract
+        from toolkit.dsat.execution.runner import TrialRunner
         from toolkit.dsat.orchestrator import trial_ds_config, trial_hparams
         from toolkit.dsat.trial.reporting import instrumentation_overrides
-        from toolkit.dsat.execution.runner import TrialRunner
-        from toolkit.dsat.contract import TrialContract
 
         plan, results = self.plan, []
         with TrialRunner(plan.runner, output_dir=self.output_dir) as runner:

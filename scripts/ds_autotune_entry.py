@@ -50,11 +50,11 @@ def main() -> None:
             sys.path.insert(0, path)
     import deepspeed
     import torch.nn.functional as F
+    from common import RandomImages
     from torch.utils.data import DataLoader, DistributedSampler
+    from train import ResNet
 
     import toolkit
-    from common import RandomImages
-    from train import ResNet
 
     args = parse_args()
     ctx = toolkit.init_distributed()

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import procutil as p
-from toolkit.runtime.context import DistributedContext
 from toolkit.preemption import DEFAULT_SIGNALS, PreemptionWatcher, watch_preemption
+from toolkit.runtime.context import DistributedContext
 
 WORKER = p.WORKERS / "preempt_loop.py"
 STEP_S = 0.005

@@ -47,6 +47,8 @@ import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
+from toolkit._checks import is_int
+
 __all__ = ["ResumableDistributedSampler", "ResumePosition", "batches_per_epoch", "resume_position",
            "seed_everything"]
 
@@ -54,7 +56,7 @@ _SEED_LIMIT = 2**32  # numpy's legacy seeding accepts 0 <= seed < 2**32
 
 
 def _check_count(name: str, value: object, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name}={value!r}: expected a whole number >= {minimum}")
     return value
 
@@ -183,7 +185,7 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __init__(self, dataset: Sized, *, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        if not is_int(seed) or not 0 <= seed < 2**63:
             raise ValueError(f"seed={seed!r}: expected a whole number in [0, 2**63)")
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
@@ -260,7 +262,7 @@ def seed_everything(seed: int, *, deterministic: bool = False) -> None:
         # torchrun --nproc_per_node 2 train.py
         toolkit.seed_everything(hparams["seed"], deterministic=True)
     """
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _SEED_LIMIT:
+    if not is_int(seed) or not 0 <= seed < _SEED_LIMIT:
         raise ValueError(f"seed={seed!r}: expected a whole number in [0, 2**32), numpy's limit")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic={deterministic!r}: expected True or False")

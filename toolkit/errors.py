@@ -1,8 +1,23 @@
-"""Exceptions raised by toolkit.
+"""Exceptions raised by toolkit, and the one rule for which to raise.
 
 Every error a user can cause says what was given, what was expected and how to fix it.
-Configuration problems are collected and raised once, as a single :class:`ConfigError`
-that lists all of them, so a user fixes a config in one round instead of one key at a time.
+
+The rule:
+
+* **A value the user chose is wrong** (a key of the experiment YAML or the DeepSpeed config, a
+  hyperparameter, a command-line flag, an argument of a public function such as
+  ``keep_last=0`` or a checkpoint tag): :class:`ConfigError`, with *every* problem of that
+  input listed, raised once, before anything is launched or written. It is a ``ValueError``.
+* **The state on disk or across ranks does not allow what was asked** (no checkpoint to load,
+  another run's directory, another world size, a failed write on some rank):
+  :class:`CheckpointError`. It is a ``RuntimeError``.
+* **The launcher's environment is malformed** (``LOCAL_RANK='x'``): :class:`LaunchEnvError`, a
+  ``RuntimeError``: the user did not write it in a config, the launcher did.
+* **A programming error** (an object of the wrong kind where toolkit needs a specific one, such
+  as a module passed as the engine; a call out of order, such as a report after ``close()``):
+  the built-in ``TypeError`` or ``ValueError``.
+
+Nothing in toolkit uses ``assert`` for any of these.
 """
 
 from __future__ import annotations

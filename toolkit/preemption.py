@@ -79,6 +79,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from toolkit._checks import is_int
 from toolkit.runtime.context import DistributedContext
 
 __all__ = ["PreemptionWatcher", "watch_preemption", "DEFAULT_SIGNALS", "MAX_ADAPTIVE_CHECK_EVERY"]
@@ -131,7 +132,7 @@ class PreemptionWatcher:
         if not isinstance(ctx, DistributedContext):
             raise TypeError(f"ctx={ctx!r}: expected the DistributedContext returned by "
                             "toolkit.init_distributed()")
-        if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int)
+        if check_every is not None and (not is_int(check_every)
                                         or check_every < 1):
             raise ValueError(f"check_every={check_every!r}: expected a whole number >= 1 (calls between "
                              "two check points), or None to adapt the interval to the step time")

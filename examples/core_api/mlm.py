@@ -16,11 +16,11 @@ import logging
 import deepspeed
 import torch
 import torch.nn.functional as F
+from common import HERE, RandomTokens, make_loader, micro_batches, parse_args, setup
 from torch import nn
 from torch.utils.data import DataLoader
 
 import toolkit
-from common import HERE, RandomTokens, make_loader, micro_batches, parse_args, setup
 
 logger = logging.getLogger("mlm")
 PAD, MASK = 0, 1

@@ -15,13 +15,12 @@ anything else before DeepSpeed starts.
 import logging
 
 import deepspeed
-import torch
+from common import HERE, RandomImages, make_loader, micro_batches, parse_args, setup
 from deepspeed.pipe import PipelineModule
 from torch import nn
 from torch.utils.data import DataLoader
 
 import toolkit
-from common import HERE, RandomImages, make_loader, micro_batches, parse_args, setup
 
 logger = logging.getLogger("pipeline")
 

@@ -23,8 +23,8 @@ import torch
 import procutil as p
 from toolkit.checkpoint import layout
 from toolkit.checkpoint.api import consolidate_checkpoint, load_checkpoint, save_checkpoint
-from toolkit.errors import CheckpointError
 from toolkit.checkpoint.rng import capture_rng_state, restore_rng_state
+from toolkit.errors import CheckpointError
 
 ROUNDTRIP = p.WORKERS / "ckpt_roundtrip.py"
 SINGLE = p.WORKERS / "ckpt_single.py"

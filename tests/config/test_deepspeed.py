@@ -4,7 +4,8 @@ import copy
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import toolkit
 from toolkit.config.deepspeed import load_json_strict, zero_stage

@@ -13,14 +13,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-import procutil
 import pytest
 import torch
 from tensorboard.backend.event_processing import event_accumulator
 
+import procutil
 import toolkit.metrics.writer as metrics_module
-from toolkit.runtime.context import DistributedContext
 from toolkit.metrics.writer import SAMPLES_PER_SECOND, MetricsSettings, MetricsWriter
+from toolkit.runtime.context import DistributedContext
 
 ROOT = procutil.REPO
 WORKER = ROOT / "tests" / "workers" / "metrics_worker.py"

@@ -20,7 +20,6 @@ import random
 import signal
 
 import pytest
-
 import relutil as r
 
 FULL = os.environ.get("TOOLKIT_RELIABILITY_FULL") == "1"  # set by scripts/reliability.py

@@ -17,11 +17,17 @@ import json
 import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from toolkit.config.deepspeed import (
+    BATCH_KEYS,
+    build_ds_config,
+    overwrite_deepspeed_config,
+    resolve_ds_config,
+    validate_ds_config,
+)
 from toolkit.config.experiment import _check_experiment
-from toolkit.config.deepspeed import (BATCH_KEYS, build_ds_config, overwrite_deepspeed_config, resolve_ds_config,
-                               validate_ds_config)
 from toolkit.errors import ConfigError
 
 FULL = os.environ.get("TOOLKIT_RELIABILITY_FULL") == "1"  # set by scripts/reliability.py

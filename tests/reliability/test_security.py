@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import procutil as p
 import toolkit
@@ -137,5 +138,5 @@ def test_unsafe_names_are_refused(name):
 
 
 def test_dsat_trial_directories_are_numbered_not_named_by_users():
-    source = (p.REPO / "toolkit" / "dsat" / "runner.py").read_text()
+    source = (p.REPO / "toolkit" / "dsat" / "execution" / "runner.py").read_text()
     assert 'f"trial_{' in source  # trial_<int id>: no user string reaches a trial's path

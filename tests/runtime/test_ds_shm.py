@@ -120,8 +120,8 @@ def test_init_distributed_unlinks_the_names_and_even_sigkilled_ranks_leave_nothi
 
 @pytest.mark.parametrize("behaviour", ["ok", "hang"])
 def test_the_dsat_runner_removes_what_a_trial_left(tmp_path, monkeypatch, ports, behaviour):
-    from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
     from toolkit.dsat.contract import TrialStatus
+    from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
     from toolkit.dsat.search.types import TrialSpec
 
     p.clean_launch_env(monkeypatch)

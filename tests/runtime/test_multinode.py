@@ -232,10 +232,10 @@ def test_dsat_trial_through_pdsh_and_ssh_on_loopback(tmp_path):
 def _run_pdsh_trials(tmp_path: Path, home: Path) -> None:
     from unittest import mock
 
+    from toolkit.dsat.contract import TrialStatus
     from toolkit.dsat.execution import runner as runner_module
     from toolkit.dsat.execution.hosts import Host
     from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner, find_trial_processes
-    from toolkit.dsat.contract import TrialStatus
     from toolkit.dsat.search.types import TrialSpec
 
     env = p.child_env(HOME=str(home),

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import ckpt_common as c
+
 import toolkit
 import toolkit.checkpoint.layout as layout
 from toolkit.checkpoint.api import load_checkpoint, save_checkpoint

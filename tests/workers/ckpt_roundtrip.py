@@ -8,14 +8,14 @@ import json
 import sys
 from pathlib import Path
 
+import ckpt_common as c
 import torch
 
-import ckpt_common as c
 import toolkit
 import toolkit.checkpoint.api as tkc
 from toolkit.checkpoint.api import load_checkpoint, save_checkpoint
-from toolkit.errors import CheckpointError
 from toolkit.checkpoint.layout import COMMIT_FILE, STARTED_FILE
+from toolkit.errors import CheckpointError
 
 out = Path(sys.argv[1])
 ctx = toolkit.init_distributed()

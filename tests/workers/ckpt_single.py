@@ -6,9 +6,9 @@ made by ds_to_universal beforehand). Writes OUT_DIR/single.json.
 import sys
 from pathlib import Path
 
+import ckpt_common as c
 import torch
 
-import ckpt_common as c
 import toolkit
 from toolkit.checkpoint.api import consolidate_checkpoint, load_checkpoint
 from toolkit.errors import CheckpointError

@@ -25,8 +25,8 @@ import os
 import time
 from pathlib import Path
 
-import torch
 import deepspeed
+import torch
 
 import toolkit
 from toolkit.dsat.trial.reporting import dsat_reporting_context

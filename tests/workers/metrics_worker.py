@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 import toolkit.metrics.writer as metrics_module
-from toolkit.runtime.context import init_distributed
 from toolkit.metrics.writer import MetricsWriter
+from toolkit.runtime.context import init_distributed
 
 # Count the collectives toolkit issues (it calls them as attributes of torch.distributed).
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list",

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import deepspeed
 import torch
+from ckpt_common import ds_config, make_layers, train_step
 
 import toolkit
-from ckpt_common import ds_config, make_layers, train_step
 
 
 def write(path: Path, text: str) -> None:

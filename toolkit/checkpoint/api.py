@@ -47,6 +47,8 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
+from toolkit._checks import is_int
+from toolkit._files import atomic_write, atomic_write_json, fsync_tree
 from toolkit.checkpoint import layout
 from toolkit.checkpoint.cpu_adam import replay_cpu_adam_state
 from toolkit.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -184,11 +186,11 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
         toolkit.save_checkpoint(engine, "checkpoints", steps_completed=step + 1, keep_last=2)
     """
     root = _root(checkpoint_dir)
-    if isinstance(steps_completed, bool) or not isinstance(steps_completed, int) or steps_completed < 0:
+    if not is_int(steps_completed) or steps_completed < 0:
         raise CheckpointError(f"steps_completed={steps_completed!r}: expected an int >= 0")
     if client_state is not None and not isinstance(client_state, Mapping):
         raise CheckpointError(f"client_state is a {type(client_state).__name__}: expected a dict or None")
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
+    if keep_last is not None and (not is_int(keep_last)
                                   or keep_last < 1):
         raise CheckpointError(f"keep_last={keep_last!r}: expected None (keep all) or an int >= 1")
     tag = layout.validate_name(f"step_{steps_completed}" if tag is None else tag)
@@ -213,14 +215,14 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
         for note in plan.notes:
             logger.info("%s", note)
         if plan.write_run_file:
-            layout.atomic_write_json(Path(root) / layout.RUN_FILE, {
+            atomic_write_json(Path(root) / layout.RUN_FILE, {
                 "run_id": plan.run_id, "created_at": time.time(), "world_size": ctx.world_size})
         if plan.new_latest is not None or plan.remove_latest:
             layout.set_latest(root, plan.new_latest)
         for old in plan.discard:
             layout.discard_tag(root, old)
         (tag_dir / layout.RNG_DIR).mkdir(parents=True, exist_ok=True)
-        layout.atomic_write_json(tag_dir / layout.STARTED_FILE, {
+        atomic_write_json(tag_dir / layout.STARTED_FILE, {
             "run_id": plan.run_id, "tag": tag, "steps_completed": steps_completed, "started_at": time.time()})
         return plan.run_id, plan.seq, tag, steps_completed
 
@@ -235,7 +237,7 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
     rank_error = None
     try:
         saved = {"rank": ctx.rank, "world_size": ctx.world_size, "rng": capture_rng_state()}
-        layout.atomic_write(_rng_path(root, tag, ctx.rank), lambda fh: torch.save(saved, fh))
+        atomic_write(_rng_path(root, tag, ctx.rank), lambda fh: torch.save(saved, fh))
     except (OSError, RuntimeError) as err:  # torch.save reports a failed write as RuntimeError too
         # Still enter DeepSpeed's collective save, then fail together below.
         rank_error = _write_failed("writing the RNG states", err, tag_dir)
@@ -254,7 +256,7 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
         deepspeed.comm.barrier()
     if rank_error is None and ctx.is_local_chief:
         try:  # flush every file of this node before the commit can be written
-            layout.fsync_tree(tag_dir)
+            fsync_tree(tag_dir)
         except OSError as err:
             rank_error = f"flushing {tag_dir}: {err}"
     _agree(ctx, rank_error, f"saving checkpoint {tag!r}")
@@ -266,7 +268,7 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
                     "steps_completed": steps_completed, "committed_at": time.time(),
                     "deepspeed_version": deepspeed.__version__, "torch_version": torch.__version__,
                     "ds_config": engine.config, "client_state_keys": sorted(map(str, ours["client_state"]))}
-        layout.atomic_write_json(tag_dir / layout.COMMIT_FILE, metadata)
+        atomic_write_json(tag_dir / layout.COMMIT_FILE, metadata, default=repr)
         layout.set_latest(root, tag)
         deleted: list[str] = []
         if keep_last is not None:
@@ -469,6 +471,6 @@ def consolidate_checkpoint(checkpoint_dir: str | os.PathLike[str], output_path: 
     state_dict = {name: value.detach().float().contiguous() if value.is_floating_point() else value
                   for name, value in state_dict.items()}
     output.parent.mkdir(parents=True, exist_ok=True)
-    layout.atomic_write(output, lambda fh: torch.save(state_dict, fh))
+    atomic_write(output, lambda fh: torch.save(state_dict, fh))
     logger.info("consolidated checkpoint %r of %s into %s (%d tensors)", info.tag, root, output, len(state_dict))
     return info.tag

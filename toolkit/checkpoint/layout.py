@@ -33,8 +33,9 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Mapping
+from typing import Any, Mapping
 
+from toolkit._files import atomic_write, fsync_dir
 from toolkit.errors import CheckpointError
 
 __all__ = ["validate_name", "scan_dir", "resolve_tag", "plan_save", "plan_keep_last",
@@ -326,62 +327,6 @@ def universal_fix(root: str, tag: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------- effects
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Make a rename or a new entry in ``path`` durable (POSIX; a no-op where dirs cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
-        pass
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: str | os.PathLike[str]) -> None:
-    """Flush every file under ``path`` (written by any process of this node) and the directories."""
-    for dirpath, _dirnames, filenames in os.walk(path):
-        for name in filenames:
-            try:
-                with open(os.path.join(dirpath, name), "rb") as fh:
-                    os.fsync(fh.fileno())
-            except FileNotFoundError:  # a temporary file renamed meanwhile; its writer fsyncs it
-                continue
-        fsync_dir(dirpath)
-
-
-def atomic_write(path: str | os.PathLike[str], data: bytes | Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` so that readers see the old file or the whole new one, even after a crash:
-    a temporary file in the same directory, fsync, ``os.replace``, fsync the directory.
-
-    Args:
-        path: the file to write.
-        data: the bytes, or a function writing them to an open binary file (e.g. ``torch.save``).
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            if callable(data):
-                data(fh)
-            else:
-                fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    fsync_dir(path.parent)
-
-
-def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    # default=repr: a DeepSpeed config may hold objects JSON cannot encode; keep a readable trace.
-    atomic_write(path, (json.dumps(obj, indent=2, sort_keys=True, default=repr) + "\n").encode())
-
 
 def set_latest(root: str | os.PathLike[str], tag: str | None) -> None:
     """Point DeepSpeed's ``latest`` at ``tag`` atomically, or remove it for ``None``."""

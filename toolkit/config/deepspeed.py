@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from toolkit._checks import is_int
 from toolkit.config.experiment import warn_unknown_keys
 from toolkit.errors import ConfigError
 
@@ -63,9 +64,6 @@ _HPARAM_ONLY = ("deepspeed_config", "overwrite_deepspeed_args", "global_batch_si
                 "data_parallel_world_size")
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _reject_duplicates(source: str):
@@ -218,14 +216,14 @@ def zero_stage(ds_config: Mapping[str, Any]) -> int:
         return int(zero)
     if isinstance(zero, Mapping):
         stage = zero.get("stage", 0)
-        return stage if _is_int(stage) else -1
+        return stage if is_int(stage) else -1
     return 0
 
 
 def _positive_or_none(value: Any, key: str, problems: list[str]) -> int | None:
     if value is None or value == "auto":
         return None
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         problems.append(f"{key}={value!r}: expected a positive integer")
         return None
     return value
@@ -269,7 +267,7 @@ def resolve_ds_config(ds_config: Mapping[str, Any], *, data_parallel_size: int,
     Raises:
         ConfigError: listing every problem.
     """
-    if not _is_int(data_parallel_size) or data_parallel_size < 1:
+    if not is_int(data_parallel_size) or data_parallel_size < 1:
         raise ConfigError(f"data_parallel_size={data_parallel_size!r}: expected an integer >= 1")
     if not isinstance(ds_config, Mapping):
         raise TypeError(f"ds_config must be a dict, got {type(ds_config).__name__}")
@@ -318,7 +316,7 @@ def resolve_ds_config(ds_config: Mapping[str, Any], *, data_parallel_size: int,
 
     zero = out.get("zero_optimization")
     if isinstance(zero, dict) and hidden_size is not None:
-        if not _is_int(hidden_size) or hidden_size < 1:
+        if not is_int(hidden_size) or hidden_size < 1:
             raise ConfigError(f"hidden_size={hidden_size!r}: expected a positive integer")
         fills = {"reduce_bucket_size": hidden_size * hidden_size,
                  "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
@@ -408,7 +406,7 @@ def validate_ds_config(ds_config: Mapping[str, Any], *, pipeline: bool = False,
         zero = {}
     else:
         raw = zero.get("stage", 0)
-        if not _is_int(raw) or not 0 <= raw <= 3:
+        if not is_int(raw) or not 0 <= raw <= 3:
             problems.append(f"zero_optimization.stage={raw!r}: expected 0, 1, 2 or 3")
         else:
             stage = raw
@@ -451,7 +449,7 @@ def validate_ds_config(ds_config: Mapping[str, Any], *, pipeline: bool = False,
         value = ds_config[key]
         if value == "auto":
             continue  # reported with the other unresolved values below
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             problems.append(f"{key}={value!r}: expected a positive integer")
         else:
             numbers[key] = value

@@ -35,6 +35,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from toolkit._checks import is_int
 from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV, TRIAL_HPARAMS_ENV
 from toolkit.errors import ConfigError
 
@@ -80,9 +81,6 @@ def warn_unknown_keys(mapping: Mapping[str, Any], known: tuple[str, ...] | froze
     return messages
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 def _type_name(value: Any) -> str:
     return type(value).__name__
@@ -118,7 +116,7 @@ def _check_experiment(config: Any, source: str) -> None:
         else:
             warn_unknown_keys(resources, _RESOURCES, where="resources.")
             slots = resources.get("slots_per_trial")
-            if "slots_per_trial" in resources and (not _is_int(slots) or slots < 1):
+            if "slots_per_trial" in resources and (not is_int(slots) or slots < 1):
                 problems.append(f"resources.slots_per_trial={slots!r}: expected an integer >= 1")
 
     hparams = config.get("hyperparameters")
@@ -159,7 +157,7 @@ def _check_experiment(config: Any, source: str) -> None:
             for key in ("storage_path", "host_path"):
                 if key in storage and (not isinstance(storage[key], str) or not storage[key]):
                     problems.append(f"checkpoint_storage.{key}={storage[key]!r}: expected a directory path")
-            if "save_trial_latest" in storage and (not _is_int(storage["save_trial_latest"])
+            if "save_trial_latest" in storage and (not is_int(storage["save_trial_latest"])
                                                    or storage["save_trial_latest"] < 0):
                 problems.append(f"checkpoint_storage.save_trial_latest={storage['save_trial_latest']!r}: "
                                 "expected an integer >= 0")
@@ -228,7 +226,7 @@ def max_length_steps(config: Mapping[str, Any], default: int | None = None) -> i
         return default
     raw = searcher["max_length"]
     value = raw.get("batches") if isinstance(raw, dict) and set(raw) == {"batches"} else raw
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise ConfigError(f"searcher.max_length={raw!r}: expected a number of steps >= 1, "
                           "e.g. 500 or {batches: 500}")
     return value

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from toolkit._checks import is_int
 from toolkit.config.deepspeed import get_ds_config_from_hparams, validate_ds_config
 from toolkit.config.experiment import entrypoint_argv, load_experiment_config
 from toolkit.dsat.contract import METRICS
@@ -233,7 +234,7 @@ def make_plan(args: argparse.Namespace):
         problems.append(f"resources.slots_per_trial={slots} > --max-slots {max_slots}: no trial could start; "
                         "lower slots_per_trial or raise --max-slots")
     dp = hparams.get("data_parallel_world_size", slots)
-    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1 or slots % dp:
+    if not is_int(dp) or dp < 1 or slots % dp:
         problems.append(f"hyperparameters.data_parallel_world_size={dp!r}: expected a divisor of "
                         f"resources.slots_per_trial={slots}")
         dp = slots

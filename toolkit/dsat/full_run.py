@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 from typing import Callable
 
+from toolkit._files import atomic_write_json
 from toolkit.config.experiment import max_length_steps
 from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV
 from toolkit.dsat.execution.argv import LOOPBACK, build_trial_argv
-from toolkit.dsat.records import write_json_atomic
 from toolkit.runtime.ds_shm import remove_buffers
 
 __all__ = ["run_full_experiment", "FULL_RUN_TIMEOUT_S"]
@@ -37,7 +37,7 @@ def run_full_experiment(plan, outcome, *, say: Callable[[str], None] = print,
     best_config = json.loads((plan.output_dir / "best_ds_config.json").read_text(encoding="utf-8"))
     hparams = trial_hparams(plan.hparams, best_config)
     hparams["deepspeed_config"] = str(plan.output_dir / "best_ds_config.json")
-    write_json_atomic(directory / "hparams.json", hparams)
+    atomic_write_json(directory / "hparams.json", hparams)
     steps = max_length_steps(plan.experiment)
     port = free_port()
     argv = build_trial_argv(list(plan.runner.entrypoint), launcher=plan.runner.launcher,

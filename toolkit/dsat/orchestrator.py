@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from toolkit._files import atomic_write_json
 from toolkit.config.deepspeed import BATCH_KEYS, overwrite_deepspeed_config, resolve_ds_config
 from toolkit.dsat.contract import ProfileInfo, TrialContract, TrialStatus
 from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
@@ -21,7 +22,6 @@ from toolkit.dsat.records import (
     EventLog,
     TensorBoardTrials,
     summary_table,
-    write_json_atomic,
     write_trial_tables,
 )
 from toolkit.dsat.search import memory
@@ -202,7 +202,7 @@ class Autotuner:
         prediction = memory.predict(profile, data_parallel_size=self.plan.data_parallel_size,
                                     zero_stages=self.plan.search.zero_stages,
                                     offload_optimizer=offload_optimizer, offload_param=offload_param)
-        write_json_atomic(self.out / "profile.json",
+        atomic_write_json(self.out / "profile.json",
                           {"profile": profile.to_json(), "prediction": {str(k): v for k, v in prediction.items()}})
         self.say(f"model: {profile.num_params:,} parameters ({profile.trainable_params:,} trainable), "
                  f"activations {profile.activation_bytes_per_example:,} bytes/example, "
@@ -215,7 +215,7 @@ class Autotuner:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "trials").mkdir(exist_ok=True)
         events = self.log.read()
-        write_json_atomic(self.out / "search.json", self.plan.fingerprint())
+        atomic_write_json(self.out / "search.json", self.plan.fingerprint())
         with TrialRunner(self.plan.runner, output_dir=self.out) as runner:
             profile = self._profile(runner, events)
             if profile is None:
@@ -269,8 +269,8 @@ class Autotuner:
                                  f"no tuning trial succeeded ({len(tuning)} run); see trials.csv and each "
                                  "trial's stderr.log")
         best_config = self._config_for(best.spec, instrumented=False)
-        write_json_atomic(self.out / "best_ds_config.json", best_config)
-        write_json_atomic(self.out / "best_ds_metrics.json",
+        atomic_write_json(self.out / "best_ds_config.json", best_config)
+        atomic_write_json(self.out / "best_ds_metrics.json",
                           {"trial_id": best.spec.trial_id, "metric": self.plan.search.metric,
                            "metrics": dict(best.metrics)})
         counts = {s.value: sum(r.status is s for r in tuning) for s in TrialStatus}

@@ -25,22 +25,12 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from toolkit._files import atomic_write
 from toolkit.dsat.contract import METRICS
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 
-__all__ = ["EventLog", "write_json_atomic", "write_trial_tables", "TensorBoardTrials", "summary_table",
+__all__ = ["EventLog", "write_trial_tables", "TensorBoardTrials", "summary_table",
            "flatten_zero"]
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON so that a reader sees the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 class EventLog:
@@ -107,9 +97,7 @@ def write_trial_tables(output_dir: Path, results: Iterable[TrialResult]) -> None
     records = [_record(r) for r in ordered]
     jsonl = "".join(json.dumps({**rec, "ds_overrides": r.spec.ds_overrides()}, sort_keys=True) + "\n"
                     for rec, r in zip(records, ordered))
-    tmp = output_dir / ".trials.jsonl.tmp"
-    tmp.write_text(jsonl, encoding="utf-8")
-    os.replace(tmp, output_dir / "trials.jsonl")
+    atomic_write(output_dir / "trials.jsonl", jsonl)
     columns: list[str] = []
     for rec in records:
         columns += [c for c in rec if c not in columns]
@@ -117,9 +105,7 @@ def write_trial_tables(output_dir: Path, results: Iterable[TrialResult]) -> None
     writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(records)
-    tmp = output_dir / ".trials.csv.tmp"
-    tmp.write_text(buf.getvalue(), encoding="utf-8")
-    os.replace(tmp, output_dir / "trials.csv")
+    atomic_write(output_dir / "trials.csv", buf.getvalue())
 
 
 class TensorBoardTrials:

@@ -12,13 +12,11 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+from toolkit._checks import is_int
 
 
 def _check_steps(steps_completed: Any) -> int:
-    if not _is_int(steps_completed):
+    if not is_int(steps_completed):
         raise TypeError(f"steps_completed={steps_completed!r} ({type(steps_completed).__name__}): "
                         "expected an int, the number of optimizer steps done so far "
                         "(convert a tensor with int(t.item()))")

@@ -37,8 +37,9 @@ import weakref
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from toolkit._checks import is_int
 from toolkit.metrics.pending import _describe, _PendingReports, _Report, _signature_size
-from toolkit.metrics.values import _check_steps, _is_int, _values
+from toolkit.metrics.values import _check_steps, _values
 from toolkit.runtime.context import DistributedContext
 
 __all__ = ["MetricsSettings", "MetricsWriter", "SAMPLES_PER_SECOND"]
@@ -98,7 +99,7 @@ class MetricsSettings:
                              "'metrics.jsonl' (no directory part); the file goes into log_dir")
         for field in ("flush_every", "reduce_every"):
             value = getattr(self, field)
-            if (value is not None or field != "reduce_every") and (not _is_int(value) or value < 1):
+            if (value is not None or field != "reduce_every") and (not is_int(value) or value < 1):
                 raise ValueError(f"{field}={value!r}: expected an integer >= 1"
                                  + (" or None (adaptive, see reduce_secs)" if field == "reduce_every" else ""))
         for field in ("flush_secs", "reduce_secs"):
@@ -106,7 +107,7 @@ class MetricsSettings:
             if (not isinstance(value, numbers.Real) or isinstance(value, bool)
                     or not value > 0 or not math.isfinite(value)):
                 raise ValueError(f"{field}={value!r}: expected a finite number of seconds > 0")
-        if self.resume_step is not None and (not _is_int(self.resume_step) or self.resume_step < 0):
+        if self.resume_step is not None and (not is_int(self.resume_step) or self.resume_step < 0):
             raise ValueError(f"resume_step={self.resume_step!r}: expected None or the integer "
                              "steps_completed (>= 0) of the checkpoint this run resumed from")
 
@@ -222,7 +223,7 @@ class MetricsWriter:
             batches = [_values(f"{where}: batch_metrics[{i}]", m) for i, m in enumerate(batch_metrics)]
         header: list[float] = []
         if samples is not None:
-            if not _is_int(samples) or samples < 0:
+            if not is_int(samples) or samples < 0:
                 raise ValueError(f"{where}: samples={samples!r}: expected the integer number (>= 0) "
                                  "of samples this rank processed since the previous report")
             if SAMPLES_PER_SECOND in keys:

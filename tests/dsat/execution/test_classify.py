@@ -9,8 +9,8 @@ import signal
 
 import pytest
 
-from toolkit.dsat.execution.classify import check_result, classify, exit_text, stderr_tail
 from toolkit.dsat.contract import METRICS, TrialStatus
+from toolkit.dsat.execution.classify import check_result, classify, exit_text, stderr_tail
 from toolkit.dsat.search.types import TrialSpec
 
 GOOD = {"trial_id": 1, "status": "ok", "metrics": dict.fromkeys(METRICS, 1.0)}

@@ -14,14 +14,24 @@ import os
 import sys
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import procutil as p
-from toolkit.dsat.execution.hosts import (Host, expand_slurm_counts, expand_slurm_nodelist, format_include, is_local_host,
-                                parse_hostfile, place_trial, read_hostfile, slurm_hosts)
-from toolkit.dsat.execution.argv import build_multihost_argv, build_remote_kill_argv
-from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner, find_trial_processes
 from toolkit.dsat.contract import TrialStatus
+from toolkit.dsat.execution.argv import build_multihost_argv, build_remote_kill_argv
+from toolkit.dsat.execution.hosts import (
+    Host,
+    expand_slurm_counts,
+    expand_slurm_nodelist,
+    format_include,
+    is_local_host,
+    parse_hostfile,
+    place_trial,
+    read_hostfile,
+    slurm_hosts,
+)
+from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner, find_trial_processes
 from toolkit.dsat.search.types import TrialSpec
 from toolkit.errors import ConfigError
 
@@ -190,7 +200,12 @@ def test_deepspeed_reads_our_argv_as_meant(tmp_path):
     """DeepSpeed's own parser and resource filter turn our argv into our placement, and its pdsh
     runner builds a command for both hosts that exports the trial's variables (nothing is run)."""
     from deepspeed.launcher.multinode_runner import PDSHRunner
-    from deepspeed.launcher.runner import encode_world_info, fetch_hostfile, parse_args, parse_inclusion_exclusion
+    from deepspeed.launcher.runner import (
+        encode_world_info,
+        fetch_hostfile,
+        parse_args,
+        parse_inclusion_exclusion,
+    )
 
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("worker-0 slots=2\nworker-1 slots=1\n")

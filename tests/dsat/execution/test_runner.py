@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 import procutil
-
-from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner, find_trial_processes
 from toolkit.dsat.contract import METRICS, TrialStatus
+from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner, find_trial_processes
 from toolkit.dsat.search.types import TrialSpec
 from toolkit.errors import ConfigError
 

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from toolkit.dsat.search.memory import (approx_max_micro_batch, format_prediction, model_memory_bytes,
-                                 offload_flags, predict)
 from toolkit.dsat.contract import ProfileInfo
+from toolkit.dsat.search.memory import (
+    approx_max_micro_batch,
+    format_prediction,
+    model_memory_bytes,
+    offload_flags,
+    predict,
+)
 
 
 def _profile(n=1000, n_t=1000, *, act=100, mem=17_000, base=0, half=False):

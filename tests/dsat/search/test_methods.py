@@ -15,12 +15,19 @@ from collections import Counter, defaultdict
 from fractions import Fraction
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from toolkit.dsat.search.methods import (AshaSearcher, BinarySearcher, RandomSearcher, best_result,
-                                 make_searcher, replay)
 from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus
-from toolkit.dsat.search.types import SearchSettings, SMALLER_IS_BETTER, TrialResult, TrialSpec
+from toolkit.dsat.search.methods import (
+    AshaSearcher,
+    BinarySearcher,
+    RandomSearcher,
+    best_result,
+    make_searcher,
+    replay,
+)
+from toolkit.dsat.search.types import SMALLER_IS_BETTER, SearchSettings, TrialResult, TrialSpec
 from toolkit.errors import ConfigError
 
 OK, OOM, FAILED, TIMEOUT = TrialStatus.OK, TrialStatus.OOM, TrialStatus.FAILED, TrialStatus.TIMEOUT

@@ -11,7 +11,6 @@ import random
 import pytest
 
 import toolkit
-
 from toolkit.dsat.search.memory import offload_flags
 from toolkit.dsat.search.space import STAGE_KNOBS, ZeroSpace, zero_config_for_stage
 

@@ -9,16 +9,15 @@ module fixture; each test checks one of them.
 import json
 import os
 import timeit
-from pathlib import Path
 
-import procutil
 import pytest
 
+import procutil
+from toolkit.dsat.contract import METRICS, ProfileInfo, TrialContract, TrialStatus
+from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
+from toolkit.dsat.search.types import TrialSpec
 from toolkit.dsat.trial import reporting
 from toolkit.dsat.trial.reporting import dsat_reporting_context, instrumentation_overrides
-from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
-from toolkit.dsat.contract import METRICS, ProfileInfo, TrialContract, TrialStatus
-from toolkit.dsat.search.types import TrialSpec
 
 WORKERS = procutil.WORKERS
 GIB = 1024 ** 3

@@ -56,6 +56,7 @@ import re
 import sys
 from typing import Mapping, Sequence
 
+from toolkit._checks import is_int
 from toolkit.errors import ConfigError
 
 __all__ = ["LAUNCHERS", "LOOPBACK", "MULTIHOST_LAUNCHERS", "build_trial_argv", "build_multihost_argv",
@@ -72,9 +73,6 @@ _PYTHON = re.compile(r"python(\d+(\.\d+)*)?")
 _TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 _DEEPSPEED_MODULES = ("deepspeed.launcher.runner",)
 
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def world_info(include: str | None, nproc: int) -> str:
@@ -180,9 +178,9 @@ def build_trial_argv(entrypoint: Sequence[str], *, launcher: str, nproc: int, ma
                           "e.g. ['python3', 'train.py']")
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher={launcher!r}: expected one of {', '.join(LAUNCHERS)}")
-    if not _is_int(nproc) or nproc < 1:
+    if not is_int(nproc) or nproc < 1:
         raise ValueError(f"nproc={nproc!r}: expected an integer >= 1")
-    if not _is_int(master_port) or not 1 <= master_port <= 65535:
+    if not is_int(master_port) or not 1 <= master_port <= 65535:
         raise ValueError(f"master_port={master_port!r}: expected an integer port in 1..65535")
     if include is not None and launcher != "deepspeed":
         raise ValueError(f"include={include!r} is only understood by the deepspeed launcher; under "
@@ -206,7 +204,7 @@ def _check_placement(placement: Mapping[str, Sequence[int]]) -> None:
     for host, ids in placement.items():
         if not isinstance(host, str) or not host or any(c.isspace() or c in ",@:" for c in host):
             raise ValueError(f"placement host {host!r}: expected a host name without spaces, ',', '@' or ':'")
-        if isinstance(ids, str) or not ids or not all(_is_int(i) and i >= 0 for i in ids) \
+        if isinstance(ids, str) or not ids or not all(is_int(i) and i >= 0 for i in ids) \
                 or len(set(ids)) != len(ids):
             raise ValueError(f"placement {host!r}: {ids!r}, expected distinct slot ids >= 0")
 
@@ -245,9 +243,9 @@ def build_multihost_argv(entrypoint: Sequence[str], *, placement: Mapping[str, S
     if via not in MULTIHOST_LAUNCHERS:
         raise ValueError(f"via={via!r}: expected one of {', '.join(MULTIHOST_LAUNCHERS)}")
     _check_placement(placement)
-    if not _is_int(master_port) or not 1 <= master_port <= 65535:
+    if not is_int(master_port) or not 1 <= master_port <= 65535:
         raise ValueError(f"master_port={master_port!r}: expected an integer port in 1..65535")
-    if ssh_port is not None and (not _is_int(ssh_port) or not 1 <= ssh_port <= 65535):
+    if ssh_port is not None and (not is_int(ssh_port) or not 1 <= ssh_port <= 65535):
         raise ValueError(f"ssh_port={ssh_port!r}: expected an integer port in 1..65535, or None")
     mode, target, args = _unwrap_launcher(*_split_entrypoint(entrypoint), entrypoint)
     hosts = list(placement)
@@ -290,7 +288,7 @@ def build_remote_kill_argv(hosts: Sequence[str], *, master_port: int, ssh_port: 
     """
     if isinstance(hosts, str) or not hosts or not all(isinstance(h, str) and h for h in hosts):
         raise ValueError(f"hosts={hosts!r}: expected a non-empty list of host names")
-    if not _is_int(master_port) or not 1 <= master_port <= 65535:
+    if not is_int(master_port) or not 1 <= master_port <= 65535:
         raise ValueError(f"master_port={master_port!r}: expected an integer port in 1..65535")
     pattern = f"'[d]eepspeed.launcher.launch.*--master_port={master_port}( |$)'"
     return ["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts), "pkill", "-TERM", "-f", pattern]

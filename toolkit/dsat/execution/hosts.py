@@ -34,6 +34,7 @@ import socket
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from toolkit._checks import is_int
 from toolkit.errors import ConfigError
 from toolkit.runtime.launch_env import parse_slurm_counts, parse_slurm_nodelist
 
@@ -58,7 +59,7 @@ class Host:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
             raise ConfigError(f"host name {self.name!r}: expected a non-empty name without spaces")
-        if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
+        if not is_int(self.slots) or self.slots < 1:
             raise ConfigError(f"host {self.name!r}: slots={self.slots!r}, expected an integer >= 1")
 
 

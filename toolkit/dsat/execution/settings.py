@@ -15,17 +15,14 @@ import dataclasses
 import math
 import os
 from pathlib import Path
-from typing import Any
 
+from toolkit._checks import is_int
 from toolkit.dsat.execution.argv import LAUNCHERS, MULTIHOST_LAUNCHERS, build_trial_argv
 from toolkit.dsat.execution.hosts import Host, place_trial
 from toolkit.errors import ConfigError
 
 __all__ = ["RunnerSettings"]
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +91,9 @@ class RunnerSettings:
             p.append(f"model_dir={str(self.model_dir)!r}: expected an existing directory (the entrypoint's)")
         for name in ("slots_per_trial", "max_slots", "max_concurrent"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 p.append(f"{name}={value!r}: expected an integer >= 1")
-        if _is_int(self.slots_per_trial) and _is_int(self.max_slots) and self.max_slots < self.slots_per_trial:
+        if is_int(self.slots_per_trial) and is_int(self.max_slots) and self.max_slots < self.slots_per_trial:
             p.append(f"max_slots={self.max_slots} < slots_per_trial={self.slots_per_trial}: no trial could "
                      "ever start; raise max_slots or lower slots_per_trial")
         for name in ("timeout_s", "grace_s", "poll_s"):
@@ -106,17 +103,17 @@ class RunnerSettings:
                 p.append(f"{name}={value!r}: expected a number of seconds > 0")
         if self.launcher not in LAUNCHERS:
             p.append(f"launcher={self.launcher!r}: expected one of {', '.join(LAUNCHERS)}")
-        if self.memory_per_slot is not None and (not _is_int(self.memory_per_slot) or self.memory_per_slot < 1):
+        if self.memory_per_slot is not None and (not is_int(self.memory_per_slot) or self.memory_per_slot < 1):
             p.append(f"memory_per_slot={self.memory_per_slot!r}: expected a number of bytes >= 1, or None")
         s, e = self.start_profile_step, self.end_profile_step
-        if not (_is_int(s) and _is_int(e) and 1 <= s <= e):
+        if not (is_int(s) and is_int(e) and 1 <= s <= e):
             p.append(f"start_profile_step={s!r}, end_profile_step={e!r}: expected integers with "
                      "1 <= start <= end (step start-1 counts the FLOPs)")
         if self.gpus is not None:
             g = self.gpus
-            if not isinstance(g, tuple) or not all(_is_int(x) and x >= 0 for x in g) or len(set(g)) != len(g):
+            if not isinstance(g, tuple) or not all(is_int(x) and x >= 0 for x in g) or len(set(g)) != len(g):
                 p.append(f"gpus={g!r}: expected distinct GPU ids >= 0, or None on CPU")
-            elif _is_int(self.max_slots) and self.max_slots > len(g) and self.hosts is None:
+            elif is_int(self.max_slots) and self.max_slots > len(g) and self.hosts is None:
                 p.append(f"max_slots={self.max_slots} but only {len(g)} GPU(s) given ({g}); lower max_slots "
                          "or give more GPUs")
         p.extend(self._host_problems())
@@ -132,7 +129,7 @@ class RunnerSettings:
     def _host_problems(self) -> list[str]:
         if self.multihost_launcher not in MULTIHOST_LAUNCHERS:
             return [f"multihost_launcher={self.multihost_launcher!r}: expected one of {', '.join(MULTIHOST_LAUNCHERS)}"]
-        if self.ssh_port is not None and (not _is_int(self.ssh_port) or not 1 <= self.ssh_port <= 65535):
+        if self.ssh_port is not None and (not is_int(self.ssh_port) or not 1 <= self.ssh_port <= 65535):
             return [f"ssh_port={self.ssh_port!r}: expected a port in 1..65535, or None"]
         if self.hosts is None:
             return []
@@ -141,9 +138,9 @@ class RunnerSettings:
                 or len({h.name for h in hosts}) != len(hosts):
             return [f"hosts={hosts!r}: expected distinct Host entries (toolkit.dsat.execution.hosts), or None"]
         total = sum(h.slots for h in hosts)
-        if _is_int(self.max_slots) and self.max_slots > total:
+        if is_int(self.max_slots) and self.max_slots > total:
             return [f"max_slots={self.max_slots} but the hosts have {total} slot(s) in all; lower max_slots"]
-        if _is_int(self.slots_per_trial) and place_trial(
+        if is_int(self.slots_per_trial) and place_trial(
                 {h.name: tuple(range(h.slots)) for h in hosts}, self.slots_per_trial,
                 uniform=self.multihost_launcher == "srun") is None:
             slots = {h.name: h.slots for h in hosts}

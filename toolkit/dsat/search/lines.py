@@ -28,6 +28,7 @@ import math
 import random
 from typing import Any, Iterable
 
+from toolkit._checks import is_int
 from toolkit.dsat.contract import ProfileInfo, TrialStatus
 from toolkit.dsat.search.memory import approx_max_micro_batch, offload_flags
 from toolkit.dsat.search.space import ZeroSpace
@@ -137,7 +138,7 @@ class LineSearcher:
 
         Rank 0 only (the orchestrator). Raises ValueError for a negative ``capacity``.
         """
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        if not is_int(capacity) or capacity < 0:
             raise ValueError(f"capacity={capacity!r}: expected an integer >= 0 (free trial slots)")
         specs: list[TrialSpec] = []
         while len(specs) < capacity and self.budget_left > 0:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Mapping
 
+from toolkit._checks import is_int
 from toolkit.dsat.contract import ProfileInfo
 
 __all__ = [
@@ -51,7 +52,7 @@ def _ceil_div(a: int, b: int) -> int:
 def _check_stage_and_size(stage: int, data_parallel_size: int) -> None:
     if isinstance(stage, bool) or stage not in _STAGES:
         raise ValueError(f"stage={stage!r}: expected a ZeRO stage 0, 1, 2 or 3")
-    if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+    if not is_int(data_parallel_size) or data_parallel_size < 1:
         raise ValueError(f"data_parallel_size={data_parallel_size!r}: expected an integer >= 1 "
                          "(the slots of one trial)")
 

@@ -12,7 +12,9 @@ import dataclasses
 import json
 from typing import Any, Mapping, Protocol
 
+from toolkit._checks import int_problem, is_int, is_number
 from toolkit.dsat.contract import METRICS, TrialStatus
+from toolkit.errors import ConfigError
 
 __all__ = [
     "SEARCH_METHODS",
@@ -109,11 +111,6 @@ class TrialResult:
                    data.get("error"), data.get("profile"))
 
 
-def _check(problems: list[str], ok: bool, message: str) -> None:
-    if not ok:
-        problems.append(message)
-
-
 @dataclasses.dataclass(frozen=True)
 class SearchSettings:
     """Everything a search method needs besides the profile. Validated on construction.
@@ -155,35 +152,29 @@ class SearchSettings:
 
     def __post_init__(self) -> None:
         p: list[str] = []
-        _check(p, self.method in SEARCH_METHODS, f"method={self.method!r}: expected one of {', '.join(SEARCH_METHODS)}")
-        _check(p, self.metric in METRICS, f"metric={self.metric!r}: expected one of {', '.join(METRICS)}")
-        _check(p, isinstance(self.max_trials, int) and self.max_trials >= 2,
-               f"max_trials={self.max_trials!r}: expected an integer >= 2 (it counts the profiling trial)")
-        _check(p, bool(self.zero_stages) and all(isinstance(s, int) and 0 <= s <= 3 for s in self.zero_stages),
-               f"zero_stages={self.zero_stages!r}: expected one or more of 0, 1, 2, 3")
-        _check(p, isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
-               f"data_parallel_size={self.data_parallel_size!r}: expected an integer >= 1")
-        _check(p, isinstance(self.trials_per_random_config, int) and self.trials_per_random_config >= 1,
-               f"trials_per_random_config={self.trials_per_random_config!r}: expected an integer >= 1")
-        _check(p, self.early_stopping is None or (isinstance(self.early_stopping, int) and self.early_stopping >= 1),
-               f"early_stopping={self.early_stopping!r}: expected an integer >= 1 or None")
-        _check(p, isinstance(self.search_range_factor, (int, float)) and self.search_range_factor > 0,
-               f"search_range_factor={self.search_range_factor!r}: expected a number > 0")
-        _check(p, isinstance(self.bisect_tolerance, (int, float)) and not isinstance(self.bisect_tolerance, bool)
-               and 0 <= self.bisect_tolerance < 1,
-               f"bisect_tolerance={self.bisect_tolerance!r}: expected a number >= 0 and < 1 (0 bisects "
-               "the micro-batch range exactly, 0.25 stops within 25% of the largest fitting micro-batch)")
-        _check(p, isinstance(self.max_rungs, int) and self.max_rungs >= 1,
-               f"max_rungs={self.max_rungs!r}: expected an integer >= 1")
-        _check(p, isinstance(self.min_binary_search_trials, int) and self.min_binary_search_trials >= 1,
-               f"min_binary_search_trials={self.min_binary_search_trials!r}: expected an integer >= 1")
-        _check(p, isinstance(self.asha_early_stopping, int) and self.asha_early_stopping >= 0,
-               f"asha_early_stopping={self.asha_early_stopping!r}: expected an integer >= 0")
-        _check(p, isinstance(self.divisor, int) and self.divisor >= 2,
-               f"divisor={self.divisor!r}: expected an integer >= 2")
-        if p:
-            from toolkit.errors import ConfigError
-            raise ConfigError(p)
+        if self.method not in SEARCH_METHODS:
+            p.append(f"method={self.method!r}: expected one of {', '.join(SEARCH_METHODS)}")
+        if self.metric not in METRICS:
+            p.append(f"metric={self.metric!r}: expected one of {', '.join(METRICS)}")
+        if not self.zero_stages or not all(is_int(s) and 0 <= s <= 3 for s in self.zero_stages):
+            p.append(f"zero_stages={self.zero_stages!r}: expected one or more of 0, 1, 2, 3")
+        if self.early_stopping is not None:
+            p.append(int_problem("early_stopping", self.early_stopping, minimum=1, hint=" or None"))
+        if not is_number(self.search_range_factor) or not self.search_range_factor > 0:
+            p.append(f"search_range_factor={self.search_range_factor!r}: expected a number > 0")
+        if not is_number(self.bisect_tolerance) or not 0 <= self.bisect_tolerance < 1:
+            p.append(f"bisect_tolerance={self.bisect_tolerance!r}: expected a number >= 0 and < 1 (0 bisects "
+                     "the micro-batch range exactly, 0.25 stops within 25% of the largest fitting micro-batch)")
+        p += [int_problem("max_trials", self.max_trials, minimum=2, hint=" (it counts the profiling trial)"),
+              int_problem("data_parallel_size", self.data_parallel_size, minimum=1),
+              int_problem("trials_per_random_config", self.trials_per_random_config, minimum=1),
+              int_problem("max_rungs", self.max_rungs, minimum=1),
+              int_problem("min_binary_search_trials", self.min_binary_search_trials, minimum=1),
+              int_problem("asha_early_stopping", self.asha_early_stopping, minimum=0),
+              int_problem("divisor", self.divisor, minimum=2)]
+        problems = [problem for problem in p if problem]
+        if problems:
+            raise ConfigError(problems)
 
 
 class Searcher(Protocol):

@@ -53,18 +53,17 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
 import math
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
+from toolkit._files import atomic_write_json
 from toolkit.dsat.contract import OOM_EXIT_STATUS, TRIAL_ENV, ProfileInfo, TrialContract
 
-__all__ = ["dsat_reporting_context", "instrumentation_overrides", "OOM_EXIT_STATUS", "write_result"]
+__all__ = ["dsat_reporting_context", "instrumentation_overrides", "OOM_EXIT_STATUS"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,17 +120,6 @@ def dsat_reporting_context(engine: Any, *, steps_completed: int) -> contextlib.A
     if _session is None or _session.engine is not engine:
         _session = _TrialSession(engine, _trial_file)
     return _session.step(int(steps_completed))
-
-
-def write_result(path: str | os.PathLike[str], result: dict[str, Any]) -> None:
-    """Write a trial result file atomically (temporary file, fsync, ``os.replace``). Any rank."""
-    target = Path(path)
-    tmp = target.with_name(f"{target.name}.tmp.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=2)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, target)
 
 
 def _rss_bytes(field: str = "VmRSS") -> int:
@@ -363,7 +351,7 @@ class _TrialSession:
                 "latency": latency,
             }
             profile = _merge_profiles([r["profile"] for r in everyone]) if c.profile else None
-            write_result(c.result_path, {"trial_id": c.trial_id, "status": "ok", "metrics": metrics,
+            atomic_write_json(c.result_path, {"trial_id": c.trial_id, "status": "ok", "metrics": metrics,
                                          "profile": profile})
             logger.info("dsat trial %d: %s", c.trial_id,
                         ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
@@ -392,7 +380,7 @@ class _TrialSession:
         if self.finished or _crashed or os.path.exists(self.contract.result_path):
             return
         c = self.contract
-        write_result(c.result_path, {
+        atomic_write_json(c.result_path, {
             "trial_id": c.trial_id, "status": "failed", "metrics": {}, "profile": None,
             "error": (f"the training loop stopped after {self.last_step + 1} step(s), before "
                       f"end_profile_step={c.end_profile_step}; let the entrypoint run at least "
@@ -456,7 +444,7 @@ def _oneline(err: BaseException) -> str:
 
 
 def _write_oom(contract: TrialContract, err: BaseException) -> None:
-    write_result(contract.result_path, {"trial_id": contract.trial_id, "status": "oom", "metrics": {},
+    atomic_write_json(contract.result_path, {"trial_id": contract.trial_id, "status": "oom", "metrics": {},
                                         "profile": None, "error": _oneline(err)})
 
 

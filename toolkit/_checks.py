@@ -1,0 +1,67 @@
+"""The value checks every module shares, once: integers, numbers, mappings. Pure; any rank.
+
+One rule for integers everywhere: an integer is a :class:`numbers.Integral` that is not a
+``bool`` (Python's ``int``, NumPy's and PyTorch's integer scalars; ``True`` is not a count).
+Code that stores a checked value (JSON, a checkpoint) converts it with ``int()`` first.
+
+Example::
+
+    problem = int_problem("keep_last", keep_last, minimum=1)
+    if problem:
+        problems.append(problem)
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["int_problem", "is_int", "is_mapping", "is_number", "type_name"]
+
+
+def is_int(value: Any) -> bool:
+    """True for an integer that is not a bool (``numbers.Integral``: int, NumPy, PyTorch ints)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """True for a real number that is not a bool (int, float, NumPy scalars; NaN included)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_mapping(value: Any) -> bool:
+    """True for a mapping (a dict, or anything registered as :class:`collections.abc.Mapping`)."""
+    return isinstance(value, Mapping)
+
+
+def type_name(value: Any) -> str:
+    """The type's name, for messages: ``'str'``, ``'NoneType'``."""
+    return type(value).__name__
+
+
+def int_problem(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
+                hint: str = "") -> str | None:
+    """The sentence naming what is wrong with an integer setting, or None when it is fine.
+
+    Args:
+        name: the key, flag or argument, as the user wrote it (``"keep_last"``, ``"--max-trials"``).
+        value: what was given.
+        minimum, maximum: the inclusive bounds, if any.
+        hint: appended to the sentence, e.g. ``" (it counts the profiling trial)"``.
+
+    Example:
+        >>> int_problem("keep_last", 0, minimum=1)
+        'keep_last=0: expected an integer >= 1'
+    """
+    if is_int(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return None
+    if minimum is not None and maximum is not None:
+        expected = f"an integer from {minimum} to {maximum}"
+    elif minimum is not None:
+        expected = f"an integer >= {minimum}"
+    elif maximum is not None:
+        expected = f"an integer <= {maximum}"
+    else:
+        expected = "an integer"
+    return f"{name}={value!r}: expected {expected}{hint}"

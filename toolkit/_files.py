@@ -1,0 +1,83 @@
+"""Durable file writes, once for the whole package: checkpoints, dsat's records and a trial's
+result file all go through here. Any rank; each call touches only the paths it is given.
+
+A reader sees the old file or the whole new one, never a part, even after a crash or a power
+loss: the data goes to a temporary file in the same directory, is fsynced, replaces the target
+with ``os.replace`` (atomic on POSIX), and the directory is fsynced so that the rename itself
+is durable.
+
+Example::
+
+    atomic_write_json(out / "best_ds_config.json", config)   # any rank
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+__all__ = ["atomic_write", "atomic_write_json", "fsync_dir", "fsync_tree"]
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a rename or a new entry in ``path`` durable (POSIX; a no-op where dirs cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | os.PathLike[str]) -> None:
+    """Flush every file under ``path`` (written by any process of this node) and the directories."""
+    for dirpath, _dirnames, filenames in os.walk(path):
+        for name in filenames:
+            try:
+                with open(os.path.join(dirpath, name), "rb") as fh:
+                    os.fsync(fh.fileno())
+            except FileNotFoundError:  # a temporary file renamed meanwhile; its writer fsyncs it
+                continue
+        fsync_dir(dirpath)
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes | str | Callable[[BinaryIO], None]) -> None:
+    """Write ``path`` so that readers see the old file or the whole new one, even after a crash.
+
+    Args:
+        path: the file to write; its directory must exist.
+        data: the bytes, a text (written as UTF-8), or a function writing the bytes to an open
+            binary file (e.g. ``lambda fh: torch.save(obj, fh)``).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            if callable(data):
+                data(fh)
+            else:
+                fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any, *,
+                      default: Callable[[Any], Any] | None = None) -> None:
+    """:func:`atomic_write` of ``obj`` as indented JSON with sorted keys and a final newline.
+
+    ``default`` is :func:`json.dumps`'s: ``repr`` keeps a readable trace of objects JSON cannot
+    encode (a DeepSpeed config may hold some); None raises ``TypeError`` for them.
+    """
+    atomic_write(path, json.dumps(obj, indent=2, sort_keys=True, default=default) + "\n")

@@ -29,7 +29,7 @@ build_ops() {
   fi
 }
 if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.toolkit-stamp" 2>/dev/null)" = "$want" ] \
-   && "$venv/bin/python" -c "import torch, deepspeed, yaml, tensorboard, pytest, toolkit" 2>/dev/null; then
+   && "$venv/bin/python" -c "import torch, deepspeed, yaml, tensorboard, pytest, transformers, toolkit" 2>/dev/null; then
   build_ops
   exit 0
 fi
@@ -48,6 +48,6 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   "${pip[@]}" "$torch_pin"
 fi
 echo "setup: installing toolkit and its dependencies into $venv"
-"${pip[@]}" -e "$root[test]"
+"${pip[@]}" -e "$root[test,hf]"
 echo "$want" > "$venv/.toolkit-stamp"
 build_ops

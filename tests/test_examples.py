@@ -24,6 +24,8 @@ SMALL = {
     "pipeline.py": ("pipeline.yaml", {"dataset_size": 512, "image_size": 16, "width": 8, "validate_every": 5,
                                       "checkpoint_every": 5}),
     "mlm.py": ("mlm.yaml", {"dataset_size": 1024, "d_model": 32, "validate_every": 5, "checkpoint_every": 5}),
+    "causal_lm.py": ("causal_lm.yaml", {"dataset_size": 1024, "d_model": 32, "seq_len": 32, "validate_every": 5,
+                                        "checkpoint_every": 5}),
 }
 
 
@@ -51,7 +53,7 @@ def scalars(log_dir, tag):
     return [(e.step, e.value) for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
 
 
-@pytest.mark.parametrize("script", ["train.py", "pipeline.py", "mlm.py"])
+@pytest.mark.parametrize("script", ["train.py", "pipeline.py", "mlm.py", "causal_lm.py"])
 def test_example_runs_under_torchrun_then_resumes_under_deepspeed(tmp_path, script):
     config, out = small_config(tmp_path, script), tmp_path / "out"
     args = ["--config", str(config), "--output-dir", str(out)]
@@ -80,7 +82,7 @@ def _latest_step(checkpoints):
         return 0
 
 
-@pytest.mark.parametrize("script, seed", [("mlm.py", 1), ("train.py", 2)])
+@pytest.mark.parametrize("script, seed", [("mlm.py", 1), ("train.py", 2), ("causal_lm.py", 3)])
 def test_sigterm_at_a_random_moment_then_resume_is_bitwise_exact(tmp_path, script, seed):
     config = small_config(tmp_path, script)
     steps = "100"  # about 60 ms each here: the process start-up (about 15 s) dominates

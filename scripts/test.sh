@@ -12,4 +12,7 @@ export PATH="$root/.venv/bin:$PATH"
 # DeepSpeed's CPU ops, built once by scripts/setup.sh into the venv (see scripts/build_ops.py).
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$root/.venv/torch_extensions}"
 cd "$root"
+# Lint, import order and types first (configured in pyproject.toml): a new violation fails CI.
+"$root/.venv/bin/ruff" check toolkit
+"$root/.venv/bin/mypy"
 exec "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider "$@"

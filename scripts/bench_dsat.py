@@ -1,22 +1,22 @@
 """Benchmark: dsat against an exhaustive grid over the same space, and DeepSpeed's own autotuner.
 
-Run it from the repository root (about 25 minutes on 2 CPU cores, plus 2-4 minutes the first time
-for building DeepSpeed's CPU ops; trials use both cores, so they run one at a time)::
+Run it from the repository root (it takes tens of minutes on a small CPU machine, plus a few
+the first time for building DeepSpeed's CPU ops; trials use both cores, so they run one at a
+time; the README's benchmark section has the figures)::
 
     .venv/bin/python scripts/bench_dsat.py
     .venv/bin/python scripts/bench_dsat.py --method asha --output runs/bench_dsat/asha.json
 
 On the example model (examples/core_api/train.py, made small: ``--width 8 --image-size 16``) and
-one CPU memory budget (``--memory-per-slot``, default 1GiB per rank; the profiling trial peaks
-at ~0.4 GiB), one after the other in this process:
+one CPU memory budget (``--memory-per-slot``, default 1GiB per rank, above what the profiling
+trial needs), one after the other in this process:
 
 0. **warm-up** (not counted): DeepSpeed's JIT-built CPU ops (FusedAdam, shared-memory comm)
    are built into a private ``TORCH_EXTENSIONS_DIR`` (``--torch-extensions-dir``, kept between
    runs), so that no trial of either arm pays for a build or waits on another process's build
    in the shared cache.
 1. **dsat**: ``python -m toolkit.dsat METHOD`` with ``--max-trials`` (default 8, profiling trial
-   included: with 10, dsat's trials, large micro-batches near the memory limit among them, took
-   0.265 of the grid's trial-seconds on this model; with 8, 0.216). Its best ``--metric``
+   included; the README's benchmark section compares 8 and 10). Its best ``--metric``
    (default ``throughput``, samples/s over both ranks) is read
    from best_ds_metrics.json; its trial-seconds are the ``duration_s`` of every trial in
    trials.jsonl, the profiling trial included.
@@ -277,7 +277,7 @@ def first_failure(results: list[TrialResult], stage: int) -> int | None:
 
 
 def run_grid(args: argparse.Namespace, arm: TrialArm, dsat: dict[str, Any], profile: dict[str, Any]) -> dict[str, Any]:
-    from toolkit.dsat.search.methods import best_result
+    from toolkit.dsat.search import best_result
 
     tops = search_range(args, profile)
     specs: list[TrialSpec] = []

@@ -89,7 +89,7 @@ def is_rank_process(environ: bytes) -> bool:
     and neither has a child it has forked but not yet exec'd: until ``execve`` such a child still
     shows the launcher's environment, and its VmRSS is the launcher's (shared pages after
     ``fork``, the very same memory after ``vfork``). Counting that instant against the per-slot
-    budget once failed a trial whose workers were tiny ("RSS 222 MiB" of torchrun's own imports).
+    budget once failed a trial whose workers were tiny (the RSS was that of torchrun's own imports).
     """
     return b"\0LOCAL_RANK=" in b"\0" + environ
 

@@ -1,0 +1,218 @@
+"""Inside a dsat trial: time the training steps, write the trial's result and end the process.
+
+One :class:`TrialSession` per trial process and engine, made by the reporting context
+(:func:`toolkit.dsat.trial.reporting.dsat_reporting_context`, which documents the step roles
+and the metrics). Every rank; :meth:`TrialSession.report_and_exit` is a collective.
+
+Example::
+
+    session = TrialSession(engine, os.environ[TRIAL_ENV])      # all ranks
+    with session.step(steps_completed):
+        ...                                                     # one training step
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import time
+from typing import Any, Callable, Iterator, NoReturn
+
+from toolkit._files import atomic_write_json
+from toolkit.dsat.contract import TRIAL_ENV, TrialContract
+from toolkit.dsat.trial.oom import exit_on_oom, is_crashing, is_oom
+from toolkit.dsat.trial.profiling import ProfileProbe, merge_profiles, rss_bytes
+
+__all__ = ["TrialSession", "read_contract", "reduce_metrics"]
+
+logger = logging.getLogger(__name__)
+
+
+def read_contract(contract_file: str) -> TrialContract:
+    """The trial's :class:`TrialContract`, checked; RuntimeError naming the fix when unusable."""
+    try:
+        contract = TrialContract.read(contract_file)
+    except (OSError, ValueError, TypeError) as err:
+        raise RuntimeError(f"{TRIAL_ENV}={contract_file!r}: cannot read the trial contract ({err}); it "
+                           "is set by the dsat trial runner, unset it to run outside a trial") from err
+    start, end = contract.start_profile_step, contract.end_profile_step
+    if not 1 <= start <= end:
+        raise RuntimeError(f"trial contract {contract_file}: start_profile_step={start}, "
+                           f"end_profile_step={end}; expected 1 <= start <= end")
+    return contract
+
+
+def reduce_metrics(everyone: list[dict[str, Any]], *, samples_per_step: float) -> dict[str, float]:
+    """The trial's five metrics from every rank's measurements (see the reporting context). Pure.
+
+    Args:
+        everyone: per rank, ``latency``, ``forward``, ``backward`` (ms per step) and ``flops``
+            (model FLOPs per step, or None where not counted).
+        samples_per_step: examples one step processes over all ranks.
+    """
+    latency = max(r["latency"] for r in everyone)
+    flops = [r["flops"] for r in everyone if r["flops"] is not None]
+    seconds = latency / 1000.0
+    return {
+        "FLOPS_per_gpu": (sum(flops) / len(flops)) / seconds if flops and latency > 0 else 0.0,
+        "throughput": samples_per_step / seconds if latency > 0 else 0.0,
+        "forward": max(r["forward"] for r in everyone),
+        "backward": max(r["backward"] for r in everyone),
+        "latency": latency,
+    }
+
+
+class TrialSession:
+    """Per-process state of one trial: the contract, the timers wrapped around the engine."""
+
+    def __init__(self, engine: Any, contract_file: str) -> None:
+        import toolkit.runtime.context
+        self.engine = engine
+        self.path = contract_file
+        self.contract = read_contract(contract_file)
+        self.ctx = toolkit.runtime.context.init_distributed()  # adopts an existing process group
+        from deepspeed.accelerator import get_accelerator
+        self.accelerator = get_accelerator()
+        self.pipeline = hasattr(type(engine), "_INSTRUCTION_MAP")
+        self.timing = False
+        self.calls = {"forward": 0, "backward": 0}
+        self.seconds = {"forward": 0.0, "backward": 0.0}
+        self.step_s: list[float] = []
+        self.micro_steps = 0
+        self.flops_per_step: float | None = None
+        self.profile: dict[str, Any] | None = None
+        self.rss_start = rss_bytes()
+        self.first_step: int | None = None   # steps are counted from the first one seen (resumed loops)
+        self.last_step = -1
+        self.finished = False
+        self._install_timers()
+        if self.ctx.is_chief:
+            atexit.register(self._report_early_exit)
+
+    def _sync(self) -> None:
+        self.accelerator.synchronize()
+
+    def _timed(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        session = self
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            session.calls[kind] += 1
+            if not session.timing:
+                return fn(*args, **kwargs)
+            session._sync()
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                session._sync()
+                session.seconds[kind] += time.perf_counter() - start
+        return wrapper
+
+    def _install_timers(self) -> None:
+        # Instance attributes shadow the class's methods for this engine only, and only in a trial.
+        engine = self.engine
+        if self.pipeline:
+            from deepspeed.runtime.pipe import schedule
+            table = dict(type(engine)._INSTRUCTION_MAP)
+            table[schedule.ForwardPass] = self._timed("forward", table[schedule.ForwardPass])
+            table[schedule.BackwardPass] = self._timed("backward", table[schedule.BackwardPass])
+            engine._INSTRUCTION_MAP = table
+        else:
+            engine.forward = self._timed("forward", engine.forward)
+            engine.backward = self._timed("backward", engine.backward)
+
+    @contextlib.contextmanager
+    def step(self, steps_completed: int) -> Iterator[None]:
+        """Run one step in its role (FLOPs counted, timed, profiled); end the trial after the last."""
+        c = self.contract
+        if self.first_step is None:
+            self.first_step = steps_completed
+        k = steps_completed - self.first_step
+        probe = ProfileProbe(self.engine, forwards=self.calls["forward"]) \
+            if c.profile and self.profile is None else None
+        flops = self._start_flops() if k == c.start_profile_step - 1 else None
+        timed = c.start_profile_step <= k <= c.end_profile_step
+        forwards = self.calls["forward"]
+        if timed:
+            self._sync()
+            self.timing = True
+            start = time.perf_counter()
+        try:
+            yield
+        except BaseException as err:
+            self._abandon_step(err, probe, flops)
+            raise
+        if timed:
+            self._sync()
+            self.step_s.append(time.perf_counter() - start)
+            self.timing = False
+            self.micro_steps += self.calls["forward"] - forwards  # micro-batches in this step
+        self.last_step = k
+        if probe is not None:
+            self.profile = probe.measure(forwards=self.calls["forward"], memory_budget=c.memory_per_slot,
+                                         local_world_size=self.ctx.local_world_size, rss_start=self.rss_start)
+        if flops is not None:
+            flops.stop_profile()
+            self.flops_per_step = 3.0 * float(flops.get_total_flops())
+            flops.end_profile()
+        if k >= c.end_profile_step:
+            self.report_and_exit()
+
+    def _abandon_step(self, err: BaseException, probe: ProfileProbe | None, flops: Any) -> None:
+        """A step raised: undo its hooks; an OOM ends the process here, anything else propagates."""
+        self.timing = False
+        with contextlib.suppress(Exception):  # undo the hooks; the step's own error matters
+            if flops is not None:
+                flops.end_profile()
+            if probe is not None:
+                probe.remove()
+        if is_oom(err):
+            self.finished = True
+            exit_on_oom(self.contract, err, rank=self.ctx.rank)
+
+    def _start_flops(self) -> Any:
+        from deepspeed.profiling.flops_profiler import FlopsProfiler
+        profiler = FlopsProfiler(self.engine.module)
+        profiler.start_profile()
+        return profiler
+
+    def _local_measurements(self) -> dict[str, Any]:
+        steps = max(len(self.step_s), 1)
+        # forward/backward seconds only accumulate while a timed step runs
+        return {"latency": 1000.0 * sum(self.step_s) / steps,
+                "forward": 1000.0 * self.seconds["forward"] / steps,
+                "backward": 1000.0 * self.seconds["backward"] / steps,
+                "flops": self.flops_per_step, "profile": self.profile}
+
+    def report_and_exit(self) -> NoReturn:
+        """Gather the measurements, write the result (chief), end every rank. Call on all ranks."""
+        engine, c = self.engine, self.contract
+        everyone = self.ctx.all_gather_object(self._local_measurements())
+        if self.ctx.is_chief:
+            micro_per_step = self.micro_steps / max(len(self.step_s), 1) if self.micro_steps else 1.0
+            samples = micro_per_step * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size
+            metrics = reduce_metrics(everyone, samples_per_step=samples)
+            profile = merge_profiles([r["profile"] for r in everyone]) if c.profile else None
+            atomic_write_json(c.result_path, {"trial_id": c.trial_id, "status": "ok", "metrics": metrics,
+                                              "profile": profile})
+            logger.info("dsat trial %d: %s", c.trial_id,
+                        ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        self.finished = True
+        self.ctx.barrier()
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise SystemExit(0)
+
+    def _report_early_exit(self) -> None:
+        """atexit, chief only: the loop ended cleanly before end_profile_step."""
+        if self.finished or is_crashing() or os.path.exists(self.contract.result_path):
+            return
+        c = self.contract
+        atomic_write_json(c.result_path, {
+            "trial_id": c.trial_id, "status": "failed", "metrics": {}, "profile": None,
+            "error": (f"the training loop stopped after {self.last_step + 1} step(s), before "
+                      f"end_profile_step={c.end_profile_step}; let the entrypoint run at least "
+                      f"{c.end_profile_step + 1} steps with dsat_reporting_context around each")})

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 from toolkit._files import atomic_write_json
 from toolkit.config.deepspeed import BATCH_KEYS, overwrite_deepspeed_config, resolve_ds_config
+from toolkit.dsat import search
 from toolkit.dsat.contract import ProfileInfo, TrialContract, TrialStatus
 from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
 from toolkit.dsat.records import (
@@ -25,7 +26,6 @@ from toolkit.dsat.records import (
     write_trial_tables,
 )
 from toolkit.dsat.search import memory
-from toolkit.dsat.search import methods as search
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
 from toolkit.dsat.trial.reporting import instrumentation_overrides
 

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus
-from toolkit.dsat.search.methods import (
+from toolkit.dsat.search import (
     AshaSearcher,
     BinarySearcher,
     RandomSearcher,

@@ -3,19 +3,21 @@
 A *line* is one ZeRO configuration (drawn at random without repeats from
 :class:`~toolkit.dsat.search.space.ZeroSpace`, or the user's own section at a stage) whose micro-batch
 is narrowed on ``[1, ceil(search_range_factor * approx_max_micro_batch)]`` of the memory model.
-The methods of :mod:`toolkit.dsat.search.methods` differ only in which line gets the next trial and at
-which micro-batch; trial ids, the trial cap, in-flight trials, bounds and the best result live
-here.
+The methods (:mod:`~toolkit.dsat.search.binary`, :mod:`~toolkit.dsat.search.random_search`,
+:mod:`~toolkit.dsat.search.asha`) differ only in which line gets the next trial and at which
+micro-batch; trial ids, the trial cap, in-flight trials, bounds and the best result live here.
 
-A line's trials first narrow its range ``[lo, hi]`` (its *upward* search). ``binary`` may then
-refine a line *downwards* with a ladder over powers of two (:attr:`Line.probe`, :attr:`Line.ladder`),
-ending with up to two final probes around the ladder's best (:attr:`Line.finals`,
-:func:`final_probes`): those probes lie below the largest micro-batch known to fit, so they move
-no bound, and the line stays idle-and-open while it has a probe to run even when its range is
-closed. Each line keeps the outcome of every trial (:attr:`Line.statuses`) and the metric of its
-successful ones (:attr:`Line.values`), so that a ladder probe the line already tried is judged on
-its recorded result instead of being run again, and so that the final probes can look at the
-neighbours of the ladder's best. Pure logic, rank 0 only by use (the orchestrator).
+A line keeps ``lo`` (smallest micro-batch not yet known to fit) and ``hi`` (largest not yet known
+to fail): a trial that succeeds (``OK``) at ``m`` sets ``lo = m + 1``, one that runs out of memory
+sets ``hi = m - 1``. A ``FAILED`` or ``TIMEOUT`` trial is treated like an out-of-memory one: its
+micro-batch, and all above it, are not tried again on that line (a trial too slow at ``m`` is
+slower still above it; a crash at ``m`` is as likely a memory crash as anything). The range is
+closed when ``lo > hi``; the best fitting micro-batch of the line is then ``lo - 1``.
+
+:class:`Line` holds only what every method uses; a method with state of its own per line
+subclasses it (``binary``'s ladder: :class:`~toolkit.dsat.search.binary.BinaryLine`, ``asha``'s
+rungs: :class:`~toolkit.dsat.search.asha.AshaLine`). Pure logic, rank 0 only by use (the
+orchestrator).
 """
 
 from __future__ import annotations
@@ -26,25 +28,25 @@ import json
 import logging
 import math
 import random
-from typing import Any, Iterable
+from typing import Any, Generic, Iterable, TypeVar
 
-from toolkit._checks import is_int
+from toolkit._checks import is_int, is_number
 from toolkit.dsat.contract import ProfileInfo, TrialStatus
 from toolkit.dsat.search.memory import approx_max_micro_batch, offload_flags
 from toolkit.dsat.search.space import ZeroSpace
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec, is_better
 
-__all__ = ["best_result", "final_probes", "metric_value", "Line", "LineSearcher"]
+__all__ = ["best_result", "metric_value", "Line", "LineSearcher"]
 
 logger = logging.getLogger(__name__)
 
 
 def metric_value(result: TrialResult, metric: str) -> float | None:
-    """The result's finite ``metric`` when it succeeded, else None."""
+    """The result's finite ``metric`` when it succeeded, else None. Pure; any rank."""
     if result.status is not TrialStatus.OK:
         return None
     value = result.metrics.get(metric)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if value is None or not is_number(value) or not math.isfinite(value):
         return None
     return float(value)
 
@@ -75,7 +77,17 @@ def best_result(results: Iterable[TrialResult], metric: str) -> TrialResult | No
 
 @dataclasses.dataclass
 class Line:
-    """One ZeRO configuration and what its trials taught about its micro-batch range."""
+    """One ZeRO configuration and what its trials taught about its micro-batch range.
+
+    Attributes:
+        line_id: its index in the search (``TrialSpec.line``).
+        zero: its ``zero_optimization`` section.
+        lo, hi: the open micro-batch range (see the module docstring).
+        trials: trials proposed on it.
+        in_flight: one of them is running.
+        best: its best successful result so far.
+        stopped: why the line takes no more trials (None while it may).
+    """
 
     line_id: int
     zero: dict[str, Any]
@@ -84,20 +96,7 @@ class Line:
     trials: int = 0
     in_flight: bool = False
     best: TrialResult | None = None
-    stopped: str | None = None  # why the line takes no more trials
-    tried: set[int] = dataclasses.field(default_factory=set)  # micro-batches proposed on this line
-    # micro-batch -> finite metric of the line's OK trials (at most one trial per micro-batch)
-    values: dict[int, float] = dataclasses.field(default_factory=dict)
-    # micro-batch -> status of the line's observed trials (a skipped ladder probe is judged on it)
-    statuses: dict[int, TrialStatus] = dataclasses.field(default_factory=dict)
-    probe: int | None = None    # binary: the next micro-batch of the downward ladder, to run
-    # binary: the ladder's micro-batches so far, in order, those skipped as already tried included
-    ladder: list[int] = dataclasses.field(default_factory=list)
-    # binary: the final probes still to run, next first (set once, when the ladder ends)
-    finals: list[int] = dataclasses.field(default_factory=list)
-    rung: int = 0               # asha: the rung the line is allowed to run to
-    finished_rung: int = -1     # asha: the highest rung it finished
-    rung_best: dict[int, TrialResult | None] = dataclasses.field(default_factory=dict)
+    stopped: str | None = None
 
     @property
     def stage(self) -> int:
@@ -108,31 +107,43 @@ class Line:
         return self.lo > self.hi
 
     @property
-    def descending(self) -> bool:
-        """binary: the upward search is over and the line has a ladder or final probe to run."""
-        return self.probe is not None or bool(self.finals)
+    def has_trial_due(self) -> bool:
+        """It has a next trial to run: its range is open (a subclass may add trials below it)."""
+        return not self.closed
+
+    @property
+    def moves_bounds(self) -> bool:
+        """The result of its trial in flight narrows ``[lo, hi]`` (a probe below it would not)."""
+        return True
 
     @property
     def idle_open(self) -> bool:
-        """Ready for its next trial: nothing in flight, not stopped, range open or a probe due."""
-        return not self.in_flight and self.stopped is None and (self.descending or not self.closed)
+        """Ready for its next trial: nothing in flight, not stopped, and a trial due."""
+        return not self.in_flight and self.stopped is None and self.has_trial_due
 
 
-class LineSearcher:
-    """Bookkeeping shared by the methods: ids, trial cap, lines, in-flight trials, best result."""
+LineT = TypeVar("LineT", bound=Line)
+
+
+class LineSearcher(Generic[LineT]):
+    """Bookkeeping shared by the methods: ids, trial cap, lines, in-flight trials, best result.
+
+    Implements :class:`~toolkit.dsat.search.types.Searcher`; a method subclasses it with its
+    line type and the hooks of the "per method" section. Rank 0 only by use.
+    """
 
     def __init__(self, settings: SearchSettings, profile: ProfileInfo) -> None:
         self.settings = settings
         self.profile = profile
         self._rng = random.Random(settings.random_seed)
         self._space = ZeroSpace(settings.zero_stages, base_zero=settings.base_zero)
-        self._lines: list[Line] = []
-        self._in_flight: dict[int, tuple[Line, TrialSpec]] = {}
+        self._lines: list[LineT] = []
+        self._in_flight: dict[int, tuple[LineT, TrialSpec]] = {}
         self._results: list[TrialResult] = []
         self._proposed = 0
         self._best: TrialResult | None = None
 
-    # -- public -------------------------------------------------------------------------------
+    # -- public (the Searcher protocol) -------------------------------------------------------
     def propose(self, capacity: int) -> list[TrialSpec]:
         """Up to ``capacity`` new trials (fewer, or none, while waiting or when finished).
 
@@ -145,7 +156,7 @@ class LineSearcher:
             line = self._next_line()
             if line is None:
                 break
-            specs.append(self._start(line))
+            specs.append(self._propose_on(line))
         return specs
 
     def observe(self, result: TrialResult) -> None:
@@ -158,40 +169,25 @@ class LineSearcher:
         """
         if result.spec.profile:
             return
-        entry = self._in_flight.pop(result.spec.trial_id, None)
-        if entry is None:
-            raise ValueError(f"trial {result.spec.trial_id} was not proposed by this searcher or was "
-                             f"already observed (in flight: {sorted(self._in_flight)}); replay results "
-                             "through a fresh searcher with the same settings, in observation order")
-        line, spec = entry
-        if _fingerprint(result.spec) != _fingerprint(spec):
-            self._in_flight[spec.trial_id] = entry
-            raise ValueError(f"trial {spec.trial_id}: the result is for micro_batch={result.spec.micro_batch}, "
-                             f"line {result.spec.line}, zero {dict(result.spec.zero)}; this searcher proposed "
-                             f"micro_batch={spec.micro_batch}, line {spec.line}, zero {dict(spec.zero)}: the "
-                             "recorded search does not match these settings (seed, method, stages?), or a "
-                             "toolkit version that searches differently recorded it")
+        line, spec = self._take_in_flight(result.spec)
         line.in_flight = False
         self._results.append(result)
-        value = metric_value(result, self.settings.metric)
-        line.statuses[spec.micro_batch] = result.status
-        if value is not None:
-            line.values[spec.micro_batch] = value
-        improved = value is not None and is_better(self.settings.metric, value, self._best_value())
+        metric = self.settings.metric
+        value = metric_value(result, metric)
+        improved = value is not None and is_better(metric, value, self._best_value())
         if improved:
             self._best = result
-        if value is not None and (line.best is None or is_better(self.settings.metric, value,
-                                                                 metric_value(line.best, self.settings.metric))):
+        line_best = None if line.best is None else metric_value(line.best, metric)
+        if value is not None and (line.best is None or is_better(metric, value, line_best)):
             line.best = result
         m = spec.micro_batch
-        if line.descending:
-            pass  # a probe below a micro-batch known to fit: its outcome is no memory bound
-        elif result.status is TrialStatus.OK:
-            line.lo = max(line.lo, m + 1)
-        else:
-            line.hi = min(line.hi, m - 1)
+        if line.moves_bounds:
+            if result.status is TrialStatus.OK:
+                line.lo = max(line.lo, m + 1)
+            else:
+                line.hi = min(line.hi, m - 1)
         self._after_observe(line, result, improved)
-        if line.closed and line.stopped is None and not line.descending:
+        if line.stopped is None and not line.has_trial_due:
             line.stopped = "range closed"
         logger.debug("trial %d (line %d, stage %d, micro-batch %d): %s; line range [%d, %d]%s",
                      spec.trial_id, line.line_id, line.stage, m, result.status.value, line.lo, line.hi,
@@ -209,7 +205,7 @@ class LineSearcher:
 
     @property
     def observed_count(self) -> int:
-        """Results observed so far; record it with each proposed trial for :func:`replay`."""
+        """Results observed so far; record it with each proposed trial for ``replay``."""
         return len(self._results)
 
     @property
@@ -223,21 +219,42 @@ class LineSearcher:
         return self._best
 
     # -- shared helpers -----------------------------------------------------------------------
+    def _take_in_flight(self, spec: TrialSpec) -> tuple[LineT, TrialSpec]:
+        """The line and proposal of the observed ``spec``, no longer in flight; ValueError (and
+        nothing changed) when it was not proposed, was observed already, or is not the proposal."""
+        entry = self._in_flight.pop(spec.trial_id, None)
+        if entry is None:
+            raise ValueError(f"trial {spec.trial_id} was not proposed by this searcher or was "
+                             f"already observed (in flight: {sorted(self._in_flight)}); replay results "
+                             "through a fresh searcher with the same settings, in observation order")
+        proposed = entry[1]
+        if _fingerprint(spec) != _fingerprint(proposed):
+            self._in_flight[spec.trial_id] = entry
+            raise ValueError(f"trial {spec.trial_id}: the result is for micro_batch={spec.micro_batch}, "
+                             f"line {spec.line}, zero {dict(spec.zero)}; this searcher proposed "
+                             f"micro_batch={proposed.micro_batch}, line {proposed.line}, zero "
+                             f"{dict(proposed.zero)}: the recorded search does not match these settings "
+                             "(seed, method, stages?), or a toolkit version that searches differently "
+                             "recorded it")
+        return entry
+
     def _best_value(self) -> float | None:
         return None if self._best is None else metric_value(self._best, self.settings.metric)
 
-    def _start(self, line: Line) -> TrialSpec:
+    def _propose_on(self, line: LineT) -> TrialSpec:
+        """The next trial of ``line``, now in flight."""
         self._proposed += 1
         spec = TrialSpec(trial_id=self._proposed, micro_batch=self._micro_batch(line),
                          zero=copy.deepcopy(line.zero), line=line.line_id)
         line.trials += 1
-        line.tried.add(spec.micro_batch)
         line.in_flight = True
         self._in_flight[spec.trial_id] = (line, spec)
         return spec
 
-    def _new_line(self, stages: Iterable[int] | None = None, *, user_stage: int | None = None) -> Line | None:
+    def _new_line(self, stages: Iterable[int] | None = None, *,
+                  user_stage: int | None = None) -> LineT | None:
         """A new line: the user's own ZeRO section at ``user_stage``, or a random draw from ``stages``."""
+        zero: dict[str, Any] | None
         if user_stage is not None:
             zero = self._space.user_config(user_stage)
         else:
@@ -249,19 +266,24 @@ class LineSearcher:
                                         data_parallel_size=self.settings.data_parallel_size,
                                         offload_optimizer=off_opt, offload_param=off_par)
         hi = max(1, math.ceil(self.settings.search_range_factor * approx))
-        line = Line(line_id=len(self._lines), zero=zero, lo=1, hi=hi)
+        line = self._make_line(len(self._lines), zero, hi)
         self._lines.append(line)
         logger.debug("line %d: stage %d, micro-batch range [1, %d]", line.line_id, line.stage, hi)
         return line
 
-    def _idle_lines(self) -> list[Line]:
+    def _idle_lines(self) -> list[LineT]:
         return [line for line in self._lines if line.idle_open]
 
     # -- per method ---------------------------------------------------------------------------
-    def _micro_batch(self, line: Line) -> int:
+    def _make_line(self, line_id: int, zero: dict[str, Any], hi: int) -> LineT:
+        """A fresh line of this method's line type on the range ``[1, hi]``."""
+        raise NotImplementedError
+
+    def _micro_batch(self, line: LineT) -> int:
+        """The micro-batch of ``line``'s next trial: the midpoint of its range by default."""
         return (line.lo + line.hi) // 2
 
-    def _next_line(self) -> Line | None:
+    def _next_line(self) -> LineT | None:
         """The line to give the next trial to (may start a new one); None when nothing to do."""
         raise NotImplementedError
 
@@ -269,49 +291,5 @@ class LineSearcher:
         """Whether :meth:`_next_line` would return a line (without drawing anything)."""
         raise NotImplementedError
 
-    def _after_observe(self, line: Line, result: TrialResult, improved: bool) -> None:
+    def _after_observe(self, line: LineT, result: TrialResult, improved: bool) -> None:
         """Method-specific reaction to a result (bounds are already updated)."""
-
-
-def final_probes(line: Line, metric: str) -> tuple[list[int], str]:
-    """``binary``'s final probes of ``line``: (micro-batches in order, why). Pure; rank 0 only by use.
-
-    Around the ladder's best probe ``b`` (the best finite value among :attr:`Line.ladder`, skipped
-    probes included; the first one on ties), the powers of two ``2 * b`` and ``b // 2``: the
-    midpoints, on the log scale, between ``b`` and its ladder neighbours ``4 * b`` and ``b // 4``.
-    Toward the better side first: the value of the nearest successful micro-batch of the line
-    above ``b`` against the nearest one below ``b`` (any trial of the line, upward ones included);
-    a missing side counts as worse, ties go above first. A probe is dropped when it is below 1,
-    was tried, or is not below ``line.lo`` (not known to fit). No probe when no ladder probe
-    has a finite value.
-
-    Example (rank 0, when the ladder of a line ends)::
-
-        finals, why = final_probes(line, "throughput")   # e.g. [256, 64] around the ladder's 128
-    """
-    ladder_ok = [mb for mb in line.ladder if mb in line.values]
-    if not ladder_ok:
-        return [], "no ladder probe has a finite " + metric
-    b = ladder_ok[0]
-    for mb in ladder_ok[1:]:
-        if is_better(metric, line.values[mb], line.values[b]):
-            b = mb
-    above = min((mb for mb in line.values if mb > b), default=None)
-    below = max((mb for mb in line.values if mb < b), default=None)
-    below_first = below is not None and (above is None
-                                         or is_better(metric, line.values[below], line.values[above]))
-    side = (f"nearest successes: {'none' if above is None else above} above, "
-            f"{'none' if below is None else below} below, {'below' if below_first else 'above'} first")
-    probes, notes = [], []
-    for m in ([b // 2, 2 * b] if below_first else [2 * b, b // 2]):
-        where = f"{m} ({'twice' if m > b else 'half'} the ladder's best {b})"
-        if m < 1:
-            notes.append(f"{where}: below 1")
-        elif m in line.tried:
-            notes.append(f"{where}: already tried")
-        elif m >= line.lo:
-            notes.append(f"{where}: not known to fit")
-        else:
-            probes.append(m)
-            notes.append(where)
-    return probes, f"{side}; " + "; ".join(notes)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Mapping
 
-from toolkit._checks import is_int
+from toolkit._checks import is_int, is_mapping
 from toolkit.dsat.contract import ProfileInfo
 
 __all__ = [
@@ -50,7 +50,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def _check_stage_and_size(stage: int, data_parallel_size: int) -> None:
-    if isinstance(stage, bool) or stage not in _STAGES:
+    if not is_int(stage) or stage not in _STAGES:
         raise ValueError(f"stage={stage!r}: expected a ZeRO stage 0, 1, 2 or 3")
     if not is_int(data_parallel_size) or data_parallel_size < 1:
         raise ValueError(f"data_parallel_size={data_parallel_size!r}: expected an integer >= 1 "
@@ -146,7 +146,7 @@ def offload_flags(zero: Mapping[str, Any]) -> tuple[bool, bool]:
     stage = int(zero.get("stage", 0))
 
     def _on(section: Any) -> bool:
-        if not isinstance(section, Mapping):
+        if not is_mapping(section):
             return False
         return str(section.get("device", "none")).lower() not in ("none", "")
 
@@ -223,7 +223,8 @@ def format_prediction(prediction: Mapping[int, Mapping[str, Any]], *,
             f"baseline: {_human(int(profile.baseline_bytes))}, "
             f"activations per example: {_human(int(profile.activation_bytes_per_example))}",
         ]
-    lines.append(f"{'stage':>5}  {'model memory':>12}  {'free for activations':>20}  {'approx max micro-batch':>22}")
+    lines.append(f"{'stage':>5}  {'model memory':>12}  {'free for activations':>20}  "
+                 f"{'approx max micro-batch':>22}")
     for stage in sorted(prediction):
         row = prediction[stage]
         mark = "" if row.get("fits", True) else "  (does not fit)"

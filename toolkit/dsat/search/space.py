@@ -30,6 +30,8 @@ import math
 import random
 from typing import Any, Iterable, Mapping, Sequence
 
+from toolkit._checks import is_mapping
+
 __all__ = ["STAGE_KNOBS", "ZeroSpace", "zero_config_for_stage"]
 
 _BUCKETS = (50_000_000, 200_000_000, 500_000_000)
@@ -91,11 +93,11 @@ def zero_config_for_stage(base_zero: Mapping[str, Any], stage: int,
     zero["stage"] = stage
     if stage != 3:
         zero.pop("offload_param", None)
-    opt = zero.get("offload_optimizer")
+    opt: Any = zero.get("offload_optimizer")
     if stage < 2:
         zero.pop("offload_optimizer", None)
-    elif stage < 3 and isinstance(opt, Mapping) and (float(opt.get("ratio", 1.0)) < 1.0
-                                                     or opt.get("device") == "nvme"):
+    elif stage < 3 and is_mapping(opt) and (float(opt.get("ratio", 1.0)) < 1.0
+                                            or opt.get("device") == "nvme"):
         # DeepSpeed: "Partial offloading only supported for ZeRO Stage 3"; NVMe needs stage 3.
         zero.pop("offload_optimizer", None)
     if stage not in (1, 2) and zero.get("compute_grad_norm") is False:

@@ -151,7 +151,7 @@ class SearchSettings:
     divisor: int = 2
 
     def __post_init__(self) -> None:
-        p: list[str] = []
+        p: list[str | None] = []
         if self.method not in SEARCH_METHODS:
             p.append(f"method={self.method!r}: expected one of {', '.join(SEARCH_METHODS)}")
         if self.metric not in METRICS:
@@ -163,8 +163,9 @@ class SearchSettings:
         if not is_number(self.search_range_factor) or not self.search_range_factor > 0:
             p.append(f"search_range_factor={self.search_range_factor!r}: expected a number > 0")
         if not is_number(self.bisect_tolerance) or not 0 <= self.bisect_tolerance < 1:
-            p.append(f"bisect_tolerance={self.bisect_tolerance!r}: expected a number >= 0 and < 1 (0 bisects "
-                     "the micro-batch range exactly, 0.25 stops within 25% of the largest fitting micro-batch)")
+            p.append(f"bisect_tolerance={self.bisect_tolerance!r}: expected a number >= 0 and < 1 (0 "
+                     "bisects the micro-batch range exactly, 0.25 stops within 25% of the largest fitting "
+                     "micro-batch)")
         p += [int_problem("max_trials", self.max_trials, minimum=2, hint=" (it counts the profiling trial)"),
               int_problem("data_parallel_size", self.data_parallel_size, minimum=1),
               int_problem("trials_per_random_config", self.trials_per_random_config, minimum=1),
@@ -182,15 +183,38 @@ class Searcher(Protocol):
 
     The orchestrator calls :meth:`propose` to fill free capacity and :meth:`observe` with each
     finished trial, in completion order; replaying the recorded results in that order through a
-    fresh searcher rebuilds its state (this is how ``--resume`` works).
+    fresh searcher rebuilds its state (this is how ``--resume`` works,
+    :func:`~toolkit.dsat.search.replay.replay`). Rank 0 only by use.
+
+    Example (rank 0; annotate the orchestrator's searcher with this protocol)::
+
+        searcher: Searcher = make_searcher(settings, profile)
     """
 
     def propose(self, capacity: int) -> list[TrialSpec]:
         """Up to ``capacity`` new trials to start now (may be fewer, or none while waiting)."""
+        ...
 
     def observe(self, result: TrialResult) -> None:
         """Take a finished trial's result into account."""
+        ...
 
     @property
     def done(self) -> bool:
         """No trial is running or will be proposed."""
+        ...
+
+    @property
+    def in_flight(self) -> list[TrialSpec]:
+        """Trials proposed and not yet observed, by id."""
+        ...
+
+    @property
+    def observed_count(self) -> int:
+        """Results observed so far (recorded with each proposed trial, for the replay)."""
+        ...
+
+    @property
+    def best(self) -> TrialResult | None:
+        """The best successful result observed so far, or None."""
+        ...

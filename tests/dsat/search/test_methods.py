@@ -256,8 +256,74 @@ def split_line(results: list[TrialResult], hi: int, tolerance: float) -> tuple[l
     return results, [], lo - 1
 
 
+# -- binary: the bounds and their proofs ---------------------------------------------------------
+# toolkit/dsat/search/binary.py states these bounds; each is proved here, next to the property
+# tests that check it. A line bisects [1, hi]; T is its largest fitting micro-batch (1 <= T <= hi,
+# the oracle fits iff m <= T; FAILED and TIMEOUT count like OOM), f = lo - 1 the largest fitting
+# one the search found, n = hi - lo + 1 the micro-batches of the open range.
+#
+# (R) After k upward trials the range holds at most floor(hi / 2**k) micro-batches, and
+#     lo - 1 <= T <= hi. The trial is at m = (lo + hi) // 2: a success leaves [m + 1, hi],
+#     hi - m = floor(n / 2) micro-batches, and m <= T; a failure leaves [lo, m - 1],
+#     floor((n - 1) / 2) <= floor(n / 2) of them, and m > T so m - 1 >= T; and
+#     floor(floor(x) / 2) = floor(x / 2).              test_the_range_halves_and_keeps_the_target
+# (B0) bisect_tolerance = 0: by (R) the range is empty (closed) once 2**k > hi, i.e. after at
+#     most floor(log2 hi) + 1 trials; then lo - 1 <= T <= hi = lo - 1: f = T.
+#                             test_zero_tolerance_is_the_exact_bisection_within_the_log2_bound
+# (Bt) bisect_tolerance = tol > 0: whenever it stops, T - f <= tol * f (closed: f = T; else
+#     T <= hi gives T - f <= hi - f <= tol * f), i.e. f >= T / (1 + tol). It stops within
+#     min(floor(log2 hi) + 1, ceil(log2((1 + tol) * hi / (tol * T)))) trials: after that many,
+#     by (R), n = hi - f <= tol * T / (1 + tol) < T, so f >= 1 (lo = 1 would give n >= T), and
+#     f >= T - n >= T / (1 + tol), so hi - f = n <= tol * T / (1 + tol) <= tol * f.
+#                  test_tolerance_stops_within_tolerance_of_the_largest_fitting_micro_batch
+# (D) Downwards, for f >= 2: the ladder's rungs are 2**k, 2**(k - 2), ... >= 1 with
+#     k = floor(log2(f - 1)) (the largest power of two below f), so at most
+#     floor(k / 2) + 1 = floor(log4(f - 1)) + 1 ladder probes (all of them when every probe is
+#     within half of the best, e.g. a curve fastest at micro-batch 1), then at most 2 final
+#     probes: at most floor(log4(f - 1)) + 3 downward trials; none for f = 1 (no power of two
+#     below 1). Only the first rung can be an upward trial: with s the first success, the trials
+#     before it failed above it and those after it lie above it, so all are >= s; s was
+#     proposed with lo = 1, s = (1 + hi) // 2 for the hi of then, so f <= hi <= 2 * s and every
+#     upward trial is >= f / 2, while the later rungs are <= 2**(k - 2) < f / 4. The final
+#     probes 2 * b and b // 2 are powers of two of the other parity than the rungs, never a rung.
+#                             test_a_peaked_curve_gets_the_power_of_two_nearest_its_peak
+# (G) A metric increasing with the micro-batch (GPU-like: fastest at the largest that fits):
+#     the line's best stays f; the ladder's best is its first probe p0 (f / 2 <= p0 < f), so
+#     2 * p0 >= f is dropped (tried or not known to fit) and p0 // 2 is the only final probe.
+#     For v(m) = a * m the ladder is exactly p0, then p0 // 4 if >= 1 (v(p0 // 4) < v(f) / 4:
+#     under half): at most 3 downward trials, none improving.
+#                  test_zero_tolerance_is_the_exact_bisection_within_the_log2_bound,
+#                  test_tolerance_stops_within_tolerance_of_the_largest_fitting_micro_batch
+# (P) A unimodal metric peaking at p <= f whose first probe p0 is within half of the line's best
+#     (e.g. v(m) = m / (1 + (m / p)**2), symmetric on a log scale: its values within a factor 2
+#     of each other never differ by 2x), and P the power of two nearest p on a log scale: the
+#     search (without failures, within its trial cap) tries P when P <= f, else p0 = P / 2.
+#     Every later rung above the peak beats all earlier trials (those are >= 2 * rung), so the
+#     ladder reaches the smallest rung a >= p, then a // 4; the ladder's best is one of the
+#     two, so a // 2 is a final probe, and P is one of a // 4, a // 2, a. When p > p0, P is p0
+#     or 2 * p0 (f, or above it).       test_a_peaked_curve_gets_the_power_of_two_nearest_its_peak
+
+
 # -- binary: upward search -----------------------------------------------------------------------
 LARGER = ("throughput", "FLOPS_per_gpu")
+
+
+@PROP
+@given(hi=st.integers(1, 10**6), data=st.data(), tolerance=st.sampled_from([0, 0.1, 0.25, 0.9]),
+       status=st.sampled_from([OOM, FAILED, TIMEOUT]))
+def test_the_range_halves_and_keeps_the_target(hi, data, tolerance, status):
+    """(R): after k upward trials the open range holds at most floor(hi / 2**k) micro-batches,
+    and lo - 1 <= T <= hi (recomputed here from the results, trial by trial)."""
+    target = data.draw(st.integers(1, hi), label="target")
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, bisect_tolerance=tolerance, metric="latency")
+    _, results = drive(make_searcher(s, profile_with_range(hi)), oracle(target, status=status))
+    lo, top = 1, hi  # latency: no downward refinement, every trial is an upward one
+    for k, r in enumerate(results, start=1):
+        m = r.spec.micro_batch
+        assert lo <= m <= top, (k, m, lo, top)
+        lo, top = (m + 1, top) if r.status is OK else (lo, m - 1)
+        assert top - lo + 1 <= hi // 2**k, (k, lo, top, hi)
+        assert lo - 1 <= target <= top, (k, lo, top, target)
 
 
 @pytest.mark.parametrize("value", [1, 1.0, -0.1, float("nan"), float("inf"), "0.1", True, None])
@@ -410,7 +476,8 @@ def test_a_peaked_curve_gets_the_power_of_two_nearest_its_peak(hi, data, toleran
 def test_a_probe_that_fails_is_the_line_last_trial(hi, data, tolerance, status):
     limit = data.draw(st.integers(1, hi), label="limit")
     peak = data.draw(st.integers(1, limit), label="peak")
-    s = settings_for("binary", zero_stages=(0,), max_trials=200, bisect_tolerance=tolerance, metric="throughput")
+    s = settings_for("binary", zero_stages=(0,), max_trials=200, bisect_tolerance=tolerance,
+                     metric="throughput")
     _, clean = drive(make_searcher(s, profile_with_range(hi)), peaked(limit, peak))
     upward, probes, f = split_line(clean, hi, tolerance)
     if not probes:
@@ -448,9 +515,10 @@ def test_ladder_skips_a_tried_rung_stops_under_half_then_runs_both_final_probes(
     assert "ladder down from 512" in caplog.text
     assert "ladder: micro-batch 512 already tried (ok): not run again" in caplog.text
     assert ("ladder: micro-batch 8 (7.69231) is under half the line's best (19.5122 at micro-batch 32); "
-            "final probes at micro-batches 64, 16 (nearest successes: 128 above, 8 below, above first") in caplog.text
-    assert "final probe at micro-batch 64: did not improve the line's best; next final probe at micro-batch 16" \
-        in caplog.text
+            "final probes at micro-batches 64, 16 (nearest successes: 128 above, 8 below, above first"
+            ) in caplog.text
+    assert ("final probe at micro-batch 64: did not improve the line's best; next final probe at "
+            "micro-batch 16") in caplog.text
     assert "final probe at micro-batch 16: did not improve the line's best" in caplog.text
     assert searcher.best.spec.micro_batch == 32 and searcher.done
     check_descent(results[:3], results[3:], 896, "throughput")
@@ -476,7 +544,8 @@ def test_ladder_ends_below_micro_batch_1(caplog):
     # 2 // 4 = 0 ends the ladder (all floor(log4 895) + 1 = 5 rungs); around its best 2: 4 first
     # (above: 8 is the only neighbour), then 1, the peak.
     assert [r.spec.micro_batch for r in results] == [512, 768, 896, 128, 32, 8, 2, 4, 1]
-    assert "ladder reached micro-batch 2: 2 // 4 is below 1; final probes at micro-batches 4, 1" in caplog.text
+    assert "ladder reached micro-batch 2: 2 // 4 is below 1; final probes at micro-batches 4, 1" \
+        in caplog.text
     assert searcher.best.spec.micro_batch == 1
     check_descent(results[:3], results[3:], 896, "throughput")
     # f = 3: the only rung, 2, was tried upwards; 4 (tried, out of memory) is dropped, 1 is run.
@@ -486,8 +555,8 @@ def test_ladder_ends_below_micro_batch_1(caplog):
         _, results = drive(make_searcher(s, profile_with_range(8)), peaked(3, 100))
     assert [r.spec.micro_batch for r in results] == [4, 2, 3, 1]
     assert ("ladder reached micro-batch 2 (already tried: not run again): 2 // 4 is below 1; final probes at "
-            "micro-batches 1 (nearest successes: 3 above, none below, above first; 4 (twice the ladder's best 2): "
-            "already tried; 1 (half the ladder's best 2))") in caplog.text
+            "micro-batches 1 (nearest successes: 3 above, none below, above first; 4 (twice the ladder's "
+            "best 2): already tried; 1 (half the ladder's best 2))") in caplog.text
     # f = 1: no power of two below it, no ladder, no final probe.
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="toolkit.dsat"):
@@ -499,8 +568,9 @@ def test_ladder_ends_below_micro_batch_1(caplog):
 @pytest.mark.parametrize("recorded, expected, message", [
     # 32 recorded OK and faster than 128: not run; on to 8 (under half of 32), then the final
     # probes around the ladder's best, the skipped 32.
-    (OK, [512, 768, 896, 128, 8, 64, 16], "ladder: micro-batch 8 (7.69231) is under half the line's best "
-                                          "(19.5122 at micro-batch 32); final probes at micro-batches 64, 16"),
+    (OK, [512, 768, 896, 128, 8, 64, 16],
+     "ladder: micro-batch 8 (7.69231) is under half the line's best (19.5122 at micro-batch 32); "
+     "final probes at micro-batches 64, 16"),
     # 32 recorded as failed: the line ends as after a failed probe.
     (FAILED, [512, 768, 896, 128], "ladder: failed at micro-batch 32 (already tried: not run again) "
                                    "(no final probes after a failed probe)"),
@@ -549,7 +619,8 @@ def test_final_probes_run_in_order_and_a_failing_one_ends_the_line(failing, stat
     full = [1024, 1536, 1280, 256, 64, 16, 128, 32]
     expected = full[:full.index(failing) + 1]
     assert [r.spec.micro_batch for r in results] == expected
-    assert "final probes at micro-batches 128, 32 (nearest successes: 256 above, 16 below, above first" in caplog.text
+    assert "final probes at micro-batches 128, 32 (nearest successes: 256 above, 16 below, above first" \
+        in caplog.text
     if failing == 128:
         assert (f"final probe at micro-batch 128: {status.value} (final probe at micro-batch 32 not run "
                 "after a failed probe)") in caplog.text
@@ -765,15 +836,16 @@ def test_replay_rebuilds_a_search_interrupted_around_a_skipped_rung():
         original, in_flight, resumed, rerun, observed_before = _interrupt_and_replay(s, run, 1024, cut)
         assert rerun == in_flight and resumed.best == original.best
         rest = _run_to_end(resumed, run, list(rerun), dict(observed_before), 1)
-        assert [mb for _, mb, _ in full[:cut]] + [spec.micro_batch for spec in rerun] + [mb for _, mb, _ in rest] \
-            == [mb for _, mb, _ in full]
+        replayed = [mb for _, mb, _ in full[:cut]] + [spec.micro_batch for spec in rerun]
+        assert replayed + [mb for _, mb, _ in rest] == [mb for _, mb, _ in full]
 
 
 @PROP
 @given(seed=st.integers(0, 2**16), concurrency=st.integers(1, 6), order_seed=st.integers(0, 99),
        tolerance=st.floats(0, 0.5), metric=st.sampled_from(LARGER), max_trials=st.integers(2, 60),
        peaks=st.tuples(st.integers(1, 400), st.integers(1, 400)))
-def test_every_line_refines_by_its_own_best(seed, concurrency, order_seed, tolerance, metric, max_trials, peaks):
+def test_every_line_refines_by_its_own_best(seed, concurrency, order_seed, tolerance, metric, max_trials,
+                                            peaks):
     """Many lines side by side: each line's probes follow the rule against that line's best."""
     hi, limits = 1000, {1: 500, 2: 700}
     s = settings_for("binary", zero_stages=(1, 2), max_trials=max_trials, random_seed=seed, metric=metric,
@@ -788,7 +860,7 @@ def test_every_line_refines_by_its_own_best(seed, concurrency, order_seed, toler
     # line gets the next free slot before any new line starts).
     assert len(results) == max_trials - 1  # 2 x 72 configurations: the cap always ends it
     flying, proposed, cut = set(), 0, set()
-    for call, result in zip(calls, results):
+    for call, result in zip(calls, results, strict=True):
         flying |= {spec.line for spec in call}
         proposed += len(call)
         if proposed == max_trials - 1:
@@ -807,7 +879,8 @@ def test_every_line_refines_by_its_own_best(seed, concurrency, order_seed, toler
 @pytest.mark.parametrize("tolerance", [0, 0.1, 0.5])
 def test_no_refinement_for_smaller_is_better_metrics(metric, tolerance):
     limits, hi = {1: 300, 2: 400, 3: 900}, 1000
-    s = settings_for("binary", zero_stages=(1, 2, 3), max_trials=60, metric=metric, bisect_tolerance=tolerance)
+    s = settings_for("binary", zero_stages=(1, 2, 3), max_trials=60, metric=metric,
+                     bisect_tolerance=tolerance)
     searcher = make_searcher(s, profile_with_range(hi))
     calls, results = drive(searcher, peaked(limits, 20), concurrency=3)
     by_line = defaultdict(list)
@@ -966,7 +1039,8 @@ def _events(method, seed, concurrency, order_seed, n_trials=25):
 
 
 @PROP
-@given(method=METHOD, seed=st.integers(0, 2**16), concurrency=st.integers(1, 6), order_seed=st.integers(0, 99))
+@given(method=METHOD, seed=st.integers(0, 2**16), concurrency=st.integers(1, 6),
+       order_seed=st.integers(0, 99))
 def test_same_seed_same_calls_same_trials(method, seed, concurrency, order_seed):
     a = _events(method, seed, concurrency, order_seed)
     b = _events(method, seed, concurrency, order_seed)
@@ -1228,7 +1302,7 @@ def test_asha_promotes_only_from_the_top_fraction_of_a_rung(seed, rungs, min_bs,
         best = best_result(rs[:cut], s.metric)
         return done, (best.metrics[s.metric] if best else None)
 
-    for call, result in zip(calls, results):
+    for call, result in zip(calls, results, strict=True):
         for spec in call:
             proposed[spec.line] += 1
             assert proposed[spec.line] <= budget[-1]
@@ -1256,7 +1330,8 @@ def test_make_searcher_picks_the_method_class():
 
 @pytest.mark.parametrize("stages", [(1, 2, 3), (3, 1), (0, 2, 3)])
 def test_binary_starts_one_line_per_stage_lowest_first_then_draws_at_random(stages):
-    searcher = make_searcher(settings_for("binary", zero_stages=stages, max_trials=50), profile_with_range(64))
+    searcher = make_searcher(settings_for("binary", zero_stages=stages, max_trials=50),
+                             profile_with_range(64))
     first = searcher.propose(len(stages) + 4)
     assert [spec.stage for spec in first[:len(stages)]] == sorted(stages)
     assert len({spec.line for spec in first}) == len(first)  # one in-flight trial per line

@@ -131,7 +131,8 @@ def test_the_users_section_outside_the_space_is_extra_and_kept_as_written():
     before = space.remaining()
     assert space.user_config(1) == {**base, "stage": 1}
     assert space.remaining() == before                # 5e6 is not a searched bucket size
-    assert base == {"stage": 2, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5e6, "overlap_comm": True}
+    assert base == {"stage": 2, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5e6,
+                    "overlap_comm": True}
 
 
 def test_the_users_section_is_matched_by_value_and_by_deepspeeds_field_names():

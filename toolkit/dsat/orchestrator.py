@@ -79,6 +79,21 @@ class Plan:
                 "start_profile_step": self.runner.start_profile_step,
                 "end_profile_step": self.runner.end_profile_step}
 
+    def resume_problem(self) -> str | None:
+        """Why ``--resume`` cannot continue the search recorded in ``output_dir``, or None.
+
+        A search continues only with the settings it was recorded with (:meth:`fingerprint`).
+        """
+        path = self.output_dir / "search.json"
+        if not path.exists():
+            return None
+        recorded, now = json.loads(path.read_text(encoding="utf-8")), self.fingerprint()
+        if recorded == now:
+            return None
+        changed = sorted(k for k in now if recorded.get(k) != now[k])
+        return (f"--resume: the settings differ from the recorded search in {self.output_dir} "
+                f"({', '.join(changed)}); resume with the same flags and config")
+
 
 def profile_spec(base_ds_config: Mapping[str, Any]) -> TrialSpec:
     """The profiling trial: micro-batch 1, the user's own ZeRO section."""

@@ -102,7 +102,7 @@ def test_settings_list_every_problem(tmp_path):
                        max_concurrent=0, timeout_s=-1, launcher="mpirun", memory_per_slot=0,
                        start_profile_step=0, end_profile_step=5, gpus=(0, 0))
     text = "\n".join(err.value.problems)
-    for words in ("entrypoint=()", "model_dir=", "max_concurrent=0", "max_slots=1 < slots_per_trial=2",
+    for words in ("entrypoint=()", "model_dir=", "max_concurrent=0", "slots_per_trial=2 > max_slots=1",
                   "timeout_s=-1", "launcher='mpirun'", "memory_per_slot=0", "start_profile_step=0", "gpus=(0, 0)"):
         assert words in text
     with pytest.raises(ConfigError, match="only 2 GPU"):

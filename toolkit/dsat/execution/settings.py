@@ -16,13 +16,12 @@ import math
 import os
 from pathlib import Path
 
-from toolkit._checks import is_int
+from toolkit._checks import int_problem, is_int, is_number
 from toolkit.dsat.execution.argv import LAUNCHERS, MULTIHOST_LAUNCHERS, build_trial_argv
 from toolkit.dsat.execution.hosts import Host, place_trial
 from toolkit.errors import ConfigError
 
 __all__ = ["RunnerSettings"]
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,60 +82,74 @@ class RunnerSettings:
             object.__setattr__(self, "gpus", tuple(self.gpus))
         if isinstance(self.hosts, list):
             object.__setattr__(self, "hosts", tuple(self.hosts))
-        p: list[str] = []
+        problems = [*self._value_problems(), *self._slot_problems(), *self._host_problems()]
+        if not problems:  # the entrypoint must be launchable: say so now, not at the first trial
+            try:
+                build_trial_argv(list(self.entrypoint), launcher=self.launcher, nproc=self.slots_per_trial,
+                                 master_port=29500)
+            except ConfigError as err:
+                problems.extend(err.problems)
+        if problems:
+            raise ConfigError(problems)
+
+    def _value_problems(self) -> list[str]:
+        """Each setting on its own: one sentence per bad value, naming the field as written here."""
+        p: list[str | None] = []
         ep = self.entrypoint
         if not isinstance(ep, tuple) or not ep or not all(isinstance(x, str) and x for x in ep):
             p.append(f"entrypoint={ep!r}: expected a non-empty list of strings, e.g. ('python3', 'train.py')")
         if not isinstance(self.model_dir, Path) or not self.model_dir.is_dir():
             p.append(f"model_dir={str(self.model_dir)!r}: expected an existing directory (the entrypoint's)")
-        for name in ("slots_per_trial", "max_slots", "max_concurrent"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                p.append(f"{name}={value!r}: expected an integer >= 1")
-        if is_int(self.slots_per_trial) and is_int(self.max_slots) and self.max_slots < self.slots_per_trial:
-            p.append(f"max_slots={self.max_slots} < slots_per_trial={self.slots_per_trial}: no trial could "
-                     "ever start; raise max_slots or lower slots_per_trial")
+        p += [int_problem(name, getattr(self, name), minimum=1)
+              for name in ("slots_per_trial", "max_slots", "max_concurrent")]
         for name in ("timeout_s", "grace_s", "poll_s"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
-                    or value <= 0:
+            if not is_number(value) or not math.isfinite(value) or value <= 0:
                 p.append(f"{name}={value!r}: expected a number of seconds > 0")
         if self.launcher not in LAUNCHERS:
             p.append(f"launcher={self.launcher!r}: expected one of {', '.join(LAUNCHERS)}")
-        if self.memory_per_slot is not None and (not is_int(self.memory_per_slot) or self.memory_per_slot < 1):
-            p.append(f"memory_per_slot={self.memory_per_slot!r}: expected a number of bytes >= 1, or None")
+        if self.memory_per_slot is not None:
+            p.append(int_problem("memory_per_slot", self.memory_per_slot, minimum=1,
+                                 hint=" (bytes), or None"))
         s, e = self.start_profile_step, self.end_profile_step
-        if not (is_int(s) and is_int(e) and 1 <= s <= e):
-            p.append(f"start_profile_step={s!r}, end_profile_step={e!r}: expected integers with "
-                     "1 <= start <= end (step start-1 counts the FLOPs)")
-        if self.gpus is not None:
-            g = self.gpus
-            if not isinstance(g, tuple) or not all(is_int(x) and x >= 0 for x in g) or len(set(g)) != len(g):
-                p.append(f"gpus={g!r}: expected distinct GPU ids >= 0, or None on CPU")
-            elif is_int(self.max_slots) and self.max_slots > len(g) and self.hosts is None:
-                p.append(f"max_slots={self.max_slots} but only {len(g)} GPU(s) given ({g}); lower max_slots "
-                         "or give more GPUs")
-        p.extend(self._host_problems())
-        if not p:  # the entrypoint must be launchable: say so now, not at the first trial
-            try:
-                build_trial_argv(list(ep), launcher=self.launcher, nproc=self.slots_per_trial, master_port=29500)
-            except ConfigError as err:
-                p.extend(err.problems)
-        if p:
-            raise ConfigError(p)
+        p += [int_problem("start_profile_step", s, minimum=1, hint=" (step start-1 counts the FLOPs)"),
+              int_problem("end_profile_step", e, minimum=1)]
+        if is_int(s) and is_int(e) and 1 <= s and 1 <= e < s:
+            p.append(f"end_profile_step={e} < start_profile_step={s}: expected end >= start")
+        if self.multihost_launcher not in MULTIHOST_LAUNCHERS:
+            p.append(f"multihost_launcher={self.multihost_launcher!r}: expected one of "
+                     f"{', '.join(MULTIHOST_LAUNCHERS)}")
+        if self.ssh_port is not None:
+            p.append(int_problem("ssh_port", self.ssh_port, minimum=1, maximum=65535, hint=", or None"))
+        return [problem for problem in p if problem]
 
+    def _slot_problems(self) -> list[str]:
+        """The slot counts against each other and against the GPUs given."""
+        spt, most = self.slots_per_trial, self.max_slots
+        if not (is_int(spt) and is_int(most) and spt >= 1 and most >= 1):
+            return []  # reported as values already
+        if most < spt:
+            return [f"slots_per_trial={spt} > max_slots={most}: no trial could ever start; lower "
+                    "slots_per_trial or raise max_slots"]
+        g = self.gpus
+        if g is None:
+            return []
+        if not isinstance(g, tuple) or not all(is_int(x) and x >= 0 for x in g) or len(set(g)) != len(g):
+            return [f"gpus={g!r}: expected distinct GPU ids >= 0, or None on CPU"]
+        if most > len(g) and self.hosts is None:
+            return [f"max_slots={most} but only {len(g)} GPU(s) given ({g}); lower max_slots or give "
+                    "more GPUs"]
+        return []
 
     def _host_problems(self) -> list[str]:
-        if self.multihost_launcher not in MULTIHOST_LAUNCHERS:
-            return [f"multihost_launcher={self.multihost_launcher!r}: expected one of {', '.join(MULTIHOST_LAUNCHERS)}"]
-        if self.ssh_port is not None and (not is_int(self.ssh_port) or not 1 <= self.ssh_port <= 65535):
-            return [f"ssh_port={self.ssh_port!r}: expected a port in 1..65535, or None"]
-        if self.hosts is None:
+        """The hosts, and whether a trial fits on them."""
+        if self.hosts is None or self.multihost_launcher not in MULTIHOST_LAUNCHERS:
             return []
         hosts = self.hosts
         if not isinstance(hosts, tuple) or not hosts or not all(isinstance(h, Host) for h in hosts) \
                 or len({h.name for h in hosts}) != len(hosts):
-            return [f"hosts={hosts!r}: expected distinct Host entries (toolkit.dsat.execution.hosts), or None"]
+            return [f"hosts={hosts!r}: expected distinct Host entries (toolkit.dsat.execution.hosts), "
+                    "or None"]
         total = sum(h.slots for h in hosts)
         if is_int(self.max_slots) and self.max_slots > total:
             return [f"max_slots={self.max_slots} but the hosts have {total} slot(s) in all; lower max_slots"]
@@ -144,7 +157,7 @@ class RunnerSettings:
                 {h.name: tuple(range(h.slots)) for h in hosts}, self.slots_per_trial,
                 uniform=self.multihost_launcher == "srun") is None:
             slots = {h.name: h.slots for h in hosts}
-            return [f"slots_per_trial={self.slots_per_trial} cannot be placed on the hosts {slots}"
-                    + (" with the same number of slots on each host (srun)" if self.multihost_launcher == "srun"
-                       else "")]
+            srun = (" with the same number of slots on each host (srun)"
+                    if self.multihost_launcher == "srun" else "")
+            return [f"slots_per_trial={self.slots_per_trial} cannot be placed on the hosts {slots}{srun}"]
         return []

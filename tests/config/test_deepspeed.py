@@ -63,12 +63,12 @@ def test_merge_from_path(tmp_path):
 
 @pytest.mark.parametrize("base", [3, None, ["a"], b"ds.json"])
 def test_merge_rejects_other_base_types(base):
-    with pytest.raises(TypeError, match="base_ds_config must be a path to a JSON file or a dict"):
+    with pytest.raises(ConfigError, match="base_ds_config=.*: expected a path to a JSON file or a dict"):
         toolkit.overwrite_deepspeed_config(base, {})
 
 
 def test_merge_rejects_non_mapping_source():
-    with pytest.raises(TypeError, match="source_ds_dict must be a dict"):
+    with pytest.raises(ConfigError, match=r"source_ds_dict=\[\('a', 1\)\]: expected a dict of DeepSpeed keys, got list"):
         toolkit.overwrite_deepspeed_config({}, [("a", 1)])
 
 

@@ -1,8 +1,8 @@
 """Property-based fuzzing (hypothesis) of the config merge, the batch-size resolution and the validation.
 
 Properties:
-* no input crashes them with anything but the documented errors (ConfigError; TypeError for a
-  non-mapping where a mapping is required; FileNotFoundError for a missing file);
+* no input crashes them with anything but the documented errors (ConfigError, a non-mapping where
+  a mapping is required included; FileNotFoundError for a missing file);
 * the merge never mutates its inputs, and the source wins key by key;
 * resolution is idempotent, keeps the batch relation exactly and never mutates its input;
 * a config that resolves and validates for data_parallel_size=N passes validation again.
@@ -27,7 +27,7 @@ from toolkit.config.deepspeed import (
     resolve_ds_config,
     validate_ds_config,
 )
-from toolkit.config.experiment import _check_experiment
+from toolkit.config.experiment import check_experiment_config
 from toolkit.errors import ConfigError
 
 FULL = os.environ.get("TOOLKIT_RELIABILITY_FULL") == "1"  # set by scripts/reliability.py
@@ -145,8 +145,8 @@ def test_arbitrary_trees_as_configs_raise_only_documented_errors(tree):
                                         "checkpoint_storage", "x"]), trees, max_size=5))
 def test_experiment_checks_raise_only_config_errors(experiment):
     try:
-        _check_experiment(json.loads(json.dumps(experiment, default=str)) if _has_nan(experiment) else experiment,
-                          "fuzz.yaml")
+        check_experiment_config(json.loads(json.dumps(experiment, default=str)) if _has_nan(experiment)
+                                else experiment, source="fuzz.yaml")
     except ConfigError as err:
         assert err.problems
 

@@ -21,6 +21,14 @@ Inside a dsat trial, :func:`get_hparams` returns the trial's hyperparameters ins
 autotuner writes them to a JSON file and passes its path in the environment variable
 ``TOOLKIT_TRIAL_HPARAMS`` (:data:`TRIAL_HPARAMS_ENV`). A script therefore runs unchanged as a
 trial or on its own.
+
+Every function here is pure apart from reading the named files and environment variables, and
+any rank may call it (every rank reads the same files).
+
+Errors follow :mod:`toolkit.errors`: everything wrong in a config, hyperparameters file or argument
+(a config that is not a mapping included) is a :class:`~toolkit.errors.ConfigError` listing every
+problem, each naming its key; a missing experiment file is a ``FileNotFoundError`` naming the path
+looked at. Unknown keys only warn (:class:`ConfigWarning`).
 """
 
 from __future__ import annotations
@@ -29,13 +37,14 @@ import copy
 import difflib
 import json
 import os
+import shlex
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
-from toolkit._checks import is_int
+from toolkit._checks import int_problem, is_int, is_mapping, type_name
 from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV, TRIAL_HPARAMS_ENV
 from toolkit.errors import ConfigError
 
@@ -49,6 +58,7 @@ __all__ = [
     "get_hparams",
     "max_length_steps",
     "entrypoint_argv",
+    "check_experiment_config",
     "warn_unknown_keys",
 ]
 
@@ -66,8 +76,15 @@ def warn_unknown_keys(mapping: Mapping[str, Any], known: tuple[str, ...] | froze
                       where: str) -> list[str]:
     """Warn once per unknown key, suggesting the closest known one. Any rank.
 
+    Args:
+        where: the prefix naming the section in the message (``"resources."``; ``""`` at the top).
+
     Returns:
         The warning messages (also emitted as :class:`ConfigWarning`).
+
+    Example:
+        >>> warn_unknown_keys({"slot_per_trial": 2}, ("slots_per_trial",), where="resources.")
+        ["unknown key resources.'slot_per_trial' is ignored; did you mean 'slots_per_trial'?"]
     """
     messages = []
     for key in mapping:
@@ -82,94 +99,128 @@ def warn_unknown_keys(mapping: Mapping[str, Any], known: tuple[str, ...] | froze
 
 
 
-def _type_name(value: Any) -> str:
-    return type(value).__name__
+def check_experiment_config(config: Any, *, source: str = "") -> None:
+    """Check a loaded experiment config, listing every problem. Pure; any rank.
 
+    :func:`load_experiment_config` calls it on the parsed YAML; call it yourself on a config
+    built in code. Unknown keys only warn (:class:`ConfigWarning`).
 
-def _check_experiment(config: Any, source: str) -> None:
-    problems: list[str] = []
-    if not isinstance(config, dict):
+    Args:
+        config: the parsed YAML (a mapping).
+        source: where it came from, for the message (the YAML's path).
+
+    Raises:
+        ConfigError: listing every problem (a config that is not a mapping included), each
+            naming its key, the value given and what is expected.
+
+    Example:
+        >>> check_experiment_config({"resources": {"slots_per_trial": 0}}, source="deepspeed.yaml")
+        Traceback (most recent call last):
+        toolkit.errors.ConfigError: invalid configuration in deepspeed.yaml:
+        resources.slots_per_trial=0: expected an integer >= 1
+    """
+    if not is_mapping(config):
         raise ConfigError(f"the file must hold a mapping of keys (name, entrypoint, ...), "
-                          f"got {_type_name(config)}: {config!r:.80}", source=source)
+                          f"got {type_name(config)}: {config!r:.80}", source=source or None)
     warn_unknown_keys(config, _TOP_LEVEL, where="")
-
-    for key in ("name", "description"):
-        if key in config and not isinstance(config[key], str):
-            problems.append(f"{key}={config[key]!r}: expected a string, got {_type_name(config[key])}")
-
-    if "entrypoint" in config:
-        ep = config["entrypoint"]
-        if isinstance(ep, str):
-            if not ep.strip():
-                problems.append("entrypoint='': expected a command such as 'python3 train.py'")
-        elif isinstance(ep, list):
-            if not ep or not all(isinstance(part, str) and part for part in ep):
-                problems.append(f"entrypoint={ep!r}: expected a non-empty list of non-empty strings")
-        else:
-            problems.append(f"entrypoint={ep!r}: expected a string or a list of strings, "
-                            f"got {_type_name(ep)}")
-
-    resources = config.get("resources")
-    if resources is not None:
-        if not isinstance(resources, dict):
-            problems.append(f"resources={resources!r}: expected a mapping such as {{slots_per_trial: 2}}")
-        else:
-            warn_unknown_keys(resources, _RESOURCES, where="resources.")
-            slots = resources.get("slots_per_trial")
-            if "slots_per_trial" in resources and (not is_int(slots) or slots < 1):
-                problems.append(f"resources.slots_per_trial={slots!r}: expected an integer >= 1")
-
-    hparams = config.get("hyperparameters")
-    if hparams is not None and not isinstance(hparams, dict):
-        problems.append(f"hyperparameters={hparams!r:.80}: expected a mapping of names to values")
-    elif isinstance(hparams, dict):
-        for name, value in hparams.items():
-            if isinstance(value, dict) and "type" in value and set(value) - {"type", "val"} \
-                    and value.get("type") in ("int", "double", "log", "categorical"):
-                problems.append(
-                    f"hyperparameters.{name} has type {value['type']!r}: toolkit runs single trials "
-                    "and does not search hyperparameters; give a plain value (or {type: const, val: ...})")
-
-    searcher = config.get("searcher")
-    if searcher is not None:
-        if not isinstance(searcher, dict):
-            problems.append(f"searcher={searcher!r}: expected a mapping with metric, smaller_is_better, "
-                            "max_length")
-        else:
-            warn_unknown_keys(searcher, _SEARCHER, where="searcher.")
-            if "metric" in searcher and (not isinstance(searcher["metric"], str) or not searcher["metric"]):
-                problems.append(f"searcher.metric={searcher['metric']!r}: expected a metric name")
-            if "smaller_is_better" in searcher and not isinstance(searcher["smaller_is_better"], bool):
-                problems.append(f"searcher.smaller_is_better={searcher['smaller_is_better']!r}: "
-                                "expected true or false")
-            if "max_length" in searcher:
-                try:
-                    max_length_steps(config)
-                except ConfigError as err:
-                    problems.extend(err.problems)
-
-    storage = config.get("checkpoint_storage")
-    if storage is not None:
-        if not isinstance(storage, dict):
-            problems.append(f"checkpoint_storage={storage!r}: expected a mapping such as "
-                            "{storage_path: checkpoints}")
-        else:
-            for key in ("storage_path", "host_path"):
-                if key in storage and (not isinstance(storage[key], str) or not storage[key]):
-                    problems.append(f"checkpoint_storage.{key}={storage[key]!r}: expected a directory path")
-            if "save_trial_latest" in storage and (not is_int(storage["save_trial_latest"])
-                                                   or storage["save_trial_latest"] < 0):
-                problems.append(f"checkpoint_storage.save_trial_latest={storage['save_trial_latest']!r}: "
-                                "expected an integer >= 0")
+    problems = [*_text_problems(config), *_entrypoint_problems(config), *_resources_problems(config),
+                *_hparams_problems(config), *_searcher_problems(config), *_storage_problems(config)]
     if problems:
-        raise ConfigError(problems, source=source)
+        raise ConfigError(problems, source=source or None)
+
+
+def _text_problems(config: Mapping[str, Any]) -> list[str]:
+    """``name`` and ``description`` are strings."""
+    return [f"{key}={config[key]!r}: expected a string, got {type_name(config[key])}"
+            for key in ("name", "description") if key in config and not isinstance(config[key], str)]
+
+
+def _entrypoint_problems(config: Mapping[str, Any]) -> list[str]:
+    """``entrypoint`` is a non-empty command string or a non-empty list of non-empty strings."""
+    if "entrypoint" not in config:
+        return []
+    ep = config["entrypoint"]
+    if isinstance(ep, str):
+        return [] if ep.strip() else ["entrypoint='': expected a command such as 'python3 train.py'"]
+    if isinstance(ep, list):
+        if ep and all(isinstance(part, str) and part for part in ep):
+            return []
+        return [f"entrypoint={ep!r}: expected a non-empty list of non-empty strings"]
+    return [f"entrypoint={ep!r}: expected a string or a list of strings, got {type_name(ep)}"]
+
+
+def _resources_problems(config: Mapping[str, Any]) -> list[str]:
+    """``resources`` is a mapping; ``slots_per_trial`` an integer >= 1."""
+    resources = config.get("resources")
+    if resources is None:
+        return []
+    if not is_mapping(resources):
+        return [f"resources={resources!r}: expected a mapping such as {{slots_per_trial: 2}}"]
+    warn_unknown_keys(resources, _RESOURCES, where="resources.")
+    if "slots_per_trial" not in resources:
+        return []
+    problem = int_problem("resources.slots_per_trial", resources["slots_per_trial"], minimum=1)
+    return [problem] if problem else []
+
+
+def _hparams_problems(config: Mapping[str, Any]) -> list[str]:
+    """``hyperparameters`` is a mapping of plain values (Determined's search types are refused)."""
+    hparams = config.get("hyperparameters")
+    if hparams is None:
+        return []
+    if not is_mapping(hparams):
+        return [f"hyperparameters={hparams!r:.80}: expected a mapping of names to values"]
+    return [f"hyperparameters.{name} has type {value['type']!r}: toolkit runs single trials and does not "
+            "search hyperparameters; give a plain value (or {type: const, val: ...})"
+            for name, value in hparams.items()
+            if is_mapping(value) and "type" in value and set(value) - {"type", "val"}
+            and value.get("type") in ("int", "double", "log", "categorical")]
+
+
+def _searcher_problems(config: Mapping[str, Any]) -> list[str]:
+    """``searcher`` is a mapping; ``metric`` a name, ``smaller_is_better`` a bool, ``max_length`` steps."""
+    searcher = config.get("searcher")
+    if searcher is None:
+        return []
+    if not is_mapping(searcher):
+        return [f"searcher={searcher!r}: expected a mapping with metric, smaller_is_better, max_length"]
+    warn_unknown_keys(searcher, _SEARCHER, where="searcher.")
+    problems = []
+    if "metric" in searcher and (not isinstance(searcher["metric"], str) or not searcher["metric"]):
+        problems.append(f"searcher.metric={searcher['metric']!r}: expected a metric name")
+    if "smaller_is_better" in searcher and not isinstance(searcher["smaller_is_better"], bool):
+        problems.append(f"searcher.smaller_is_better={searcher['smaller_is_better']!r}: "
+                        "expected true or false")
+    if "max_length" in searcher:
+        try:
+            max_length_steps(config)
+        except ConfigError as err:
+            problems.extend(err.problems)
+    return problems
+
+
+def _storage_problems(config: Mapping[str, Any]) -> list[str]:
+    """``checkpoint_storage`` is a mapping of directory paths and ``save_trial_latest`` >= 0."""
+    storage = config.get("checkpoint_storage")
+    if storage is None:
+        return []
+    if not is_mapping(storage):
+        return [f"checkpoint_storage={storage!r}: expected a mapping such as {{storage_path: checkpoints}}"]
+    problems = [f"checkpoint_storage.{key}={storage[key]!r}: expected a directory path"
+                for key in ("storage_path", "host_path")
+                if key in storage and (not isinstance(storage[key], str) or not storage[key])]
+    if "save_trial_latest" in storage:
+        problem = int_problem("checkpoint_storage.save_trial_latest", storage["save_trial_latest"], minimum=0)
+        if problem:
+            problems.append(problem)
+    return problems
 
 
 def _unwrap_const(hparams: dict[str, Any]) -> dict[str, Any]:
     """Determined's ``{type: const, val: X}`` hyperparameters become plain ``X``."""
     out = {}
     for name, value in hparams.items():
-        if isinstance(value, dict) and value.get("type") == "const" and set(value) == {"type", "val"}:
+        if is_mapping(value) and value.get("type") == "const" and set(value) == {"type", "val"}:
             value = value["val"]
         out[name] = copy.deepcopy(value)
     return out
@@ -206,43 +257,57 @@ def load_experiment_config(path: str | os.PathLike[str]) -> dict[str, Any]:
                           source=str(path)) from None
     if config is None:
         config = {}
-    _check_experiment(config, str(path))
+    check_experiment_config(config, source=str(path))
     config = copy.deepcopy(config)
-    if isinstance(config.get("hyperparameters"), dict):
+    if is_mapping(config.get("hyperparameters")):
         config["hyperparameters"] = _unwrap_const(config["hyperparameters"])
     return config
 
 
 def max_length_steps(config: Mapping[str, Any], default: int | None = None) -> int | None:
-    """``searcher.max_length`` as a number of steps (batches). Any rank.
+    """``searcher.max_length`` as a number of steps (batches); ``default`` when unset. Pure; any rank.
 
     Accepts ``max_length: 500`` and Determined's ``max_length: {batches: 500}``.
 
     Raises:
-        ConfigError: any other form, or a number < 1.
+        ConfigError: any other form, a number < 1, or a ``searcher`` that is not a mapping.
+
+    Example:
+        >>> max_length_steps({"searcher": {"max_length": {"batches": 500}}})
+        500
     """
     searcher = config.get("searcher") or {}
+    if not is_mapping(searcher):
+        raise ConfigError(f"searcher={searcher!r}: expected a mapping with metric, smaller_is_better, "
+                          "max_length")
     if "max_length" not in searcher:
         return default
     raw = searcher["max_length"]
-    value = raw.get("batches") if isinstance(raw, dict) and set(raw) == {"batches"} else raw
+    value: Any = raw.get("batches") if is_mapping(raw) and set(raw) == {"batches"} else raw
     if not is_int(value) or value < 1:
         raise ConfigError(f"searcher.max_length={raw!r}: expected a number of steps >= 1, "
                           "e.g. 500 or {batches: 500}")
-    return value
+    return int(value)
 
 
 def entrypoint_argv(config: Mapping[str, Any]) -> list[str]:
     """The experiment's ``entrypoint`` as an argv list (split like a POSIX shell, never run by one).
 
-    Raises:
-        ConfigError: the entrypoint is missing.
-    """
-    import shlex
+    Pure; any rank.
 
+    Raises:
+        ConfigError: the entrypoint is missing, empty, or neither a string nor a list of strings.
+
+    Example:
+        >>> entrypoint_argv({"entrypoint": "python3 train.py --epochs 1"})
+        ['python3', 'train.py', '--epochs', '1']
+    """
     ep = config.get("entrypoint")
     if ep is None:
         raise ConfigError("entrypoint is missing: expected e.g. 'entrypoint: python3 train.py'")
+    problems = _entrypoint_problems(config)
+    if problems:
+        raise ConfigError(problems)
     return list(ep) if isinstance(ep, list) else shlex.split(ep)
 
 
@@ -279,7 +344,7 @@ def get_hparams(config_path: str | os.PathLike[str] | None = None) -> dict[str, 
                               f"column {err.colno}: {err.msg}") from None
         if not isinstance(hparams, dict):
             raise ConfigError(f"{TRIAL_HPARAMS_ENV}={trial_file!r}: expected a JSON object, "
-                              f"got {_type_name(hparams)}")
+                              f"got {type_name(hparams)}")
         return hparams
     if config_path is None:
         config_path = os.environ.get(EXPERIMENT_CONFIG_ENV) or None

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -285,9 +286,20 @@ def test_trials_are_placed_on_both_hosts_and_recorded(tmp_path, clean_env):
     assert not find_trial_processes(f"{out / 'trials'}{os.sep}", prefix=True)
 
 
+def cli_helpers(*names):
+    """Helpers of tests/dsat/test_cli.py (not on sys.path when this file runs alone)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "test_cli.py"
+    spec = importlib.util.spec_from_file_location("dsat_test_cli_helpers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return tuple(getattr(module, name) for name in names)
+
+
 def test_dsat_search_with_a_two_host_hostfile_uses_both_hosts(tmp_path):
     """Acceptance: the dsat CLI with a 2-host localhost hostfile completes; trials ran on both hosts."""
-    from test_dsat_cli import dsat, make_model_dir, trial_rows
+    dsat, make_model_dir, trial_rows = cli_helpers("dsat", "make_model_dir", "trial_rows")
 
     model_dir = make_model_dir(tmp_path, slots=2, hparams={"sleep_s": 0.5})
     hostfile = tmp_path / "hostfile"
@@ -306,7 +318,7 @@ def test_dsat_search_with_a_two_host_hostfile_uses_both_hosts(tmp_path):
 
 
 def test_bad_hostfile_is_a_usage_error(tmp_path, capsys):
-    from test_dsat_cli import dsat_in_process, make_model_dir
+    dsat_in_process, make_model_dir = cli_helpers("dsat_in_process", "make_model_dir")
 
     model_dir = make_model_dir(tmp_path, slots=2)
     hostfile = tmp_path / "hostfile"
@@ -315,5 +327,5 @@ def test_bad_hostfile_is_a_usage_error(tmp_path, capsys):
     assert code == 2 and f"hostfile {hostfile}, line 2: slots='two' for 'node'" in text
     hostfile.write_text("localhost slots=1\n")
     code, text = dsat_in_process(model_dir, "--hostfile", str(hostfile), capsys=capsys)
-    assert code == 2 and "slots_per_trial=2 > --max-slots 1" in text
+    assert code == 2 and "resources.slots_per_trial=2 > --max-slots 1" in text
     assert not (tmp_path / "out").exists()

@@ -124,22 +124,22 @@ class RunnerSettings:
         return [problem for problem in p if problem]
 
     def _slot_problems(self) -> list[str]:
-        """The slot counts against each other and against the GPUs given."""
-        spt, most = self.slots_per_trial, self.max_slots
+        """The GPU ids, and the slot counts against each other and against the GPUs given."""
+        spt, most, g = self.slots_per_trial, self.max_slots, self.gpus
+        p = []
+        gpus_ok = g is None or (isinstance(g, tuple) and all(is_int(x) and x >= 0 for x in g)
+                                and len(set(g)) == len(g))
+        if not gpus_ok:
+            p.append(f"gpus={g!r}: expected distinct GPU ids >= 0, or None on CPU")
         if not (is_int(spt) and is_int(most) and spt >= 1 and most >= 1):
-            return []  # reported as values already
+            return p  # the counts are reported as values already
         if most < spt:
-            return [f"slots_per_trial={spt} > max_slots={most}: no trial could ever start; lower "
-                    "slots_per_trial or raise max_slots"]
-        g = self.gpus
-        if g is None:
-            return []
-        if not isinstance(g, tuple) or not all(is_int(x) and x >= 0 for x in g) or len(set(g)) != len(g):
-            return [f"gpus={g!r}: expected distinct GPU ids >= 0, or None on CPU"]
-        if most > len(g) and self.hosts is None:
-            return [f"max_slots={most} but only {len(g)} GPU(s) given ({g}); lower max_slots or give "
-                    "more GPUs"]
-        return []
+            p.append(f"slots_per_trial={spt} > max_slots={most}: no trial could ever start; lower "
+                     "slots_per_trial or raise max_slots")
+        elif gpus_ok and g is not None and most > len(g) and self.hosts is None:
+            p.append(f"max_slots={most} but only {len(g)} GPU(s) given ({g}); lower max_slots or give "
+                     "more GPUs")
+        return p
 
     def _host_problems(self) -> list[str]:
         """The hosts, and whether a trial fits on them."""

@@ -37,11 +37,12 @@ def test_bad_json(tmp_path, text, fragment):
 
 def test_merge_is_recursive_source_wins_and_adds_keys():
     base = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "eps": 1e-8}}, "train_batch_size": 8}
-    source = {"optimizer": {"params": {"lr": 5e-3}}, "zero_optimization": {"stage": 2}, "train_batch_size": 16}
+    source = {"optimizer": {"params": {"lr": 5e-3}}, "zero_optimization": {"stage": 2},
+              "train_batch_size": 16}
     base_before, source_before = copy.deepcopy(base), copy.deepcopy(source)
     merged = toolkit.overwrite_deepspeed_config(base, source)
-    assert merged == {"optimizer": {"type": "Adam", "params": {"lr": 5e-3, "eps": 1e-8}}, "train_batch_size": 16,
-                      "zero_optimization": {"stage": 2}}
+    assert merged == {"optimizer": {"type": "Adam", "params": {"lr": 5e-3, "eps": 1e-8}},
+                      "train_batch_size": 16, "zero_optimization": {"stage": 2}}
     assert base == base_before and source == source_before
     merged["zero_optimization"]["stage"] = 3
     merged["optimizer"]["params"]["lr"] = 0
@@ -68,15 +69,18 @@ def test_merge_rejects_other_base_types(base):
 
 
 def test_merge_rejects_non_mapping_source():
-    with pytest.raises(ConfigError, match=r"source_ds_dict=\[\('a', 1\)\]: expected a dict of DeepSpeed keys, got list"):
+    with pytest.raises(ConfigError,
+                       match=r"source_ds_dict=\[\('a', 1\)\]: expected a dict of DeepSpeed keys, got list"):
         toolkit.overwrite_deepspeed_config({}, [("a", 1)])
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.recursive(st.one_of(st.integers(), st.text(max_size=3), st.booleans()),
-                    lambda children: st.dictionaries(st.text(max_size=3), children, max_size=4), max_leaves=12),
+                    lambda children: st.dictionaries(st.text(max_size=3), children, max_size=4),
+                    max_leaves=12),
        st.recursive(st.one_of(st.integers(), st.text(max_size=3)),
-                    lambda children: st.dictionaries(st.text(max_size=3), children, max_size=4), max_leaves=12))
+                    lambda children: st.dictionaries(st.text(max_size=3), children, max_size=4),
+                    max_leaves=12))
 def test_merge_property_never_mutates_and_source_wins(base, source):
     if not isinstance(base, dict) or not isinstance(source, dict):
         return
@@ -96,8 +100,10 @@ def test_hparams_file_is_relative_to_base_dir_not_cwd(tmp_path, monkeypatch):
     model_dir.mkdir()
     (model_dir / "ds_config.json").write_text(json.dumps({TBS: 8, "zero_optimization": {"stage": 1}}))
     monkeypatch.chdir(tmp_path)
-    hparams = {"deepspeed_config": "ds_config.json", "overwrite_deepspeed_args": {"zero_optimization": {"stage": 2}}}
-    assert toolkit.get_ds_config_from_hparams(hparams, base_dir=model_dir) == {TBS: 8, "zero_optimization": {"stage": 2}}
+    hparams = {"deepspeed_config": "ds_config.json",
+               "overwrite_deepspeed_args": {"zero_optimization": {"stage": 2}}}
+    assert toolkit.get_ds_config_from_hparams(hparams, base_dir=model_dir) == {
+        TBS: 8, "zero_optimization": {"stage": 2}}
     with pytest.raises(FileNotFoundError, match="ds_config.json"):
         toolkit.get_ds_config_from_hparams(hparams)  # base_dir "." is tmp_path, which has no file
 
@@ -105,7 +111,8 @@ def test_hparams_file_is_relative_to_base_dir_not_cwd(tmp_path, monkeypatch):
 def test_hparams_inline_config():
     hparams = {"train_batch_size": 16, "zero_optimization": {"stage": 0}, "lr": 0.1, "global_batch_size": 16,
                "overwrite_deepspeed_args": {"zero_optimization": {"stage": 1}}}
-    assert toolkit.get_ds_config_from_hparams(hparams) == {"train_batch_size": 16, "zero_optimization": {"stage": 1}}
+    assert toolkit.get_ds_config_from_hparams(hparams) == {"train_batch_size": 16,
+                                                           "zero_optimization": {"stage": 1}}
 
 
 def test_hparams_without_any_config_lists_what_was_found():
@@ -142,16 +149,19 @@ def test_resolve_every_combination(given, dp, expected):
 
 
 def test_resolve_fills_auto_and_missing_from_arguments():
-    resolved = toolkit.resolve_ds_config({TBS: "auto", MBS: "auto"}, data_parallel_size=2, train_batch_size=16,
-                                         micro_batch_size=4)
+    resolved = toolkit.resolve_ds_config({TBS: "auto", MBS: "auto"}, data_parallel_size=2,
+                                         train_batch_size=16, micro_batch_size=4)
     assert (resolved[TBS], resolved[MBS], resolved[GAS]) == (16, 4, 2)
 
 
 @pytest.mark.parametrize("given, dp, fragment", [
-    ({TBS: 30, MBS: 4}, 4, "train_batch_size=30 is not divisible by train_micro_batch_size_per_gpu=4 x data_parallel_size=4 = 16"),
+    ({TBS: 30, MBS: 4}, 4,
+     "train_batch_size=30 is not divisible by train_micro_batch_size_per_gpu=4 x data_parallel_size=4 = 16"),
     ({TBS: 30, GAS: 4}, 4, "train_batch_size=30 is not divisible by gradient_accumulation_steps=4"),
     ({TBS: 30}, 4, "train_batch_size=30 is not divisible by data_parallel_size=4"),
-    ({TBS: 32, MBS: 4, GAS: 4}, 4, "train_batch_size=32 but train_micro_batch_size_per_gpu=4 x gradient_accumulation_steps=4 x data_parallel_size=4 = 64; set train_batch_size to 64"),
+    ({TBS: 32, MBS: 4, GAS: 4}, 4,
+     "train_batch_size=32 but train_micro_batch_size_per_gpu=4 x gradient_accumulation_steps=4 x "
+     "data_parallel_size=4 = 64; set train_batch_size to 64"),
     ({GAS: 2}, 1, "neither train_batch_size nor train_micro_batch_size_per_gpu is given"),
     ({TBS: 0, MBS: 1}, 1, "train_batch_size=0: expected a positive integer"),
     ({TBS: 8.0}, 1, "train_batch_size=8.0: expected a positive integer"),
@@ -205,8 +215,9 @@ def test_resolve_hidden_size_autos_and_no_mutation():
        st.sampled_from(["tbs", "mbs", "tbs+mbs", "tbs+gas", "mbs+gas", "all"]))
 def test_resolve_property_relation_holds_and_is_idempotent(mbs, gas, dp, _unused, which):
     tbs = mbs * gas * dp
-    given = {"tbs": {TBS: tbs}, "mbs": {MBS: mbs}, "tbs+mbs": {TBS: tbs, MBS: mbs}, "tbs+gas": {TBS: tbs, GAS: gas},
-             "mbs+gas": {MBS: mbs, GAS: gas}, "all": {TBS: tbs, MBS: mbs, GAS: gas}}[which]
+    given = {"tbs": {TBS: tbs}, "mbs": {MBS: mbs}, "tbs+mbs": {TBS: tbs, MBS: mbs},
+             "tbs+gas": {TBS: tbs, GAS: gas}, "mbs+gas": {MBS: mbs, GAS: gas},
+             "all": {TBS: tbs, MBS: mbs, GAS: gas}}[which]
     resolved = toolkit.resolve_ds_config(given, data_parallel_size=dp)
     assert resolved[TBS] == resolved[MBS] * resolved[GAS] * dp
     assert toolkit.resolve_ds_config(resolved, data_parallel_size=dp) == resolved
@@ -217,16 +228,22 @@ def test_resolve_property_relation_holds_and_is_idempotent(mbs, gas, dp, _unused
 @pytest.mark.parametrize("config, kwargs, fragment", [
     ({"zero_optimization": {"stage": 2}}, {"pipeline": True}, "stage=2 with pipeline parallelism"),
     ({"zero_optimization": {"stage": 3}}, {"pipeline": True}, "stage=3 with pipeline parallelism"),
-    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, {}, "parameter offload needs ZeRO stage 3"),
-    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, {}, "optimizer offload needs ZeRO stage 2 or 3"),
-    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, {}, "optimizer offload needs ZeRO stage 2 or 3"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, {}, "NVMe offload needs ZeRO stage 3"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, {},
+     "parameter offload needs ZeRO stage 3"),
+    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, {},
+     "optimizer offload needs ZeRO stage 2 or 3"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, {},
+     "optimizer offload needs ZeRO stage 2 or 3"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, {},
+     "NVMe offload needs ZeRO stage 3"),
     ({"zero_optimization": {"stage": 1, "cpu_offload": True}}, {}, "cpu_offload=true with stage 1"),
     ({"zero_optimization": {"stage": 4}}, {}, "zero_optimization.stage=4: expected 0, 1, 2 or 3"),
     ({"zero_optimization": {"stage": "1"}}, {}, "zero_optimization.stage='1'"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}}, {}, "offload_param.device='gpu'"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}}, {},
+     "offload_param.device='gpu'"),
     ({"zero_optimization": 3}, {}, "zero_optimization=3: expected a mapping"),
-    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, {}, "fp16.enabled and bf16.enabled are both true"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, {},
+     "fp16.enabled and bf16.enabled are both true"),
     ({"fp16": {"enabled": True}}, {"device": "cpu"}, "fp16.enabled=true on a CPU device"),
     ({TBS: -1}, {}, "train_batch_size=-1: expected a positive integer"),
     ({MBS: 2.5}, {}, "train_micro_batch_size_per_gpu=2.5"),
@@ -255,8 +272,8 @@ def test_valid_configs_pass():
 
 
 def test_every_problem_listed_at_once():
-    config = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}, "fp16": {"enabled": True},
-              "bf16": {"enabled": True}, TBS: 0}
+    config = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}},
+              "fp16": {"enabled": True}, "bf16": {"enabled": True}, TBS: 0}
     with pytest.raises(ConfigError) as info:
         toolkit.validate_ds_config(config, pipeline=True, device="cpu")
     assert len(info.value.problems) == 5, info.value.problems
@@ -285,5 +302,58 @@ def test_build_ds_config_end_to_end(tmp_path):
     config = toolkit.build_ds_config(hparams, data_parallel_size=2, base_dir=tmp_path, device="cpu")
     assert (config[TBS], config[MBS], config[GAS]) == (16, 4, 2)
     with pytest.raises(ConfigError, match="pipeline"):
-        toolkit.build_ds_config({**hparams, "overwrite_deepspeed_args": {MBS: 4, "zero_optimization": {"stage": 2}}},
+        toolkit.build_ds_config({**hparams,
+                                 "overwrite_deepspeed_args": {MBS: 4, "zero_optimization": {"stage": 2}}},
                                 data_parallel_size=2, base_dir=tmp_path, pipeline=True)
+
+
+# ---------------------------------------------------------------- one exception type (toolkit/errors.py)
+@pytest.mark.parametrize("call, fragment", [
+    (lambda bad: toolkit.resolve_ds_config(bad, data_parallel_size=1), "ds_config="),
+    (lambda bad: toolkit.validate_ds_config(bad), "ds_config="),
+    (lambda bad: toolkit.get_ds_config_from_hparams(bad), "hparams="),
+    (lambda bad: toolkit.build_ds_config(bad, data_parallel_size=1), "hparams="),
+    (lambda bad: toolkit.overwrite_deepspeed_config(bad, None), "base_ds_config="),
+    (lambda bad: toolkit.overwrite_deepspeed_config({}, bad), "source_ds_dict="),
+], ids=["resolve", "validate", "from-hparams", "build", "merge-base", "merge-source"])
+@pytest.mark.parametrize("bad", [[1, 2], 3])
+def test_a_non_mapping_config_is_a_config_error_everywhere(call, fragment, bad):
+    with pytest.raises(ConfigError) as info:
+        call(bad)
+    assert not isinstance(info.value, TypeError)
+    assert info.value.problems[0].startswith(f"{fragment}{bad!r}: expected ")
+    assert info.value.problems[0].endswith(f"got {type(bad).__name__}")
+
+
+def test_resolve_lists_every_argument_problem_at_once():
+    with pytest.raises(ConfigError) as info:
+        toolkit.resolve_ds_config(["x"], data_parallel_size=True, hidden_size=0, hparams="h")
+    assert [p.split("=")[0] for p in info.value.problems] == ["ds_config", "data_parallel_size",
+                                                             "hidden_size", "hparams"]
+
+
+def test_resolve_refuses_a_bad_hidden_size_even_without_zero():
+    with pytest.raises(ConfigError, match="hidden_size=-1: expected a positive integer"):
+        toolkit.resolve_ds_config({MBS: 1}, data_parallel_size=1, hidden_size=-1)
+
+
+def test_merge_lists_both_bad_inputs():
+    with pytest.raises(ConfigError) as info:
+        toolkit.overwrite_deepspeed_config(3, [1])
+    assert len(info.value.problems) == 2
+
+
+def test_validate_refuses_a_bad_data_parallel_size_with_the_other_problems():
+    with pytest.raises(ConfigError) as info:
+        toolkit.validate_ds_config({TBS: 0}, data_parallel_size=0)
+    assert info.value.problems == ["data_parallel_size=0: expected an integer >= 1",
+                                   "train_batch_size=0: expected a positive integer"]
+
+
+def test_deepspeed_module_keeps_its_public_names():
+    from toolkit.config import deepspeed, resolve, validate
+    from toolkit.config.ds_schema import BATCH_KEYS, DS_TOP_LEVEL_KEYS
+    assert deepspeed.resolve_ds_config is resolve.resolve_ds_config
+    assert deepspeed.validate_ds_config is validate.validate_ds_config
+    assert deepspeed.BATCH_KEYS is BATCH_KEYS and deepspeed.DS_TOP_LEVEL_KEYS is DS_TOP_LEVEL_KEYS
+    assert all(hasattr(deepspeed, name) for name in deepspeed.__all__)

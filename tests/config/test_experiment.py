@@ -6,7 +6,7 @@ import warnings
 import pytest
 
 import toolkit
-from toolkit.config.experiment import entrypoint_argv, max_length_steps
+from toolkit.config.experiment import check_experiment_config, entrypoint_argv, max_length_steps
 from toolkit.errors import ConfigError
 
 GOOD = """
@@ -37,7 +37,8 @@ def test_good_config(tmp_path):
 
 
 def test_entrypoint_list_and_plain_max_length(tmp_path):
-    config = toolkit.load_experiment_config(write(tmp_path, "entrypoint: [python3, t.py]\nsearcher: {max_length: 7}\n"))
+    config = toolkit.load_experiment_config(
+        write(tmp_path, "entrypoint: [python3, t.py]\nsearcher: {max_length: 7}\n"))
     assert entrypoint_argv(config) == ["python3", "t.py"] and max_length_steps(config) == 7
 
 
@@ -131,3 +132,31 @@ def test_load_does_not_share_state_between_calls(tmp_path):
     first = toolkit.load_experiment_config(path)
     first["hyperparameters"]["overwrite_deepspeed_args"]["x"] = 1
     assert "x" not in toolkit.load_experiment_config(path)["hyperparameters"]["overwrite_deepspeed_args"]
+
+
+def test_check_experiment_config_lists_every_section():
+    bad = {"name": 3, "entrypoint": [], "resources": {"slots_per_trial": True}, "hyperparameters": [1],
+           "searcher": {"metric": "", "smaller_is_better": "yes", "max_length": 0},
+           "checkpoint_storage": {"storage_path": "", "save_trial_latest": -1}}
+    with pytest.raises(ConfigError) as info:
+        check_experiment_config(bad, source="exp.yaml")
+    keys = [p.split("=")[0] for p in info.value.problems]
+    assert keys == ["name", "entrypoint", "resources.slots_per_trial", "hyperparameters", "searcher.metric",
+                    "searcher.smaller_is_better", "searcher.max_length", "checkpoint_storage.storage_path",
+                    "checkpoint_storage.save_trial_latest"]
+    assert "in exp.yaml" in str(info.value)
+    with pytest.raises(ConfigError, match="got list"):
+        check_experiment_config([1], source="exp.yaml")
+    check_experiment_config({"resources": {"slots_per_trial": 1}})  # fine
+
+
+@pytest.mark.parametrize("config", [{"searcher": "fast"}, {"searcher": {"max_length": {"epochs": 1}}}])
+def test_max_length_steps_malformed_is_a_config_error(config):
+    with pytest.raises(ConfigError):
+        max_length_steps(config)
+
+
+@pytest.mark.parametrize("entrypoint", ["", " ", 42, [], ["python3", ""]])
+def test_entrypoint_argv_malformed_is_a_config_error(entrypoint):
+    with pytest.raises(ConfigError, match="entrypoint="):
+        entrypoint_argv({"entrypoint": entrypoint})

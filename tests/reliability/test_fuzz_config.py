@@ -32,15 +32,16 @@ from toolkit.errors import ConfigError
 
 FULL = os.environ.get("TOOLKIT_RELIABILITY_FULL") == "1"  # set by scripts/reliability.py
 CATEGORY = "fuzzing"
-pytestmark = pytest.mark.filterwarnings("ignore::toolkit.config.experiment.ConfigWarning")  # unknown fuzzed keys warn
+# unknown fuzzed keys warn
+pytestmark = pytest.mark.filterwarnings("ignore::toolkit.config.experiment.ConfigWarning")
 EXAMPLES = 600 if FULL else 60
 fuzz = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 70), st.floats(allow_nan=True, width=32),
                     st.text(max_size=4), st.just("auto"))
-keys = st.one_of(st.sampled_from([*BATCH_KEYS, "zero_optimization", "stage", "offload_param", "offload_optimizer",
-                                  "device", "fp16", "bf16", "enabled", "optimizer", "reduce_bucket_size",
-                                  "pipeline"]), st.text(max_size=5))
+keys = st.one_of(st.sampled_from([*BATCH_KEYS, "zero_optimization", "stage", "offload_param",
+                                  "offload_optimizer", "device", "fp16", "bf16", "enabled", "optimizer",
+                                  "reduce_bucket_size", "pipeline"]), st.text(max_size=5))
 trees = st.recursive(scalars, lambda children: st.one_of(st.lists(children, max_size=3),
                                                          st.dictionaries(keys, children, max_size=4)),
                      max_leaves=12)
@@ -52,11 +53,13 @@ zero = st.one_of(st.none(), st.booleans(), st.text(max_size=2),
                                            {"device": st.sampled_from(["cpu", "nvme", "none", "gpu"])}),
                                            "offload_optimizer": st.one_of(st.none(), st.fixed_dictionaries(
                                                {"device": st.sampled_from(["cpu", "nvme", "none", "gpu"])})),
-                                           "reduce_bucket_size": st.one_of(st.just("auto"), st.integers(1, 10))}))
+                                           "reduce_bucket_size": st.one_of(st.just("auto"),
+                                                                           st.integers(1, 10))}))
 batch_configs = st.fixed_dictionaries({}, optional={
     "train_batch_size": batch_value, "train_micro_batch_size_per_gpu": batch_value,
     "gradient_accumulation_steps": batch_value, "zero_optimization": zero,
-    "fp16": st.fixed_dictionaries({"enabled": st.booleans()}), "bf16": st.fixed_dictionaries({"enabled": st.booleans()})})
+    "fp16": st.fixed_dictionaries({"enabled": st.booleans()}),
+    "bf16": st.fixed_dictionaries({"enabled": st.booleans()})})
 dp_sizes = st.one_of(st.integers(1, 8), st.sampled_from([0, -1, True, 2.0]))
 
 

@@ -1,5 +1,18 @@
-"""Experiment YAML (``experiment``) and DeepSpeed configs (``deepspeed``): load, merge, resolve,
-validate. Everything here is pure and any rank may call it; no function mutates its inputs.
+"""Experiment YAML and DeepSpeed configs: load, merge, resolve, validate.
+
+Modules, one concern each:
+
+* ``experiment``: the experiment YAML, hyperparameters, unknown-key warnings;
+* ``ds_schema``: what a DeepSpeed config is (key names, the batch triple, the mapping check);
+* ``deepspeed``: load and merge DeepSpeed configs, and :func:`build_ds_config` (re-exports the
+  names of the two below, so ``toolkit.config.deepspeed`` keeps its public names);
+* ``resolve``: "auto" values and the exact batch triple;
+* ``validate``: what DeepSpeed cannot run, every problem at once.
+
+Everything here is pure (apart from reading the named files) and any rank may call it; no function
+mutates its inputs. Every wrong config, hyperparameter or argument, a config that is not a mapping
+included, raises :class:`toolkit.ConfigError` listing every problem (the rule of
+:mod:`toolkit.errors`).
 
 Example::
 

@@ -93,10 +93,11 @@ def require_mapping(value: Any, name: str, expected: str) -> Mapping[str, Any]:
         expected: what it should be, for the message (``"a dict of DeepSpeed keys"``).
 
     Example:
-        >>> require_mapping([1], "ds_config", "a dict of DeepSpeed keys")
-        Traceback (most recent call last):
-        toolkit.errors.ConfigError: invalid configuration: ds_config=[1]: expected a dict of DeepSpeed
-        keys, got list
+        >>> try:
+        ...     require_mapping([1], "ds_config", "a dict of DeepSpeed keys")
+        ... except ConfigError as err:
+        ...     err.problems
+        ['ds_config=[1]: expected a dict of DeepSpeed keys, got list']
     """
     problem = mapping_problem(value, name, expected)
     if problem:

@@ -114,10 +114,11 @@ def check_experiment_config(config: Any, *, source: str = "") -> None:
             naming its key, the value given and what is expected.
 
     Example:
-        >>> check_experiment_config({"resources": {"slots_per_trial": 0}}, source="deepspeed.yaml")
-        Traceback (most recent call last):
-        toolkit.errors.ConfigError: invalid configuration in deepspeed.yaml:
-        resources.slots_per_trial=0: expected an integer >= 1
+        >>> try:
+        ...     check_experiment_config({"resources": {"slots_per_trial": 0}}, source="deepspeed.yaml")
+        ... except ConfigError as err:
+        ...     err.problems
+        ['resources.slots_per_trial=0: expected an integer >= 1']
     """
     if not is_mapping(config):
         raise ConfigError(f"the file must hold a mapping of keys (name, entrypoint, ...), "
@@ -241,7 +242,7 @@ def load_experiment_config(path: str | os.PathLike[str]) -> dict[str, Any]:
             values, all listed, each naming its key. Unknown keys only warn (:class:`ConfigWarning`).
 
     Example:
-        >>> config = toolkit.load_experiment_config("examples/core_api/deepspeed.yaml")
+        >>> config = load_experiment_config("examples/core_api/deepspeed.yaml")  # from the repository root
         >>> config["resources"]["slots_per_trial"]
         2
     """

@@ -28,7 +28,7 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from toolkit._checks import is_mapping, type_name
 from toolkit.config.ds_schema import (
@@ -57,7 +57,9 @@ __all__ = [
 ]
 
 
-def _reject_duplicates(source: str):
+def _reject_duplicates(source: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """The ``object_pairs_hook`` that refuses a key written twice in one JSON object."""
+
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, value in pairs:
@@ -71,15 +73,21 @@ def _reject_duplicates(source: str):
 
 
 def _reject_constant(name: str) -> Any:
+    """The ``parse_constant`` hook: NaN and Infinity are not JSON."""
     raise ValueError(f"{name} is not valid JSON")
 
 
 def load_json_strict(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Load a JSON object, rejecting duplicate keys and NaN/Infinity. Any rank.
+    """Load a JSON object, rejecting duplicate keys and NaN/Infinity. Any rank (reads the file).
 
     Raises:
         FileNotFoundError: naming the absolute path looked at.
         ConfigError: malformed JSON (line and column), a duplicate key, or a non-object.
+
+    Example::
+
+        ds_config = load_json_strict(Path(__file__).with_name("ds_config.json"))
+        # '{"zero_optimization": {"stage": 1, "stage": 3}}' -> ConfigError: duplicate key 'stage'
     """
     file = Path(path)
     if not file.is_file():
@@ -176,6 +184,11 @@ def get_ds_config_from_hparams(hparams: Mapping[str, Any], base_dir: str | os.Pa
             ``overwrite_deepspeed_args`` has the wrong type, or neither form is present (the
             message lists the keys that were found).
         FileNotFoundError: the JSON file is missing (the message gives the path looked at).
+
+    Example:
+        >>> get_ds_config_from_hparams({"train_micro_batch_size_per_gpu": 4, "lr": 0.1,
+        ...                             "overwrite_deepspeed_args": {"zero_optimization": {"stage": 1}}})
+        {'train_micro_batch_size_per_gpu': 4, 'zero_optimization': {'stage': 1}}
     """
     require_mapping(hparams, "hparams", "a dict of hyperparameters")
     overwrite = hparams.get("overwrite_deepspeed_args")

@@ -69,7 +69,12 @@ _SEARCHER = ("name", "metric", "smaller_is_better", "max_length")
 
 
 class ConfigWarning(UserWarning):
-    """An unknown key in a config: probably a typo; the message suggests the closest known key."""
+    """An unknown key in a config: probably a typo; the message suggests the closest known key.
+
+    Emitted on whichever rank reads the config. To make typos fatal (e.g. in CI)::
+
+        warnings.simplefilter("error", toolkit.ConfigWarning)
+    """
 
 
 def warn_unknown_keys(mapping: Mapping[str, Any], known: tuple[str, ...] | frozenset[str], *,

@@ -68,9 +68,9 @@ def validate_ds_config(ds_config: Mapping[str, Any], *, pipeline: bool = False,
             problems.append(dp_problem)
             data_parallel_size = None
     warn_unknown_keys(ds_config, DS_TOP_LEVEL_KEYS, where="")
-    problems += zero_problems(ds_config, pipeline=pipeline)
-    problems += precision_problems(ds_config, device=device)
-    problems += batch_problems(ds_config, data_parallel_size=data_parallel_size)
+    problems += _zero_problems(ds_config, pipeline=pipeline)
+    problems += _precision_problems(ds_config, device=device)
+    problems += _batch_problems(ds_config, data_parallel_size=data_parallel_size)
     problems += [f"{key}='auto' is unresolved: call resolve_ds_config (with hidden_size= for ZeRO bucket "
                  "sizes) or write a number" for key in find_auto(ds_config)]
     if problems:
@@ -108,7 +108,7 @@ def _offload_device(zero: Mapping[str, Any], key: str, problems: list[str]) -> s
     return str(device)
 
 
-def zero_problems(ds_config: Mapping[str, Any], *, pipeline: bool = False) -> list[str]:
+def _zero_problems(ds_config: Mapping[str, Any], *, pipeline: bool = False) -> list[str]:
     """The ZeRO rules: a valid stage, what pipeline parallelism and each offload need. Pure; any rank."""
     problems: list[str] = []
     stage, zero = _stage_and_section(ds_config, problems)
@@ -146,7 +146,7 @@ def _enabled(ds_config: Mapping[str, Any], *keys: str) -> bool:
     return False
 
 
-def precision_problems(ds_config: Mapping[str, Any], *, device: Any = None) -> list[str]:
+def _precision_problems(ds_config: Mapping[str, Any], *, device: Any = None) -> list[str]:
     """fp16 and bf16 both on; fp16 on a CPU device (``device=None`` skips it). Pure; any rank."""
     problems = []
     fp16 = _enabled(ds_config, "fp16")
@@ -159,7 +159,7 @@ def precision_problems(ds_config: Mapping[str, Any], *, device: Any = None) -> l
     return problems
 
 
-def batch_problems(ds_config: Mapping[str, Any], *, data_parallel_size: int | None = None) -> list[str]:
+def _batch_problems(ds_config: Mapping[str, Any], *, data_parallel_size: int | None = None) -> list[str]:
     """Batch numbers that are not positive integers, and the batch relation. Pure; any rank.
 
     "auto" is left to :func:`find_auto`. Without ``data_parallel_size`` only divisibility is checked.

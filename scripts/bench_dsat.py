@@ -22,7 +22,7 @@ trial needs), one after the other in this process:
    trials.jsonl, the profiling trial included.
 2. **grid**: the same real trials (:class:`toolkit.dsat.execution.runner.TrialRunner`, configs from
    :func:`~toolkit.dsat.orchestrator.trial_ds_config` and
-   :func:`~toolkit.dsat.orchestrator.trial_hparams`, with the plan that dsat's own CLI builds from
+   :func:`~toolkit.dsat.contract.trial_hparams`, with the plan that dsat's own CLI builds from
    the same flags: same entrypoint, launcher, budget, profile steps and timeout) over every
    searched ZeRO stage x every micro-batch of ``{1, 2, 4, ..., 2^k <= hi} + {hi}``, where ``hi =
    ceil(search_range_factor x approx_max_micro_batch(stage))`` is the top of the range dsat
@@ -233,7 +233,7 @@ class TrialArm:
         from toolkit.config.deepspeed import overwrite_deepspeed_config
         from toolkit.dsat.contract import TrialContract
         from toolkit.dsat.execution.runner import TrialRunner
-        from toolkit.dsat.orchestrator import trial_ds_config, trial_hparams
+        from toolkit.dsat.orchestrator import trial_ds_config
         from toolkit.dsat.trial.reporting import instrumentation_overrides
 
         plan, results = self.plan, []
@@ -246,7 +246,7 @@ class TrialArm:
                 contract = TrialContract(spec.trial_id, "", plan.runner.start_profile_step,
                                          plan.runner.end_profile_step, False, plan.runner.memory_per_slot)
                 config = overwrite_deepspeed_config(config, instrumentation_overrides(contract))
-                runner.start(spec, ds_config=config, hparams=trial_hparams(plan.hparams, config))
+                runner.start(spec, ds_config=config, hparams=plan.hparams)  # the runner applies trial_hparams
                 done: list[TrialResult] = []
                 while not done:
                     done = runner.wait(timeout=1.0)

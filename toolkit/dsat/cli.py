@@ -121,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     description = "DeepSpeed autotuner: find the fastest DeepSpeed config that fits."
     parser = argparse.ArgumentParser(prog="python -m toolkit.dsat", description=description)
+    _add_methods(parser, common)
+    return parser
+
+
+def _add_methods(parser: argparse.ArgumentParser, common: argparse.ArgumentParser) -> None:
+    """One sub-command per search method, with the common flags and its own."""
     methods = parser.add_subparsers(dest="method", required=True, metavar="{binary,random,asha}")
     binary = methods.add_parser("binary", parents=[common],
                                 help="bisect the micro-batch of random ZeRO configs")
@@ -142,7 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
     asha.add_argument("--asha-early-stopping", type=_integer, default=0)
     asha.add_argument("--divisor", type=_integer, default=2)
     asha.add_argument("--search-range-factor", type=_number, default=1.0)
-    return parser
 
 
 #: Where each settings field comes from: a flag, or a key of the experiment config.
@@ -262,10 +267,8 @@ def _find_machines(args: argparse.Namespace, problems: list[str]) -> _Machines:
 
 
 def _data_parallel_size(inputs: _Inputs, problems: list[str]) -> Any:
-    """``hyperparameters.data_parallel_world_size`` (default: the slots); it must divide the slots.
-
-    Its type and range are SearchSettings' to check (reported once, there); here only the divisor.
-    """
+    """``hyperparameters.data_parallel_world_size`` (default: the slots), checked to divide the slots
+    (its type and range are SearchSettings' to check)."""
     dp = inputs.hparams.get("data_parallel_world_size", inputs.slots)
     if is_int(dp) and dp >= 1 and is_int(inputs.slots) and inputs.slots % dp:
         problems.append(f"hyperparameters.data_parallel_world_size={dp!r}: expected a divisor of "
@@ -276,7 +279,6 @@ def _data_parallel_size(inputs: _Inputs, problems: list[str]) -> Any:
 def _check_ds_config(inputs: _Inputs, dp: Any, *, device: str, problems: list[str]) -> None:
     """The user's config at micro-batch 1 must be runnable before any trial is started."""
     from toolkit.dsat.orchestrator import profile_spec, trial_ds_config
-
     if not (is_int(dp) and dp >= 1):
         return  # reported as a value; the config cannot be resolved without it
     try:

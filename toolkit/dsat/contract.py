@@ -29,9 +29,11 @@ memory)::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import json
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -46,6 +48,7 @@ __all__ = [
     "ProfileInfo",
     "TrialContract",
     "TrialStatus",
+    "trial_hparams",
 ]
 
 #: Path of a JSON file holding this trial's hyperparameters; set by the dsat trial runner.
@@ -128,3 +131,24 @@ class TrialContract:
     @classmethod
     def read(cls, path: str | Path) -> "TrialContract":
         return cls(**json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+def trial_hparams(hparams: Mapping[str, Any], *, ds_config: Mapping[str, Any],
+                  ds_config_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What :data:`TRIAL_HPARAMS_ENV` holds for a run with ``ds_config``: the one place it is made.
+
+    The experiment's hyperparameters (deep-copied, never mutated) with ``deepspeed_config`` set to
+    ``ds_config_path`` (the run's complete DeepSpeed JSON), ``overwrite_deepspeed_args`` removed
+    (already merged into it) and ``global_batch_size``, where the user names one, set to the
+    config's ``train_batch_size``. Pure; autotuner process only (trials read the file).
+
+    Example::
+
+        hparams = trial_hparams(plan.hparams, ds_config=config, ds_config_path=trial_dir / "ds_config.json")
+    """
+    out = copy.deepcopy(dict(hparams))
+    out.pop("overwrite_deepspeed_args", None)
+    if "global_batch_size" in out and "train_batch_size" in ds_config:
+        out["global_batch_size"] = ds_config["train_batch_size"]
+    out["deepspeed_config"] = os.fspath(ds_config_path)
+    return out

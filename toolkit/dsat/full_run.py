@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from toolkit._files import atomic_write_json
 from toolkit.config.experiment import max_length_steps
-from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV
+from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV, trial_hparams
 from toolkit.dsat.execution.argv import LOOPBACK, build_trial_argv
 from toolkit.runtime.ds_shm import remove_buffers
+
+if TYPE_CHECKING:  # the orchestrator imports this module's callers; no cycle at run time
+    from toolkit.dsat.orchestrator import Plan, SearchOutcome
 
 __all__ = ["run_full_experiment", "FULL_RUN_TIMEOUT_S"]
 
@@ -21,7 +24,7 @@ __all__ = ["run_full_experiment", "FULL_RUN_TIMEOUT_S"]
 FULL_RUN_TIMEOUT_S = 7 * 24 * 3600.0
 
 
-def run_full_experiment(plan, outcome, *, say: Callable[[str], None] = print,
+def run_full_experiment(plan: Plan, outcome: SearchOutcome, *, say: Callable[[str], None] = print,
                         timeout_s: float = FULL_RUN_TIMEOUT_S) -> int:
     """Launch the entrypoint with the best config; return its exit status.
 
@@ -30,22 +33,21 @@ def run_full_experiment(plan, outcome, *, say: Callable[[str], None] = print,
     it trains for ``searcher.max_length`` steps of the experiment config (the script reads it).
     """
     from toolkit.dsat.execution.runner import free_port, run_to_completion
-    from toolkit.dsat.orchestrator import trial_hparams
 
     directory = plan.output_dir / "full_experiment"
     directory.mkdir(parents=True, exist_ok=True)
-    best_config = json.loads((plan.output_dir / "best_ds_config.json").read_text(encoding="utf-8"))
-    hparams = trial_hparams(plan.hparams, best_config)
-    hparams["deepspeed_config"] = str(plan.output_dir / "best_ds_config.json")
-    atomic_write_json(directory / "hparams.json", hparams)
+    best_path = plan.output_dir / "best_ds_config.json"
+    best_config = json.loads(best_path.read_text(encoding="utf-8"))
+    atomic_write_json(directory / "hparams.json",
+                      trial_hparams(plan.hparams, ds_config=best_config, ds_config_path=best_path))
     steps = max_length_steps(plan.experiment)
     port = free_port()
     argv = build_trial_argv(list(plan.runner.entrypoint), launcher=plan.runner.launcher,
                             nproc=plan.runner.slots_per_trial, master_port=port)
     env = {TRIAL_HPARAMS_ENV: str(directory / "hparams.json"), EXPERIMENT_CONFIG_ENV: str(plan.config_path)}
     say(f"full experiment: {' '.join(argv)} ({steps or 'script-defined'} steps; logs in {directory})")
-    code = run_to_completion(argv, cwd=Path(plan.runner.model_dir), env=env, log_dir=directory, timeout_s=timeout_s,
-                             nproc=plan.runner.slots_per_trial)
+    code = run_to_completion(argv, cwd=Path(plan.runner.model_dir), env=env, log_dir=directory,
+                             timeout_s=timeout_s, nproc=plan.runner.slots_per_trial)
     remove_buffers(addr=LOOPBACK, port=port)  # what DeepSpeed leaves in /dev/shm (toolkit.runtime.ds_shm)
     say(f"full experiment exited with status {code}")
     return code

@@ -29,7 +29,7 @@ from toolkit.dsat.search import memory
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
 from toolkit.dsat.trial.reporting import instrumentation_overrides
 
-__all__ = ["Plan", "trial_ds_config", "trial_hparams", "profile_spec", "Autotuner", "SearchOutcome"]
+__all__ = ["Plan", "trial_ds_config", "profile_spec", "Autotuner", "SearchOutcome"]
 
 logger = logging.getLogger(__name__)
 TBS, MBS, GAS = BATCH_KEYS
@@ -120,15 +120,6 @@ def trial_ds_config(base_ds_config: Mapping[str, Any], spec: TrialSpec, *,
     return resolve_ds_config(config, data_parallel_size=data_parallel_size)
 
 
-def trial_hparams(hparams: Mapping[str, Any], ds_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The hyperparameters a trial sees: the user's, with its own batch size where one is named."""
-    out = copy.deepcopy(dict(hparams))
-    out.pop("overwrite_deepspeed_args", None)
-    if "global_batch_size" in out:
-        out["global_batch_size"] = ds_config[TBS]
-    return out
-
-
 @dataclasses.dataclass
 class SearchOutcome:
     """How a search ended. ``exit_code``: 0 found a best config, 1 the search failed."""
@@ -158,7 +149,8 @@ class Autotuner:
 
     # ---------------------------------------------------------------- helpers
     def _config_for(self, spec: TrialSpec, *, instrumented: bool) -> dict[str, Any]:
-        config = trial_ds_config(self.plan.base_ds_config, spec, data_parallel_size=self.plan.data_parallel_size)
+        plan = self.plan
+        config = trial_ds_config(plan.base_ds_config, spec, data_parallel_size=plan.data_parallel_size)
         if instrumented:
             runner = self.plan.runner
             contract = TrialContract(spec.trial_id, "", runner.start_profile_step, runner.end_profile_step,
@@ -170,9 +162,10 @@ class Autotuner:
         config = self._config_for(spec, instrumented=True)
         if log:
             self.log.started(spec, observed_before=observed_before)
-        runner.start(spec, ds_config=config, hparams=trial_hparams(self.plan.hparams, config))
+        runner.start(spec, ds_config=config, hparams=self.plan.hparams)  # see contract.trial_hparams
 
-    def _finish(self, result: TrialResult, *, replayed: bool = False) -> None:
+    def _record(self, result: TrialResult, *, replayed: bool = False) -> None:
+        """Keep a finished trial's result; log it unless it was replayed from the log; rewrite the tables."""
         self.results[result.spec.trial_id] = result
         if not replayed:
             self.log.finished(result)
@@ -180,32 +173,37 @@ class Autotuner:
         write_trial_tables(self.out, self.results.values())
 
     def _progress(self, result: TrialResult, running: int) -> None:
-        best = search.best_result([r for r in self.results.values() if not r.spec.profile], self.plan.search.metric)
         metric = self.plan.search.metric
+        best = search.best_result([r for r in self.results.values() if not r.spec.profile], metric)
         value = result.metrics.get(metric)
         shown = f"{metric}={value:.4g}" if value is not None else (result.error or "")[:120]
-        best_text = (f"best {best.metrics[metric]:.4g} (trial {best.spec.trial_id})" if best else "no best yet")
+        best_text = f"best {best.metrics[metric]:.4g} (trial {best.spec.trial_id})" if best else "no best yet"
         self.say(f"[{len(self.results)}/{self.plan.search.max_trials}] trial {result.spec.trial_id} "
                  f"stage {result.spec.stage} mb {result.spec.micro_batch}: {result.status.value} {shown} | "
                  f"{best_text} | running {running} | {time.monotonic() - self.started_at:.0f}s")
 
     # ---------------------------------------------------------------- phases
-    def _profile(self, runner: TrialRunner, events: list[dict[str, Any]]) -> ProfileInfo | None:
+    def _run_profiling_trial(self, runner: TrialRunner, events: list[dict[str, Any]]) -> TrialResult:
+        """The profiling trial's result: the recorded one when it succeeded (--resume), else a new run."""
         recorded = [e for e in events if e["event"] == "result" and e["trial_id"] == 0]
         if recorded and recorded[-1]["result"]["status"] == TrialStatus.OK.value:
             result = TrialResult.from_json(recorded[-1]["result"])
-            self._finish(result, replayed=True)
+            self._record(result, replayed=True)
             self.say("profiling trial: reusing the recorded result")
-        else:
-            spec = profile_spec(self.plan.base_ds_config)
-            self.say("profiling trial (micro-batch 1) ...")
-            self._start(runner, spec, observed_before=0)
-            result = None
-            while result is None:
-                done = runner.wait(timeout=1.0)
-                result = done[0] if done else None
-            self._finish(result)
-            self._progress(result, 0)
+            return result
+        self.say("profiling trial (micro-batch 1) ...")
+        self._start(runner, profile_spec(self.plan.base_ds_config), observed_before=0)
+        done: list[TrialResult] = []
+        while not done:
+            done = runner.wait(timeout=1.0)
+        self._record(done[0])
+        self._progress(done[0], 0)
+        return done[0]
+
+    def _profile(self, runner: TrialRunner, events: list[dict[str, Any]]) -> ProfileInfo | None:
+        """Run (or reuse) the profiling trial; its model and memory numbers, with the memory model's
+        prediction written to ``profile.json``. None when the profiling trial failed."""
+        result = self._run_profiling_trial(runner, events)
         if result.status is not TrialStatus.OK or not result.profile:
             return None
         fields = dict(result.profile)
@@ -218,7 +216,8 @@ class Autotuner:
                                     zero_stages=self.plan.search.zero_stages,
                                     offload_optimizer=offload_optimizer, offload_param=offload_param)
         atomic_write_json(self.out / "profile.json",
-                          {"profile": profile.to_json(), "prediction": {str(k): v for k, v in prediction.items()}})
+                          {"profile": profile.to_json(),
+                           "prediction": {str(k): v for k, v in prediction.items()}})
         self.say(f"model: {profile.num_params:,} parameters ({profile.trainable_params:,} trainable), "
                  f"activations {profile.activation_bytes_per_example:,} bytes/example, "
                  f"{profile.memory_per_slot:,} bytes per slot ({profile.device})")
@@ -238,7 +237,7 @@ class Autotuner:
                 return SearchOutcome(1, list(self.results.values()), None,
                                      f"the profiling trial failed ({failed.status.value}): {failed.error}; "
                                      f"its logs are in {self.out / 'trials' / 'trial_0'}")
-            searcher = search.make_searcher(self.plan.search, profile)
+            searcher: search.Searcher = search.make_searcher(self.plan.search, profile)
             observed = self._replay(searcher, runner, events)
             while not searcher.done:
                 for spec in searcher.propose(runner.capacity()):
@@ -246,13 +245,13 @@ class Autotuner:
                 if runner.running() == 0:
                     break  # nothing in flight and nothing proposed: the method has finished
                 for result in runner.wait(timeout=1.0):
-                    self._finish(result)
+                    self._record(result)
                     searcher.observe(result)
                     observed += 1
                     self._progress(result, runner.running())
         return self._conclude()
 
-    def _replay(self, searcher: Any, runner: TrialRunner, events: list[dict[str, Any]]) -> int:
+    def _replay(self, searcher: search.Searcher, runner: TrialRunner, events: list[dict[str, Any]]) -> int:
         """Feed a resumed search's recorded results through the fresh searcher; rerun the unfinished."""
         results, observed_before, seen = [], {}, set()
         for event in events:
@@ -267,8 +266,9 @@ class Autotuner:
             return 0
         in_flight = search.replay(searcher, results=results, observed_before=observed_before)
         for result in results:
-            self._finish(result, replayed=True)
-        self.say(f"resumed: {len(results)} finished trial(s) kept, {len(in_flight)} interrupted trial(s) rerun")
+            self._record(result, replayed=True)
+        self.say(f"resumed: {len(results)} finished trial(s) kept, {len(in_flight)} interrupted trial(s) "
+                 "rerun")
         for spec in in_flight:
             self._start(runner, spec, observed_before=observed_before[spec.trial_id], log=False)
         return len(results)
@@ -277,7 +277,8 @@ class Autotuner:
         results = list(self.results.values())
         tuning = [r for r in results if not r.spec.profile]
         best = search.best_result(tuning, self.plan.search.metric)
-        table = summary_table(results, metric=self.plan.search.metric, best_id=best.spec.trial_id if best else None)
+        table = summary_table(results, metric=self.plan.search.metric,
+                              best_id=best.spec.trial_id if best else None)
         self.say(table)
         if best is None:
             return SearchOutcome(1, results, None,

@@ -93,7 +93,8 @@ def world_info(include: str | None, nproc: int) -> str:
         try:
             slots = [int(part) for part in ids.split(",")]
         except ValueError:
-            raise ValueError(f"include={include!r}: slot ids must be integers, e.g. 'localhost:0,1'") from None
+            raise ValueError(f"include={include!r}: slot ids must be integers, e.g. "
+                             "'localhost:0,1'") from None
         if len(slots) != nproc or len(set(slots)) != nproc or min(slots) < 0:
             raise ValueError(f"include={include!r} names {len(set(slots))} distinct slot(s) >= 0, "
                              f"but nproc={nproc}: give exactly one id per process")
@@ -141,8 +142,9 @@ def _unwrap_launcher(mode: str, target: str, args: list[str], entrypoint: Sequen
         inner = "module" if parsed.module else "exec" if parsed.no_python else "script"
         return inner, parsed.user_script, list(parsed.user_args)
     if mode == "module" and target.startswith("determined.launch"):
-        raise ConfigError(f"entrypoint={list(entrypoint)!r}: Determined's launcher {target!r} is not available "
-                          "here; give the script itself, e.g. 'python3 train.py' (dsat launches it)")
+        raise ConfigError(f"entrypoint={list(entrypoint)!r}: Determined's launcher {target!r} is "
+                          "not available here; give the script itself, e.g. 'python3 train.py' "
+                          "(dsat launches it)")
     return mode, target, args
 
 
@@ -192,7 +194,8 @@ def build_trial_argv(entrypoint: Sequence[str], *, launcher: str, nproc: int, ma
                 "--master_addr", LOOPBACK, "--master_port", str(master_port)]
         argv += {"module": ["--module"], "exec": ["--no-python"], "script": []}[mode]
     else:
-        argv = [sys.executable, "-m", "deepspeed.launcher.launch", f"--world_info={world_info(include, nproc)}",
+        argv = [sys.executable, "-m", "deepspeed.launcher.launch",
+                f"--world_info={world_info(include, nproc)}",
                 f"--master_addr={LOOPBACK}", f"--master_port={master_port}", "--no_local_rank"]
         argv += {"module": ["--module"], "exec": ["--no_python"], "script": []}[mode]
     return argv + [target] + args
@@ -248,37 +251,54 @@ def build_multihost_argv(entrypoint: Sequence[str], *, placement: Mapping[str, S
     if ssh_port is not None and (not is_int(ssh_port) or not 1 <= ssh_port <= 65535):
         raise ValueError(f"ssh_port={ssh_port!r}: expected an integer port in 1..65535, or None")
     mode, target, args = _unwrap_launcher(*_split_entrypoint(entrypoint), entrypoint)
-    hosts = list(placement)
     if via == "srun":
-        counts = {len(ids) for ids in placement.values()}
-        if len(counts) != 1:
-            raise ValueError(f"placement={dict(placement)!r}: srun starts the same number of tasks on every "
-                             "host; place the trial with place_trial(uniform=True)")
-        per_host = counts.pop()
-        argv = ["srun", f"--nodes={len(hosts)}", f"--ntasks={per_host * len(hosts)}",
-                f"--ntasks-per-node={per_host}", f"--nodelist={','.join(hosts)}", "--exact",
-                "--kill-on-bad-exit=1", f"--export=ALL,MASTER_ADDR={hosts[0]},MASTER_PORT={master_port}"]
-        if gpus:
-            argv.append(f"--gpus-per-node={per_host}")
-        command = {"module": [sys.executable, "-u", "-m", target], "exec": [target],
-                   "script": [sys.executable, "-u", target]}[mode]
-        return argv + command + args
+        return _srun_argv(placement, master_port=master_port, gpus=gpus) + _srun_command(mode, target) + args
     if hostfile is None or not os.fspath(hostfile):
         raise ValueError(f"via={via!r} needs the trial's hostfile (hostfile=None given)")
+    argv = _deepspeed_runner_argv(placement, via=via, master_port=master_port, hostfile=hostfile,
+                                  ssh_port=ssh_port)
+    argv += {"module": ["--module"], "exec": ["--no_python"], "script": []}[mode]
+    return argv + [target] + args
+
+
+def _srun_argv(placement: Mapping[str, Sequence[int]], *, master_port: int, gpus: bool) -> list[str]:
+    """srun's own options for a trial: one step over the placement's hosts, the same tasks on each."""
+    counts = {len(ids) for ids in placement.values()}
+    if len(counts) != 1:
+        raise ValueError(f"placement={dict(placement)!r}: srun starts the same number of tasks on every "
+                         "host; place the trial with place_trial(uniform=True)")
+    per_host, hosts = counts.pop(), list(placement)
+    argv = ["srun", f"--nodes={len(hosts)}", f"--ntasks={per_host * len(hosts)}",
+            f"--ntasks-per-node={per_host}", f"--nodelist={','.join(hosts)}", "--exact",
+            "--kill-on-bad-exit=1", f"--export=ALL,MASTER_ADDR={hosts[0]},MASTER_PORT={master_port}"]
+    if gpus:
+        argv.append(f"--gpus-per-node={per_host}")
+    return argv
+
+
+def _srun_command(mode: str, target: str) -> list[str]:
+    """What srun starts on each task: this interpreter on the script or module, or the program."""
+    return {"module": [sys.executable, "-u", "-m", target], "exec": [target],
+            "script": [sys.executable, "-u", target]}[mode]
+
+
+def _deepspeed_runner_argv(placement: Mapping[str, Sequence[int]], *, via: str, master_port: int,
+                           hostfile: str | os.PathLike[str], ssh_port: int | None) -> list[str]:
+    """DeepSpeed's multinode runner with the trial's hostfile, rendezvous and launcher (no script yet)."""
     from toolkit.dsat.execution.hosts import format_include  # pure, no cycle at import time
 
     argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", os.fspath(hostfile)]
     if via == "pdsh":  # DeepSpeed's MPI runners refuse --include: their hostfile is the trial's alone
         argv += ["--include", format_include(placement)]
-    argv += ["--master_addr", hosts[0], "--master_port", str(master_port), "--launcher", via,
+    argv += ["--master_addr", next(iter(placement)), "--master_port", str(master_port), "--launcher", via,
              "--force_multi", "--no_local_rank"]
     if ssh_port is not None:
         argv += ["--ssh_port", str(ssh_port)]
-    argv += {"module": ["--module"], "exec": ["--no_python"], "script": []}[mode]
-    return argv + [target] + args
+    return argv
 
 
-def build_remote_kill_argv(hosts: Sequence[str], *, master_port: int, ssh_port: int | None = None) -> list[str]:
+def build_remote_kill_argv(hosts: Sequence[str], *, master_port: int,
+                           ssh_port: int | None = None) -> list[str]:
     """pdsh argv that stops one trial's DeepSpeed launchers on its hosts. Pure; any process.
 
     DeepSpeed's runner, on SIGTERM, runs ``pkill -f`` on *every* ``deepspeed.launcher.launch``

@@ -35,9 +35,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -46,7 +44,15 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from toolkit.dsat.contract import OUTPUT_DIR_ENV, TRIAL_ENV, TRIAL_HPARAMS_ENV, TrialContract, TrialStatus
+from toolkit._files import atomic_write_json
+from toolkit.dsat.contract import (
+    OUTPUT_DIR_ENV,
+    TRIAL_ENV,
+    TRIAL_HPARAMS_ENV,
+    TrialContract,
+    TrialStatus,
+    trial_hparams,
+)
 from toolkit.dsat.execution.argv import (
     LOOPBACK,
     build_multihost_argv,
@@ -54,7 +60,7 @@ from toolkit.dsat.execution.argv import (
     build_trial_argv,
 )
 from toolkit.dsat.execution.classify import classify
-from toolkit.dsat.execution.hosts import format_include, is_local_host, place_trial
+from toolkit.dsat.execution.hosts import format_include
 from toolkit.dsat.execution.procs import (
     RUN_ENV,
     block_interrupts,
@@ -68,28 +74,16 @@ from toolkit.dsat.execution.procs import (
     unblock_interrupts,
 )
 from toolkit.dsat.execution.settings import RunnerSettings
+from toolkit.dsat.execution.slots import SlotPool, Slots, device_ids
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.runtime.ds_shm import remove_buffers
 
-__all__ = ["RunnerSettings", "TrialRunner", "find_trial_processes", "free_port", "run_to_completion", "RUN_ENV"]
+__all__ = ["RunnerSettings", "TrialRunner", "find_trial_processes", "free_port", "run_to_completion",
+           "RUN_ENV"]
 
 logger = logging.getLogger(__name__)
 
 _MIB = 1024 * 1024
-
-
-def _device_ids(gpus: tuple[int, ...] | None) -> dict[int, str] | None:
-    """gpus (this process's numbering) -> the values to put in a trial's CUDA_VISIBLE_DEVICES."""
-    if gpus is None:
-        return None
-    visible = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
-    if "CUDA_VISIBLE_DEVICES" not in os.environ:
-        return {g: str(g) for g in gpus}
-    missing = [g for g in gpus if g >= len(visible)]
-    if missing:
-        raise ValueError(f"gpus={gpus} but CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} makes only "
-                         f"{len(visible)} GPU(s) visible (indices 0..{len(visible) - 1}); gpus are indices into it")
-    return {g: visible[g] for g in gpus}
 
 
 @dataclasses.dataclass
@@ -98,18 +92,10 @@ class _Trial:
     directory: Path
     mark: str       # the trial's TOOLKIT_DSAT_TRIAL value
     process: subprocess.Popen
-    gpus: tuple[int, ...] | None
+    slots: Slots    # its GPUs, or its placement on the hosts and the multihost launcher (None: local)
     port: int
     started: float
     verdict: tuple[TrialStatus, str] | None = None
-    placement: dict[str, tuple[int, ...]] | None = None   # with hosts: host -> slot ids
-    via: str | None = None                                 # the multihost launcher; None: local
-
-
-def _without(free: Mapping[str, tuple[int, ...]], placement: Mapping[str, Iterable[int]]
-             ) -> dict[str, tuple[int, ...]]:
-    """``free`` (host -> slot ids) less the slots of ``placement``; a new dict. Pure."""
-    return {h: tuple(i for i in ids if i not in placement.get(h, ())) for h, ids in free.items()}
 
 
 class TrialRunner:
@@ -129,14 +115,13 @@ class TrialRunner:
         self.trials_dir = Path(output_dir).resolve() / "trials"
         self.trials_dir.mkdir(parents=True, exist_ok=True)
         self._running: dict[int, _Trial] = {}
-        self._free_gpus = list(settings.gpus) if settings.gpus is not None else None
-        self._device_ids = _device_ids(settings.gpus)
-        self._free_slots = ({h.name: tuple(range(h.slots)) for h in settings.hosts}
-                            if settings.hosts is not None else None)
+        self._slots = SlotPool(settings)
+        self._device_ids = device_ids(settings.gpus)
         self._closed = False
         leftovers = find_trial_processes(f"{self.trials_dir}{os.sep}", prefix=True)
         if leftovers:
-            logger.warning("killing %d process(es) left by an earlier run of trials in %s: %s", len(leftovers),
+            logger.warning("killing %d process(es) left by an earlier run of trials in %s: %s",
+                           len(leftovers),
                            self.trials_dir, sorted(leftovers))
             self._terminate([], sweep=True)
 
@@ -157,16 +142,7 @@ class TrialRunner:
         s = self.settings
         free_slots = s.max_slots - s.slots_per_trial * len(self._running)
         count = max(0, min(s.max_concurrent - len(self._running), free_slots // s.slots_per_trial))
-        if self._free_slots is not None:  # what placement allows: slots of a host are not pooled
-            free, placed = dict(self._free_slots), 0
-            while placed < count:
-                chosen = place_trial(free, s.slots_per_trial, uniform=s.multihost_launcher == "srun")
-                if chosen is None:
-                    break
-                free = _without(free, chosen)
-                placed += 1
-            count = placed
-        return count
+        return self._slots.placeable(count)  # what placement on the hosts allows
 
     def start(self, spec: TrialSpec, *, ds_config: Mapping[str, Any], hparams: Mapping[str, Any]) -> None:
         """Launch one trial on free slots; returns at once. Autotuner process only.
@@ -175,13 +151,45 @@ class TrialRunner:
             spec: the trial; ``spec.trial_id`` names its directory (files of an earlier run of
                 the same id are replaced, its stale result removed).
             ds_config: the trial's complete DeepSpeed config (written, not changed).
-            hparams: the experiment's hyperparameters; written with ``deepspeed_config`` set to
-                the trial's ``ds_config.json`` and without ``overwrite_deepspeed_args``.
+            hparams: the experiment's hyperparameters; the trial gets them as
+                :func:`toolkit.dsat.contract.trial_hparams` makes them (``deepspeed_config`` set
+                to the trial's ``ds_config.json``).
 
         Raises:
             RuntimeError: no capacity (call :meth:`wait` first) or the runner was shut down.
             ValueError: a trial with this id is running.
         """
+        self._check_can_start(spec)
+        directory = self._prepare_directory(spec, ds_config=ds_config, hparams=hparams)
+        slots = self._slots.take(trial_id=spec.trial_id)
+        try:
+            env, include = self._trial_env(directory, slots.gpus)
+            port = self._free_port()
+            if slots.via is not None and slots.placement is not None:
+                argv = self._multihost_argv(directory, slots.placement, slots.via, port, env)
+            else:
+                s = self.settings
+                argv = build_trial_argv(list(s.entrypoint), launcher=s.launcher, nproc=s.slots_per_trial,
+                                        master_port=port, include=include)
+            if slots.placement is not None:
+                atomic_write_json(directory / "placement.json", {
+                    "hosts": {h: list(ids) for h, ids in slots.placement.items()},
+                    "launch": slots.via or "local",
+                    "include": format_include(slots.placement), "master_port": port, "argv": argv})
+            with open(directory / "stdout.log", "wb") as out, open(directory / "stderr.log", "wb") as err:
+                process = subprocess.Popen(argv, cwd=self.settings.model_dir, env=env,
+                                           stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                           start_new_session=True)
+        except BaseException:
+            self._slots.give_back(slots)
+            raise
+        self._running[spec.trial_id] = _Trial(spec, directory, env[TRIAL_ENV], process, slots, port,
+                                              time.monotonic())
+        logger.info("trial %d started (pid %d, port %d%s%s): %s", spec.trial_id, process.pid, port,
+                    f", GPUs {slots.gpus}" if slots.gpus else "",
+                    f", hosts {format_include(slots.placement)}" if slots.placement else "", " ".join(argv))
+
+    def _check_can_start(self, spec: TrialSpec) -> None:
         s = self.settings
         if self._closed:
             raise RuntimeError("the trial runner was shut down; make a new one")
@@ -191,71 +199,42 @@ class TrialRunner:
             raise RuntimeError(f"no free capacity: {len(self._running)} trial(s) running on "
                                f"{len(self._running) * s.slots_per_trial} of {s.max_slots} slots "
                                f"(max_concurrent={s.max_concurrent}); call wait() first")
+
+    def _prepare_directory(self, spec: TrialSpec, *, ds_config: Mapping[str, Any],
+                           hparams: Mapping[str, Any]) -> Path:
+        """The trial's directory with its config, hyperparameters and contract; nothing of an earlier run."""
+        s = self.settings
         directory = self.trials_dir / f"trial_{spec.trial_id}"
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob("result.json*"):
             stale.unlink(missing_ok=True)
         shutil.rmtree(directory / "output", ignore_errors=True)  # no checkpoint of an earlier run to resume
-        ds_path, hp_path, contract_path = (directory / n for n in ("ds_config.json", "hparams.json", "trial.json"))
-        ds_path.write_text(json.dumps(ds_config, indent=2), encoding="utf-8")
-        trial_hparams = copy.deepcopy(dict(hparams))
-        trial_hparams.pop("overwrite_deepspeed_args", None)
-        trial_hparams["deepspeed_config"] = str(ds_path)
-        hp_path.write_text(json.dumps(trial_hparams, indent=2), encoding="utf-8")
+        ds_path = directory / "ds_config.json"
+        atomic_write_json(ds_path, ds_config)
+        atomic_write_json(directory / "hparams.json",
+                          trial_hparams(hparams, ds_config=ds_config, ds_config_path=ds_path))
         TrialContract(trial_id=spec.trial_id, result_path=str(directory / "result.json"),
                       start_profile_step=s.start_profile_step, end_profile_step=s.end_profile_step,
-                      profile=spec.profile, memory_per_slot=s.memory_per_slot).write(contract_path)
+                      profile=spec.profile, memory_per_slot=s.memory_per_slot).write(directory / "trial.json")
+        return directory
 
-        gpus = placement = via = None
-        if self._free_slots is not None:
-            placement = place_trial(self._free_slots, s.slots_per_trial, uniform=s.multihost_launcher == "srun")
-            if placement is None:  # capacity() >= 1 said it fits: a bug if reached
-                raise RuntimeError(f"trial {spec.trial_id} does not fit the free slots {self._free_slots}")
-            self._take(placement)
-            if not all(is_local_host(h) for h in placement):
-                via = s.multihost_launcher
-            elif s.gpus is not None and len(placement) == 1:  # this machine: slot ids are its GPU ids
-                gpus = next(iter(placement.values()))
-        elif self._free_gpus is not None:
-            gpus, self._free_gpus = tuple(self._free_gpus[:s.slots_per_trial]), self._free_gpus[s.slots_per_trial:]
-        try:
-            env = dict(os.environ)
-            # OUTPUT_DIR_ENV: the trial's own checkpoints and logs (toolkit.get_output_dir), never shared
-            # with a concurrent trial or picked up by a later one as something to resume from.
-            env.update({TRIAL_HPARAMS_ENV: str(hp_path), TRIAL_ENV: str(contract_path), "PYTHONUNBUFFERED": "1",
-                        OUTPUT_DIR_ENV: str(directory / "output")})
-            # Trials share the cores: without a limit every rank starts one OpenMP thread per core.
-            env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // s.max_slots)))
-            include = None
-            if gpus is not None:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(self._device_ids.get(g, str(g)) for g in gpus)
-                if s.launcher == "deepspeed":  # it sets CUDA_VISIBLE_DEVICES of each rank from these
-                    include = f"localhost:{env['CUDA_VISIBLE_DEVICES']}"
-            port = self._free_port()
-            if via is None:
-                argv = build_trial_argv(list(s.entrypoint), launcher=s.launcher, nproc=s.slots_per_trial,
-                                        master_port=port, include=include)
-            else:
-                argv = self._multihost_argv(directory, placement, via, port, env)
-            if placement is not None:
-                (directory / "placement.json").write_text(json.dumps({
-                    "hosts": {h: list(ids) for h, ids in placement.items()}, "launch": via or "local",
-                    "include": format_include(placement), "master_port": port, "argv": argv}, indent=2),
-                    encoding="utf-8")
-            with open(directory / "stdout.log", "wb") as out, open(directory / "stderr.log", "wb") as err:
-                process = subprocess.Popen(argv, cwd=s.model_dir, env=env, stdin=subprocess.DEVNULL,
-                                           stdout=out, stderr=err, start_new_session=True)
-        except BaseException:
-            if placement is not None:
-                self._give_back(placement)
-            elif gpus is not None:
-                self._free_gpus = sorted(self._free_gpus + list(gpus))
-            raise
-        self._running[spec.trial_id] = _Trial(spec, directory, str(contract_path), process, gpus,
-                                              port, time.monotonic(), placement=placement, via=via)
-        logger.info("trial %d started (pid %d, port %d%s%s): %s", spec.trial_id, process.pid, port,
-                    f", GPUs {gpus}" if gpus else "", f", hosts {format_include(placement)}" if placement else "",
-                    " ".join(argv))
+    def _trial_env(self, directory: Path, gpus: tuple[int, ...] | None) -> tuple[dict[str, str], str | None]:
+        """The trial's environment (its marks, files and GPUs), and DeepSpeed's ``--include`` if any."""
+        s = self.settings
+        env = dict(os.environ)
+        # OUTPUT_DIR_ENV: the trial's own checkpoints and logs (toolkit.get_output_dir), never shared
+        # with a concurrent trial or picked up by a later one as something to resume from.
+        env.update({TRIAL_HPARAMS_ENV: str(directory / "hparams.json"),
+                    TRIAL_ENV: str(directory / "trial.json"),
+                    "PYTHONUNBUFFERED": "1", OUTPUT_DIR_ENV: str(directory / "output")})
+        # Trials share the cores: without a limit every rank starts one OpenMP thread per core.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // s.max_slots)))
+        if gpus is None:
+            return env, None
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(self._device_ids.get(g, str(g)) for g in gpus)
+        # the deepspeed launcher sets CUDA_VISIBLE_DEVICES of each rank from --include
+        include = f"localhost:{env['CUDA_VISIBLE_DEVICES']}" if s.launcher == "deepspeed" else None
+        return env, include
 
     def wait(self, timeout: float | None = None) -> list[TrialResult]:
         """Block until at least one running trial has ended, or ``timeout`` seconds. Autotuner process only.
@@ -275,7 +254,8 @@ class TrialRunner:
             now = time.monotonic()
             if end is not None and now >= end:
                 return []
-            time.sleep(self.settings.poll_s if end is None else max(min(self.settings.poll_s, end - now), 0.0))
+            poll = self.settings.poll_s
+            time.sleep(poll if end is None else max(min(poll, end - now), 0.0))
 
     def shutdown(self) -> None:
         """Kill every running trial's processes and wait for them. Idempotent. Autotuner process only."""
@@ -293,13 +273,6 @@ class TrialRunner:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _take(self, placement: Mapping[str, tuple[int, ...]]) -> None:
-        self._free_slots = _without(self._free_slots, placement)
-
-    def _give_back(self, placement: Mapping[str, tuple[int, ...]]) -> None:
-        self._free_slots = {h: tuple(sorted(set(ids) | set(placement.get(h, ()))))
-                            for h, ids in self._free_slots.items()}
-
     def _multihost_argv(self, directory: Path, placement: Mapping[str, tuple[int, ...]], via: str, port: int,
                         env: dict[str, str]) -> list[str]:
         """Argv of a trial on other hosts; its hostfile and exported variables go to its directory.
@@ -313,7 +286,8 @@ class TrialRunner:
             return build_multihost_argv(list(s.entrypoint), placement=placement, via=via, master_port=port,
                                         gpus=s.gpus is not None)
         hostfile = directory / "hostfile"
-        hostfile.write_text("".join(f"{h} slots={len(ids)}\n" for h, ids in placement.items()), encoding="utf-8")
+        hostfile.write_text("".join(f"{h} slots={len(ids)}\n" for h, ids in placement.items()),
+                            encoding="utf-8")
         exported = {k: env[k] for k in (TRIAL_HPARAMS_ENV, TRIAL_ENV, OUTPUT_DIR_ENV, "PYTHONUNBUFFERED",
                                         "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "PATH") if k in env}
         env_file = directory / "ds_env"
@@ -331,20 +305,22 @@ class TrialRunner:
         ``pkill`` every DeepSpeed launcher on those hosts, other trials' included; the sweep of
         :meth:`_terminate` then ends what is left on this machine (pdsh, ssh clients).
         """
-        if trial.via != "pdsh" or trial.process.poll() is not None:
+        hosts = list(trial.slots.placement or ())
+        if trial.slots.via != "pdsh" or trial.process.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
             trial.process.kill()
-        argv = build_remote_kill_argv(list(trial.placement), master_port=trial.port, ssh_port=self.settings.ssh_port)
+        argv = build_remote_kill_argv(hosts, master_port=trial.port, ssh_port=self.settings.ssh_port)
         env = dict(os.environ, PDSH_RCMD_TYPE="ssh")
         if self.settings.ssh_port is not None:
-            env["PDSH_SSH_ARGS_APPEND"] = f"{env.get('PDSH_SSH_ARGS_APPEND', '')} -p {self.settings.ssh_port}".strip()
+            extra = env.get("PDSH_SSH_ARGS_APPEND", "")
+            env["PDSH_SSH_ARGS_APPEND"] = f"{extra} -p {self.settings.ssh_port}".strip()
         try:
             subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, timeout=max(self.settings.grace_s, 10.0), check=False)
         except (OSError, subprocess.TimeoutExpired) as err:
             logger.warning("trial %d: stopping it on %s failed (%s); its ranks there may live on until their "
-                           "rendezvous times out", trial.spec.trial_id, ",".join(trial.placement), err)
+                           "rendezvous times out", trial.spec.trial_id, ",".join(hosts), err)
 
     def _free_port(self) -> int:
         in_use = {t.port for t in self._running.values()}
@@ -380,15 +356,12 @@ class TrialRunner:
     def _release(self, trial: _Trial) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             trial.process.wait(timeout=self.settings.grace_s)
-        if trial.via is None:  # ranks on this machine, rendezvous on 127.0.0.1 (see start)
+        if trial.slots.via is None:  # ranks on this machine, rendezvous on 127.0.0.1 (see start)
             # DeepSpeed never removes its CPU all-reduce segments; a trial that did not use
-            # toolkit.init_distributed, or died during start-up, leaves 69 MB per rank in /dev/shm.
+            # toolkit.init_distributed, or died during start-up, leaves them in /dev/shm.
             remove_buffers(addr=LOOPBACK, port=trial.port)
         if self._running.pop(trial.spec.trial_id, None) is not None:
-            if trial.placement is not None:
-                self._give_back(trial.placement)
-            elif trial.gpus is not None:
-                self._free_gpus = sorted(self._free_gpus + list(trial.gpus))
+            self._slots.give_back(trial.slots)
 
     def _poll(self) -> list[TrialResult]:
         s = self.settings

@@ -21,6 +21,10 @@ mutated), with what the stage cannot take removed so that no trial is invalid:
 :func:`toolkit.validate_ds_config` enforces; DeepSpeed 0.19 also accepts it at stage 1, but
 earlier releases and its documentation do not), stage 3 when it goes to NVMe or its ``ratio`` < 1;
 ``compute_grad_norm: false`` is only valid at stages 1 and 2.
+
+Pure; any rank (the tuner uses it on rank 0). Example::
+
+    zero = ZeroSpace((1, 2, 3), base_zero={}).draw(random.Random(0))   # {"stage": 2, ...} or None
 """
 
 from __future__ import annotations

@@ -3,7 +3,11 @@
 
 Search methods are pure: they see :class:`TrialResult` objects and return the next
 :class:`TrialSpec` objects; the runner (:mod:`toolkit.dsat.execution.runner`) turns a spec into real
-processes and a result.
+processes and a result. Pure values; any rank (the tuner builds them on rank 0, a trial reads
+its spec). Example::
+
+    spec = TrialSpec(trial_id=3, micro_batch=16, zero={"stage": 2}, line=1)
+    overrides = spec.ds_overrides()   # merged over the user's DeepSpeed config for trial 3
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def write_trial_tables(output_dir: Path, results: Iterable[TrialResult]) -> None
     ordered = sorted(results, key=lambda r: r.spec.trial_id)
     records = [_record(r) for r in ordered]
     jsonl = "".join(json.dumps({**rec, "ds_overrides": r.spec.ds_overrides()}, sort_keys=True) + "\n"
-                    for rec, r in zip(records, ordered))
+                    for rec, r in zip(records, ordered, strict=True))
     atomic_write(output_dir / "trials.jsonl", jsonl)
     columns: list[str] = []
     for rec in records:
@@ -150,8 +150,8 @@ def summary_table(results: Iterable[TrialResult], *, metric: str, best_id: int |
                      r.status.value + (" (profile)" if r.spec.profile else ""),
                      *[_fmt(r.metrics.get(m)) for m in METRICS], f"{r.duration_s:.1f}"])
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)),
              "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     lines.append(f"metric: {metric}; * = best")
     return "\n".join(lines)

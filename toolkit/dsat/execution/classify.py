@@ -30,6 +30,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from toolkit._checks import is_mapping, is_number
 from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 
@@ -55,7 +56,8 @@ def exit_text(code: int | None) -> str:
 
 
 def stderr_tail(path: Path) -> str:
-    """The last lines of a trial's stderr before its launcher's epilogue, as a suffix for an error ("" if none)."""
+    """The last lines of a trial's stderr before its launcher's epilogue, as a suffix for an error
+    (``""`` if none)."""
     try:
         with open(path, "rb") as fh:
             fh.seek(max(fh.seek(0, os.SEEK_END) - 16384, 0))
@@ -86,17 +88,19 @@ def check_result(data: Any, spec: TrialSpec) -> str | None:
     if not isinstance(metrics, dict):
         return f"metrics={metrics!r:.80}, expected an object with {', '.join(METRICS)}"
     for name in METRICS:
-        value = metrics.get(name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        value: Any = metrics.get(name)  # parsed JSON
+        if not is_number(value) or not math.isfinite(value) or value < 0:
             return f"metric {name}={value!r}: expected a finite number >= 0"
-    profile = data.get("profile")
+    profile: Any = data.get("profile")
     if spec.profile or profile is not None:
+        if not is_mapping(profile):
+            return f"profile={profile!r:.120}: expected an object with the profiling trial's measurements"
         try:
             info = ProfileInfo.from_json(profile)
-        except (TypeError, AttributeError) as err:
+        except TypeError as err:
             return f"profile={profile!r:.120}: {err}"
-        counts = (info.num_params, info.trainable_params, info.activation_bytes_per_example, info.memory_per_slot,
-                  info.baseline_bytes)
+        counts = (info.num_params, info.trainable_params, info.activation_bytes_per_example,
+                  info.memory_per_slot, info.baseline_bytes)
         if not all(type(n) is int and n >= 0 for n in counts):  # parsed JSON: bool is its only int subclass
             return f"profile={profile!r:.200}: expected integer counts >= 0"
     return None

@@ -84,7 +84,8 @@ def parse_hostfile(text: str, *, source: str = "hostfile") -> tuple[Host, ...]:
             continue
         name, slots = match.group(1), match.group(2)
         if not slots.isdigit() or int(slots) < 1:
-            problems.append(f"{source}, line {number}: slots={slots!r} for {name!r}; expected an integer >= 1")
+            problems.append(f"{source}, line {number}: slots={slots!r} for {name!r}; expected an integer "
+                            ">= 1")
             continue
         if name in seen:
             problems.append(f"{source}, line {number}: host {name!r} is already given on line {seen[name]}; "
@@ -124,7 +125,8 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
     """
     hosts = parse_slurm_nodelist(nodelist)
     if hosts is None:
-        raise ConfigError(f"SLURM node list {nodelist!r} cannot be parsed; expected e.g. 'node[01-03,7],login1'")
+        raise ConfigError(f"SLURM node list {nodelist!r} cannot be parsed; expected e.g. "
+                          "'node[01-03,7],login1'")
     return hosts
 
 
@@ -167,15 +169,15 @@ def slurm_hosts(environ: Mapping[str, str] | None = None) -> tuple[Host, ...] | 
             raise ConfigError(f"SLURM_GPUS_PER_NODE={gpus!r} cannot be parsed; expected e.g. '4' or 'a100:4'")
         counts, variable = [per_node] * len(names), "SLURM_GPUS_PER_NODE"
     else:
-        variable = next((v for v in ("SLURM_TASKS_PER_NODE", "SLURM_JOB_CPUS_PER_NODE") if env.get(v)), None)
-        if variable is None:
+        found = next((v for v in ("SLURM_TASKS_PER_NODE", "SLURM_JOB_CPUS_PER_NODE") if env.get(v)), None)
+        if found is None:
             raise ConfigError(f"SLURM_JOB_NODELIST={nodelist!r} is set but none of SLURM_GPUS_PER_NODE, "
                               "SLURM_TASKS_PER_NODE, SLURM_JOB_CPUS_PER_NODE is; pass --hostfile instead")
-        counts = expand_slurm_counts(env[variable])
+        counts, variable = expand_slurm_counts(env[found]), found
     if len(counts) != len(names):
-        raise ConfigError(f"{variable}={env.get(variable)!r} gives {len(counts)} count(s) but SLURM_JOB_NODELIST="
-                          f"{nodelist!r} names {len(names)} node(s)")
-    return tuple(Host(name, count) for name, count in zip(names, counts) if count > 0)
+        raise ConfigError(f"{variable}={env.get(variable)!r} gives {len(counts)} count(s) but "
+                          f"SLURM_JOB_NODELIST={nodelist!r} names {len(names)} node(s)")
+    return tuple(Host(name, count) for name, count in zip(names, counts, strict=True) if count > 0)
 
 
 def local_names() -> frozenset[str]:

@@ -23,8 +23,8 @@ from typing import Callable, Iterable, Mapping
 
 from toolkit.dsat.contract import OUTPUT_DIR_ENV, RUN_ENV, TRIAL_ENV
 
-__all__ = ["RUN_ENV", "block_interrupts", "find_trial_processes", "free_port", "is_rank_process", "kill_until_gone",
-           "rss_bytes", "run_to_completion", "scan_processes", "unblock_interrupts"]
+__all__ = ["RUN_ENV", "block_interrupts", "find_trial_processes", "free_port", "is_rank_process",
+           "kill_until_gone", "rss_bytes", "run_to_completion", "scan_processes", "unblock_interrupts"]
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +169,8 @@ def run_to_completion(argv: list[str], *, cwd: Path, env: Mapping[str, str] | No
     full_env.setdefault(OUTPUT_DIR_ENV, str(log_dir.resolve() / "output"))
     full_env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // max(nproc, 1))))
     with open(log_dir / "stdout.log", "wb") as out, open(log_dir / "stderr.log", "wb") as err:
-        process = subprocess.Popen(argv, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                   start_new_session=True)
+        process = subprocess.Popen(argv, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, stdout=out,
+                                   stderr=err, start_new_session=True)
 
     def find(table: Mapping[int, tuple[int, bytes]]) -> set[int]:
         root = process.pid if process.returncode is None else None
@@ -194,7 +194,7 @@ def run_to_completion(argv: list[str], *, cwd: Path, env: Mapping[str, str] | No
     return 124 if code is None else code
 
 
-def block_interrupts() -> set[signal.Signals] | None:
+def block_interrupts() -> set[int | signal.Signals] | None:
     """Hold SIGINT/SIGTERM while killing trials, so a second Ctrl-C cannot leave orphans."""
     try:
         return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -202,6 +202,6 @@ def block_interrupts() -> set[signal.Signals] | None:
         return None
 
 
-def unblock_interrupts(previous: set[signal.Signals] | None) -> None:
+def unblock_interrupts(previous: set[int | signal.Signals] | None) -> None:
     if previous is not None:  # pending signals are delivered now, after the clean-up
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -143,7 +143,8 @@ def test_out_of_memory_inside_the_step_is_reported(trials):
 
 def test_out_of_memory_before_the_loop_is_reported(trials):
     # Mocked: torch.cuda.OutOfMemoryError raised on rank 0 before deepspeed.initialize, outside any
-    # step: the excepthook installed by importing toolkit in a trial reports it.
+    # step: the excepthook that toolkit.init_distributed installs in a trial
+    # (toolkit.dsat.trial.install_oom_excepthook, never on import) reports it.
     trials_dir, results = trials
     r = results[5]
     assert r.status is TrialStatus.OOM and "while placing the model (mocked)" in r.error

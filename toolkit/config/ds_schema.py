@@ -29,7 +29,6 @@ __all__ = [
     "DS_CONFIG_EXPECTED",
     "DS_TOP_LEVEL_KEYS",
     "GAS",
-    "HPARAM_ONLY_KEYS",
     "MBS",
     "OFFLOAD_DEVICES",
     "TBS",
@@ -61,10 +60,6 @@ DS_TOP_LEVEL_KEYS = frozenset({
     "gradient_accumulation_dtype", "tensor_parallel",
     "pipeline_stage", "disable_python_gc", "ds_precision",
 })
-
-#: Hyperparameters that are Determined conventions, not DeepSpeed keys.
-HPARAM_ONLY_KEYS = ("deepspeed_config", "overwrite_deepspeed_args", "global_batch_size",
-                    "data_parallel_world_size")
 
 #: The message for a config argument that is not a mapping (``ds_config``, ``hparams``, ...).
 DS_CONFIG_EXPECTED = "a dict of DeepSpeed keys"

@@ -30,7 +30,9 @@ def parse_args() -> argparse.Namespace:
     import deepspeed
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # the deepspeed launcher's
+    parser.add_argument(
+        "--local_rank", type=int, default=-1, help=argparse.SUPPRESS
+    )  # the deepspeed launcher's
     parser.add_argument("--width", type=int, default=8)
     parser.add_argument("--image-size", type=int, default=16)
     parser.add_argument("--num-classes", type=int, default=10)
@@ -40,7 +42,9 @@ def parse_args() -> argparse.Namespace:
     parser = deepspeed.add_config_arguments(parser)  # --deepspeed, --deepspeed_config
     args = parser.parse_args()
     if args.deepspeed_config is None:
-        parser.error("--deepspeed_config is required (a JSON path, or the base64 config DeepSpeed's autotuner passes)")
+        parser.error(
+            "--deepspeed_config is required (a JSON path, or the base64 config DeepSpeed's autotuner passes)"
+        )
     return args
 
 
@@ -63,9 +67,15 @@ def main() -> None:
     # The config goes in as ``config=``: DeepSpeed asserts when it gets one through ``args`` as well.
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=args.deepspeed_config)
-    data = RandomImages(args.dataset_size, image_size=args.image_size, num_classes=args.num_classes, seed=args.seed)
-    sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, seed=args.seed, drop_last=True)
-    loader = DataLoader(data, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler, drop_last=True)
+    data = RandomImages(
+        args.dataset_size, image_size=args.image_size, num_classes=args.num_classes, seed=args.seed
+    )
+    sampler: DistributedSampler = DistributedSampler(
+        data, num_replicas=ctx.world_size, rank=ctx.rank, seed=args.seed, drop_last=True
+    )
+    loader = DataLoader(
+        data, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler, drop_last=True
+    )
     if len(loader) == 0:
         raise SystemExit(f"--dataset-size {args.dataset_size}: {ctx.world_size} ranks x micro-batch "
                          f"{engine.train_micro_batch_size_per_gpu()} need more samples; raise --dataset-size")

@@ -15,22 +15,22 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 __all__ = ["int_problem", "is_int", "is_mapping", "is_number", "type_name"]
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """True for an integer that is not a bool (``numbers.Integral``: int, NumPy, PyTorch ints)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: Any) -> TypeGuard[float]:
     """True for a real number that is not a bool (int, float, NumPy scalars; NaN included)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def is_mapping(value: Any) -> bool:
+def is_mapping(value: Any) -> TypeGuard[Mapping[str, Any]]:
     """True for a mapping (a dict, or anything registered as :class:`collections.abc.Mapping`)."""
     return isinstance(value, Mapping)
 

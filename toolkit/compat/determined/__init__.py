@@ -1,0 +1,29 @@
+"""Run Determined AI Core API scripts on toolkit, with only their import lines changed.
+
+::
+
+    from toolkit.compat import determined as det          # was: import determined as det
+    from toolkit.compat.determined.pytorch import dsat    # was: from determined.pytorch import dsat
+
+Then start the script as Determined would, with its experiment YAML::
+
+    python -m toolkit.run deepspeed.yaml .                # was: det experiment create deepspeed.yaml .
+
+``det.get_cluster_info()`` reads the YAML named by ``TOOLKIT_EXPERIMENT_CONFIG`` (the runner and
+dsat set it); ``det.core.init()`` gives metrics in TensorBoard, crash-safe checkpoints, preemption
+by signal, and the single searcher's operation. What Determined's master alone provided (web UI,
+alerts, the profiler, cloud checkpoint storage, hyperparameter searches) is an error that says
+what to use instead. No dependency on the ``determined`` package.
+"""
+
+from toolkit.compat.determined import core, errors
+from toolkit.compat.determined.core.context import InvalidHP
+from toolkit.compat.determined.info import ClusterInfo, RendezvousInfo, ResourcesInfo, TrialInfo, get_cluster_info
+
+#: Determined's log format, for ``logging.basicConfig(format=det.LOG_FORMAT)``.
+LOG_FORMAT = "%(levelname)s: [%(process)s] %(name)s: %(message)s"
+#: The Determined release whose Core API this layer follows.
+__version__ = "0.38.1"
+
+__all__ = ["LOG_FORMAT", "ClusterInfo", "InvalidHP", "RendezvousInfo", "ResourcesInfo", "TrialInfo", "core",
+           "errors", "get_cluster_info"]

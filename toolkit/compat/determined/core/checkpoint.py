@@ -1,0 +1,204 @@
+"""``core_context.checkpoint``: Determined's checkpoint calls, with toolkit's crash-safe commit.
+
+``store_path`` yields ``(path, storage_id)``; the path is ``<root>/<storage_id>/``, the final
+directory. After the block (after *every* rank's block, with ``shard=True``) the chief flushes
+every file (``fsync_tree``), writes ``metadata.json`` atomically (the commit) and then appends
+the id to this trial's registry (:mod:`toolkit.compat.determined.storage`). A crash at any moment
+(SIGKILL inside the block included) leaves the previous checkpoint as ``latest_checkpoint``; the
+next run removes what an interrupted ``store_path`` left.
+
+Example (the Core API tutorials' pattern)::
+
+    if core_context.distributed.rank == 0:                                   # shard=False: chief only
+        with core_context.checkpoint.store_path({"steps_completed": steps}) as (path, storage_id):
+            save_state(path)
+    with core_context.checkpoint.store_path(meta, shard=True) as (path, _):  # all ranks
+        engine.save_checkpoint(path)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from toolkit._files import atomic_write_json, fsync_tree
+from toolkit.compat.determined import storage
+from toolkit.compat.determined.core.distributed import DistributedContext
+from toolkit.compat.determined.errors import CheckpointNotFound
+
+__all__ = ["CheckpointContext", "DownloadMode", "merge_metadata"]
+
+logger = logging.getLogger(__name__)
+
+
+class DownloadMode(enum.Enum):
+    LocalWorkersShareDownload = "LOCAL_WORKERS_SHARE_DOWNLOAD"
+    NoSharedDownload = "NO_SHARED_DOWNLOAD"
+
+
+def merge_metadata(parts: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """Every rank's metadata merged as Determined does: dicts recursively, equal values once. Pure.
+
+    Raises:
+        RuntimeError: two ranks gave different values for one key (Determined's message).
+
+    Example:
+        >>> merge_metadata([{"a": 1}, {"b": 2}, None])
+        {'a': 1, 'b': 2}
+    """
+    out: dict[str, Any] = {}
+    for part in parts:
+        for key, value in (part or {}).items():
+            if key not in out:
+                out[key] = value
+            elif isinstance(out[key], dict) and isinstance(value, dict):
+                out[key] = merge_metadata([out[key], value])
+            elif out[key] != value:
+                raise RuntimeError(f"refusing to upload with metadata conflicts: {key!r}: {out[key]!r} != {value!r}")
+    return out
+
+
+class CheckpointContext:
+    """Store and restore checkpoints under the trial's checkpoint root. See the module docstring."""
+
+    def __init__(self, dist: DistributedContext, *, root: Path, output_dir: Path,
+                 save_trial_latest: Any = None) -> None:
+        self._dist = dist
+        self._root = Path(root)
+        self._output_dir = Path(output_dir)
+        self._save_trial_latest = save_trial_latest
+        if dist.rank == 0:
+            self._clean_pending()
+
+    def _clean_pending(self) -> None:
+        registry = storage.read_registry(self._output_dir)
+        left = [sid for sid in registry["pending"] if not storage.is_committed(self._root, sid)]
+        for sid in left:
+            shutil.rmtree(self._root / sid, ignore_errors=True)
+            logger.info("removed %s, a checkpoint an interrupted store_path left incomplete", sid)
+        if registry["pending"]:
+            registry["pending"] = []
+            storage.write_registry(self._output_dir, registry)
+
+    def _begin(self) -> str:
+        storage_id = str(uuid.uuid4())
+        registry = storage.read_registry(self._output_dir)
+        registry["root"] = str(self._root.resolve())
+        registry["pending"].append(storage_id)
+        storage.write_registry(self._output_dir, registry)
+        (self._root / storage_id).mkdir(parents=True, exist_ok=False)
+        return storage_id
+
+    def _commit(self, storage_id: str, metadata: dict[str, Any]) -> None:
+        directory = self._root / storage_id
+        fsync_tree(directory)
+        atomic_write_json(directory / storage.METADATA_NAME, metadata)
+        registry = storage.read_registry(self._output_dir)
+        registry["pending"] = [s for s in registry["pending"] if s != storage_id]
+        registry["committed"].append({"storage_id": storage_id, "steps_completed": metadata.get("steps_completed"),
+                                      "time": time.time()})
+        doomed = storage.plan_gc(registry["committed"], self._save_trial_latest)
+        registry["committed"] = [e for e in registry["committed"] if e["storage_id"] not in doomed]
+        storage.write_registry(self._output_dir, registry)
+        for sid in doomed:
+            storage.remove_checkpoint(self._root, sid)
+        logger.info("saved checkpoint %s", storage_id)
+
+    @contextlib.contextmanager
+    def store_path(self, metadata: dict[str, Any] | None = None, *,
+                   shard: bool = False) -> Iterator[tuple[Path, str]]:
+        """A new checkpoint directory to write into; committed when the block ends.
+
+        ``shard=False``: chief only. ``shard=True``: call on all ranks; every rank gets the same
+        directory, and the commit waits until every rank left its block. If the block raises,
+        nothing is committed.
+
+        Raises:
+            RuntimeError: ``shard=False`` on a rank other than 0; metadata conflicts across ranks.
+        """
+        if not shard and self._dist.rank != 0:
+            raise RuntimeError("cannot call CheckpointContext.store_path(shard=False) from non-chief worker "
+                               f"(rank={self._dist.rank})")
+        storage_id = self._begin() if self._dist.rank == 0 else ""
+        if shard:
+            storage_id = self._dist.broadcast(storage_id)
+        yield self._root / storage_id, storage_id
+        parts = self._dist.allgather(metadata) if shard else [metadata]
+        if self._dist.rank == 0:
+            self._commit(storage_id, merge_metadata(parts))
+        if shard:
+            self._dist.broadcast(None)  # every rank returns once the checkpoint is committed
+
+    def upload(self, ckpt_dir: str | os.PathLike[str] | None, metadata: dict[str, Any] | None = None, *,
+               shard: bool = False, selector: Callable[[str], bool] | None = None) -> str:
+        """Copy a directory into storage as a new checkpoint; returns its storage id.
+
+        ``shard=False``: chief only. ``shard=True``: all ranks; ranks with nothing to add pass None.
+        """
+        if not shard and ckpt_dir is None:
+            raise ValueError("upload(ckpt_dir=None) is only allowed with shard=True")
+        with self.store_path(metadata, shard=shard) as (path, storage_id):
+            if ckpt_dir is not None:
+                _copy(Path(ckpt_dir), path, selector)
+        return storage_id
+
+    def _committed_dir(self, storage_id: str) -> Path:
+        if not storage.is_committed(self._root, str(storage_id)):
+            raise CheckpointNotFound(f"Did not find checkpoint {storage_id} in {self._root} (or it was never "
+                                     "committed: its store_path did not finish)")
+        return self._root / str(storage_id)
+
+    @contextlib.contextmanager
+    def restore_path(self, storage_id: str, download_mode: DownloadMode = DownloadMode.LocalWorkersShareDownload,
+                     *, selector: Callable[[str], bool] | None = None) -> Iterator[Path]:
+        """The committed checkpoint's directory itself (no copy, as for Determined's shared_fs). Any rank.
+
+        Raises:
+            CheckpointNotFound: no committed checkpoint with that id.
+        """
+        DownloadMode(download_mode)
+        if selector is not None:
+            logger.warning("restore_path: selector ignored, the checkpoint is read in place")
+        yield self._committed_dir(storage_id)
+
+    def download(self, storage_id: str, ckpt_dir: str | os.PathLike[str],
+                 download_mode: DownloadMode = DownloadMode.LocalWorkersShareDownload, *,
+                 selector: Callable[[str], bool] | None = None) -> None:
+        """Copy a committed checkpoint into ``ckpt_dir``. All ranks (default mode; local rank 0
+        copies) or any rank alone (``NoSharedDownload``)."""
+        shared = DownloadMode(download_mode) is DownloadMode.LocalWorkersShareDownload
+        source = self._committed_dir(storage_id)
+        if not shared or self._dist.local_rank == 0:
+            _copy(source, Path(ckpt_dir), selector)
+        if shared:
+            self._dist.allgather_local(None)
+
+    def get_metadata(self, storage_id: str) -> dict[str, Any]:
+        """The checkpoint's metadata. Any rank."""
+        return storage.read_metadata(self._root, str(self._committed_dir(storage_id).name))
+
+    def delete(self, storage_id: str) -> None:
+        """Remove a checkpoint (first from this trial's registry, then from disk). Any rank."""
+        registry = storage.read_registry(self._output_dir)
+        kept = [e for e in registry["committed"] if e["storage_id"] != storage_id]
+        if len(kept) != len(registry["committed"]):
+            registry["committed"] = kept
+            storage.write_registry(self._output_dir, registry)
+        storage.remove_checkpoint(self._root, storage_id)
+
+
+def _copy(source: Path, target: Path, selector: Callable[[str], bool] | None) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    for path in sorted(source.rglob("*")):
+        rel = path.relative_to(source).as_posix()
+        if path.is_dir() or (selector is not None and not selector(rel)):
+            continue
+        (target / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target / rel)

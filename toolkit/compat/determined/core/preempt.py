@@ -1,0 +1,106 @@
+"""``core_context.preempt``: a signal (SIGTERM, SIGINT, SIGUSR1) becomes ``should_preempt() == True``.
+
+On a Determined cluster the master asks a trial to stop (pause, preemption by a higher-priority
+job). Here a scheduler, a terminal or ``python -m toolkit.run`` does it with a signal, watched by
+``toolkit.watch_preemption``:
+
+* ``PreemptMode.WorkersAskChief`` (default): every rank calls ``should_preempt()`` in step, and a
+  signal to any rank gives True on every rank at the same call (toolkit's agreement; the answer
+  may come one call after the signal).
+* ``PreemptMode.ChiefOnly``: only the chief calls (a worker call is a RuntimeError, as in
+  Determined); it answers for its own signals, and tells the workers itself. torchrun and
+  ``toolkit.run`` signal every rank, so the chief hears a stop too.
+* ``PreemptMode.WorkersAskMaster``: every rank answers for itself, no agreement.
+
+Example::
+
+    with det.core.init(distributed=distributed) as core_context:     # installs the handlers
+        ...
+        if core_context.preempt.should_preempt():                    # call on all ranks
+            return                                                   # after saving a checkpoint
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from types import TracebackType
+from typing import Any
+
+import toolkit
+from toolkit.compat.determined.core.distributed import DistributedContext
+
+__all__ = ["PreemptContext", "PreemptMode"]
+
+logger = logging.getLogger(__name__)
+
+
+class PreemptMode(enum.Enum):
+    WorkersAskChief = "WORKERS_ASK_CHIEF"
+    ChiefOnly = "CHIEF_ONLY"
+    WorkersAskMaster = "WORKERS_ASK_MASTER"
+
+
+class PreemptContext:
+    """Determined's PreemptContext on toolkit's signal watcher. Started by ``core.init``'s ``with``."""
+
+    def __init__(self, dist: DistributedContext, preempt_mode: PreemptMode = PreemptMode.WorkersAskChief) -> None:
+        self._dist = dist
+        self._mode = PreemptMode(preempt_mode)
+        self._watcher: Any = None
+        self._started = False
+        self._acknowledged = False
+
+    def _toolkit_context(self) -> Any:
+        ctx = self._dist.toolkit_context or toolkit.init_distributed()
+        if self._mode is not PreemptMode.WorkersAskChief and ctx.world_size > 1:
+            # Each rank answers alone: a one-rank view of the same process, so no collective.
+            ctx = dataclasses.replace(ctx, rank=0, world_size=1, local_rank=0, local_world_size=1,
+                                      node_rank=0, num_nodes=1)
+        return ctx
+
+    def start(self) -> "PreemptContext":
+        """Install the signal handlers. Call on all ranks (``with core.init()`` does it)."""
+        if self._started:
+            raise RuntimeError("PreemptContext.start() was called twice")
+        self._started = True
+        self._watcher = toolkit.watch_preemption(self._toolkit_context())
+        return self
+
+    def should_preempt(self, auto_ack: bool = True) -> bool:
+        """True once a stop was asked for (see the module docstring for who calls it).
+
+        Raises:
+            RuntimeError: before ``start()``, or on a worker with ``PreemptMode.ChiefOnly``.
+        """
+        if not self._started or self._watcher is None:
+            raise RuntimeError("you cannot call PreemptContext.should_preempt() before PreemptContext.start()")
+        if self._mode is PreemptMode.ChiefOnly and self._dist.rank != 0:
+            raise RuntimeError("PreemptContext was configured with preempt_mode=ChiefOnly but .should_preempt() "
+                               f"was called from non-chief worker of rank={self._dist.rank}")
+        answer = bool(self._watcher.should_preempt())
+        if answer and auto_ack:
+            self.acknowledge_preemption_signal()
+        return answer
+
+    def acknowledge_preemption_signal(self) -> None:
+        """Note that the trial stops to be resumed (rerun the same command to continue). Any rank."""
+        if not self._acknowledged:
+            self._acknowledged = True
+            logger.info("preemption acknowledged: the run stops here; run it again to continue from its "
+                        "latest checkpoint")
+
+    def close(self, exc_type: type[BaseException] | None = None, exc: BaseException | None = None,
+              tb: TracebackType | None = None) -> None:
+        """Restore the signal handlers. All ranks (``with core.init()`` does it)."""
+        if self._watcher is not None:
+            watcher, self._watcher = self._watcher, None
+            watcher.__exit__(exc_type, exc, tb)
+
+    def __enter__(self) -> "PreemptContext":
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close(exc_type, exc, tb)

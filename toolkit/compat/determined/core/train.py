@@ -1,0 +1,182 @@
+"""``core_context.train``: metrics to TensorBoard and a JSON-lines file, written by the chief alone.
+
+In Determined these are chief-only calls (tutorials guard them with ``if rank == 0``), so they
+must not need the other ranks: no collective here. The calling rank writes, at once:
+
+* TensorBoard event files in :meth:`TrainContext.get_tensorboard_path`
+  (``<output_dir>/tensorboard``), tags ``training/<name>``, ``validation/<name>`` and
+  ``<group>/<name>`` for ``report_metrics(group, ...)``; ``batch_metrics`` as
+  ``training_batch/<name>``; numbers only (others are skipped, as Determined does);
+* ``<output_dir>/metrics.jsonl``, one line per report, the format of ``toolkit.MetricsWriter``:
+  ``{"group": "training", "steps_completed": 10, "metrics": {"x": 10}, "time": ...}``.
+
+After a resume, TensorBoard hides the points past the restored checkpoint's step (as Determined
+discards metrics past it). ``report_progress`` and ``set_status`` log, as Determined off-cluster.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import math
+import numbers
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from toolkit.errors import ConfigError
+
+__all__ = ["TrainContext", "EarlyExitReason", "TensorboardMode"]
+
+logger = logging.getLogger(__name__)
+
+class TensorboardMode(enum.Enum):
+    AUTO = "AUTO"
+    MANUAL = "MANUAL"
+
+
+class EarlyExitReason(enum.Enum):
+    INVALID_HP = "EXITED_REASON_INVALID_HP"
+    USER_REQUESTED_STOP = "EXITED_REASON_USER_REQUESTED_STOP"
+
+
+def _scalar(value: Any) -> float | None:
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if hasattr(value, "ndim") and getattr(value, "ndim", 1) == 0 and hasattr(value, "item"):
+        item = value.item()
+        return float(item) if isinstance(item, numbers.Real) else None
+    return None
+
+
+def _jsonable(value: Any) -> Any:
+    number = _scalar(value)
+    if number is not None and not isinstance(value, (bool, int)):
+        return number
+    return value if isinstance(value, (str, bool, int, type(None), list, dict)) else repr(value)
+
+
+class TrainContext:
+    """Metrics and progress of the trial. Chief only by Determined's rule (no collective)."""
+
+    def __init__(self, output_dir: Path, *, tensorboard_mode: TensorboardMode, resume_step: int | None) -> None:
+        self._dir = Path(output_dir)
+        self._tb_dir = self._dir / "tensorboard"
+        self._mode = TensorboardMode(tensorboard_mode)
+        self._resume_step = resume_step
+        self._events: Any = None
+        self._jsonl: Any = None
+        self._best: float | None = None
+
+    def _write(self, group: str, steps_completed: int, metrics: dict[str, Any]) -> None:
+        if not isinstance(steps_completed, numbers.Integral) or isinstance(steps_completed, bool) \
+                or steps_completed < 0:
+            raise ConfigError(f"steps_completed={steps_completed!r}: expected an integer >= 0")
+        if not isinstance(metrics, dict):
+            raise TypeError(f"metrics={metrics!r}: expected a dict of metric names to values")
+        if not group or "." in group:
+            raise ConfigError(f"group={group!r}: expected a non-empty name without '.'")
+        now = time.time()
+        if self._jsonl is None:
+            self._dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(self._dir / "metrics.jsonl", "a", encoding="utf-8")
+        line = {"group": group, "steps_completed": int(steps_completed),
+                "metrics": {k: _jsonable(v) for k, v in metrics.items()}, "time": now}
+        self._jsonl.write(json.dumps(line) + "\n")
+        self._jsonl.flush()
+        if self._mode is TensorboardMode.AUTO:
+            scalars = {f"{group}/{k}": s for k, v in metrics.items() if (s := _scalar(v)) is not None}
+            if scalars:
+                self._event_file().add_scalars(int(steps_completed), scalars, wall_time=now)
+                self._events.flush()
+
+    def _event_file(self) -> Any:
+        if self._events is None:
+            from toolkit.metrics.tb_events import EventFile  # tensorboard is slow to import
+
+            purge = self._resume_step + 1 if self._resume_step is not None else None
+            self._events = EventFile(self._tb_dir, purge_step=purge)
+        return self._events
+
+    def report_training_metrics(self, steps_completed: int, metrics: dict[str, Any],
+                                batch_metrics: list[dict[str, Any]] | None = None) -> None:
+        """Write training metrics at ``steps_completed``. Chief only.
+
+        ``batch_metrics`` (one dict per batch, the last one at ``steps_completed``) become
+        ``training_batch/<name>`` points.
+        """
+        logger.info("report_training_metrics(steps_completed=%s, metrics=%s)", steps_completed, metrics)
+        for i, batch in enumerate(batch_metrics or []):
+            self._write("training_batch", steps_completed - len(batch_metrics or []) + 1 + i, batch)
+        self._write("training", steps_completed, metrics)
+
+    def report_validation_metrics(self, steps_completed: int, metrics: dict[str, Any]) -> None:
+        """Write validation metrics at ``steps_completed``. Chief only.
+
+        Raises:
+            ConfigError: a metric value is None (Determined: an invalid scalar).
+        """
+        logger.info("report_validation_metrics(steps_completed=%s, metrics=%s)", steps_completed, metrics)
+        bad = [k for k, v in metrics.items() if v is None]
+        if bad:
+            raise ConfigError([f"validation metric {k!r} returned an invalid scalar value: None" for k in bad])
+        self._write("validation", steps_completed, metrics)
+
+    def report_metrics(self, group: str, steps_completed: int, metrics: dict[str, Any]) -> None:
+        """Write metrics of any group (``<group>/<name>`` in TensorBoard). Chief only."""
+        logger.info("report_metrics(group=%s, steps_completed=%s, metrics=%s)", group, steps_completed, metrics)
+        self._write(group, steps_completed, metrics)
+
+    def report_progress(self, progress: float) -> None:
+        """Log the fraction done, 0 to 1 (Determined's web UI bar). Chief only."""
+        if isinstance(progress, bool) or not isinstance(progress, numbers.Real) or not 0 <= progress <= 1 \
+                or math.isnan(progress):
+            raise ConfigError(f"progress={progress!r}: expected a number between 0 and 1")
+        logger.info("report_progress with progress=%s", progress)
+
+    def set_status(self, status: str) -> None:
+        """Log a short status line (Determined shows it in the web UI). Chief only."""
+        logger.info("status: %s", status)
+
+    def report_early_exit(self, reason: EarlyExitReason) -> None:
+        """Log that the trial exits early (Determined tells its searcher). Chief only."""
+        logger.info("report_early_exit(reason=%s)", EarlyExitReason(reason).value)
+
+    def get_experiment_best_validation(self) -> float | None:
+        """None: there is no experiment of many trials here (Determined off-cluster: None). Any rank."""
+        return None
+
+    def get_tensorboard_path(self) -> Path:
+        """``<output_dir>/tensorboard`` (created): where TensorBoard files go. Any rank."""
+        self._tb_dir.mkdir(parents=True, exist_ok=True)
+        return self._tb_dir
+
+    def upload_tensorboard_files(self, selector: Callable[[Path], bool] = lambda _: True,
+                                 mangler: Callable[[Path, int], Path] = lambda p, __: p) -> None:
+        """MANUAL mode: nothing to upload, the files already are in the output directory. Any rank.
+
+        Raises:
+            RuntimeError: in AUTO mode, as in Determined.
+        """
+        if self._mode is TensorboardMode.AUTO:
+            raise RuntimeError("upload_tensorboard_files can only be used in MANUAL mode")
+
+    def set_metadata(self, metadata: dict[str, Any]) -> None:
+        """Run metadata lives in Determined's master database: not available."""
+        raise NotImplementedError("train.set_metadata: run metadata is stored by a Determined master; write it "
+                                  "into a checkpoint's metadata (store_path(metadata=...)) or a file instead")
+
+    def get_metadata(self) -> None:
+        """Run metadata lives in Determined's master database: not available."""
+        raise NotImplementedError("train.get_metadata: run metadata is stored by a Determined master; read "
+                                  "checkpoint_context.get_metadata(storage_id) or your own file instead")
+
+    def close(self) -> None:
+        """Flush and close the files (Context.close). Any rank."""
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._events is not None:
+            self._events.close()
+            self._events = None

@@ -1,0 +1,145 @@
+"""Determined's launcher wrappers in an ``entrypoint``, mapped onto torchrun or DeepSpeed's launcher.
+
+Determined experiment YAMLs start multi-slot trials through its own wrappers, which exist only on
+a Determined cluster::
+
+    entrypoint: python3 -m determined.launch.torch_distributed python3 train.py
+    entrypoint: python3 -m determined.launch.torch_distributed --nproc_per_node 1 -- python3 train.py
+    entrypoint: python3 -m determined.launch.deepspeed python3 script.py
+
+:func:`unwrap_launcher` says which launcher the wrapper stands for, the wrapper's own launcher
+arguments and the user's command; ``python -m toolkit.run`` (and dsat) then start that command
+with torchrun or DeepSpeed's launcher. Pure: no process, no file; any process.
+
+Rules, as Determined's wrappers parse their argv:
+
+* ``determined.launch.torch_distributed``: if ``--`` appears, everything before the first ``--``
+  is torchrun override arguments and everything after it is the command; else no overrides.
+* ``determined.launch.deepspeed``: no override section; the rest is the command (a leading
+  ``--``, which Determined would try to execute, is dropped).
+* ``determined.launch.wrap_rank RANK [--] CMD``: only prefixes log lines with the rank on a
+  cluster; here it is the command itself (toolkit's rank logging already names the rank).
+* ``--trial module:Class`` (Determined's Trial API) is not a Core API script: an error.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Sequence
+
+from toolkit.errors import ConfigError
+
+__all__ = ["WRAPPERS", "unwrap_launcher", "torchrun_nproc_override"]
+
+#: Determined wrapper module -> the launcher that runs its command here (None: no launcher).
+WRAPPERS = {
+    "determined.launch.torch_distributed": "torchrun",
+    "determined.launch.deepspeed": "deepspeed",
+    "determined.launch.wrap_rank": None,
+}
+_PYTHON = re.compile(r"^python(\d+(\.\d+)*)?$")
+
+
+def _wrapper_module(argv: Sequence[str]) -> str | None:
+    if len(argv) >= 3 and _PYTHON.match(os.path.basename(argv[0])) and argv[1] == "-m" \
+            and argv[2] in WRAPPERS:
+        return argv[2]
+    return None
+
+
+def _check_command(entry: Sequence[str], module: str, command: list[str]) -> list[str]:
+    if not command:
+        raise ConfigError(f"entrypoint={list(entry)!r}: {module} is given no command to run; expected "
+                          f"e.g. 'python3 -m {module} python3 train.py'")
+    if command[0] == "--trial":
+        raise ConfigError(f"entrypoint={list(entry)!r}: --trial runs Determined's Trial API "
+                          "(PyTorchTrial, DeepSpeedTrial), which toolkit does not provide; port the "
+                          "trial to a Core API script and name that script instead")
+    return command
+
+
+def unwrap_launcher(argv: Sequence[str]) -> tuple[str | None, list[str], list[str]]:
+    """Split an entrypoint into (launcher, the launcher's own args, the user's command). Pure; any process.
+
+    Args:
+        argv: the entrypoint as an argv list (``shlex.split`` a string entrypoint first).
+
+    Returns:
+        ``("torchrun", overrides, command)`` for ``determined.launch.torch_distributed``,
+        ``("deepspeed", [], command)`` for ``determined.launch.deepspeed``, and
+        ``(None, [], command)`` for ``determined.launch.wrap_rank`` or an entrypoint without
+        a Determined wrapper (returned unchanged).
+
+    Raises:
+        ConfigError: a wrapper with no command, or with ``--trial``.
+        TypeError: ``argv`` is a string, not a list.
+
+    Example:
+        >>> unwrap_launcher(["python3", "-m", "determined.launch.deepspeed", "python3", "script.py"])
+        ('deepspeed', [], ['python3', 'script.py'])
+        >>> unwrap_launcher(["python3", "-m", "determined.launch.torch_distributed",
+        ...                  "--nproc_per_node", "1", "--", "python3", "train.py"])
+        ('torchrun', ['--nproc_per_node', '1'], ['python3', 'train.py'])
+    """
+    if isinstance(argv, str):
+        raise TypeError(f"argv={argv!r}: expected a list of arguments; shlex.split() a string entrypoint")
+    argv = list(argv)
+    module = _wrapper_module(argv)
+    if module is None:
+        return None, [], argv
+    rest = argv[3:]
+    if module == "determined.launch.torch_distributed":
+        if "--" in rest:
+            cut = rest.index("--")
+            return "torchrun", rest[:cut], _check_command(argv, module, rest[cut + 1:])
+        return "torchrun", [], _check_command(argv, module, rest)
+    if module == "determined.launch.deepspeed":
+        if rest[:1] == ["--"]:
+            rest = rest[1:]
+        return "deepspeed", [], _check_command(argv, module, rest)
+    # wrap_rank [--no-redirect-stdio] RANK [--] CMD...
+    if rest[:1] == ["--no-redirect-stdio"]:
+        rest = rest[1:]
+    if not rest:
+        raise ConfigError(f"entrypoint={argv!r}: {module} expects RANK and a command, e.g. "
+                          f"'python3 -m {module} RANK -- python3 train.py'")
+    rest = rest[1:]
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    return None, [], _check_command(argv, module, rest)
+
+
+def torchrun_nproc_override(overrides: Sequence[str]) -> tuple[int | None, list[str]]:
+    """The ``--nproc_per_node`` of torch_distributed's override args, and the args left. Pure.
+
+    Toolkit chooses the process count, port and address itself; ``--nproc_per_node N`` (or
+    ``--nproc-per-node``) among Determined's overrides is honoured, the rest is returned so
+    the caller can name what it ignores.
+
+    Raises:
+        ConfigError: the value is not an integer >= 1.
+
+    Example:
+        >>> torchrun_nproc_override(["--nproc_per_node", "1", "--max_restarts", "0"])
+        (1, ['--max_restarts', '0'])
+    """
+    nproc: int | None = None
+    left: list[str] = []
+    items = list(overrides)
+    i = 0
+    while i < len(items):
+        arg = items[i]
+        name, eq, value = arg.partition("=")
+        if name in ("--nproc_per_node", "--nproc-per-node"):
+            if not eq:
+                value = items[i + 1] if i + 1 < len(items) else ""
+                i += 1
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"entrypoint: determined.launch.torch_distributed {name}={value!r}: "
+                                  "expected an integer >= 1")
+            nproc = int(value)
+        else:
+            left.append(arg)
+        i += 1
+    return nproc, left

@@ -1,0 +1,135 @@
+"""Where Core API checkpoints live, and which of them are committed. Pure decisions, thin file effects.
+
+Layout (what ``core_context.checkpoint`` writes; every rank of one machine sees the same paths):
+
+* ``<root>/<storage_id>/``: one checkpoint, ``storage_id`` a fresh UUID, as in Determined.
+  ``<root>`` comes from the YAML's ``checkpoint_storage`` (:func:`storage_root`).
+* ``<root>/<storage_id>/metadata.json``: written last, atomically, after every file of the
+  checkpoint was flushed (``fsync_tree``): its presence is the commit. A checkpoint without it
+  is a partial one (a crash inside ``store_path``) and is never restored.
+* ``<output_dir>/determined_checkpoints.json``: this trial's committed checkpoints, oldest
+  first, rewritten atomically after each commit; ``latest_checkpoint`` is its last entry.
+  A crash at any moment leaves either the old list or the new one, so the latest is always a
+  complete checkpoint. Also ``pending``: ids whose ``store_path`` began, removed by the next
+  run if they never committed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+from toolkit._checks import is_int
+from toolkit._files import atomic_write_json
+from toolkit.errors import ConfigError
+
+__all__ = ["REGISTRY_NAME", "METADATA_NAME", "storage_root", "read_registry", "write_registry",
+           "latest_storage_id", "is_committed", "read_metadata", "plan_gc", "remove_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+REGISTRY_NAME = "determined_checkpoints.json"
+METADATA_NAME = "metadata.json"
+_CLOUD = ("s3", "gcs", "azure")
+
+
+def storage_root(storage: Any, *, output_dir: Path, base_dir: Path) -> Path:
+    """The directory checkpoints go to, from ``checkpoint_storage`` (YAML or ``core.init``). Pure.
+
+    ``None``: ``<output_dir>/checkpoints``. A string: that path. A mapping: ``type: shared_fs``
+    (``host_path`` joined with ``storage_path``), ``type: directory`` (``container_path``), or
+    toolkit's own ``storage_path``. Relative paths are relative to ``base_dir``.
+
+    Raises:
+        ConfigError: a cloud type (s3, gcs, azure), a URL, or no usable path; names the key.
+    """
+    if storage is None:
+        return output_dir / "checkpoints"
+    if isinstance(storage, str):
+        if "://" in storage and not storage.startswith("file://"):
+            raise ConfigError(f"checkpoint_storage={storage!r}: cloud storage is not available here; give a "
+                              "local or shared directory (a path), and copy checkpoints to the cloud yourself")
+        return base_dir / storage.removeprefix("file://")
+    if not isinstance(storage, Mapping):
+        raise ConfigError(f"checkpoint_storage={storage!r}: expected a path or a mapping such as "
+                          "{type: shared_fs, host_path: /mnt/ckpt}")
+    kind = storage.get("type")
+    if kind in _CLOUD:
+        raise ConfigError(f"checkpoint_storage.type={kind!r}: cloud checkpoint storage is cluster-only; use "
+                          "type: shared_fs (host_path, storage_path) or type: directory (container_path) "
+                          "on a disk every rank sees")
+    if kind == "directory":
+        path = storage.get("container_path")
+        key = "container_path"
+    else:
+        host, sub = storage.get("host_path"), storage.get("storage_path")
+        path = str(Path(host) / sub) if host and sub else (host or sub)
+        key = "host_path"
+    if kind not in (None, "shared_fs", "directory"):
+        raise ConfigError(f"checkpoint_storage.type={kind!r}: expected shared_fs or directory")
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"checkpoint_storage.{key}={storage.get(key)!r}: expected a directory path")
+    return base_dir / path
+
+
+def read_registry(output_dir: Path) -> dict[str, Any]:
+    """This trial's registry (``committed``, ``pending``); empty lists when none yet. Any rank."""
+    path = output_dir / REGISTRY_NAME
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        data = {}
+    return {"root": data.get("root"), "committed": list(data.get("committed", [])),
+            "pending": list(data.get("pending", []))}
+
+
+def write_registry(output_dir: Path, registry: Mapping[str, Any]) -> None:
+    """Atomically replace the registry (chief only)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(output_dir / REGISTRY_NAME, dict(registry))
+
+
+def is_committed(root: Path, storage_id: str) -> bool:
+    """True when ``<root>/<storage_id>`` holds a complete checkpoint (its metadata.json). Any rank."""
+    return bool(storage_id) and "/" not in storage_id and (root / storage_id / METADATA_NAME).is_file()
+
+
+def latest_storage_id(registry: Mapping[str, Any], root: Path) -> str | None:
+    """The newest committed checkpoint of the registry that is still on disk, or None. Any rank."""
+    for entry in reversed(registry["committed"]):
+        if is_committed(root, entry["storage_id"]):
+            return str(entry["storage_id"])
+    return None
+
+
+def read_metadata(root: Path, storage_id: str) -> dict[str, Any]:
+    """The checkpoint's metadata.json. Any rank. Raises FileNotFoundError for a partial one."""
+    return dict(json.loads((root / storage_id / METADATA_NAME).read_text(encoding="utf-8")))
+
+
+def plan_gc(committed: list[dict[str, Any]], save_trial_latest: Any) -> list[str]:
+    """Storage ids to delete so that the newest ``save_trial_latest`` (at least 1) remain. Pure.
+
+    ``None`` (the YAML does not set it) keeps everything.
+
+    Example:
+        >>> plan_gc([{"storage_id": "a"}, {"storage_id": "b"}, {"storage_id": "c"}], 2)
+        ['a']
+    """
+    if save_trial_latest is None:
+        return []
+    if not is_int(save_trial_latest) or save_trial_latest < 0:
+        raise ConfigError(f"checkpoint_storage.save_trial_latest={save_trial_latest!r}: expected an integer >= 0")
+    keep = max(1, int(save_trial_latest))
+    return [str(e["storage_id"]) for e in committed[:-keep]] if len(committed) > keep else []
+
+
+def remove_checkpoint(root: Path, storage_id: str) -> None:
+    """Delete a checkpoint directory: metadata.json first (uncommit), then the rest. Any rank."""
+    directory = root / storage_id
+    (directory / METADATA_NAME).unlink(missing_ok=True)
+    shutil.rmtree(directory, ignore_errors=True)
+    logger.info("deleted checkpoint %s", storage_id)

@@ -44,8 +44,16 @@ def dsat_in_process(model_dir, *flags, method="binary", capsys):
     """The CLI in this process (bad input never launches anything, so no subprocess is needed)."""
     from toolkit.dsat.cli import main
 
-    argv = [method, str(model_dir / "deepspeed.yaml"), str(model_dir), "--output-dir", str(model_dir.parent / "out"),
-            "--trial-timeout", "60", *flags]
+    argv = [
+        method,
+        str(model_dir / "deepspeed.yaml"),
+        str(model_dir),
+        "--output-dir",
+        str(model_dir.parent / "out"),
+        "--trial-timeout",
+        "60",
+        *flags,
+    ]
     try:
         code = main(argv)
     except SystemExit as exit_:  # argparse's own exit on a bad flag
@@ -60,25 +68,31 @@ def trial_rows(out):
 
 
 # ---------------------------------------------------------------- bad input: exit 2, nothing written
-@pytest.mark.parametrize("flags, fragment", [
-    (["--max-trials", "1"], "--max-trials 1: expected an integer >= 2 (it counts the profiling trial)"),
-    (["--max-trials", "x"], "argument --max-trials: 'x' is not an integer"),
-    (["--max-concurrent-trials", "0"], "--max-concurrent-trials 0: expected an integer >= 1"),
-    (["--zero-stages", "4"], "argument --zero-stages: '4' is not a ZeRO stage"),
-    (["--metric", "speed"], "argument --metric: invalid choice: 'speed'"),
-    (["--trial-timeout", "0"], "--trial-timeout 0.0: expected a number of seconds > 0"),
-    (["--memory-per-slot", "3XB"], "argument --memory-per-slot: '3XB' is not a size"),
-    (["--start-profile-step", "0"], "--start-profile-step 0: expected an integer >= 1"),
-    (["--memory-per-slot", "0"], "--memory-per-slot 0: expected an integer >= 1"),
-    (["--start-profile-step", "5", "--end-profile-step", "4"], "--end-profile-step 4 < --start-profile-step 5"),
-    (["--search-range-factor", "-1"], "--search-range-factor -1.0: expected a number > 0"),
-    (["--bisect-tolerance", "1"], "--bisect-tolerance 1.0: expected a number >= 0 and < 1"),
-    (["--bisect-tolerance", "-0.1"], "--bisect-tolerance -0.1: expected a number >= 0 and < 1"),
-    (["--bisect-tolerance", "nan"], "argument --bisect-tolerance: 'nan' is not a finite number"),
-    (["--search-range-factor", "inf"], "argument --search-range-factor: 'inf' is not a finite number"),
-    (["--bisect-tolerance", "10%"], "argument --bisect-tolerance: '10%' is not a number"),
-    (["--max-slots", "1"], None),  # valid with slots_per_trial 1: checked separately below
-])
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--max-trials", "1"], "--max-trials 1: expected an integer >= 2 (it counts the profiling trial)"),
+        (["--max-trials", "x"], "argument --max-trials: 'x' is not an integer"),
+        (["--max-concurrent-trials", "0"], "--max-concurrent-trials 0: expected an integer >= 1"),
+        (["--zero-stages", "4"], "argument --zero-stages: '4' is not a ZeRO stage"),
+        (["--metric", "speed"], "argument --metric: invalid choice: 'speed'"),
+        (["--trial-timeout", "0"], "--trial-timeout 0.0: expected a number of seconds > 0"),
+        (["--memory-per-slot", "3XB"], "argument --memory-per-slot: '3XB' is not a size"),
+        (["--start-profile-step", "0"], "--start-profile-step 0: expected an integer >= 1"),
+        (["--memory-per-slot", "0"], "--memory-per-slot 0: expected an integer >= 1"),
+        (
+            ["--start-profile-step", "5", "--end-profile-step", "4"],
+            "--end-profile-step 4 < --start-profile-step 5",
+        ),
+        (["--search-range-factor", "-1"], "--search-range-factor -1.0: expected a number > 0"),
+        (["--bisect-tolerance", "1"], "--bisect-tolerance 1.0: expected a number >= 0 and < 1"),
+        (["--bisect-tolerance", "-0.1"], "--bisect-tolerance -0.1: expected a number >= 0 and < 1"),
+        (["--bisect-tolerance", "nan"], "argument --bisect-tolerance: 'nan' is not a finite number"),
+        (["--search-range-factor", "inf"], "argument --search-range-factor: 'inf' is not a finite number"),
+        (["--bisect-tolerance", "10%"], "argument --bisect-tolerance: '10%' is not a number"),
+        (["--max-slots", "1"], None),  # valid with slots_per_trial 1: checked separately below
+    ],
+)
 def test_bad_flags_exit_2_and_write_nothing(tmp_path, flags, fragment, capsys):
     model_dir = make_model_dir(tmp_path, slots=2 if fragment is None else 1)
     code, output = dsat_in_process(model_dir, *flags, capsys=capsys)
@@ -90,8 +104,20 @@ def test_bad_flags_exit_2_and_write_nothing(tmp_path, flags, fragment, capsys):
 def test_every_bad_value_is_reported_once_in_the_users_words(tmp_path, capsys):
     # Values of both settings objects and of the experiment, all wrong at once: one line each.
     model_dir = make_model_dir(tmp_path, slots=2, hparams={"data_parallel_world_size": 3})
-    code, output = dsat_in_process(model_dir, "--max-trials", "1", "--max-slots", "1", "--start-profile-step", "4",
-                                   "--end-profile-step", "3", "--trial-timeout", "-2", capsys=capsys)
+    code, output = dsat_in_process(
+        model_dir,
+        "--max-trials",
+        "1",
+        "--max-slots",
+        "1",
+        "--start-profile-step",
+        "4",
+        "--end-profile-step",
+        "3",
+        "--trial-timeout",
+        "-2",
+        capsys=capsys,
+    )
     assert code == 2, output[-3000:]
     for fragment in ("--max-trials 1: expected an integer >= 2",
                      "resources.slots_per_trial=2 > --max-slots 1: no trial could ever start",
@@ -107,9 +133,14 @@ def test_user_terms_names_flags_and_config_keys():
     from toolkit.dsat.cli import user_terms
 
     assert user_terms("max_trials=1: expected an integer >= 2") == "--max-trials 1: expected an integer >= 2"
-    assert (user_terms("slots_per_trial=2 > max_slots=1: lower slots_per_trial or raise max_slots")
-            == "resources.slots_per_trial=2 > --max-slots 1: lower resources.slots_per_trial or raise --max-slots")
-    assert user_terms("hyperparameters.data_parallel_world_size=3") == "hyperparameters.data_parallel_world_size=3"
+    assert (
+        user_terms("slots_per_trial=2 > max_slots=1: lower slots_per_trial or raise max_slots")
+        == "resources.slots_per_trial=2 > --max-slots 1: lower resources.slots_per_trial or raise --max-slots"
+    )
+    assert (
+        user_terms("hyperparameters.data_parallel_world_size=3")
+        == "hyperparameters.data_parallel_world_size=3"
+    )
     assert user_terms("the metric is unknown") == "the metric is unknown"
 
 
@@ -141,28 +172,56 @@ def test_bisect_tolerance_reaches_the_search_settings(tmp_path, flags, expected)
     from toolkit.dsat.cli import build_parser, make_plan
 
     model_dir = make_model_dir(tmp_path)
-    args = build_parser().parse_args(["binary", str(model_dir / "deepspeed.yaml"), str(model_dir),
-                                      "--output-dir", str(tmp_path / "out"), "--memory-per-slot", "100MiB", *flags])
+    args = build_parser().parse_args(
+        [
+            "binary",
+            str(model_dir / "deepspeed.yaml"),
+            str(model_dir),
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--memory-per-slot",
+            "100MiB",
+            *flags,
+        ]
+    )
     plan = make_plan(args)  # checks and plans only: launches and writes nothing
     assert plan.search.bisect_tolerance == expected
     assert plan.fingerprint()["search"]["bisect_tolerance"] == expected  # --resume needs the same value
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("change, fragment", [
-    ({"experiment": {"entrypoint": None}}, "entrypoint is required by dsat"),
-    ({"experiment": {"resources": {}}}, "resources.slots_per_trial is required by dsat"),
-    ({"experiment": {"resources": {"slots_per_trial": 0}}}, "resources.slots_per_trial=0: expected an integer >= 1"),
-    ({"experiment": {"entrypoint": "python3 missing.py"}}, "missing.py not found in MODEL_DIR"),
-    ({"ds": {"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True}}}, "fp16.enabled=true on a CPU device"),
-    ({"ds": {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}}},
-     "parameter offload needs ZeRO stage 3"),
-    ({"hparams": {"deepspeed_config": "nope.json"}}, "nope.json' not found"),
-    ({"hparams": {"data_parallel_world_size": 3}}, "data_parallel_world_size=3: expected a divisor"),
-])
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        ({"experiment": {"entrypoint": None}}, "entrypoint is required by dsat"),
+        ({"experiment": {"resources": {}}}, "resources.slots_per_trial is required by dsat"),
+        (
+            {"experiment": {"resources": {"slots_per_trial": 0}}},
+            "resources.slots_per_trial=0: expected an integer >= 1",
+        ),
+        ({"experiment": {"entrypoint": "python3 missing.py"}}, "missing.py not found in MODEL_DIR"),
+        (
+            {"ds": {"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True}}},
+            "fp16.enabled=true on a CPU device",
+        ),
+        (
+            {
+                "ds": {
+                    "train_micro_batch_size_per_gpu": 4,
+                    "zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}},
+                }
+            },
+            "parameter offload needs ZeRO stage 3",
+        ),
+        ({"hparams": {"deepspeed_config": "nope.json"}}, "nope.json' not found"),
+        ({"hparams": {"data_parallel_world_size": 3}}, "data_parallel_world_size=3: expected a divisor"),
+    ],
+)
 def test_bad_config_exits_2_before_launch(tmp_path, change, fragment, capsys):
     experiment = change.get("experiment")
-    model_dir = make_model_dir(tmp_path, ds=change.get("ds"), hparams=change.get("hparams"), experiment=experiment)
+    model_dir = make_model_dir(
+        tmp_path, ds=change.get("ds"), hparams=change.get("hparams"), experiment=experiment
+    )
     if experiment and experiment.get("entrypoint") is None and "entrypoint" in experiment:
         config = yaml.safe_load((model_dir / "deepspeed.yaml").read_text())
         del config["entrypoint"]
@@ -209,9 +268,14 @@ def test_binary_search_finds_the_limit_and_writes_everything(tmp_path):
     ok_rows = [r for r in rows[1:] if r["status"] == "ok"]
     assert metrics["metrics"]["FLOPS_per_gpu"] == max(float(r["FLOPS_per_gpu"]) for r in ok_rows)
     assert best["train_micro_batch_size_per_gpu"] <= 37
-    assert best["train_batch_size"] == best["train_micro_batch_size_per_gpu"] * best["gradient_accumulation_steps"] * 2
+    assert (
+        best["train_batch_size"]
+        == best["train_micro_batch_size_per_gpu"] * best["gradient_accumulation_steps"] * 2
+    )
     assert best["optimizer"] == {"type": "Adam", "params": {"lr": 1e-3}}
-    assert "autotuning" not in best and best["flops_profiler"] == {"enabled": False}  # the user's own, untouched
+    assert "autotuning" not in best and best["flops_profiler"] == {
+        "enabled": False
+    }  # the user's own, untouched
     # every trial's config and logs, and TensorBoard runs with HParams data
     trial_config = json.loads((out / "trials" / "trial_1" / "ds_config.json").read_text())
     assert trial_config["zero_optimization"]["stage"] in (1, 2)
@@ -221,16 +285,27 @@ def test_binary_search_finds_the_limit_and_writes_everything(tmp_path):
     acc.Reload()
     assert "hparams" in acc.PluginTagToContent("hparams") or acc.PluginTagToContent("hparams")
     assert "stage" in result.stdout and "best" in result.stdout  # progress lines and the summary table
-    lines = [json.loads(l) for l in (out / "trials.jsonl").read_text().splitlines()]
-    assert [l["trial_id"] for l in lines] == list(range(8))
+    records = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
+    assert [record["trial_id"] for record in records] == list(range(8))
 
 
 # One metric of each direction end to end (a search each, ~9 s); every metric's direction is
-# tested on the pure best_result (tests/dsat/search/test_methods.py::test_best_result_follows_the_metric_direction).
+# tested on the pure best_result
+# (tests/dsat/search/test_methods.py::test_best_result_follows_the_metric_direction).
 @pytest.mark.parametrize("metric, pick", [("latency", min), ("throughput", max)])
 def test_metric_direction(tmp_path, metric, pick):
     model_dir = make_model_dir(tmp_path)
-    result = dsat(model_dir, "--max-trials", "6", "--metric", metric, "--zero-stages", "1", "--memory-per-slot", "100MiB")
+    result = dsat(
+        model_dir,
+        "--max-trials",
+        "6",
+        "--metric",
+        metric,
+        "--zero-stages",
+        "1",
+        "--memory-per-slot",
+        "100MiB",
+    )
     assert result.returncode == 0, result.stdout[-3000:]
     rows = [r for r in trial_rows(tmp_path / "out")[1:] if r["status"] == "ok"]
     best = json.loads((tmp_path / "out" / "best_ds_metrics.json").read_text())
@@ -263,13 +338,13 @@ def test_sigkilled_search_resumes_without_rerunning_finished_trials(tmp_path):
                             start_new_session=True)
     deadline = time.monotonic() + 120
     while not (out / "events.jsonl").exists() or \
-            sum('"event": "result"' in l for l in (out / "events.jsonl").read_text().splitlines()) < 3:
+            sum('"event": "result"' in line for line in (out / "events.jsonl").read_text().splitlines()) < 3:
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)  # the autotuner and everything in its session
     proc.wait(timeout=30)
-    finished = {json.loads(l)["trial_id"] for l in (out / "events.jsonl").read_text().splitlines()
-                if '"event": "result"' in l}
+    finished = {json.loads(line)["trial_id"] for line in (out / "events.jsonl").read_text().splitlines()
+                if '"event": "result"' in line}
     result = p.run(argv + ["--resume"])
     assert result.returncode == 0, result.stdout[-3000:]
     rows = trial_rows(out)
@@ -290,5 +365,7 @@ def test_run_full_experiment_trains_with_the_best_config(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:]
     best = json.loads((out / "best_ds_config.json").read_text())
     for rank in (0, 1):
-        assert json.loads((out / "full_experiment" / "output" / f"full_run_rank{rank}.json").read_text()) == best
+        assert (
+            json.loads((out / "full_experiment" / "output" / f"full_run_rank{rank}.json").read_text()) == best
+        )
     assert "full experiment exited with status 0" in result.stdout

@@ -15,11 +15,22 @@ EXAMPLES = p.REPO / "examples" / "core_api"
 def small_setup(tmp_path):
     """The example with small DeepSpeed buckets (so the fixed memory per process is small) and oneDNN on."""
     ds = json.loads((EXAMPLES / "ds_config.json").read_text())
-    ds["zero_optimization"] = {"stage": 1, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}
+    ds["zero_optimization"] = {
+        "stage": 1,
+        "reduce_bucket_size": 5_000_000,
+        "allgather_bucket_size": 5_000_000,
+    }
     (tmp_path / "ds_config.json").write_text(json.dumps(ds))
     config = yaml.safe_load((EXAMPLES / "deepspeed.yaml").read_text())
-    config["hyperparameters"].update({"deepspeed_config": str(tmp_path / "ds_config.json"), "deterministic": False,
-                                      "dataset_size": 4096, "validate_every": 1000, "checkpoint_every": 1000})
+    config["hyperparameters"].update(
+        {
+            "deepspeed_config": str(tmp_path / "ds_config.json"),
+            "deterministic": False,
+            "dataset_size": 4096,
+            "validate_every": 1000,
+            "checkpoint_every": 1000,
+        }
+    )
     (tmp_path / "deepspeed.yaml").write_text(yaml.safe_dump(config))
     return tmp_path / "deepspeed.yaml"
 
@@ -42,7 +53,10 @@ def test_binary_search_on_the_example_then_train_with_the_best_config(tmp_path):
     oom_errors = [r["error"] for r in rows if r["status"] == "oom"]
     assert all("exceeded the memory budget" in e for e in oom_errors), oom_errors
     best = json.loads((out / "best_ds_config.json").read_text())
-    assert best["train_batch_size"] == best["train_micro_batch_size_per_gpu"] * best["gradient_accumulation_steps"] * 2
+    assert (
+        best["train_batch_size"]
+        == best["train_micro_batch_size_per_gpu"] * best["gradient_accumulation_steps"] * 2
+    )
 
     # The best config, passed back to the example through its own YAML, trains it.
     experiment = yaml.safe_load(config.read_text())

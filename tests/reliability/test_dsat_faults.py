@@ -97,7 +97,9 @@ def _search(base: Path, *, kill_after: int, seed: int) -> dict:
             "--output-dir", str(out), "--max-trials", str(MAX_TRIALS), "--zero-stages", "1", "2",
             "--trial-timeout", "15", "--memory-per-slot", "150MiB", "--random-seed", str(seed)]
     with open(base / "first.log", "w") as log:
-        proc = subprocess.Popen(argv, env=p.child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv, env=p.child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + 240
         while len(_results(out)) < kill_after and proc.poll() is None and time.monotonic() < deadline:
@@ -128,8 +130,10 @@ def test_every_fault_and_a_killed_autotuner(tmp_path, tally):
     for index, (kill_after, seed) in enumerate(rounds):
         run = _search(tmp_path / f"round{index}", kill_after=kill_after, seed=seed)
         status = {int(row["trial_id"]): row["status"] for row in run["rows"]}
-        print(f"round {index}: killed after {sorted(run['finished'])}; statuses {status}; starts {run['starts']}; "
-              f"resumed search exit {run['code']}")
+        print(
+            f"round {index}: killed after {sorted(run['finished'])}; statuses {status}; "
+            f"starts {run['starts']}; resumed search exit {run['code']}"
+        )
         rerun = sorted(tid for tid in run["finished"] if run["starts"].get(tid, 0) != 1)
         common = []
         if run["code"] != 0:
@@ -139,8 +143,11 @@ def test_every_fault_and_a_killed_autotuner(tmp_path, tally):
         if run["leftovers"]:
             common.append(f"processes left: {run['leftovers']}")
         for tid, fault in FAULTS.items():
-            problems = common + ([] if status.get(int(tid)) == EXPECTED[fault] else
-                                 [f"trial {tid} ({fault}) ended {status.get(int(tid))!r}, expected {EXPECTED[fault]}"])
+            problems = common + (
+                []
+                if status.get(int(tid)) == EXPECTED[fault]
+                else [f"trial {tid} ({fault}) ended {status.get(int(tid))!r}, expected {EXPECTED[fault]}"]
+            )
             t.record(not problems, f"round {index} {fault}: {problems}")
             failures += problems
         ok_ids = [tid for tid in range(MAX_TRIALS) if str(tid) not in FAULTS]
@@ -151,5 +158,7 @@ def test_every_fault_and_a_killed_autotuner(tmp_path, tally):
         t.record(not kill_problems, f"round {index} autotuner SIGKILL after {len(run['finished'])} results: "
                                     f"{kill_problems}")
         failures += kill_problems
-    t.detail = f"{len(FAULTS)} trial faults + 1 autotuner SIGKILL/--resume per search, {len(rounds)} search(es)"
+    t.detail = (
+        f"{len(FAULTS)} trial faults + 1 autotuner SIGKILL/--resume per search, {len(rounds)} search(es)"
+    )
     assert not failures, "\n".join(dict.fromkeys(failures))

@@ -29,7 +29,9 @@ with open(trial_dir / "starts.log", "a") as fh:
     fh.write(f"{rank} {time.time()}\n")
 
 mb = ds_config["train_micro_batch_size_per_gpu"]
-assert ds_config["train_batch_size"] == mb * ds_config["gradient_accumulation_steps"] * int(os.environ["WORLD_SIZE"])
+assert ds_config["train_batch_size"] == mb * ds_config["gradient_accumulation_steps"] * int(
+    os.environ["WORLD_SIZE"]
+)
 behaviour = hparams.get("profile", "ok") if contract["profile"] else hparams.get("tuning", "ok")
 time.sleep(float(hparams.get("sleep_s", 0.0)))
 if behaviour == "crash":

@@ -93,7 +93,9 @@ def main():
         try:
             with dsat_reporting_context(engine, steps_completed=step):
                 if mock_oom and [step, ctx.rank] == mock_oom:
-                    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (mocked)")
+                    raise torch.cuda.OutOfMemoryError(
+                        "CUDA out of memory. Tried to allocate 2.00 GiB (mocked)"
+                    )
                 if hparams.get("pipeline"):
                     engine.train_batch(data)
                 else:

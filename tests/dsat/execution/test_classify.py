@@ -1,4 +1,5 @@
-"""toolkit.dsat.execution.classify: how a trial ended, from its exit status and its result file (pure, no processes).
+"""toolkit.dsat.execution.classify: how a trial ended, from its exit status and its result file
+(pure, no processes).
 
 Each row of the module's table is checked on real files in a temporary trial directory; the
 runner's tests (tests/dsat/execution/test_runner.py) cover the same outcomes with real trial processes.
@@ -47,21 +48,29 @@ def test_exit_text_names_the_status_or_the_signal():
     assert exit_text(-200) == "killed by signal 200"
 
 
-@pytest.mark.parametrize("result, code, status, words", [
-    (None, 0, TrialStatus.FAILED, "exited 0 without a result file"),
-    (None, 3, TrialStatus.FAILED, "exit status 3"),
-    (None, -signal.SIGKILL, TrialStatus.FAILED, "killed by signal SIGKILL"),
-    (None, None, TrialStatus.FAILED, "had not exited"),  # not reaped within the grace period
-    (GOOD, None, TrialStatus.FAILED, "had not exited by the end of the kill grace period (after writing"),
-    ('{"trial_id": 1, "status": "ok", ', 0, TrialStatus.FAILED, "corrupt result file: "),
-    ({"trial_id": 2, "status": "ok"}, 0, TrialStatus.FAILED, "corrupt result file: trial_id=2"),
-    ({"trial_id": 1, "status": "oom"}, 1, TrialStatus.OOM, "out of memory (reported by the trial)"),
-    ({"trial_id": 1, "status": "oom", "error": "CUDA out of memory. Tried"}, 1, TrialStatus.OOM, "CUDA out of"),
-    ({"trial_id": 1, "status": "failed", "error": "no data"}, 0, TrialStatus.FAILED, "no data"),
-    ({"trial_id": 1, "status": "failed", "error": "no data"}, 2, TrialStatus.FAILED, "exit status 2"),
-    (GOOD, 1, TrialStatus.FAILED, "exit status 1 (after writing its result)"),
-    (GOOD, 0, TrialStatus.OK, None),
-])
+@pytest.mark.parametrize(
+    "result, code, status, words",
+    [
+        (None, 0, TrialStatus.FAILED, "exited 0 without a result file"),
+        (None, 3, TrialStatus.FAILED, "exit status 3"),
+        (None, -signal.SIGKILL, TrialStatus.FAILED, "killed by signal SIGKILL"),
+        (None, None, TrialStatus.FAILED, "had not exited"),  # not reaped within the grace period
+        (GOOD, None, TrialStatus.FAILED, "had not exited by the end of the kill grace period (after writing"),
+        ('{"trial_id": 1, "status": "ok", ', 0, TrialStatus.FAILED, "corrupt result file: "),
+        ({"trial_id": 2, "status": "ok"}, 0, TrialStatus.FAILED, "corrupt result file: trial_id=2"),
+        ({"trial_id": 1, "status": "oom"}, 1, TrialStatus.OOM, "out of memory (reported by the trial)"),
+        (
+            {"trial_id": 1, "status": "oom", "error": "CUDA out of memory. Tried"},
+            1,
+            TrialStatus.OOM,
+            "CUDA out of",
+        ),
+        ({"trial_id": 1, "status": "failed", "error": "no data"}, 0, TrialStatus.FAILED, "no data"),
+        ({"trial_id": 1, "status": "failed", "error": "no data"}, 2, TrialStatus.FAILED, "exit status 2"),
+        (GOOD, 1, TrialStatus.FAILED, "exit status 1 (after writing its result)"),
+        (GOOD, 0, TrialStatus.OK, None),
+    ],
+)
 def test_each_row_of_the_table(tmp_path, result, code, status, words):
     if result is not None:
         write_result(tmp_path, result)
@@ -87,7 +96,13 @@ def test_failed_trials_show_the_workers_error_not_torchruns_epilogue(tmp_path):
     (tmp_path / "stderr.log").write_text("\n".join(worker + epilogue) + "\n")
     tail = stderr_tail(tmp_path / "stderr.log")
     assert tail.splitlines()[:2] == ["", "last lines of stderr:"]
-    assert tail.splitlines()[2:] == ["  line 4", "  line 5", "  line 6", "  line 7", "  RuntimeError: boom on rank 0"]
+    assert tail.splitlines()[2:] == [
+        "  line 4",
+        "  line 5",
+        "  line 6",
+        "  line 7",
+        "  RuntimeError: boom on rank 0",
+    ]
     r = classify(spec(), directory=tmp_path, code=1, duration_s=1.0)
     assert r.error == "exit status 1" + tail
     assert stderr_tail(tmp_path / "missing.log") == ""

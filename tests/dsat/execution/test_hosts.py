@@ -96,7 +96,9 @@ def test_slurm_counts_and_allocation():
     assert slurm_hosts({"SLURM_JOB_NODELIST": "a,b", "SLURM_JOB_CPUS_PER_NODE": "8(x2)"}) == (Host("a", 8),
                                                                                               Host("b", 8))
     assert slurm_hosts({}) is None
-    with pytest.raises(ConfigError, match="gives 2 count\\(s\\) but SLURM_JOB_NODELIST='node\\[1-3\\]' names 3"):
+    with pytest.raises(
+        ConfigError, match="gives 2 count\\(s\\) but SLURM_JOB_NODELIST='node\\[1-3\\]' names 3"
+    ):
         slurm_hosts({"SLURM_JOB_NODELIST": "node[1-3]", "SLURM_TASKS_PER_NODE": "2(x2)"})
     with pytest.raises(ConfigError, match="pass --hostfile instead"):
         slurm_hosts({"SLURM_JOB_NODELIST": "node1"})
@@ -118,7 +120,10 @@ def test_placement_prefers_one_host_then_fewest_hosts():
     assert place_trial(free, 5) == {"a": (0, 1, 2, 3), "b": (0,)}   # the roomiest hosts first
     assert place_trial(free, 6) == {"a": (0, 1, 2, 3), "b": (0, 1)}
     assert place_trial(free, 8) is None
-    assert place_trial({"a": (0, 1, 2), "b": (0, 1, 2), "c": (0,)}, 4, uniform=True) == {"a": (0, 1), "b": (0, 1)}
+    assert place_trial({"a": (0, 1, 2), "b": (0, 1, 2), "c": (0,)}, 4, uniform=True) == {
+        "a": (0, 1),
+        "b": (0, 1),
+    }
     assert place_trial({"a": (0, 1, 2), "b": (0,)}, 4, uniform=True) is None
     assert format_include({"a": (0, 1), "b": (2,)}) == "a:0,1@b:2"
 
@@ -146,18 +151,39 @@ RUNNER = [PY, "-m", "deepspeed.launcher.runner", "--hostfile", "/out/trials/tria
 TAIL = ["--master_addr", "worker-0", "--master_port", "29512"]
 
 
-@pytest.mark.parametrize("via, entrypoint, expected", [
-    ("pdsh", ["python3", "train.py", "--lr", "0.1"],
-     RUNNER + ["--include", "worker-0:0,1@worker-1:0"] + TAIL
-     + ["--launcher", "pdsh", "--force_multi", "--no_local_rank", "train.py", "--lr", "0.1"]),
-    ("pdsh", ["python3", "-m", "pkg.train"],
-     RUNNER + ["--include", "worker-0:0,1@worker-1:0"] + TAIL
-     + ["--launcher", "pdsh", "--force_multi", "--no_local_rank", "--module", "pkg.train"]),
-    ("openmpi", ["bash", "run.sh"],
-     RUNNER + TAIL + ["--launcher", "openmpi", "--force_multi", "--no_local_rank", "--no_python", "bash", "run.sh"]),
-    ("mvapich", ["torchrun", "--nproc_per_node", "8", "train.py", "x"],
-     RUNNER + TAIL + ["--launcher", "mvapich", "--force_multi", "--no_local_rank", "train.py", "x"]),
-])
+@pytest.mark.parametrize(
+    "via, entrypoint, expected",
+    [
+        (
+            "pdsh",
+            ["python3", "train.py", "--lr", "0.1"],
+            RUNNER
+            + ["--include", "worker-0:0,1@worker-1:0"]
+            + TAIL
+            + ["--launcher", "pdsh", "--force_multi", "--no_local_rank", "train.py", "--lr", "0.1"],
+        ),
+        (
+            "pdsh",
+            ["python3", "-m", "pkg.train"],
+            RUNNER
+            + ["--include", "worker-0:0,1@worker-1:0"]
+            + TAIL
+            + ["--launcher", "pdsh", "--force_multi", "--no_local_rank", "--module", "pkg.train"],
+        ),
+        (
+            "openmpi",
+            ["bash", "run.sh"],
+            RUNNER
+            + TAIL
+            + ["--launcher", "openmpi", "--force_multi", "--no_local_rank", "--no_python", "bash", "run.sh"],
+        ),
+        (
+            "mvapich",
+            ["torchrun", "--nproc_per_node", "8", "train.py", "x"],
+            RUNNER + TAIL + ["--launcher", "mvapich", "--force_multi", "--no_local_rank", "train.py", "x"],
+        ),
+    ],
+)
 def test_deepspeed_runner_argv(via, entrypoint, expected):
     assert build_multihost_argv(entrypoint, placement=PLACEMENT, via=via, master_port=29512,
                                 hostfile="/out/trials/trial_3/hostfile") == expected
@@ -165,16 +191,30 @@ def test_deepspeed_runner_argv(via, entrypoint, expected):
 
 def test_srun_argv_and_ssh_port():
     placement = {"node01": (0, 1), "node02": (0, 1)}
-    assert build_multihost_argv(["python3", "train.py", "a b"], placement=placement, via="srun",
-                                master_port=29600) == [
-        "srun", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--nodelist=node01,node02", "--exact",
-        "--kill-on-bad-exit=1", "--export=ALL,MASTER_ADDR=node01,MASTER_PORT=29600", PY, "-u", "train.py", "a b"]
-    assert build_multihost_argv(["./run.sh"], placement=placement, via="srun", master_port=29600, gpus=True)[-2:] == [
-        "--gpus-per-node=2", "./run.sh"]
+    assert build_multihost_argv(
+        ["python3", "train.py", "a b"], placement=placement, via="srun", master_port=29600
+    ) == [
+        "srun",
+        "--nodes=2",
+        "--ntasks=4",
+        "--ntasks-per-node=2",
+        "--nodelist=node01,node02",
+        "--exact",
+        "--kill-on-bad-exit=1",
+        "--export=ALL,MASTER_ADDR=node01,MASTER_PORT=29600",
+        PY,
+        "-u",
+        "train.py",
+        "a b",
+    ]
+    assert build_multihost_argv(["./run.sh"], placement=placement, via="srun", master_port=29600, gpus=True)[
+        -2:
+    ] == ["--gpus-per-node=2", "./run.sh"]
     with pytest.raises(ValueError, match="srun starts the same number of tasks on every host"):
         build_multihost_argv(["python3", "t.py"], placement=PLACEMENT, via="srun", master_port=29600)
-    argv = build_multihost_argv(["python3", "t.py"], placement=PLACEMENT, via="pdsh", master_port=1, hostfile="h",
-                                ssh_port=2222)
+    argv = build_multihost_argv(
+        ["python3", "t.py"], placement=PLACEMENT, via="pdsh", master_port=1, hostfile="h", ssh_port=2222
+    )
     assert argv[-4:] == ["--no_local_rank", "--ssh_port", "2222", "t.py"]
     assert build_remote_kill_argv(["worker-0", "worker-1"], master_port=29512) == [
         "pdsh", "-S", "-f", "1024", "-w", "worker-0,worker-1", "pkill", "-TERM", "-f",
@@ -210,12 +250,18 @@ def test_deepspeed_reads_our_argv_as_meant(tmp_path):
 
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("worker-0 slots=2\nworker-1 slots=1\n")
-    argv = build_multihost_argv(["python3", "train.py", "--x"], placement=PLACEMENT, via="pdsh", master_port=29512,
-                                hostfile=hostfile)
+    argv = build_multihost_argv(
+        ["python3", "train.py", "--x"], placement=PLACEMENT, via="pdsh", master_port=29512, hostfile=hostfile
+    )
     args = parse_args(argv[3:])
     assert (args.hostfile, args.include, args.master_addr, args.master_port, args.launcher) == (
         str(hostfile), "worker-0:0,1@worker-1:0", "worker-0", 29512, "pdsh")
-    assert args.force_multi and args.no_local_rank and args.user_script == "train.py" and args.user_args == ["--x"]
+    assert (
+        args.force_multi
+        and args.no_local_rank
+        and args.user_script == "train.py"
+        and args.user_args == ["--x"]
+    )
     active = parse_inclusion_exclusion(fetch_hostfile(args.hostfile), args.include, args.exclude)
     assert {h: tuple(ids) for h, ids in active.items()} == PLACEMENT
     runner = PDSHRunner(args, encode_world_info(active))
@@ -254,9 +300,17 @@ def test_capacity_follows_placement(tmp_path):
 
 def test_trials_are_placed_on_both_hosts_and_recorded(tmp_path, clean_env):
     """4 trials of 2 slots, 2 at a time, on localhost:2 + 127.0.0.1:2; then one of 3 slots spans both."""
-    settings_ = RunnerSettings(entrypoint=("python3", "dsat_fake_trial.py"), model_dir=p.WORKERS, slots_per_trial=2,
-                               max_slots=4, max_concurrent=2, timeout_s=120, grace_s=2, poll_s=0.1,
-                               hosts=LOCAL_HOSTS)
+    settings_ = RunnerSettings(
+        entrypoint=("python3", "dsat_fake_trial.py"),
+        model_dir=p.WORKERS,
+        slots_per_trial=2,
+        max_slots=4,
+        max_concurrent=2,
+        timeout_s=120,
+        grace_s=2,
+        poll_s=0.1,
+        hosts=LOCAL_HOSTS,
+    )
     out = tmp_path / "out"
     with TrialRunner(settings_, output_dir=out) as runner:
         pending, results, overlap = [TrialSpec(i, 1, {"stage": 1}, line=0) for i in range(1, 5)], [], 0
@@ -268,7 +322,9 @@ def test_trials_are_placed_on_both_hosts_and_recorded(tmp_path, clean_env):
             results += runner.wait(timeout=60)
     assert sorted(r.spec.trial_id for r in results) == [1, 2, 3, 4]
     assert all(r.status is TrialStatus.OK for r in results), [r.error for r in results]
-    records = [json.loads((out / "trials" / f"trial_{i}" / "placement.json").read_text()) for i in range(1, 5)]
+    records = [
+        json.loads((out / "trials" / f"trial_{i}" / "placement.json").read_text()) for i in range(1, 5)
+    ]
     assert all(r["launch"] == "local" and r["argv"][2] == "torch.distributed.run" for r in records)
     assert {h for r in records for h in r["hosts"]} == {"localhost", "127.0.0.1"}
     assert overlap == 2
@@ -279,7 +335,10 @@ def test_trials_are_placed_on_both_hosts_and_recorded(tmp_path, clean_env):
         (result,) = runner.wait(timeout=120)
     record = json.loads((out / "trials" / "trial_5" / "placement.json").read_text())
     assert result.status is TrialStatus.OK, result.error
-    assert record["hosts"] == {"localhost": [0, 1], "127.0.0.1": [0]} and record["include"] == "localhost:0,1@127.0.0.1:0"
+    assert (
+        record["hosts"] == {"localhost": [0, 1], "127.0.0.1": [0]}
+        and record["include"] == "localhost:0,1@127.0.0.1:0"
+    )
     assert record["argv"][3:5] == ["--nproc_per_node", "3"]
     ranks = sorted((out / "trials" / "trial_5").glob("rank*.json"))
     assert len(ranks) == 3

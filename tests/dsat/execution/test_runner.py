@@ -102,8 +102,17 @@ def test_settings_list_every_problem(tmp_path):
                        max_concurrent=0, timeout_s=-1, launcher="mpirun", memory_per_slot=0,
                        start_profile_step=0, end_profile_step=5, gpus=(0, 0))
     text = "\n".join(err.value.problems)
-    for words in ("entrypoint=()", "model_dir=", "max_concurrent=0", "slots_per_trial=2 > max_slots=1",
-                  "timeout_s=-1", "launcher='mpirun'", "memory_per_slot=0", "start_profile_step=0", "gpus=(0, 0)"):
+    for words in (
+        "entrypoint=()",
+        "model_dir=",
+        "max_concurrent=0",
+        "slots_per_trial=2 > max_slots=1",
+        "timeout_s=-1",
+        "launcher='mpirun'",
+        "memory_per_slot=0",
+        "start_profile_step=0",
+        "gpus=(0, 0)",
+    ):
         assert words in text
     with pytest.raises(ConfigError, match="only 2 GPU"):
         make_settings(gpus=(0, 1), max_slots=4)
@@ -115,8 +124,15 @@ def test_gpus_are_indices_into_an_inherited_cuda_visible_devices(tmp_path, monke
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
     with pytest.raises(ValueError, match="makes only 2 GPU"):
         TrialRunner(make_settings(gpus=(0, 1, 2), max_slots=2), output_dir=tmp_path)
-    s = RunnerSettings(entrypoint=["python3", "x.py"], model_dir=str(tmp_path), slots_per_trial=1, max_slots=1,
-                       max_concurrent=1, timeout_s=1, gpus=[1])
+    s = RunnerSettings(
+        entrypoint=["python3", "x.py"],
+        model_dir=str(tmp_path),
+        slots_per_trial=1,
+        max_slots=1,
+        max_concurrent=1,
+        timeout_s=1,
+        gpus=[1],
+    )
     assert s.entrypoint == ("python3", "x.py") and s.model_dir == tmp_path and s.gpus == (1,)
 
 
@@ -137,11 +153,15 @@ def test_outcomes_are_classified_from_exit_status_and_result_file(tmp_path):
     ok = results[0]
     assert ok.status is TrialStatus.OK and set(ok.metrics) == set(METRICS) and ok.error is None
     assert ok.metrics["latency"] == 7.5 and ok.duration_s > 0
-    assert ok.profile["num_params"] == 676 and ok.profile["memory_per_slot"] == 4096 * MIB  # budget in the contract
+    assert (
+        ok.profile["num_params"] == 676 and ok.profile["memory_per_slot"] == 4096 * MIB
+    )  # budget in the contract
     crash = results[2]
     assert crash.status is TrialStatus.FAILED and crash.error.startswith("exit status 1")
     assert "RuntimeError: boom from the fake trial on rank 0" in crash.error  # stderr tail, for display
-    assert results[3].status is TrialStatus.FAILED and results[3].error.startswith("exited 0 without a result file")
+    assert results[3].status is TrialStatus.FAILED and results[3].error.startswith(
+        "exited 0 without a result file"
+    )
     assert results[4].status is TrialStatus.FAILED and results[4].error.startswith("corrupt result file: ")
     assert results[6].status is TrialStatus.OOM and results[6].error == "CUDA out of memory (fake)"
 
@@ -202,7 +222,9 @@ def test_memory_budget_is_enforced_per_worker(tmp_path):
                                       (spec(2), {"behaviour": "sleep", "sleep_s": 1.0})])
     big = results[1]
     assert big.status is TrialStatus.OOM
-    assert big.error.startswith("RSS ") and big.error.endswith("MiB exceeded the memory budget 150 MiB per slot")
+    assert big.error.startswith("RSS ") and big.error.endswith(
+        "MiB exceeded the memory budget 150 MiB per slot"
+    )
     assert int(big.error.split()[1]) > 150
     assert results[2].status is TrialStatus.OK
     assert marked_processes(out) == []
@@ -267,12 +289,16 @@ def test_slot_and_concurrency_caps_are_never_exceeded(tmp_path, monkeypatch, slo
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     physical = {str(int(visible.split(",")[g]) if visible else g) for g in gpus}
     n = cap + 1  # one more trial than may run at once
-    settings = make_settings(slots_per_trial=slots_per_trial, max_slots=max_slots, max_concurrent=max_concurrent,
-                             gpus=gpus)
+    settings = make_settings(
+        slots_per_trial=slots_per_trial, max_slots=max_slots, max_concurrent=max_concurrent, gpus=gpus
+    )
     capacities = []
     with TrialRunner(settings, output_dir=out) as runner:
-        results, spans = run_all(runner, [(spec(i), {"behaviour": "sleep", "sleep_s": 1.0}) for i in range(n)],
-                                 on_start=lambda s: capacities.append(runner.capacity()))
+        results, spans = run_all(
+            runner,
+            [(spec(i), {"behaviour": "sleep", "sleep_s": 1.0}) for i in range(n)],
+            on_start=lambda s: capacities.append(runner.capacity()),
+        )
     assert all(r.status is TrialStatus.OK for r in results.values())
     assert min(capacities) >= 0
     # the runner's view (start() to result) and the workers' own clocks
@@ -344,10 +370,11 @@ from pathlib import Path
 from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
 from toolkit.dsat.search.types import TrialSpec
 out = Path(sys.argv[1])
-settings = RunnerSettings(entrypoint=("python3", "dsat_fake_trial.py"), model_dir=sys.argv[2], slots_per_trial=2,
-                          max_slots=2, max_concurrent=2, timeout_s=300, grace_s=2)
+settings = RunnerSettings(entrypoint=("python3", "dsat_fake_trial.py"), model_dir=sys.argv[2],
+                          slots_per_trial=2, max_slots=2, max_concurrent=2, timeout_s=300, grace_s=2)
 with TrialRunner(settings, output_dir=out) as runner:
-    runner.start(TrialSpec(1, 1, {"stage": 1}, line=0), ds_config={}, hparams={"behaviour": "hang", "orphan": True})
+    runner.start(TrialSpec(1, 1, {"stage": 1}, line=0), ds_config={},
+                 hparams={"behaviour": "hang", "orphan": True})
     while not all((out / "trials" / "trial_1" / f"grandchild{r}.pid").exists() for r in (0, 1)):
         time.sleep(0.05)
     print("running", flush=True)
@@ -399,8 +426,8 @@ def test_leftovers_of_a_killed_autotuner_are_killed_by_the_next_runner(tmp_path)
 FULL_RUN_SCRIPT = """
 import json, os, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-json.dump({"child": child.pid, "env": {k: os.environ.get(k) for k in ("TOOLKIT_DSAT_TRIAL", "TOOLKIT_DSAT_RUN", "X")}},
-          open("seen.json", "w"))
+seen = {k: os.environ.get(k) for k in ("TOOLKIT_DSAT_TRIAL", "TOOLKIT_DSAT_RUN", "X")}
+json.dump({"child": child.pid, "env": seen}, open("seen.json", "w"))
 time.sleep(float(sys.argv[1]))
 sys.exit(int(sys.argv[2]))
 """

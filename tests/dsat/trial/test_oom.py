@@ -31,8 +31,13 @@ def run(tmp_path, *, in_trial):
         contract.write_text(json.dumps({"trial_id": 7, "result_path": str(result), "start_profile_step": 1,
                                         "end_profile_step": 2}))
         env["TOOLKIT_DSAT_TRIAL"] = str(contract)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT.format(in_trial=in_trial)], env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(in_trial=in_trial)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return proc, result
 
 

@@ -27,10 +27,17 @@ FWD_FLOPS_PER_EXAMPLE = 2 * 16 * 32 + 32 + 2 * 32 * 4   # Linear + ReLU + Linear
 
 
 def ds_config(*, micro_batch, stage, gas=1, trial_id=0):
-    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": gas,
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000},
-              "steps_per_print": 1000}
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 5_000_000,
+            "allgather_bucket_size": 5_000_000,
+        },
+        "steps_per_print": 1000,
+    }
     contract = TrialContract(trial_id, "unused", START, END)
     config.update(instrumentation_overrides(contract))   # what the orchestrator merges into trials
     return config
@@ -40,11 +47,18 @@ TRIALS = {
     # id: (spec, ds_config, extra hparams)
     0: (TrialSpec(0, 1, {"stage": 3}, profile=True), ds_config(micro_batch=1, stage=3), {}),
     1: (TrialSpec(1, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1), SLEEP),
-    2: (TrialSpec(2, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1, gas=2),
-        {"pipeline": True, "sleep_forward_ms": 10, "sleep_backward_ms": 5}),
+    2: (
+        TrialSpec(2, 2, {"stage": 1}, line=0),
+        ds_config(micro_batch=2, stage=1, gas=2),
+        {"pipeline": True, "sleep_forward_ms": 10, "sleep_backward_ms": 5},
+    ),
     3: (TrialSpec(3, 2, {"stage": 2}, line=0), ds_config(micro_batch=2, stage=2), {"mock_oom_at": [4, 1]}),
     4: (TrialSpec(4, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1), {"steps": END - 1}),
-    5: (TrialSpec(5, 2, {"stage": 0}, line=0), ds_config(micro_batch=2, stage=0), {"mock_oom_at": ["start", 0]}),
+    5: (
+        TrialSpec(5, 2, {"stage": 0}, line=0),
+        ds_config(micro_batch=2, stage=0),
+        {"mock_oom_at": ["start", 0]},
+    ),
 }
 
 
@@ -57,22 +71,34 @@ def trials(tmp_path_factory):
                                                      "MASTER_PORT", "LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
                 mp.delenv(key)
         mp.setenv("OMP_NUM_THREADS", "1")
-        settings = RunnerSettings(entrypoint=("python3", "dsat_train.py"), model_dir=WORKERS, slots_per_trial=2,
-                                  max_slots=4, max_concurrent=2, timeout_s=280, memory_per_slot=8 * GIB,
-                                  start_profile_step=START, end_profile_step=END)
+        settings = RunnerSettings(
+            entrypoint=("python3", "dsat_train.py"),
+            model_dir=WORKERS,
+            slots_per_trial=2,
+            max_slots=4,
+            max_concurrent=2,
+            timeout_s=280,
+            memory_per_slot=8 * GIB,
+            start_profile_step=START,
+            end_profile_step=END,
+        )
         pending, results = sorted(TRIALS), {}
         with TrialRunner(settings, output_dir=out) as runner:
             while pending or runner.running():
                 while pending and runner.capacity():
                     spec, config, extra = TRIALS[pending.pop(0)]
-                    runner.start(spec, ds_config=config, hparams={"deepspeed_config": "ignored.json", **extra})
+                    runner.start(
+                        spec, ds_config=config, hparams={"deepspeed_config": "ignored.json", **extra}
+                    )
                 results.update({r.spec.trial_id: r for r in runner.wait(timeout=300)})
     return out / "trials", results
 
 
 def stopwatch(trials_dir, trial_id, rank):
     """The worker's own wall time per step, in ms, steps 0.."""
-    return [1000 * s for s in json.loads((trials_dir / f"trial_{trial_id}" / f"stopwatch{rank}.json").read_text())]
+    return [
+        1000 * s for s in json.loads((trials_dir / f"trial_{trial_id}" / f"stopwatch{rank}.json").read_text())
+    ]
 
 
 def ok(result):
@@ -113,7 +139,9 @@ def test_pipeline_engine_metrics(trials):
     # train_batch_size = 2 x 2 micro-batches x data-parallel size 1
     assert m["throughput"] == pytest.approx(4 / (m["latency"] / 1000), rel=1e-9)
     # stage FLOPs averaged over the 2 ranks: together one model, 4 examples per step
-    assert m["FLOPS_per_gpu"] * m["latency"] / 1000 == pytest.approx(3 * FWD_FLOPS_PER_EXAMPLE * 4 / 2, rel=1e-9)
+    assert m["FLOPS_per_gpu"] * m["latency"] / 1000 == pytest.approx(
+        3 * FWD_FLOPS_PER_EXAMPLE * 4 / 2, rel=1e-9
+    )
 
 
 def test_profiling_trial_reports_the_model_under_zero3(trials):
@@ -186,7 +214,9 @@ def test_outside_a_trial_it_is_a_shared_no_op(monkeypatch):
 def test_the_environment_is_read_once_per_process(monkeypatch, tmp_path):
     monkeypatch.delenv("TOOLKIT_DSAT_TRIAL", raising=False)
     reporting._reset_for_tests()
-    assert dsat_reporting_context(object(), steps_completed=0) is dsat_reporting_context(object(), steps_completed=1)
+    assert dsat_reporting_context(object(), steps_completed=0) is dsat_reporting_context(
+        object(), steps_completed=1
+    )
     monkeypatch.setenv("TOOLKIT_DSAT_TRIAL", str(tmp_path / "missing.json"))
     # memoised: setting the variable later in the same process changes nothing
     assert dsat_reporting_context(object(), steps_completed=0) is reporting._NOOP

@@ -324,14 +324,14 @@ def test_start_refuses_past_capacity_and_after_shutdown(tmp_path):
     assert runner.capacity() == 0 and runner.running() == 1
     with pytest.raises(ValueError, match="already running"):
         runner.start(spec(1), ds_config={}, hparams={"behaviour": "hang"})
-    with pytest.raises(RuntimeError, match="no free capacity"):
+    with pytest.raises(ValueError, match="no free capacity"):
         runner.start(spec(2), ds_config={}, hparams={"behaviour": "hang"})
     assert runner.wait(timeout=0.3) == []
     wait_for(lambda: (out / "trials" / "trial_1" / "rank0.json").exists())
     runner.shutdown()
     runner.shutdown()  # idempotent
     assert runner.capacity() == 0 and runner.running() == 0 and runner.wait() == []
-    with pytest.raises(RuntimeError, match="shut down"):
+    with pytest.raises(ValueError, match="shut down"):
         runner.start(spec(3), ds_config={}, hparams={"behaviour": "ok"})
     assert not alive(rank_record(out, 1)["pid"]) and marked_processes(out) == []
 

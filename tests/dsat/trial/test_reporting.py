@@ -18,6 +18,7 @@ from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
 from toolkit.dsat.search.types import TrialSpec
 from toolkit.dsat.trial import reporting
 from toolkit.dsat.trial.reporting import dsat_reporting_context, instrumentation_overrides
+from toolkit.errors import LaunchEnvError
 
 WORKERS = procutil.WORKERS
 GIB = 1024 ** 3
@@ -221,7 +222,7 @@ def test_the_environment_is_read_once_per_process(monkeypatch, tmp_path):
     # memoised: setting the variable later in the same process changes nothing
     assert dsat_reporting_context(object(), steps_completed=0) is reporting._NOOP
     reporting._reset_for_tests()
-    with pytest.raises(RuntimeError, match="cannot read the trial contract"):
+    with pytest.raises(LaunchEnvError, match="cannot read the trial contract"):
         dsat_reporting_context(object(), steps_completed=0)
     reporting._reset_for_tests()
 

@@ -156,8 +156,8 @@ class TrialRunner:
                 to the trial's ``ds_config.json``).
 
         Raises:
-            RuntimeError: no capacity (call :meth:`wait` first) or the runner was shut down.
-            ValueError: a trial with this id is running.
+            ValueError: called out of order: no capacity (call :meth:`wait` first), the runner
+                was shut down, or a trial with this id is running.
         """
         self._check_can_start(spec)
         directory = self._prepare_directory(spec, ds_config=ds_config, hparams=hparams)
@@ -192,11 +192,11 @@ class TrialRunner:
     def _check_can_start(self, spec: TrialSpec) -> None:
         s = self.settings
         if self._closed:
-            raise RuntimeError("the trial runner was shut down; make a new one")
+            raise ValueError("the trial runner was shut down; make a new one")
         if spec.trial_id in self._running:
             raise ValueError(f"trial {spec.trial_id} is already running; trial ids must be unique")
         if self.capacity() < 1:
-            raise RuntimeError(f"no free capacity: {len(self._running)} trial(s) running on "
+            raise ValueError(f"no free capacity: {len(self._running)} trial(s) running on "
                                f"{len(self._running) * s.slots_per_trial} of {s.max_slots} slots "
                                f"(max_concurrent={s.max_concurrent}); call wait() first")
 

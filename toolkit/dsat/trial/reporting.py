@@ -100,6 +100,8 @@ def dsat_reporting_context(engine: Any, *, steps_completed: int) -> contextlib.A
     Raises:
         SystemExit: inside a trial, after ``end_profile_step`` (status 0, every rank), once the
             result is written.
+        LaunchEnvError: inside a trial, the trial contract named by ``TOOLKIT_DSAT_TRIAL`` cannot
+            be read (set by the dsat runner; unset it to run outside a trial).
 
     Example::
 

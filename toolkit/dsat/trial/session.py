@@ -24,6 +24,7 @@ from toolkit._files import atomic_write_json
 from toolkit.dsat.contract import TRIAL_ENV, TrialContract
 from toolkit.dsat.trial.oom import exit_on_oom, is_crashing, is_oom
 from toolkit.dsat.trial.profiling import ProfileProbe, merge_profiles, rss_bytes
+from toolkit.errors import LaunchEnvError
 
 __all__ = ["TrialSession", "read_contract", "reduce_metrics"]
 
@@ -31,16 +32,21 @@ logger = logging.getLogger(__name__)
 
 
 def read_contract(contract_file: str) -> TrialContract:
-    """The trial's :class:`TrialContract`, checked; RuntimeError naming the fix when unusable."""
+    """The trial's :class:`TrialContract`, checked.
+
+    Raises:
+        LaunchEnvError: :data:`TRIAL_ENV` names no readable contract (the dsat runner sets it, as
+            a launcher sets its variables); the message names the fix.
+    """
     try:
         contract = TrialContract.read(contract_file)
     except (OSError, ValueError, TypeError) as err:
-        raise RuntimeError(f"{TRIAL_ENV}={contract_file!r}: cannot read the trial contract ({err}); it "
-                           "is set by the dsat trial runner, unset it to run outside a trial") from err
+        raise LaunchEnvError(f"{TRIAL_ENV}={contract_file!r}: cannot read the trial contract ({err}); "
+                             "it is set by the dsat trial runner, unset it to run outside a trial") from err
     start, end = contract.start_profile_step, contract.end_profile_step
     if not 1 <= start <= end:
-        raise RuntimeError(f"trial contract {contract_file}: start_profile_step={start}, "
-                           f"end_profile_step={end}; expected 1 <= start <= end")
+        raise LaunchEnvError(f"trial contract {contract_file}: start_profile_step={start}, "
+                             f"end_profile_step={end}; expected 1 <= start <= end")
     return contract
 
 

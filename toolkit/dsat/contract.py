@@ -37,6 +37,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from toolkit._files import atomic_write_json
+
 __all__ = [
     "EXPERIMENT_CONFIG_ENV",
     "METRICS",
@@ -126,7 +128,8 @@ class TrialContract:
     memory_per_slot: int | None = None
 
     def write(self, path: Path) -> None:
-        path.write_text(json.dumps(dataclasses.asdict(self), indent=2), encoding="utf-8")
+        """Write the contract to ``path`` (atomically: a trial never reads half of it)."""
+        atomic_write_json(path, dataclasses.asdict(self))
 
     @classmethod
     def read(cls, path: str | Path) -> "TrialContract":

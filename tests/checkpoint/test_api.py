@@ -21,10 +21,11 @@ import pytest
 import torch
 
 import procutil as p
+from toolkit._files import atomic_write, atomic_write_json
 from toolkit.checkpoint import layout
 from toolkit.checkpoint.api import consolidate_checkpoint, load_checkpoint, save_checkpoint
 from toolkit.checkpoint.rng import capture_rng_state, restore_rng_state
-from toolkit.errors import CheckpointError
+from toolkit.errors import CheckpointError, ConfigError
 
 ROUNDTRIP = p.WORKERS / "ckpt_roundtrip.py"
 SINGLE = p.WORKERS / "ckpt_single.py"
@@ -39,7 +40,8 @@ KILL_MODES = ("ds_write", "before_commit", "before_latest")
 def _tag(name, *, committed=False, started=True, seq=0, files=("mp_rank_00_model_states.pt",), **meta):
     entries = tuple(files) + ((layout.STARTED_FILE,) if started else ()) + \
         ((layout.COMMIT_FILE,) if committed else ())
-    metadata = {"tag": name, "seq": seq, "steps_completed": seq, "world_size": 2, **meta} if committed else None
+    metadata = ({"tag": name, "seq": seq, "steps_completed": seq, "world_size": 2, **meta} if committed
+                else None)
     return layout.TagInfo(tag=name, entries=entries, metadata=metadata)
 
 
@@ -61,7 +63,8 @@ def test_validate_name_accepts_plain_names():
 
 
 def test_resolve_follows_latest_even_when_older():
-    state = _state(_tag("step_1", committed=True, seq=0), _tag("step_2", committed=True, seq=1), latest="step_1")
+    state = _state(_tag("step_1", committed=True, seq=0), _tag("step_2", committed=True, seq=1),
+                   latest="step_1")
     assert layout.resolve_tag(state, None) == (state.tags["step_1"], None)
 
 
@@ -86,7 +89,8 @@ def test_resolve_never_picks_an_uncommitted_tag():
 
 def test_resolve_refuses_plain_deepspeed_checkpoints():
     with pytest.raises(CheckpointError, match="not written by toolkit.save_checkpoint"):
-        layout.resolve_tag(_state(_tag("global_step5", started=False), run_id=None, latest="global_step5"), None)
+        layout.resolve_tag(_state(_tag("global_step5", started=False), run_id=None, latest="global_step5"),
+                           None)
 
 
 def test_plan_save_new_directory_and_own_run():
@@ -118,7 +122,8 @@ def test_plan_save_continues_a_directory_without_committed_checkpoints():
 
 
 def test_plan_save_replacing_the_latest_repoints_latest_first():
-    state = _state(_tag("step_1", committed=True, seq=0), _tag("step_2", committed=True, seq=1), latest="step_2")
+    state = _state(_tag("step_1", committed=True, seq=0), _tag("step_2", committed=True, seq=1),
+                   latest="step_2")
     plan = layout.plan_save(state, tag="step_2", mine="run-a", overwrite=False)
     assert plan.discard == ("step_2",) and plan.new_latest == "step_1" and plan.seq == 2
     assert plan.notes and not plan.warnings  # this run's own tag: routine, not a warning
@@ -166,12 +171,12 @@ def test_compatibility_problems_name_each_difference():
 def test_scan_dir_reads_the_markers(tmp_path):
     assert layout.scan_dir(tmp_path / "missing").tags == {}
     (tmp_path / "step_1").mkdir()
-    layout.atomic_write_json(tmp_path / "step_1" / layout.STARTED_FILE, {})
-    layout.atomic_write_json(tmp_path / "step_1" / layout.COMMIT_FILE, {"seq": 3, "tag": "step_1"})
+    atomic_write_json(tmp_path / "step_1" / layout.STARTED_FILE, {})
+    atomic_write_json(tmp_path / "step_1" / layout.COMMIT_FILE, {"seq": 3, "tag": "step_1"})
     (tmp_path / "step_2").mkdir()
-    layout.atomic_write_json(tmp_path / "step_2" / layout.STARTED_FILE, {})
+    atomic_write_json(tmp_path / "step_2" / layout.STARTED_FILE, {})
     (tmp_path / f"{layout.TRASH_PREFIX}old").mkdir()
-    layout.atomic_write_json(tmp_path / layout.RUN_FILE, {"run_id": "abc"})
+    atomic_write_json(tmp_path / layout.RUN_FILE, {"run_id": "abc"})
     layout.set_latest(tmp_path, "step_1")
     state = layout.scan_dir(tmp_path)
     assert state.run_id == "abc" and state.latest == "step_1" and sorted(state.tags) == ["step_1", "step_2"]
@@ -194,13 +199,13 @@ def test_damaged_metadata_is_an_error_not_a_checkpoint(tmp_path):
 
 def test_atomic_write_keeps_the_old_file_when_the_writer_fails(tmp_path):
     target = tmp_path / "latest"
-    layout.atomic_write(target, b"step_1")
+    atomic_write(target, b"step_1")
 
     def failing(fh):
         fh.write(b"step_")
         raise OSError("disk full")
     with pytest.raises(OSError, match="disk full"):
-        layout.atomic_write(target, failing)
+        atomic_write(target, failing)
     assert target.read_bytes() == b"step_1" and os.listdir(tmp_path) == ["latest"]
 
 
@@ -219,20 +224,44 @@ def test_rng_round_trip_through_a_weights_only_load(tmp_path):
 def test_arguments_are_checked_before_any_collective(tmp_path):
     # No process group in this process: each error must come before get_context().
     engine = object()
-    for kwargs, match in [({"steps_completed": -1}, "steps_completed"), ({"steps_completed": True}, "steps_completed"),
-                          ({"steps_completed": 1, "keep_last": 0}, "keep_last"),
-                          ({"steps_completed": 1, "client_state": [1]}, "client_state"),
-                          ({"steps_completed": 1, "tag": "../x"}, "tag="),
-                          ({"steps_completed": 1, "run_id": "a/b"}, "run_id="),
-                          ({"steps_completed": 1}, "deepspeed.initialize")]:
-        with pytest.raises(CheckpointError, match=match):
+    for kwargs, match in [({"steps_completed": -1}, "steps_completed=-1: expected an integer >= 0"),
+                          ({"steps_completed": True}, "steps_completed=True"),
+                          ({"steps_completed": 1, "keep_last": 0}, "keep_last=0: expected an integer >= 1"),
+                          ({"steps_completed": 1, "client_state": [1]},
+                           r"client_state=\[1\] \(list\): expected a dict"),
+                          ({"steps_completed": 1, "tag": "../x"}, "tag='../x': expected"),
+                          ({"steps_completed": 1, "run_id": "a/b"}, "run_id='a/b': expected"),
+                          ({"steps_completed": 1, "overwrite": "yes"},
+                           "overwrite='yes': expected True or False")]:
+        with pytest.raises(ConfigError, match=match):
             save_checkpoint(engine, tmp_path, **kwargs)
-    with pytest.raises(CheckpointError, match="tag="):
+    with pytest.raises(TypeError, match="deepspeed.initialize"):
+        save_checkpoint(engine, tmp_path, steps_completed=1)
+    with pytest.raises(ConfigError, match="tag='..'"):
         load_checkpoint(engine, tmp_path, tag="..")
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match="not a directory"):
         load_checkpoint(engine, tmp_path / "file")
+    with pytest.raises(ConfigError, match="checkpoint_dir=''"):
+        save_checkpoint(engine, "", steps_completed=1)
     assert not (tmp_path / "x").exists()
+
+
+def test_every_bad_argument_of_a_save_is_listed_in_one_error(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        save_checkpoint(object(), tmp_path, steps_completed=-1, keep_last=0, client_state=5, tag="../x",
+                        run_id="a/b", overwrite=1)
+    assert len(caught.value.problems) == 6, caught.value.problems
+    for fragment in ("steps_completed=-1", "keep_last=0", "client_state=5 (int)", "tag='../x'",
+                     "run_id='a/b'", "overwrite=1"):
+        assert fragment in str(caught.value)
+    assert not isinstance(caught.value, CheckpointError)
+
+
+def test_a_numpy_integer_step_is_stored_as_a_plain_int(tmp_path):
+    # is_int accepts NumPy integers; the save must still name the tag and write JSON with a plain int.
+    with pytest.raises(TypeError, match="deepspeed.initialize"):  # arguments pass, the engine does not
+        save_checkpoint(object(), tmp_path, steps_completed=np.int64(7), keep_last=np.int32(2))
 
 
 def test_consolidate_needs_a_committed_checkpoint(tmp_path):
@@ -274,23 +303,25 @@ def test_round_trip_resumes_identically(roundtrip, case):
         assert got["losses_b"] == got["losses_a"] and got["params_after_steps"], (rank, got)
 
 
-@pytest.mark.parametrize("name, match", [
-    ("zero_stage", "ZeRO stage: saved 1, this engine 2"),
-    ("pipeline", "pipeline engine: saved True, this engine False"),
-    ("not_pipeline", "pipeline engine: saved False, this engine True"),
-    ("missing_tag", "'step_99' does not exist"),
-    ("traversal_load", "tag='../zero0/step_2'"),
-    ("traversal_save", "tag='../escaped'"),
-    ("other_run_id", "checkpoints of run run-a .*not of this run \\(run-b\\)"),
-    ("fresh_process", "not of this process, which has not loaded from it"),
-    ("rank_mismatch", "the chief saves 'step_5' at steps_completed=5; pass the same values on every rank"),
+@pytest.mark.parametrize("name, match, kind", [
+    ("zero_stage", "ZeRO stage: saved 1, this engine 2", "CheckpointError"),
+    ("pipeline", "pipeline engine: saved True, this engine False", "CheckpointError"),
+    ("not_pipeline", "pipeline engine: saved False, this engine True", "CheckpointError"),
+    ("missing_tag", "'step_99' does not exist", "CheckpointError"),
+    ("traversal_load", "tag='../zero0/step_2'", "ConfigError"),      # a bad argument
+    ("traversal_save", "tag='../escaped'", "ConfigError"),
+    ("other_run_id", "checkpoints of run run-a .*not of this run \\(run-b\\)", "CheckpointError"),
+    ("fresh_process", "not of this process, which has not loaded from it", "CheckpointError"),
+    ("rank_mismatch", "the chief saves 'step_5' at steps_completed=5; pass the same values on every rank",
+     "CheckpointError"),
 ])
-def test_errors_on_every_rank_before_deepspeed_loads(roundtrip, name, match):
+def test_errors_on_every_rank_before_deepspeed_loads(roundtrip, name, match, kind):
     _, records, _ = roundtrip
     for record in records:
         error = record["errors"][name]
         assert error["raised"] is not None and not error["deepspeed_touched"], error
         assert re.search(match, error["raised"]), error["raised"]
+        assert error["type"] == kind, error
     assert not records[0]["escaped_exists"]
 
 
@@ -333,7 +364,8 @@ def _wait_for(paths, proc, log, timeout=300):
         if any(path.exists() for path in paths):
             return
         if proc.poll() is not None:
-            raise AssertionError(f"worker exited ({proc.returncode}) before pausing:\n{log.read_text()[-6000:]}")
+            raise AssertionError(f"worker exited ({proc.returncode}) before pausing:\n"
+                                 f"{log.read_text()[-6000:]}")
         time.sleep(0.2)
     raise AssertionError(f"worker did not pause within {timeout} s:\n{log.read_text()[-6000:]}")
 
@@ -413,4 +445,5 @@ def test_resume_in_a_new_process_with_deepspeeds_cpu_adam_is_bitwise_exact(tmp_p
         for key in reference["module"]:
             assert torch.equal(reference["module"][key], resumed["module"][key]), (rank, key)
         # The same worker without the replay shows the defect it repairs (so this test can fail).
-        assert not all(torch.equal(a, b) for a, b in zip(reference["partition"], without["partition"])), rank
+        assert not all(torch.equal(a, b) for a, b in zip(reference["partition"], without["partition"],
+                                                         strict=True)), rank

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 import procutil
 import toolkit.metrics.writer as metrics_module
+from toolkit.errors import ConfigError
 from toolkit.metrics.writer import SAMPLES_PER_SECOND, MetricsSettings, MetricsWriter
 from toolkit.runtime.context import DistributedContext
 
@@ -101,11 +103,21 @@ def test_other_bad_inputs(writer):
     ({"reduce_secs": 0}, "reduce_secs"), ({"reduce_secs": math.inf}, "reduce_secs"),
 ])
 def test_settings_are_validated(tmp_path, kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    (key, value), = kwargs.items()
+    with pytest.raises(ConfigError, match=re.escape(f"{field}={value!r}: expected")):
         MetricsSettings(**kwargs)
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ConfigError, match=field):
         MetricsWriter(_context(), tmp_path, **kwargs)
     assert not tmp_path.joinpath("metrics.jsonl").exists()
+
+
+def test_settings_list_every_problem_at_once():
+    with pytest.raises(ConfigError) as caught:
+        MetricsSettings(jsonl_name="a/b", flush_every=0, flush_secs=-1, reduce_every=True,
+                        reduce_secs=math.nan, resume_step=-3)
+    assert [p.split("=")[0] for p in caught.value.problems] == [
+        "jsonl_name", "flush_every", "reduce_every", "resume_step", "flush_secs", "reduce_secs"]
+    assert MetricsSettings(flush_every=np.int64(3), resume_step=np.int32(4)).flush_every == 3
 
 
 def test_unknown_setting_and_bad_context(tmp_path):
@@ -213,7 +225,8 @@ def test_training_reports_are_averaged_in_batches_of_reduce_every(tmp_path):
     assert w.report_training_metrics(4, {"loss": 4.0}) is None
     # A validation report averages what is pending, in report order, then itself.
     assert w.report_validation_metrics(4, {"acc": 0.5}) == {"acc": 0.5}
-    assert [(x["group"], x["steps_completed"]) for x in _lines(path)][3:] == [("training", 4), ("validation", 4)]
+    groups = [(x["group"], x["steps_completed"]) for x in _lines(path)]
+    assert groups[3:] == [("training", 4), ("validation", 4)]
     w.report_training_metrics(5, {"loss": 5.0})
     w.close()                                  # writes the pending report
     assert _scalars(tmp_path)["training/loss"] == [(s, float(s)) for s in range(1, 6)]
@@ -381,7 +394,8 @@ def test_two_ranks_batched_one_collective_per_batch(two_ranks):
     lines = _lines(base / "batched" / "metrics.jsonl")
     assert [(x["group"], x["steps_completed"]) for x in lines] == (
         [("training", s) for s in range(1, 10)] + [("validation", 9), ("training", 10), ("training", 11)])
-    assert [x["metrics"]["loss"] for x in lines if x["group"] == "training"] == [s + 0.5 for s in range(1, 12)]
+    losses = [x["metrics"]["loss"] for x in lines if x["group"] == "training"]
+    assert losses == [s + 0.5 for s in range(1, 12)]
     assert _scalars(base / "batched")["training/loss"] == [(s, s + 0.5) for s in range(1, 12)]
 
 
@@ -390,7 +404,8 @@ def test_two_ranks_disagreeing_ranks_all_raise_instead_of_hanging(two_ranks):
     for record in records:
         names, steps = record["errors"]["names"], record["errors"]["steps"]
         assert names is not None and "different metrics" in names
-        assert "rank 0: training metrics ['acc', 'count', 'loss']" in names and "rank 1: training metrics ['loss']" in names
+        assert "rank 0: training metrics ['acc', 'count', 'loss']" in names
+        assert "rank 1: training metrics ['loss']" in names
         assert steps is not None and "different steps_completed [[9], [10]]" in steps
         batched = record["errors"]["batched_names"]
         assert batched is not None and "rank 1: training metrics ['other']" in batched, batched

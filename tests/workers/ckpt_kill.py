@@ -20,6 +20,7 @@ from pathlib import Path
 import ckpt_common as c
 
 import toolkit
+import toolkit.checkpoint.api as api
 import toolkit.checkpoint.layout as layout
 from toolkit.checkpoint.api import load_checkpoint, save_checkpoint
 from toolkit.errors import CheckpointError
@@ -42,13 +43,13 @@ def install_pause(engine, out, mode):
             pause(out)
         engine.checkpoint_engine.save = save_then_pause
     elif mode == "before_commit" and ctx.is_chief:
-        original_write = layout.atomic_write_json
+        original_write = api.atomic_write_json  # the name the save looks up
 
-        def write(path, obj):
+        def write(path, obj, **kwargs):
             if Path(path).name == layout.COMMIT_FILE:
                 pause(out)
-            original_write(path, obj)
-        layout.atomic_write_json = write
+            original_write(path, obj, **kwargs)
+        api.atomic_write_json = write
     elif mode == "before_latest" and ctx.is_chief:
         original_set = layout.set_latest
 

@@ -15,7 +15,7 @@ import toolkit
 import toolkit.checkpoint.api as tkc
 from toolkit.checkpoint.api import load_checkpoint, save_checkpoint
 from toolkit.checkpoint.layout import COMMIT_FILE, STARTED_FILE
-from toolkit.errors import CheckpointError
+from toolkit.errors import CheckpointError, ConfigError
 
 out = Path(sys.argv[1])
 ctx = toolkit.init_distributed()
@@ -23,16 +23,18 @@ record = {"cases": {}, "errors": {}}
 
 
 def expect_error(name, fn, engine=None):
-    """Run fn, which must raise CheckpointError; record the message and whether DeepSpeed loaded."""
+    """Run fn, which must raise CheckpointError or ConfigError; record the type, the message and
+    whether DeepSpeed loaded."""
     touched = []
     if engine is not None:
         original = engine.load_checkpoint
         engine.load_checkpoint = lambda *a, **k: touched.append(1) or original(*a, **k)
     try:
         fn()
-        record["errors"][name] = {"raised": None, "deepspeed_touched": bool(touched)}
-    except CheckpointError as err:
-        record["errors"][name] = {"raised": str(err), "deepspeed_touched": bool(touched)}
+        record["errors"][name] = {"raised": None, "type": None, "deepspeed_touched": bool(touched)}
+    except (CheckpointError, ConfigError) as err:
+        record["errors"][name] = {"raised": str(err), "type": type(err).__name__,
+                                  "deepspeed_touched": bool(touched)}
     finally:
         if engine is not None:
             engine.load_checkpoint = original

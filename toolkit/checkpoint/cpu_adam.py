@@ -8,20 +8,17 @@ inside a C++ object that lives for the whole process (``Adam_Optimizer::Incremen
 ``beta``, any other step (the first one after a resume, in a new process) computes
 ``std::pow(beta, step)`` instead. The two round differently, so the first update after a resume
 uses a bias correction 1 ulp off and the weights drift from the uninterrupted run's, although
-the checkpoint restored every saved tensor exactly. Measured in float32: ``0.999**step`` by running
-product differs from ``pow`` at 166 of the first 200 steps (steps 3, 6, 19 to 36, ...), ``0.9**step``
-at 139 of them; a 4096-element parameter resumed at step 50 in a new process differs from the
-uninterrupted run on 120 elements after 5 steps. None of this is in DeepSpeed's checkpoint.
+the checkpoint restored every saved tensor exactly (for ``beta2=0.999`` the running product and
+``pow`` differ at most steps, 19 to 36 among them). None of this is in DeepSpeed's checkpoint.
 
-:func:`replay_cpu_adam_state` drives those kernels through steps ``1 .. step`` on empty tensors,
-the same calls the uninterrupted run made, so their running products end bitwise where that run's
-did; it costs about 2 µs per replayed step (0.19 s for 100,000 steps on this project's CPU
-machine). :func:`toolkit.load_checkpoint` calls it; call it yourself only after loading with
-``engine.load_checkpoint`` directly. It assumes each parameter group's betas did not change up to
-the checkpoint: with a momentum schedule (DeepSpeed's ``OneCycle`` with ``cycle_momentum``) the
-first steps after a resume may still round differently. Other optimizers (``torch.optim``, CUDA
-``FusedAdam``) compute ``beta**step`` from the step at every call, and CPU Lion and Adagrad keep
-no such product: they need nothing.
+:func:`replay_cpu_adam_state` drives those kernels through steps ``1 .. step`` on empty tensors, the
+same calls the uninterrupted run made, so their running products end bitwise where that run's did,
+at a cost of microseconds per replayed step. :func:`toolkit.load_checkpoint` calls it; call it
+yourself only after loading with ``engine.load_checkpoint`` directly. It assumes each parameter
+group's betas did not change up to the checkpoint: with a momentum schedule (DeepSpeed's
+``OneCycle`` with ``cycle_momentum``) the first steps after a resume may still round differently.
+Other optimizers (``torch.optim``, CUDA ``FusedAdam``) compute ``beta**step`` from the step at every
+call, and CPU Lion and Adagrad keep no such product: they need nothing.
 
 Example::
 

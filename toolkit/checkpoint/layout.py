@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from toolkit._files import atomic_write, fsync_dir
-from toolkit.errors import CheckpointError
+from toolkit.errors import CheckpointError, ConfigError
 
-__all__ = ["validate_name", "scan_dir", "resolve_tag", "plan_save", "plan_keep_last",
-           "compatibility_problems", "DirState", "TagInfo", "SavePlan"]
+__all__ = ["checkpoint_root", "name_problem", "validate_name", "scan_dir", "resolve_tag", "plan_save",
+           "plan_keep_last", "compatibility_problems", "DirState", "TagInfo", "SavePlan"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,25 +53,55 @@ TRASH_PREFIX = ".toolkit-trash-"
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _RESERVED = {LATEST_FILE, "latest_universal", "zero_to_fp32.py", "zero_to_torch.py"}
 # What DeepSpeed and toolkit put in a tag directory; only such directories may ever be deleted.
-_CHECKPOINT_ENTRY_RE = re.compile(r".*\.pt|toolkit_.*|.*\.tmp|zero_to_(fp32|torch)\.py|offloaded_tensors|zero")
+_CHECKPOINT_ENTRY_RE = re.compile(
+    r".*\.pt|toolkit_.*|.*\.tmp|zero_to_(fp32|torch)\.py|offloaded_tensors|zero")
 _DEEPSPEED_FILE_RE = re.compile(r".*[_-](model|optim)_states\.pt")
 
 
-def validate_name(value: Any, *, what: str = "tag") -> str:
-    """Check a tag or run id given by a user: one safe path component. Any rank.
+def name_problem(value: Any, *, what: str = "tag") -> str | None:
+    """What is wrong with a tag or run id as one safe path component, or None. Pure; any rank.
 
-    Raises:
-        CheckpointError: not a string of letters, digits, ``.``, ``_`` and ``-`` starting with a
-            letter or digit (so no ``/``, ``..``, hidden or absolute paths), or a reserved name.
+    A name is a string of letters, digits, ``.``, ``_`` and ``-`` starting with a letter or digit
+    (so no ``/``, ``..``, hidden or absolute paths) and not a name reserved for DeepSpeed's or
+    toolkit's own files.
     """
     if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
-        raise CheckpointError(
-            f"{what}={value!r}: expected 1-200 characters from A-Z a-z 0-9 . _ - starting with a letter "
-            f"or digit (a single directory name: no '/', no '..', not hidden), for example 'step_100'")
+        return (f"{what}={value!r}: expected 1-200 characters from A-Z a-z 0-9 . _ - starting with a letter "
+                f"or digit (a single directory name: no '/', no '..', not hidden), for example 'step_100'")
     if value in _RESERVED or value.startswith("toolkit_"):
-        raise CheckpointError(f"{what}={value!r} is a name DeepSpeed or toolkit uses for its own files "
-                              "in a checkpoint directory; choose another, for example 'step_100'")
+        return (f"{what}={value!r} is a name DeepSpeed or toolkit uses for its own files "
+                "in a checkpoint directory; choose another, for example 'step_100'")
+    return None
+
+
+def validate_name(value: Any, *, what: str = "tag") -> str:
+    """Check a tag or run id found on disk (``latest``, ``latest_universal``). Any rank.
+
+    Arguments a user passes are checked with :func:`name_problem` and raise ``ConfigError``.
+
+    Raises:
+        CheckpointError: the name is not safe (see :func:`name_problem`).
+    """
+    problem = name_problem(value, what=what)
+    if problem:
+        raise CheckpointError(problem)
     return value
+
+
+def checkpoint_root(checkpoint_dir: Any, *, what: str = "checkpoint_dir") -> str:
+    """The checkpoint directory as a string, checked before anything touches it. Any rank.
+
+    Raises:
+        ConfigError: not a non-empty path.
+        CheckpointError: the path exists and is not a directory.
+    """
+    if not isinstance(checkpoint_dir, (str, os.PathLike)) or not os.fspath(checkpoint_dir):
+        raise ConfigError(f"{what}={checkpoint_dir!r}: expected a non-empty path (str or pathlib.Path)")
+    root = os.fspath(checkpoint_dir)
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"{what}={root!r} exists and is not a directory; pass a directory "
+                              "(it is created if missing)")
+    return str(root)
 
 
 def new_run_id() -> str:
@@ -89,6 +119,11 @@ class TagInfo:
     @property
     def committed(self) -> bool:
         return self.metadata is not None
+
+    @property
+    def meta(self) -> Mapping[str, Any]:
+        """The commit metadata; empty when the tag is not committed."""
+        return self.metadata or {}
 
     @property
     def started(self) -> bool:
@@ -181,13 +216,17 @@ def resolve_tag(state: DirState, tag: str | None) -> tuple[TagInfo | None, str |
     so pointing ``latest`` at an older tag rolls back); otherwise the newest committed one.
 
     Raises:
+        ConfigError: ``tag`` is not a safe name (see :func:`name_problem`).
         CheckpointError: ``tag`` is given but not a committed checkpoint; or there is no committed
             checkpoint but DeepSpeed checkpoints written without toolkit are present.
     """
     committed = state.committed()
     names = ", ".join(repr(t.tag) for t in committed) or "none"
     if tag is not None:
-        info = state.tags.get(validate_name(tag))
+        problem = name_problem(tag)
+        if problem:
+            raise ConfigError(problem)
+        info = state.tags.get(tag)
         if info is None:
             raise CheckpointError(f"tag {tag!r} does not exist in {state.root}; committed checkpoints "
                                   f"there: {names}. Pass one of them, or tag=None for the latest")
@@ -214,8 +253,8 @@ def resolve_tag(state: DirState, tag: str | None) -> tuple[TagInfo | None, str |
 
 def _other_run_error(state: DirState, mine: str | None) -> CheckpointError:
     last = state.committed()[-1] if state.committed() else None
-    detail = (f"latest committed: {last.tag!r} at steps_completed={last.metadata.get('steps_completed')}, "
-              f"world size {last.metadata.get('world_size')}" if last else "DeepSpeed checkpoints without "
+    detail = (f"latest committed: {last.tag!r} at steps_completed={last.meta.get('steps_completed')}, "
+              f"world size {last.meta.get('world_size')}" if last else "DeepSpeed checkpoints without "
               "toolkit markers")
     owner = f"run {state.run_id}" if state.run_id else "another run"
     you = f"this run ({mine})" if mine else "this process, which has not loaded from it"
@@ -263,7 +302,7 @@ def plan_save(state: DirState, *, tag: str, mine: str | None, overwrite: bool) -
     if info is not None:
         if info.committed:
             notes.append(f"replacing the committed checkpoint {tag!r} "
-                         f"(steps_completed={info.metadata.get('steps_completed')})")
+                         f"(steps_completed={info.meta.get('steps_completed')})")
             if state.latest == tag:
                 others = [t for t in committed if t.tag != tag]
                 new_latest, remove_latest = (others[-1].tag, False) if others else (None, True)

@@ -6,29 +6,38 @@ CUDA generators. :func:`capture_rng_state` returns them as a dict of tensors, in
 ``None`` only, so ``torch.save`` writes it and ``torch.load(..., weights_only=True)`` reads it back
 without running arbitrary pickle code. :func:`toolkit.save_checkpoint` stores one per rank.
 
+These two are not part of ``toolkit.__all__`` (:func:`toolkit.load_checkpoint` restores the
+states itself); import them from this module to keep RNG states outside a checkpoint.
+
 Example::
 
-    # torchrun --nproc_per_node 2 train.py    (each rank keeps its own streams)
-    state = toolkit.capture_rng_state()
-    torch.save(state, f"rng_rank{ctx.rank}.pt")
+    # torchrun --nproc_per_node 2 train.py    (any rank: each rank keeps its own streams)
+    from toolkit.checkpoint.rng import capture_rng_state, restore_rng_state
+    torch.save(capture_rng_state(), f"rng_rank{ctx.rank}.pt")
     ...
-    toolkit.restore_rng_state(torch.load(f"rng_rank{ctx.rank}.pt", weights_only=True))
+    restore_rng_state(torch.load(f"rng_rank{ctx.rank}.pt", weights_only=True))
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import random
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-try:  # NumPy is optional for torch; DeepSpeed needs it, but this module must not.
-    import numpy as np
-except ImportError:  # pragma: no cover - numpy is installed wherever DeepSpeed is
-    np = None
+from toolkit._files import atomic_write
 
-__all__ = ["capture_rng_state", "restore_rng_state", "RNG_STATE_VERSION"]
+np: Any = None
+try:  # NumPy is optional for torch; DeepSpeed needs it, but this module must not.
+    np = importlib.import_module("numpy")
+except ImportError:  # pragma: no cover - numpy is installed wherever DeepSpeed is
+    pass
+
+__all__ = ["capture_rng_state", "read_rank_file", "restore_rng_state", "write_rank_file",
+           "RNG_STATE_VERSION"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +91,11 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     if not isinstance(state, Mapping) or state.get("version") != RNG_STATE_VERSION:
         version = state.get("version") if isinstance(state, Mapping) else type(state).__name__
         raise ValueError(f"RNG state version {version!r}: expected a dict from "
-                         f"toolkit.capture_rng_state() with version {RNG_STATE_VERSION}")
+                         f"toolkit.checkpoint.rng.capture_rng_state() with version {RNG_STATE_VERSION}")
     missing = [key for key in ("python", "numpy", "torch", "cuda") if key not in state]
     if missing:
         raise ValueError(f"RNG state lacks {', '.join(missing)}: expected a dict from "
-                         "toolkit.capture_rng_state()")
+                         "toolkit.checkpoint.rng.capture_rng_state()")
     py = state["python"]
     random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss_next"]))
     if state["numpy"] is not None:
@@ -105,3 +114,28 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
             visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
             logger.warning("the RNG state holds %d CUDA generator(s) but %d device(s) are visible; "
                            "CUDA random streams start fresh", len(cuda), visible)
+
+
+def write_rank_file(path: Path, *, rank: int, world_size: int) -> None:
+    """Write this rank's states (from :func:`capture_rng_state`) to ``path`` atomically. Any rank.
+
+    Raises:
+        OSError, RuntimeError: the write failed (``torch.save`` reports some as RuntimeError).
+    """
+    saved = {"rank": rank, "world_size": world_size, "rng": capture_rng_state()}
+    atomic_write(path, lambda fh: torch.save(saved, fh))
+
+
+def read_rank_file(path: Path, *, rank: int, world_size: int) -> tuple[Any, str | None]:
+    """The states :func:`write_rank_file` wrote for this rank, and why they are unusable (or None).
+
+    Read with ``weights_only=True``. Any rank; the caller makes the ranks agree on the errors.
+    """
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if saved.get("rank") != rank or saved.get("world_size") != world_size:
+            return None, (f"{path} holds rank {saved.get('rank')} of {saved.get('world_size')}, "
+                          f"expected rank {rank} of {world_size}")
+        return saved["rng"], None
+    except (OSError, RuntimeError, KeyError, AttributeError) as err:
+        return None, f"cannot read this rank's RNG states {path}: {err}"

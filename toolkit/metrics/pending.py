@@ -1,19 +1,19 @@
 """Metric reports waiting for their batch's collective, for :class:`toolkit.MetricsWriter`.
 
 Pure bookkeeping of one rank (no collective). The reports are kept in a few growing lists of
-numbers, not as one object each: see :class:`_PendingReports` for why.
+numbers, not as one object each: see :class:`PendingReports` for why.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-__all__: list[str] = []   # internal to toolkit.metrics.writer
+__all__ = ["PendingReports", "Report", "describe_signature", "signature_size"]  # for the writer
 
 
 @dataclasses.dataclass(frozen=True)
-class _Report:
-    """One report as this rank made it, being averaged (built from :class:`_PendingReports`)."""
+class Report:
+    """One report as this rank made it, being averaged (built from :class:`PendingReports`)."""
 
     group: str            # "training" or "validation"
     signature: tuple      # (names, has samples, batch names): must match across ranks
@@ -22,17 +22,22 @@ class _Report:
     now: float            # the writer's clock at the report
 
 
-class _PendingReports:
+class PendingReports:
     """The reports waiting for their batch's collective, kept in a few growing lists.
 
-    Why not a list of :class:`_Report`: each waiting report would add objects that the cyclic
+    Why not a list of :class:`Report`: each waiting report would add objects that the cyclic
     garbage collector tracks (a dataclass instance, a list), and a batch of hundreds of them
     surviving for seconds is what makes the collector run its full passes over every object
-    of the training process, PyTorch's and DeepSpeed's included. Measured with
-    ``scripts/bench_overhead.py`` (2 CPU ranks, 30 ms steps): the loop with the helpers ran
-    ~2.5% slower than without, and 0.2% slower with ``gc.freeze()``. Appending ints and floats
-    to existing lists creates no tracked object; the distinct signatures (a handful) are kept
-    once each.
+    of the training process, PyTorch's and DeepSpeed's included, which slows the training loop
+    measurably (``scripts/bench_overhead.py``; figures in the README's benchmark section).
+    Appending ints and floats to existing lists creates no tracked object; the distinct
+    signatures (a handful) are kept once each.
+
+    Example (one rank; the writer drains at each collective)::
+
+        pending = PendingReports()
+        pending.append("training", (("loss",), False, ()), 10, [0.25], now)
+        reports = pending.drain()
     """
 
     def __init__(self) -> None:
@@ -66,23 +71,25 @@ class _PendingReports:
         """``steps_completed`` of the first and the last waiting report (some must wait)."""
         return self._steps[0], self._steps[-1]
 
-    def drain(self) -> list[_Report]:
+    def drain(self) -> list[Report]:
         """The waiting reports, oldest first; none wait afterwards."""
         reports, start = [], 0
-        for kind, steps, now, end in zip(self._kind, self._steps, self._nows, self._ends):
+        for kind, steps, now, end in zip(self._kind, self._steps, self._nows, self._ends, strict=True):
             group, signature = self._kinds[kind]
-            reports.append(_Report(group, signature, steps, self._values[start:end], now))
+            reports.append(Report(group, signature, steps, self._values[start:end], now))
             start = end
         self._drain()
         return reports
 
 
-def _signature_size(signature: tuple) -> int:
+def signature_size(signature: tuple) -> int:
+    """How many floats a report with this signature sends: values, samples and batch values."""
     keys, has_samples, batch_keys = signature
     return len(keys) + (2 if has_samples else 0) + sum(len(k) for k in batch_keys)
 
 
-def _describe(signature: tuple) -> str:
+def describe_signature(signature: tuple) -> str:
+    """The signature in words, for the message naming ranks that reported different metrics."""
     keys, has_samples, batch_keys = signature
     text = f"metrics {list(keys)}"
     if has_samples:

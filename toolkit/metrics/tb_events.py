@@ -2,9 +2,9 @@
 
 Why not ``torch.utils.tensorboard.SummaryWriter``: its background writer thread (Python, holding
 the GIL while it serialises and checksums each event) contends with the training loop for the
-GIL. Measured with ``scripts/bench_overhead.py`` (2 CPU ranks, one event per 29 ms step): the
-loop ran 1.5-2% slower with it, against ~0.2% for the same events written here, in one burst per
-batch of reports, by the thread that reports them. The files are the format TensorBoard reads
+GIL, which ``scripts/bench_overhead.py`` measures as a visible slowdown (figures in the README's
+benchmark section). Here the same events are written in one burst per batch of reports, by the
+thread that reports them. The files are the format TensorBoard reads
 (records framed with masked CRC-32C, ``brain.Event:2``), one new file per writer.
 
 Chief only by use (no collective).

@@ -3,9 +3,10 @@
 Every rank reports its own values; the writer averages them across ranks and the chief alone
 writes them. Training reports are averaged in batches: one small collective per batch instead
 of one per step, because a blocking collective every step makes every rank wait for the slowest
-at that point, which cost 3-10% of a small step on 2 CPU ranks. By default the batch adapts so
-that a collective happens about every ``reduce_secs`` seconds (``reduce_every`` fixes it
-instead). Validation reports, and ``close()``, average whatever is pending at once. Files: TensorBoard event files (tags ``training/<name>``,
+at that point (a measurable share of a small step; see the README's benchmark section). By
+default the batch adapts so that a collective happens about every ``reduce_secs`` seconds
+(``reduce_every`` fixes it instead). Validation reports, and ``close()``, average whatever is
+pending at once. Files: TensorBoard event files (tags ``training/<name>``,
 ``validation/<name>``, ``training_batch/<name>``, x axis = ``steps_completed``) and
 ``metrics.jsonl`` beside them, one line per report::
 
@@ -30,35 +31,31 @@ import dataclasses
 import json
 import logging
 import math
-import numbers
 import os
 import time
 import weakref
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from toolkit._checks import is_int
-from toolkit.metrics.pending import _describe, _PendingReports, _Report, _signature_size
-from toolkit.metrics.values import _check_steps, _values
+from toolkit._checks import int_problem, is_number
+from toolkit.errors import ConfigError
+from toolkit.metrics.pending import PendingReports, Report
+from toolkit.metrics.reduce import next_batch_size, reduce_reports
+from toolkit.metrics.values import (
+    SAMPLES_PER_SECOND,
+    check_batch_metrics,
+    check_samples,
+    check_steps,
+    metric_values,
+)
 from toolkit.runtime.context import DistributedContext
 
 __all__ = ["MetricsSettings", "MetricsWriter", "SAMPLES_PER_SECOND"]
 
 logger = logging.getLogger(__name__)
 
-#: Name of the throughput metric written when ``samples=`` is passed to a training report.
-SAMPLES_PER_SECOND = "samples_per_second"
-
 # Monotonic clock for throughput intervals; a module global so tests can substitute a fake one.
 _monotonic = time.perf_counter
-
-# Header of every reduced vector: [signature-changed flag, step mod 2**16, (step mod 2**16)**2].
-# The sum and the sum of squares of a small integer tell, exactly in float64, whether every
-# rank passed the same step (Cauchy-Schwarz: n * sum(x*x) == sum(x)**2 iff all x are equal);
-# the sums stay below 2**53, so exact, for up to 2**21 ranks.
-_HEADER = 3
-_STEP_MOD = 1 << 16
-_MAX_BATCH = 1000   # adaptive batches: at most this many reports wait for their collective
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,24 +89,29 @@ class MetricsSettings:
     resume_step: int | None = None
 
     def __post_init__(self) -> None:
-        name = self.jsonl_name
-        if (not isinstance(name, str) or not name or name in (".", "..")
-                or "/" in name or (os.sep in name) or (os.altsep and os.altsep in name)):
-            raise ValueError(f"jsonl_name={name!r}: expected a plain file name such as "
-                             "'metrics.jsonl' (no directory part); the file goes into log_dir")
-        for field in ("flush_every", "reduce_every"):
-            value = getattr(self, field)
-            if (value is not None or field != "reduce_every") and (not is_int(value) or value < 1):
-                raise ValueError(f"{field}={value!r}: expected an integer >= 1"
-                                 + (" or None (adaptive, see reduce_secs)" if field == "reduce_every" else ""))
+        problems = [self._jsonl_name_problem(),
+                    int_problem("flush_every", self.flush_every, minimum=1),
+                    None if self.reduce_every is None else int_problem(
+                        "reduce_every", self.reduce_every, minimum=1,
+                        hint=" or None (adaptive, see reduce_secs)"),
+                    None if self.resume_step is None else int_problem(
+                        "resume_step", self.resume_step, minimum=0,
+                        hint=" or None: the steps_completed of the checkpoint this run resumed from")]
         for field in ("flush_secs", "reduce_secs"):
             value = getattr(self, field)
-            if (not isinstance(value, numbers.Real) or isinstance(value, bool)
-                    or not value > 0 or not math.isfinite(value)):
-                raise ValueError(f"{field}={value!r}: expected a finite number of seconds > 0")
-        if self.resume_step is not None and (not is_int(self.resume_step) or self.resume_step < 0):
-            raise ValueError(f"resume_step={self.resume_step!r}: expected None or the integer "
-                             "steps_completed (>= 0) of the checkpoint this run resumed from")
+            if not is_number(value) or not value > 0 or not math.isfinite(value):
+                problems.append(f"{field}={value!r}: expected a finite number of seconds > 0")
+        found = [p for p in problems if p]
+        if found:
+            raise ConfigError(found, source="MetricsSettings")
+
+    def _jsonl_name_problem(self) -> str | None:
+        name = self.jsonl_name
+        if (not isinstance(name, str) or not name or name in (".", "..")
+                or "/" in name or (os.sep in name) or bool(os.altsep and os.altsep in name)):
+            return (f"jsonl_name={name!r}: expected a plain file name such as 'metrics.jsonl' "
+                    "(no directory part); the file goes into log_dir")
+        return None
 
 
 class MetricsWriter:
@@ -122,9 +124,9 @@ class MetricsWriter:
     Cost: one all-reduce per batch of training reports (and per validation report) of
     ``len(metrics) + 3`` floats per report (+2 with ``samples``, + the batch metrics), plus one
     all-gather and one more all-reduce when the set of names changes; on the chief, some tens of
-    microseconds per report to queue one TensorBoard event (its writer thread computes the
-    checksums) and buffer one JSON line. Files are flushed every ``flush_every`` reports, every
-    ``flush_secs`` seconds, and on close.
+    microseconds per report to buffer one TensorBoard event and one JSON line (written by the
+    reporting thread itself; there is no writer thread). Files are flushed every ``flush_every``
+    reports, every ``flush_secs`` seconds, and on close.
 
     A value of the wrong kind raises on the rank that has it, before any collective: when every
     rank passes the same bad input, every rank raises. Ranks that disagree about the metric
@@ -154,7 +156,7 @@ class MetricsWriter:
         self.settings = MetricsSettings(**settings)
         self.log_dir = Path(log_dir)
         self._agreed: dict[str, tuple] = {}          # group -> names every rank reported
-        self._pending = _PendingReports()           # reported here, not averaged yet
+        self._pending = PendingReports()           # reported here, not averaged yet
         self._warned: set[str] = set()
         self._unflushed = 0
         self._closed = False
@@ -165,7 +167,8 @@ class MetricsWriter:
             from toolkit.metrics.tb_events import EventFile
 
             s = self.settings
-            self._tb = EventFile(self.log_dir, purge_step=None if s.resume_step is None else s.resume_step + 1)
+            purge = None if s.resume_step is None else int(s.resume_step) + 1
+            self._tb = EventFile(self.log_dir, purge_step=purge)
             self._jsonl = open(self.log_dir / s.jsonl_name, "a", encoding="utf-8")
             # Flush what is buffered even if the user forgets close(); holds no reference to self.
             self._finalizer = weakref.finalize(self, _close_files, self._tb, self._jsonl)
@@ -209,33 +212,17 @@ class MetricsWriter:
         where = "report_training_metrics"
         self._check_open(where)
         now = _monotonic()
-        steps = _check_steps(steps_completed)
-        keys, values = _values(where, metrics)
-        batches: list[tuple[tuple[str, ...], list[float]]] = []
-        if batch_metrics is not None:
-            if not isinstance(batch_metrics, Sequence) or isinstance(batch_metrics, (str, bytes)):
-                raise TypeError(f"{where}: batch_metrics is {type(batch_metrics).__name__}: expected "
-                                "a list of dicts, one per batch since the previous report")
-            if len(batch_metrics) > steps:
-                raise ValueError(f"{where}: {len(batch_metrics)} batch_metrics entries at "
-                                 f"steps_completed={steps}: expected at most {steps}, one per step, "
-                                 "the last one for step steps_completed")
-            batches = [_values(f"{where}: batch_metrics[{i}]", m) for i, m in enumerate(batch_metrics)]
-        header: list[float] = []
-        if samples is not None:
-            if not is_int(samples) or samples < 0:
-                raise ValueError(f"{where}: samples={samples!r}: expected the integer number (>= 0) "
-                                 "of samples this rank processed since the previous report")
-            if SAMPLES_PER_SECOND in keys:
-                raise ValueError(f"{where}: metric {SAMPLES_PER_SECOND!r} is also computed from "
-                                 "samples=; rename your metric or leave samples out")
-            header = [float(samples), now - self._clock_start]
+        steps = check_steps(steps_completed)
+        keys, values = metric_values(where, metrics)
+        batches = check_batch_metrics(where, batch_metrics, steps)
+        check_samples(where, samples, keys)
         if not keys and not batches and samples is None:
             raise ValueError(f"{where}: nothing to report: metrics is empty and neither "
                              "batch_metrics nor samples is given")
+        header = [] if samples is None else [float(samples), now - self._clock_start]
         signature = (keys, samples is not None, tuple(k for k, _ in batches))
-        flat = header + values + [v for _, vs in batches for v in vs]
         self._clock_start = now
+        flat = header + values + [v for _, vs in batches for v in vs]
         self._pending.append("training", signature, steps, flat, now)
         if len(self._pending) < self._batch:
             return None
@@ -260,8 +247,8 @@ class MetricsWriter:
         where = "report_validation_metrics"
         self._check_open(where)
         now = _monotonic()
-        steps = _check_steps(steps_completed)
-        keys, values = _values(where, metrics)
+        steps = check_steps(steps_completed)
+        keys, values = metric_values(where, metrics)
         if not keys:
             raise ValueError(f"{where}: metrics is empty: expected at least one name -> number")
         # The throughput interval restarts here, so evaluation time is not counted as training.
@@ -325,64 +312,19 @@ class MetricsWriter:
     def _reduce_pending(self, where: str) -> list[dict[str, float]]:
         """Average every pending report with one all-reduce; the chief writes them. All ranks.
 
-        The vector is this rank's seconds since the previous batch, then the reports' vectors
-        one after the other, each ``[flag, step mod 2**16,
-        (step mod 2**16)**2, values...]``. A report whose names differ from the ones agreed for
-        its group sets its flag, and sends only the header plus zeros of the agreed size, so the
-        collective stays well formed; a flag anywhere sends every rank to the slow path together.
+        See :mod:`toolkit.metrics.reduce` for the vector and how the ranks' agreement is checked.
         """
         reports = self._pending.drain()
         now = _monotonic()
-
-        def vector(real: bool) -> list[float]:
-            out: list[float] = [now - self._last_reduce]   # for the adaptive batch size
-            for r in reports:
-                step = r.steps % _STEP_MOD
-                if real or r.signature == self._agreed.get(r.group):
-                    out += [0.0, step, step * step, *r.values]
-                else:
-                    agreed = self._agreed.get(r.group)
-                    out += [1.0] + [0.0] * (_HEADER - 1 + (_signature_size(agreed) if agreed is not None else 0))
-            return out
-
-        sums = self.ctx.all_reduce(vector(False), op="sum")
-        sizes = [_HEADER + _signature_size(self._agreed[r.group]) if r.group in self._agreed else _HEADER
-                 for r in reports]
-        offsets = [1 + sum(sizes[:i]) for i in range(len(reports))]
-        if any(sums[o] > 0 for o in offsets):
-            signatures = self.ctx.all_gather_object([(r.group, r.signature) for r in reports])
-            if any(s != signatures[0] for s in signatures):
-                # The first report of the batch that differs (lists of equal length: the ranks
-                # made the same number of reports, each being a call on all ranks).
-                i = next(i for i, mine in enumerate(signatures[0]) if any(s[i] != mine for s in signatures))
-                lines = "; ".join(f"rank {rank}: {s[i][0]} {_describe(s[i][1])}" for rank, s in enumerate(signatures))
-                raise ValueError(f"{where}: the ranks reported different metrics at steps_completed="
-                                 f"{reports[i].steps} ({lines}); every "
-                                 "rank must report the same names (and batch_metrics / samples) in "
-                                 "the same call: compute each metric on every rank")
-            for r in reports:
-                self._agreed[r.group] = r.signature
-            sums = self.ctx.all_reduce(vector(True), op="sum")
-        results, offset, ws = [], 1, self.ctx.world_size
-        for r in reports:
-            size = _HEADER + _signature_size(r.signature)
-            total, squares = round(sums[offset + 1]), round(sums[offset + 2])
-            if ws * squares != total * total:
-                steps_by_rank = self.ctx.all_gather_object([r.steps for r in reports])
-                raise ValueError(f"{where}: the ranks passed different steps_completed {steps_by_rank} "
-                                 "(indexed by rank; one list per rank, the reports not averaged yet); "
-                                 "pass the same optimizer step count on every rank")
-            results.append(self._average(r, [v / ws for v in sums[offset + _HEADER:offset + size]]))
-            offset += size
+        means, per_report = reduce_reports(self.ctx, reports, self._agreed, elapsed=now - self._last_reduce,
+                                           where=where)
+        results = [self._average(r, m) for r, m in zip(reports, means, strict=True)]
         self._last_reduce = now
         if self.settings.reduce_every is None:
-            # From reduced values only, so every rank picks the same next batch size.
-            per_report = sums[0] / ws / len(reports)
-            wanted = self.settings.reduce_secs / per_report if per_report > 0 else _MAX_BATCH
-            self._batch = max(1, min(_MAX_BATCH, round(wanted)))
+            self._batch = next_batch_size(per_report, self.settings.reduce_secs)
         return results
 
-    def _average(self, report: "_Report", means: list[float]) -> dict[str, float]:
+    def _average(self, report: Report, means: list[float]) -> dict[str, float]:
         """One report's averages (``means``: its values summed over ranks / world size); writes it."""
         keys, has_samples, batch_keys = report.signature
         result: dict[str, float] = {}
@@ -390,12 +332,12 @@ class MetricsWriter:
             samples, elapsed = means[0] * self.ctx.world_size, means[1]
             result[SAMPLES_PER_SECOND] = samples / elapsed if elapsed > 0 else math.nan
             means = means[2:]
-        result.update(zip(keys, means))
+        result.update(zip(keys, means, strict=False))  # batch values follow
         result = dict(sorted(result.items()))
         offset, batch_out = len(keys), []
         for i, bkeys in enumerate(batch_keys):
             step = report.steps - len(batch_keys) + 1 + i
-            batch_out.append((step, dict(zip(bkeys, means[offset:offset + len(bkeys)]))))
+            batch_out.append((step, dict(zip(bkeys, means[offset:offset + len(bkeys)], strict=True))))
             offset += len(bkeys)
         self._write(report.group, report.steps, result, batch_out, report.now)
         return result
@@ -404,8 +346,8 @@ class MetricsWriter:
                batches: list[tuple[int, dict[str, float]]], now: float) -> None:
         """Chief only: one TensorBoard event per step and one JSON line for the report.
 
-        Written by this thread into buffers (no writer thread: see :mod:`toolkit.metrics.tb_events`);
-        the files get them on :meth:`flush`."""
+        Written by this thread into buffers (see :mod:`toolkit.metrics.tb_events`); the files get
+        them on :meth:`flush`."""
         if self._tb is None:
             return
         wall = time.time()

@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shlex
@@ -42,7 +43,13 @@ from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state, output_
 from toolkit.compat.determined.launch import torchrun_nproc_override, unwrap_launcher
 from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV
 from toolkit.dsat.execution.argv import build_trial_argv
-from toolkit.dsat.execution.procs import find_trial_processes, free_port, kill_until_gone
+from toolkit.dsat.execution.procs import (
+    find_trial_processes,
+    free_port,
+    is_rank_process,
+    kill_until_gone,
+    scan_processes,
+)
 from toolkit.errors import ConfigError
 
 __all__ = ["main", "plan_run", "RunPlan"]
@@ -116,6 +123,7 @@ class _Forwarder:
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
+        self.mark = ""
         self.received: int | None = None
         self._previous = {sig: signal.signal(sig, self._handle) for sig in _FORWARDED}
 
@@ -124,11 +132,18 @@ class _Forwarder:
             logger.warning("received %s: passing it to the ranks, which save and stop",
                            signal.Signals(signum).name)
         self.received = self.received or signum
-        if self.proc is not None and self.proc.poll() is None:
-            try:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        # To the ranks themselves: the launcher then sees them exit 0 after saving, and exits 0.
+        table = scan_processes()
+        ranks = [pid for pid in find_trial_processes(self.mark, root=self.proc.pid, variable=MARK_ENV, table=table)
+                 if is_rank_process(table[pid][1])]
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        if not ranks:  # not started yet: the launcher stops what it started
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signum)
-            except ProcessLookupError:
-                pass
 
     def restore(self) -> None:
         for sig, previous in self._previous.items():
@@ -147,7 +162,7 @@ def _run_once(plan: RunPlan, env: dict[str, str], forwarder: _Forwarder, *, grac
     argv = _launch_argv(plan)
     logger.info("starting %s", shlex.join(argv))
     proc = subprocess.Popen(argv, cwd=plan.model_dir, env={**env, MARK_ENV: mark}, start_new_session=True)
-    forwarder.proc = proc
+    forwarder.proc, forwarder.mark = proc, mark
     deadline: float | None = None
     try:
         while True:

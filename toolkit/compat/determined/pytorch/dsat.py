@@ -75,10 +75,11 @@ def find_engine() -> Any:
     return engines[0]
 
 
-def _report_autotuning_file(core_context: Any, op: Any, steps_completed: int) -> None:
+def _report_autotuning_file(core_context: Any, op: Any, steps_completed: int | None) -> None:
     existing = [p for p in (_MODEL_INFO, _AUTOTUNING_METRIC) if p.exists()]
     if len(existing) != 1:
         return
+    steps_completed = op.length if steps_completed is None else steps_completed
     if core_context.distributed.rank == 0:
         results = json.loads(existing[0].read_text(encoding="utf-8"))
         if existing[0] == _MODEL_INFO:
@@ -114,5 +115,5 @@ def dsat_reporting_context(core_context: Any, op: Any, steps_completed: int | No
         with inner:
             yield
     except SystemExit:
-        _report_autotuning_file(core_context, op, op.length if steps_completed is None else steps_completed)
+        _report_autotuning_file(core_context, op, steps_completed)
         raise

@@ -1,0 +1,273 @@
+"""toolkit.compat.determined without processes: launcher wrappers, hyperparameters, ids, storage,
+checkpoints, metrics, the searcher, and every cluster-only call's error."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolkit.compat import determined as det
+from toolkit.compat.determined import info as info_mod
+from toolkit.compat.determined import storage
+from toolkit.compat.determined.core.checkpoint import CheckpointContext, merge_metadata
+from toolkit.compat.determined.core.searcher import SearcherContext
+from toolkit.compat.determined.core.train import TensorboardMode, TrainContext
+from toolkit.compat.determined.launch import torchrun_nproc_override, unwrap_launcher
+from toolkit.compat.determined.pytorch import dsat
+from toolkit.errors import ConfigError
+
+# The entrypoints of Determined's own examples, exactly as their YAMLs write them.
+EXAMPLES = [
+    ("python3 -m determined.launch.deepspeed python3 script.py", ("deepspeed", [], ["python3", "script.py"])),
+    ("python3 -m determined.launch.torch_distributed python3 model_def_distributed.py",
+     ("torchrun", [], ["python3", "model_def_distributed.py"])),
+    ("python3 -m determined.launch.torch_distributed --nproc_per_node 1 -- python3 train.py",
+     ("torchrun", ["--nproc_per_node", "1"], ["python3", "train.py"])),
+    ("python3 -m determined.launch.wrap_rank 0 -- python3 4_distributed.py worker 0 0",
+     (None, [], ["python3", "4_distributed.py", "worker", "0", "0"])),
+    ("python3 4_distributed.py launcher", (None, [], ["python3", "4_distributed.py", "launcher"])),
+    ("python3 2_checkpoints.py", (None, [], ["python3", "2_checkpoints.py"])),
+    ("python3 -m determined.launch.deepspeed -- python3 script.py", ("deepspeed", [], ["python3", "script.py"])),
+]
+
+
+@pytest.mark.parametrize("entry,expected", EXAMPLES)
+def test_unwrap_launcher_on_determined_example_entrypoints(entry, expected):
+    assert unwrap_launcher(entry.split()) == expected
+
+
+@pytest.mark.parametrize("entry,match", [
+    ("python3 -m determined.launch.torch_distributed", "no command"),
+    ("python3 -m determined.launch.deepspeed --trial model_def:Trial", "Trial API"),
+    ("python3 -m determined.launch.torch_distributed -- --trial model_def:Trial", "Trial API"),
+])
+def test_unwrap_launcher_errors_name_the_fix(entry, match):
+    with pytest.raises(ConfigError, match=match):
+        unwrap_launcher(entry.split())
+    with pytest.raises(TypeError):
+        unwrap_launcher("python3 train.py")
+
+
+def test_torchrun_override_nproc():
+    assert torchrun_nproc_override(["--nproc_per_node=3", "--foo"]) == (3, ["--foo"])
+    with pytest.raises(ConfigError, match="nproc_per_node"):
+        torchrun_nproc_override(["--nproc_per_node", "x"])
+
+
+def test_hparams_const_resolved_and_search_spaces_named():
+    hp = {"a": {"type": "const", "val": 2}, "g": {"b": {"type": "const", "val": [1]}, "c": 3}, "d": [1, 2]}
+    assert info_mod.resolve_hparams(hp) == {"a": 2, "g": {"b": [1], "c": 3}, "d": [1, 2]}
+    with pytest.raises(ConfigError) as err:
+        info_mod.resolve_hparams({"x": {"type": "int", "minval": 1, "maxval": 8},
+                                  "g": {"y": {"type": "categorical", "vals": [1, 2]}}})
+    assert any("hyperparameters.x" in p for p in err.value.problems)
+    assert any("hyperparameters.g.y" in p for p in err.value.problems)
+
+
+def _yaml(tmp_path, text):
+    path = tmp_path / "exp.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("TOOLKIT_") or key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("TOOLKIT_OUTPUT_DIR", str(tmp_path / "out"))
+    info_mod.reset_for_tests()
+    yield tmp_path
+    info_mod.reset_for_tests()
+
+
+def test_cluster_info_from_yaml_with_stable_ids(env, monkeypatch):
+    cfg = _yaml(env, "name: t\nentrypoint: python3 x.py\nresources: {slots_per_trial: 2}\n"
+                     "hyperparameters: {lr: {type: const, val: 0.5}, n: 3}\ndata: {k: v}\n"
+                     "searcher: {name: single, metric: x, max_length: {batches: 7}}\n")
+    monkeypatch.setenv("TOOLKIT_EXPERIMENT_CONFIG", str(cfg))
+    info = det.get_cluster_info()
+    assert info is det.get_cluster_info()   # cached
+    assert info.trial.hparams == {"lr": 0.5, "n": 3}
+    assert info.latest_checkpoint is None and info.task_type == "TRIAL"
+    assert info.user_data == {"k": "v"} and info.trial.config["name"] == "t" and info.trial._config["name"] == "t"
+    assert info.slot_ids == [0, 1] and info.container_addrs == ["127.0.0.1"] and info.container_rank == 0
+    ids = (info.trial.trial_id, info.trial.experiment_id)
+    info_mod.reset_for_tests()
+    again = det.get_cluster_info()
+    assert (again.trial.trial_id, again.trial.experiment_id) == ids
+    assert json.loads((env / "out" / info_mod.TRIAL_FILE).read_text())["trial_id"] == ids[0]
+
+
+@pytest.mark.parametrize("text,match", [
+    ("searcher: {name: adaptive_asha, metric: x}\n", "searcher.name='adaptive_asha'"),
+    ("hyperparameters: {g: {x: {type: log, base: 10, minval: -3, maxval: -1}}}\n", "hyperparameters.g.x"),
+    ("checkpoint_storage: {type: s3, bucket: b}\n", "checkpoint_storage.type='s3'"),
+])
+def test_cluster_info_refuses_cluster_only_config(env, monkeypatch, text, match):
+    monkeypatch.setenv("TOOLKIT_EXPERIMENT_CONFIG", str(_yaml(env, "entrypoint: python3 x.py\n" + text)))
+    with pytest.raises(ConfigError, match=match):
+        det.get_cluster_info()
+
+
+def test_dsat_trial_hparams_come_from_the_trial(env, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_EXPERIMENT_CONFIG", str(_yaml(env, "hyperparameters: {a: 1}\n")))
+    (env / "hp.json").write_text(json.dumps({"a": 2, "deepspeed_config": "/abs/ds.json"}))
+    monkeypatch.setenv("TOOLKIT_TRIAL_HPARAMS", str(env / "hp.json"))
+    assert det.get_cluster_info().trial.hparams == {"a": 2, "deepspeed_config": "/abs/ds.json"}
+
+
+def test_storage_roots(tmp_path):
+    out, base = tmp_path / "out", tmp_path
+    assert storage.storage_root(None, output_dir=out, base_dir=base) == out / "checkpoints"
+    assert storage.storage_root({"type": "shared_fs", "host_path": "/mnt", "storage_path": "c"},
+                                output_dir=out, base_dir=base) == Path("/mnt/c")
+    assert storage.storage_root({"type": "directory", "container_path": "/d"}, output_dir=out,
+                                base_dir=base) == Path("/d")
+    for bad, match in [("s3://b/p", "cloud"), ({"type": "gcs", "bucket": "b"}, "gcs"),
+                       ({"type": "azure"}, "azure"), ({"type": "shared_fs"}, "host_path")]:
+        with pytest.raises(ConfigError, match=match):
+            storage.storage_root(bad, output_dir=out, base_dir=base)
+    assert storage.plan_gc([{"storage_id": s} for s in "abc"], 1) == ["a", "b"]
+    assert storage.plan_gc([{"storage_id": s} for s in "abc"], None) == []
+
+
+def test_checkpoint_commit_restore_metadata_delete_and_gc(tmp_path):
+    ckpt = CheckpointContext(det.core.DummyDistributedContext(), root=tmp_path / "c", output_dir=tmp_path,
+                             save_trial_latest=2)
+    ids = []
+    for step in (1, 2, 3):
+        with ckpt.store_path({"steps_completed": step}) as (path, sid):
+            (path / "w").write_text(str(step))
+            assert not storage.is_committed(tmp_path / "c", sid)   # not before the block ends
+        ids.append(sid)
+    registry = storage.read_registry(tmp_path)
+    assert [e["storage_id"] for e in registry["committed"]] == ids[1:]          # save_trial_latest: 2
+    assert not (tmp_path / "c" / ids[0]).exists()
+    assert storage.latest_storage_id(registry, tmp_path / "c") == ids[2]
+    with ckpt.restore_path(ids[2]) as path:
+        assert (path / "w").read_text() == "3"
+    assert ckpt.get_metadata(ids[2]) == {"steps_completed": 3}
+    ckpt.download(ids[2], tmp_path / "copy")
+    assert (tmp_path / "copy" / "w").read_text() == "3"
+    up = ckpt.upload(tmp_path / "copy", {"steps_completed": 4})
+    assert storage.latest_storage_id(storage.read_registry(tmp_path), tmp_path / "c") == up
+    ckpt.delete(up)
+    with pytest.raises(det.errors.CheckpointNotFound):
+        with ckpt.restore_path(up):
+            pass
+    with pytest.raises(RuntimeError, match="boom"):           # a failing block commits nothing
+        with ckpt.store_path({"steps_completed": 9}) as (path, sid):
+            raise RuntimeError("boom")
+    assert storage.latest_storage_id(storage.read_registry(tmp_path), tmp_path / "c") == ids[2]
+    CheckpointContext(det.core.DummyDistributedContext(), root=tmp_path / "c", output_dir=tmp_path)
+    assert not (tmp_path / "c" / sid).exists()                # the next run removes the partial one
+
+
+def test_merge_metadata_conflicts():
+    assert merge_metadata([{"a": {"c": 1}}, {"a": {"d": 1}}]) == {"a": {"c": 1, "d": 1}}
+    with pytest.raises(RuntimeError, match="conflicts"):
+        merge_metadata([{"a": [1]}, {"a": [2]}])
+
+
+def test_train_metrics_reach_tensorboard_and_jsonl(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train = TrainContext(tmp_path, tensorboard_mode=TensorboardMode.AUTO, resume_step=None)
+    train.report_training_metrics(steps_completed=5, metrics={"loss": 0.5, "name": "x"})
+    train.report_validation_metrics(steps_completed=5, metrics={"acc": 1})
+    train.report_metrics("inference", steps_completed=5, metrics={"qps": 3.0})
+    with pytest.raises(ConfigError, match="None"):
+        train.report_validation_metrics(steps_completed=6, metrics={"acc": None})
+    with pytest.raises(ConfigError, match="progress"):
+        train.report_progress(1.5)
+    with pytest.raises(RuntimeError, match="MANUAL"):
+        train.upload_tensorboard_files()
+    assert train.get_tensorboard_path() == tmp_path / "tensorboard"
+    train.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert {"training/loss", "validation/acc", "inference/qps"} <= set(acc.Tags()["scalars"])
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["group"] for line in lines] == ["training", "validation", "inference"]
+
+
+def test_searcher_one_op_then_nothing_once_completed(tmp_path):
+    config = {"searcher": {"name": "single", "max_length": {"batches": 4}}}
+    searcher = SearcherContext(det.core.DummyDistributedContext(), config, tmp_path)
+    it = searcher.operations()
+    op = next(it)
+    assert op.length == 4 and searcher.get_configured_units() is det.core.Unit.BATCHES
+    with pytest.raises(RuntimeError, match="report_completed"):
+        next(it)
+    op.report_completed({"loss": 1.0})
+    with pytest.raises(RuntimeError, match="once"):
+        op.report_completed(1.0)
+    assert next(searcher.operations(), None) is None
+    assert list(SearcherContext(det.core.DummyDistributedContext(), config, tmp_path).operations()) == []
+    assert json.loads((tmp_path / "determined_searcher.json").read_text())["searcher_metric"] == {"loss": 1.0}
+
+
+@pytest.mark.parametrize("searcher,match", [({"max_length": {"epochs": 2}}, "'epochs' is not supported"),
+                                            ({"max_length": {"records": 10}}, "'records'"),
+                                            ({}, "max_length is not set")])
+def test_searcher_length_errors(tmp_path, searcher, match):
+    ctx = SearcherContext(det.core.DummyDistributedContext(), {"searcher": searcher}, tmp_path)
+    with pytest.raises(ConfigError, match=match):
+        ctx.operations()
+
+
+def test_cluster_only_calls_say_what_to_use(tmp_path):
+    ctx = det.core.Context.__new__(det.core.Context)
+    with pytest.raises(NotImplementedError, match="webhooks"):
+        det.core.Context.alert(ctx, title="x")
+    with pytest.raises(NotImplementedError, match="torch.profiler"):
+        det.core.ProfilerContext().on()
+    det.core.ProfilerContext().off()
+    train = TrainContext(tmp_path, tensorboard_mode=TensorboardMode.MANUAL, resume_step=None)
+    train.upload_tensorboard_files()
+    with pytest.raises(NotImplementedError, match="checkpoint"):
+        train.set_metadata({})
+    with pytest.raises(NotImplementedError):
+        train.get_metadata()
+    with pytest.raises(NotImplementedError, match="torchrun"):
+        det.core.DistributedContext.from_horovod(object())
+
+
+def test_distributed_context_arguments():
+    d = det.core.DistributedContext(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1)
+    assert (d.get_rank(), d.get_size(), d.get_local_rank(), d.get_num_agents()) == (0, 1, 0, 1)
+    assert d.gather(1) == [1] and d.allgather(2) == [2] and d.broadcast(3) == 3
+    assert d.gather_local(1) == [1] and d.allgather_local(2) == [2] and d.broadcast_local(3) == 3
+    with pytest.raises(ValueError, match="cross_size"):
+        det.core.DistributedContext(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0)
+    with pytest.raises(TypeError):
+        det.core.DistributedContext(0, 1, 0, 1, 0, 1)   # keyword-only, as in Determined
+    with pytest.raises(ValueError, match="chief_ip"):
+        det.core.DistributedContext(rank=0, size=4, local_rank=0, local_size=2, cross_rank=0, cross_size=2)
+    assert det.core.PreemptMode("CHIEF_ONLY") is det.core.PreemptMode.ChiefOnly
+    assert det.core.SearcherMode("CHEIF_ONLY") is det.core.SearcherMode.ChiefOnly
+    assert det.LOG_FORMAT == "%(levelname)s: [%(process)s] %(name)s: %(message)s"
+    with pytest.raises(TypeError):
+        det.InvalidHP(3)
+
+
+def test_dsat_get_ds_config_from_hparams(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 1, "reduce_bucket_size": 5}}))
+    got = dsat.get_ds_config_from_hparams({"deepspeed_config": "ds.json", "overwrite_deepspeed_args": {
+        "zero_optimization": {"stage": 2}}}, base_dir=tmp_path)
+    assert got["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 5}
+    with pytest.raises(ConfigError, match="deepspeed_config"):
+        dsat.get_ds_config_from_hparams({})
+
+
+def test_dsat_reporting_context_outside_a_trial_is_transparent(tmp_path, monkeypatch):
+    monkeypatch.delenv("TOOLKIT_DSAT_TRIAL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with dsat.dsat_reporting_context(None, None):
+        pass
+    with pytest.raises(SystemExit):                     # no autotuning file: the exit goes on untouched
+        with dsat.dsat_reporting_context(None, None):
+            sys.exit(0)

@@ -108,16 +108,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="quick checks only: leave grid micro-batches above MB out (the grid then no longer "
                         "covers dsat's range)")
     p.add_argument("--confirm", type=int, default=1, help="re-measurements of each arm's best config")
-    p.add_argument(
-        "--ds-timeout", type=float, default=600.0, help="wall-clock limit of DeepSpeed's autotuner"
-    )
+    p.add_argument("--ds-timeout", type=float, default=600.0,
+                   help="wall-clock limit of DeepSpeed's autotuner")
     p.add_argument("--ds-pythonpath", default="",
                    help="extra PYTHONPATH for DeepSpeed's autotuner, e.g. a directory holding `tabulate` "
                         "(the deepspeed[autotuning] extra) when the venv lacks it")
     p.add_argument("--skip-ds-autotuner", action="store_true")
-    p.add_argument(
-        "--torch-extensions-dir", type=Path, default=ROOT / "runs" / "bench_dsat" / "torch_extensions"
-    )
+    p.add_argument("--torch-extensions-dir", type=Path,
+                   default=ROOT / "runs" / "bench_dsat" / "torch_extensions")
     p.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "bench_dsat" / "work",
                    help="trial directories (emptied first)")
     p.add_argument("--output", type=Path, default=ROOT / "runs" / "bench_dsat" / "summary.json")
@@ -148,10 +146,8 @@ def warm_up(args: argparse.Namespace) -> float:
     subprocess.run([sys.executable, str(ROOT / "scripts" / "build_ops.py")], check=True, timeout=1200,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     took = time.monotonic() - start
-    say(
-        f"== warm-up: DeepSpeed CPU ops ready in {os.environ['TORCH_EXTENSIONS_DIR']} "
-        f"({took:.0f} s, not counted)"
-    )
+    say(f"== warm-up: DeepSpeed CPU ops ready in {os.environ['TORCH_EXTENSIONS_DIR']} ({took:.0f} s, "
+        "not counted)")
     return took
 
 
@@ -171,31 +167,12 @@ def write_experiment(args: argparse.Namespace, work: Path) -> Path:
 
 def dsat_cli_args(args: argparse.Namespace, experiment: Path, output_dir: Path) -> list[str]:
     """The dsat command line (after ``python -m toolkit.dsat``); the grid builds its plan from it too."""
-    argv = [
-        args.method,
-        str(experiment),
-        str(EXAMPLE),
-        "--max-trials",
-        str(args.max_trials),
-        "--memory-per-slot",
-        str(args.memory_per_slot),
-        "--metric",
-        args.metric,
-        "--zero-stages",
-        *map(str, args.zero_stages),
-        "--random-seed",
-        str(args.random_seed),
-        "--start-profile-step",
-        str(args.start_profile_step),
-        "--end-profile-step",
-        str(args.end_profile_step),
-        "--trial-timeout",
-        str(args.trial_timeout),
-        "--max-slots",
-        "2",
-        "--output-dir",
-        str(output_dir),
-    ]
+    argv = [args.method, str(experiment), str(EXAMPLE), "--max-trials", str(args.max_trials),
+            "--memory-per-slot", str(args.memory_per_slot), "--metric", args.metric,
+            "--zero-stages", *map(str, args.zero_stages), "--random-seed", str(args.random_seed),
+            "--start-profile-step", str(args.start_profile_step),
+            "--end-profile-step", str(args.end_profile_step),
+            "--trial-timeout", str(args.trial_timeout), "--max-slots", "2", "--output-dir", str(output_dir)]
     if args.method in ("binary", "asha"):
         argv += ["--search-range-factor", str(args.search_range_factor)]
     if args.method == "binary" and args.bisect_tolerance is not None:
@@ -211,24 +188,18 @@ def run_dsat(args: argparse.Namespace, experiment: Path, work: Path) -> dict[str
     argv = [sys.executable, "-m", "toolkit.dsat", *dsat_cli_args(args, experiment, out)]
     say(f"== dsat: python -m toolkit.dsat {' '.join(argv[3:])}")
     start = time.monotonic()
-    code = run_to_completion(
-        argv, cwd=ROOT, log_dir=log, timeout_s=args.max_trials * (args.trial_timeout + 60) + 300, nproc=2
-    )
+    limit = args.max_trials * (args.trial_timeout + 60) + 300
+    code = run_to_completion(argv, cwd=ROOT, log_dir=log, timeout_s=limit, nproc=2)
     wall = time.monotonic() - start
     for line in (log / "stdout.log").read_text(encoding="utf-8", errors="replace").splitlines():
         say("  " + line)
     records = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()
                if line.strip()] if (out / "trials.jsonl").exists() else []
-    best = (
-        json.loads((out / "best_ds_metrics.json").read_text())
-        if (out / "best_ds_metrics.json").exists()
-        else None
-    )
+    best_file = out / "best_ds_metrics.json"
+    best = json.loads(best_file.read_text()) if best_file.exists() else None
     best_record = next((r for r in records if best and r["trial_id"] == best["trial_id"]), None)
     result = {
-        "exit_code": code,
-        "wall_s": round(wall, 1),
-        "trials": len(records),
+        "exit_code": code, "wall_s": round(wall, 1), "trials": len(records),
         "trial_seconds": round(sum(r["duration_s"] for r in records), 1),
         "statuses": {s.value: sum(r["status"] == s.value for r in records) for s in TrialStatus},
         "best_metric": best["metrics"][args.metric] if best else None,
@@ -236,19 +207,10 @@ def run_dsat(args: argparse.Namespace, experiment: Path, work: Path) -> dict[str
         "best_stage": best_record["stage"] if best_record else None,
         "best_micro_batch": best_record["micro_batch"] if best_record else None,
         "best_zero": best_record["ds_overrides"]["zero_optimization"] if best_record else None,
-        "records": [
-            {
-                "trial_id": r["trial_id"],
-                "stage": r["stage"],
-                "micro_batch": r["micro_batch"],
-                "status": r["status"],
-                args.metric: r.get(args.metric),
-                "duration_s": r["duration_s"],
-                "profile": r["profile"],
-                "zero": r["ds_overrides"]["zero_optimization"],
-            }
-            for r in records
-        ],
+        "records": [{"trial_id": r["trial_id"], "stage": r["stage"], "micro_batch": r["micro_batch"],
+                     "status": r["status"], args.metric: r.get(args.metric), "duration_s": r["duration_s"],
+                     "profile": r["profile"], "zero": r["ds_overrides"]["zero_optimization"]}
+                    for r in records],
         "output_dir": str(out),
     }
     if code != 0:
@@ -268,11 +230,9 @@ class TrialArm:
         self.next_id = 1
 
     def spec(self, stage: int, micro_batch: int, zero: dict[str, Any] | None = None) -> TrialSpec:
-        zero = (
-            copy.deepcopy(zero)
-            if zero is not None
-            else zero_config_for_stage(self.plan.search.base_zero, stage)
-        )
+        if zero is None:
+            zero = zero_config_for_stage(self.plan.search.base_zero, stage)
+        zero = copy.deepcopy(zero)
         self.next_id += 1
         return TrialSpec(trial_id=self.next_id - 1, micro_batch=micro_batch, zero=zero)
 
@@ -290,9 +250,8 @@ class TrialArm:
                 if skip is not None and skip(spec, results):
                     continue
                 # Exactly what dsat's orchestrator starts (Autotuner._config_for and _start).
-                config = trial_ds_config(
-                    plan.base_ds_config, spec, data_parallel_size=plan.data_parallel_size
-                )
+                config = trial_ds_config(plan.base_ds_config, spec,
+                                         data_parallel_size=plan.data_parallel_size)
                 contract = TrialContract(spec.trial_id, "", plan.runner.start_profile_step,
                                          plan.runner.end_profile_step, False, plan.runner.memory_per_slot)
                 config = overwrite_deepspeed_config(config, instrumentation_overrides(contract))
@@ -303,11 +262,8 @@ class TrialArm:
                 result = done[0]
                 results.append(result)
                 value = result.metrics.get(self.metric)
-                shown = (
-                    f"{self.metric}={value:.4g}"
-                    if value is not None
-                    else (result.error or "").splitlines()[0]
-                )
+                shown = (f"{self.metric}={value:.4g}" if value is not None
+                         else (result.error or "").splitlines()[0])
                 say(f"  [{label} {i}/{len(specs)}] stage {spec.stage} mb {spec.micro_batch}: "
                     f"{result.status.value} {shown} ({result.duration_s:.1f} s)")
         return results
@@ -326,15 +282,12 @@ def search_range(args: argparse.Namespace, profile: dict[str, Any]) -> dict[int,
 
 
 def first_failure(results: list[TrialResult], stage: int) -> int | None:
-    return min(
-        (r.spec.micro_batch for r in results if r.spec.stage == stage and r.status is not TrialStatus.OK),
-        default=None,
-    )
+    return min((r.spec.micro_batch for r in results
+                if r.spec.stage == stage and r.status is not TrialStatus.OK), default=None)
 
 
-def run_grid(
-    args: argparse.Namespace, arm: TrialArm, dsat: dict[str, Any], profile: dict[str, Any]
-) -> dict[str, Any]:
+def run_grid(args: argparse.Namespace, arm: TrialArm, dsat: dict[str, Any],
+             profile: dict[str, Any]) -> dict[str, Any]:
     from toolkit.dsat.search import best_result
 
     tops = search_range(args, profile)
@@ -384,11 +337,8 @@ def run_grid(
 def confirm(args: argparse.Namespace, arm: TrialArm, candidates: dict[str, dict[str, Any]],
             measured: dict[str, list[float]]) -> dict[str, Any]:
     """Measure each candidate ``args.confirm`` more times, interleaved; medians over all measurements."""
-    keys = {
-        name: config_key(c["micro_batch"], c["zero"])
-        for name, c in candidates.items()
-        if c.get("micro_batch")
-    }
+    keys = {name: config_key(c["micro_batch"], c["zero"]) for name, c in candidates.items()
+            if c.get("micro_batch")}
     unique = list(dict.fromkeys(keys.values()))
     by_key = {keys[name]: candidates[name] for name in keys}
     specs, owner = [], {}
@@ -404,9 +354,7 @@ def confirm(args: argparse.Namespace, arm: TrialArm, candidates: dict[str, dict[
     outcomes: dict[str, list[str]] = {}
     for result in arm.run(specs, label="confirm"):
         key = owner[result.spec.trial_id]
-        outcomes.setdefault(key, []).append(
-            result.status.value if result.status is not TrialStatus.OK else "ok"
-        )
+        outcomes.setdefault(key, []).append(result.status.value)
         if result.status is TrialStatus.OK:
             measured.setdefault(key, []).append(result.metrics[args.metric])
         elif result.error:
@@ -424,9 +372,8 @@ def _traceback_error(text: str) -> str | None:
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
     if not starts:
         return None
-    return next(
-        (line.strip() for line in lines[starts[-1] + 1 :] if line.strip() and not line[0].isspace()), None
-    )
+    return next((line.strip() for line in lines[starts[-1] + 1:] if line.strip() and not line[0].isspace()),
+                None)
 
 
 def _ds_search_error(stderr: Path) -> str | None:
@@ -438,6 +385,27 @@ def _ds_search_error(stderr: Path) -> str | None:
             if word in line:
                 return line[line.find(word) + len(word):].lstrip(": ")[:200]
     return None
+
+
+def _ds_experiments(results_dir: Path) -> list[dict[str, Any]]:
+    """What DeepSpeed's autotuner left of each experiment, oldest first: config, metrics, error."""
+    experiments = []
+    dirs = sorted((p for p in results_dir.glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    for exp_dir in dirs:
+        entry: dict[str, Any] = {"name": exp_dir.name,
+                                 "ds_verdict_error": _ds_search_error(exp_dir / "stderr.log")}
+        try:
+            ds_cfg = json.loads((exp_dir / "ds_config.json").read_text())
+            entry.update(stage=(ds_cfg.get("zero_optimization") or {}).get("stage"),
+                         micro_batch=ds_cfg.get("train_micro_batch_size_per_gpu"),
+                         gradient_accumulation_steps=ds_cfg.get("gradient_accumulation_steps"))
+            metrics = json.loads((exp_dir / "metrics.json").read_text())
+            # Its timers report microseconds here; its throughput is samples/s over all ranks.
+            entry.update(throughput=metrics.get("throughput"), latency_ms=metrics.get("latency", 0) / 1000.0)
+        except (OSError, json.JSONDecodeError):
+            pass
+        experiments.append(entry)
+    return experiments
 
 
 def run_ds_autotuner(args: argparse.Namespace, work: Path, cap: int) -> dict[str, Any]:
@@ -463,59 +431,29 @@ def run_ds_autotuner(args: argparse.Namespace, work: Path, cap: int) -> dict[str
     argv = [str(deepspeed_bin), "--autotuning", "tune", "--num_gpus", "2", "--master_port", str(base_port),
             str(ENTRY), "--deepspeed_config", str(out / "ds_config.json"), "--width", str(args.width),
             "--image-size", str(args.image_size), "--dataset-size", str(args.dataset_size)]
-    env = {
-        "LOCAL_SIZE": "2",  # DeepSpeed's CPU accelerator: the number of "devices" on this node
-        "OMP_NUM_THREADS": "1",
-        "PATH": str(out / "bin") + os.pathsep + os.environ.get("PATH", ""),
-        "PYTHONPATH": os.pathsep.join(
-            p for p in (args.ds_pythonpath, str(ROOT), os.environ.get("PYTHONPATH")) if p
-        ),
-    }
+    env = {"LOCAL_SIZE": "2",  # DeepSpeed's CPU accelerator: the number of "devices" on this node
+           "OMP_NUM_THREADS": "1", "PATH": str(out / "bin") + os.pathsep + os.environ.get("PATH", ""),
+           "PYTHONPATH": os.pathsep.join(
+               p for p in (args.ds_pythonpath, str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     say(f"== DeepSpeed autotuner (fast mode, micro-batch cap {cap}, timeout {args.ds_timeout:g} s): "
         f"{' '.join(argv)}")
     start = time.monotonic()
     code = run_to_completion(argv, cwd=out, env=env, log_dir=out / "log", timeout_s=args.ds_timeout, nproc=2)
     wall = time.monotonic() - start
     # Its experiment k ran on port base_port + k and, like every DeepSpeed run on CPU, left its
-    # shared-memory all-reduce segments in /dev/shm (toolkit.runtime.ds_shm): 69 MB per rank.
+    # shared-memory all-reduce segments in /dev/shm (toolkit.runtime.ds_shm).
     for port in range(base_port, base_port + 1000):
         remove_buffers(addr="127.0.0.1", port=port)
-    experiments = []
-    for exp_dir in sorted(
-        (p for p in (out / "results").glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime
-    ):
-        entry: dict[str, Any] = {
-            "name": exp_dir.name,
-            "ds_verdict_error": _ds_search_error(exp_dir / "stderr.log"),
-        }
-        try:
-            ds_cfg = json.loads((exp_dir / "ds_config.json").read_text())
-            entry.update(stage=(ds_cfg.get("zero_optimization") or {}).get("stage"),
-                         micro_batch=ds_cfg.get("train_micro_batch_size_per_gpu"),
-                         gradient_accumulation_steps=ds_cfg.get("gradient_accumulation_steps"))
-            metrics = json.loads((exp_dir / "metrics.json").read_text())
-            # Its timers report microseconds here; its throughput is samples/s over all ranks.
-            entry.update(throughput=metrics.get("throughput"), latency_ms=metrics.get("latency", 0) / 1000.0)
-        except (OSError, json.JSONDecodeError):
-            pass
-        experiments.append(entry)
+    experiments = _ds_experiments(out / "results")
     scored = [e for e in experiments if e.get("throughput")]
     best = max(scored, key=lambda e: e["throughput"], default=None)
     log_text = "\n".join(p.read_text(errors="replace") for p in (out / "log").glob("*.log"))
-    result = {
-        "exit_code": code,
-        "timed_out": code == 124,
-        "wall_s": round(wall, 1),
-        "micro_batch_cap": cap,
-        "experiments_launched": len(experiments),
-        "experiments_with_metrics": len(scored),
-        "best_throughput": best["throughput"] if best else None,
-        "best": best,
-        "experiments": experiments,
-        "optimal_config_written": (out / "results" / "ds_config_optimal.json").exists(),
-        "pdsh_missing": "No such file or directory: 'pdsh'" in log_text,
-        "output_dir": str(out),
-    }
+    result = {"exit_code": code, "timed_out": code == 124, "wall_s": round(wall, 1), "micro_batch_cap": cap,
+              "experiments_launched": len(experiments), "experiments_with_metrics": len(scored),
+              "best_throughput": best["throughput"] if best else None, "best": best,
+              "experiments": experiments,
+              "optimal_config_written": (out / "results" / "ds_config_optimal.json").exists(),
+              "pdsh_missing": "No such file or directory: 'pdsh'" in log_text, "output_dir": str(out)}
     if code == 124:
         running = experiments[-1]["name"] if experiments else "none"
         result["error"] = f"stopped at the {args.ds_timeout:g} s timeout while running experiment {running}"
@@ -534,93 +472,70 @@ def table(s: dict[str, Any]) -> str:
     def verdict(v: float | None, target: float, at_least: bool) -> str:
         return "n/a" if v is None else "met" if (v >= target if at_least else v <= target) else "NOT met"
 
+    def statuses(arm: dict[str, Any]) -> str:
+        return "/".join(str(v) for v in arm["statuses"].values())
+
     rows = [("", f"dsat ({s['settings']['method']})", "grid", "ratio", "target", ""),
             (f"best {metric} (as found)", num(d["best_metric"]), num(g["best_metric"]), num(r["best"], ".3f"),
              ">= 0.95", verdict(r["best"], 0.95, True))]
     if r["best_confirmed"] is not None:
-        rows.append(
-            (
-                f"best {metric} (median of all runs)",
-                num(c["dsat"]["median"]),
-                num(c["grid"]["median"]),
-                num(r["best_confirmed"], ".3f"),
-                ">= 0.95",
-                verdict(r["best_confirmed"], 0.95, True),
-            )
-        )
-    rows += [
-        (
-            "trial-seconds",
-            num(d["trial_seconds"], ".1f"),
-            num(g["trial_seconds"], ".1f"),
-            num(r["trial_seconds"], ".3f"),
-            "<= 0.25",
-            verdict(r["trial_seconds"], 0.25, False),
-        ),
-        (
-            "trial-seconds, grid pruned at 1st OOM",
-            num(d["trial_seconds"], ".1f"),
-            num(g["trial_seconds_pruned"], ".1f"),
-            num(r["trial_seconds_pruned"], ".3f"),
-            "<= 0.25",
-            verdict(r["trial_seconds_pruned"], 0.25, False),
-        ),
-        (
-            "trials (ok/oom/failed/timeout)",
-            f"{d['trials']} ({'/'.join(str(v) for v in d['statuses'].values())})",
-            f"{g['trials']} ({'/'.join(str(v) for v in g['statuses'].values())})",
-            "",
-            "",
-            "",
-        ),
-        ("wall time (s)", num(d["wall_s"], ".0f"), num(g["wall_s"], ".0f"), "", "", ""),
-        (
-            "best config (stage, micro-batch)",
-            f"{d['best_stage']}, {d['best_micro_batch']}",
-            f"{g['best_stage']}, {g['best_micro_batch']}",
-            "",
-            "",
-            "",
-        ),
-    ]
+        rows.append((f"best {metric} (median of all runs)", num(c["dsat"]["median"]),
+                     num(c["grid"]["median"]), num(r["best_confirmed"], ".3f"), ">= 0.95",
+                     verdict(r["best_confirmed"], 0.95, True)))
+    rows += [("trial-seconds", num(d["trial_seconds"], ".1f"), num(g["trial_seconds"], ".1f"),
+              num(r["trial_seconds"], ".3f"), "<= 0.25", verdict(r["trial_seconds"], 0.25, False)),
+             ("trial-seconds, grid pruned at 1st OOM", num(d["trial_seconds"], ".1f"),
+              num(g["trial_seconds_pruned"], ".1f"), num(r["trial_seconds_pruned"], ".3f"), "<= 0.25",
+              verdict(r["trial_seconds_pruned"], 0.25, False)),
+             ("trials (ok/oom/failed/timeout)", f"{d['trials']} ({statuses(d)})",
+              f"{g['trials']} ({statuses(g)})", "", "", ""),
+             ("wall time (s)", num(d["wall_s"], ".0f"), num(g["wall_s"], ".0f"), "", "", ""),
+             ("best config (stage, micro-batch)", f"{d['best_stage']}, {d['best_micro_batch']}",
+              f"{g['best_stage']}, {g['best_micro_batch']}", "", "", "")]
     widths = [max(len(row[i]) for row in rows) for i in range(6)]
-    lines = [
-        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                  for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
-        for row in rows
-    ]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                       for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+             for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     ds = s["ds_autotuner"]
     if ds:
-        lines += [
-            "",
-            f"DeepSpeed autotuner (fast mode): exit status {ds['exit_code']}, wall {ds['wall_s']:.0f} s "
-            f"(dsat: {d['wall_s']:.0f} s), {ds['experiments_launched']} experiment(s) launched, "
-            f"{ds['experiments_with_metrics']} with metrics",
-        ]
+        lines += ["", f"DeepSpeed autotuner (fast mode): exit status {ds['exit_code']}, "
+                      f"wall {ds['wall_s']:.0f} s "
+                      f"(dsat: {d['wall_s']:.0f} s), {ds['experiments_launched']} experiment(s) launched, "
+                      f"{ds['experiments_with_metrics']} with metrics"]
         if ds["best"]:
             b = ds["best"]
-            lines.append(
-                f"  best throughput {b['throughput']:.4g} samples/s by its own timers "
-                f"(forward+backward+step, no data loading) at stage {b['stage']}, "
-                f"micro-batch {b['micro_batch']}, gradient accumulation "
-                f"{b['gradient_accumulation_steps']}; dsat's best {metric}: "
-                f"{num(d['best_metric'])}"
-            )
+            lines.append(f"  best throughput {b['throughput']:.4g} samples/s by its own timers "
+                         f"(forward+backward+step, no data loading) at stage {b['stage']}, "
+                         f"micro-batch {b['micro_batch']}, gradient accumulation "
+                         f"{b['gradient_accumulation_steps']}; dsat's best {metric}: "
+                         f"{num(d['best_metric'])}")
             if c.get("deepspeed"):
-                lines.append(
-                    f"  its best config through dsat's trial runner (same budget, data loading timed): "
-                    f"{num(c['deepspeed']['median'])} {metric} (median); re-runs: "
-                    f"{', '.join(c['deepspeed']['confirm_outcomes']) or '-'}"
-                )
+                lines.append("  its best config through dsat's trial runner (same budget, data loading "
+                             "timed): "
+                             f"{num(c['deepspeed']['median'])} {metric} (median); re-runs: "
+                             f"{', '.join(c['deepspeed']['confirm_outcomes']) or '-'}")
         if ds.get("error"):
             lines.append(f"  error: {ds['error']}")
         if ds["pdsh_missing"]:
-            lines.append(
-                "  note: after each experiment it runs `pdsh ... pkill -f <experiment>` to clean up; "
-                "pdsh is not installed, so every experiment thread ended in FileNotFoundError"
-            )
+            lines.append("  note: after each experiment it runs `pdsh ... pkill -f <experiment>` to clean "
+                         "up; "
+                         "pdsh is not installed, so every experiment thread ended in FileNotFoundError")
     return "\n".join(lines)
+
+
+def best_configs(arm: TrialArm, dsat: dict[str, Any], grid: dict[str, Any],
+                 ds: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Each arm's best config (stage, micro-batch, ZeRO section), to measure again."""
+    candidates = {"dsat": {"stage": dsat["best_stage"], "micro_batch": dsat["best_micro_batch"],
+                           "zero": dsat["best_zero"]},
+                  "grid": {"stage": grid["best_stage"], "micro_batch": grid["best_micro_batch"],
+                           "zero": grid["best_zero"]}}
+    if ds and ds["best"]:
+        stage = ds["best"]["stage"]
+        candidates["deepspeed"] = {"stage": stage, "micro_batch": ds["best"]["micro_batch"],
+                                   "zero": zero_config_for_stage(arm.plan.search.base_zero, stage)}
+    return candidates
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -634,10 +549,8 @@ def main(argv: list[str] | None = None) -> int:
 
     dsat = run_dsat(args, experiment, work)
     if not (work / "dsat" / "profile.json").exists():
-        say(
-            f"dsat wrote no profile.json (exit status {dsat['exit_code']}): {dsat.get('error')}; "
-            "no grid to run"
-        )
+        say(f"dsat wrote no profile.json (exit status {dsat['exit_code']}): {dsat.get('error')}; "
+            "no grid to run")
         return 1
     arm = TrialArm(args, experiment, work / "grid")
     grid = run_grid(args, arm, dsat, json.loads((work / "dsat" / "profile.json").read_text()))
@@ -653,16 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     for rec in [*(r for r in dsat["records"] if not r["profile"]), *grid["points"]]:
         if rec["status"] == "ok":
             measured.setdefault(config_key(rec["micro_batch"], rec["zero"]), []).append(rec[args.metric])
-    candidates = {"dsat": {"stage": dsat["best_stage"], "micro_batch": dsat["best_micro_batch"],
-                           "zero": dsat["best_zero"]},
-                  "grid": {"stage": grid["best_stage"], "micro_batch": grid["best_micro_batch"],
-                           "zero": grid["best_zero"]}}
-    if ds and ds["best"]:
-        candidates["deepspeed"] = {
-            "stage": ds["best"]["stage"],
-            "micro_batch": ds["best"]["micro_batch"],
-            "zero": zero_config_for_stage(arm.plan.search.base_zero, ds["best"]["stage"]),
-        }
+    candidates = best_configs(arm, dsat, grid, ds)
     confirmed = confirm(args, arm, candidates, measured) if args.confirm else {}
 
     def ratio(a: float | None, b: float | None, *, metric: bool = False) -> float | None:
@@ -673,19 +577,14 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "warm_up_s": round(warm_up_s, 1),
-        "dsat": dsat,
-        "grid": grid,
-        "ds_autotuner": ds,
+        "warm_up_s": round(warm_up_s, 1), "dsat": dsat, "grid": grid, "ds_autotuner": ds,
         "confirm": confirmed,
         "ratios": {
             "best": ratio(dsat["best_metric"], grid["best_metric"], metric=True),
-            "best_confirmed": ratio(
-                confirmed.get("dsat", {}).get("median"), confirmed.get("grid", {}).get("median"), metric=True
-            ),
+            "best_confirmed": ratio(confirmed.get("dsat", {}).get("median"),
+                                    confirmed.get("grid", {}).get("median"), metric=True),
             "trial_seconds": ratio(dsat["trial_seconds"], grid["trial_seconds"]),
-            "trial_seconds_pruned": ratio(dsat["trial_seconds"], grid["trial_seconds_pruned"]),
-        },
+            "trial_seconds_pruned": ratio(dsat["trial_seconds"], grid["trial_seconds_pruned"])},
         "total_wall_s": round(time.monotonic() - started, 1),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)

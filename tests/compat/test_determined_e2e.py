@@ -1,0 +1,199 @@
+"""Determined Core API scripts (tests/workers/det_*.py, imports swapped) under python -m toolkit.run,
+with 2 real ranks: TensorBoard, SIGTERM stopping every rank, an exact resume with the same trial id,
+a SIGKILL inside store_path, the DeepSpeed wrapper with store_path(shard=True), and bad input."""
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import procutil
+from toolkit.compat.determined import storage
+
+TRAIN_YAML = """name: det-train
+entrypoint: python3 -m determined.launch.torch_distributed python3 det_train.py
+resources: {slots_per_trial: 2}
+searcher: {name: single, metric: loss}
+max_restarts: 0
+hyperparameters: {seed: 3, max_length: 12, checkpoint_every: 3}
+"""
+DS_YAML = """name: det-ds
+entrypoint: python3 -m determined.launch.deepspeed python3 det_deepspeed.py
+resources: {slots_per_trial: 2}
+searcher: {name: single, metric: loss, max_length: 8}
+max_restarts: 0
+hyperparameters:
+  deepspeed_config: ds_config.json
+  checkpoint_rate: 2
+"""
+DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+             "zero_optimization": {"stage": 1, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}}
+
+
+def _run_argv(config, model_dir, out):
+    return [sys.executable, "-m", "toolkit.run", str(config), str(model_dir), "--output-dir", str(out)]
+
+
+def _start(argv, **env):
+    return subprocess.Popen(argv, env=procutil.child_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _finish(proc, timeout=240):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate(timeout=30)
+        raise AssertionError(f"timed out; output:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def _committed(out):
+    return storage.read_registry(out)["committed"] if (out / storage.REGISTRY_NAME).exists() else []
+
+
+def _wait_committed(proc, out, n, timeout=180):
+    deadline = time.monotonic() + timeout
+    while len(_committed(out)) < n:
+        assert proc.poll() is None, f"exited early:\n{_finish(proc)[1][-4000:]}"
+        assert time.monotonic() < deadline, "no checkpoint committed in time"
+        time.sleep(0.2)
+
+
+def _weights(out):
+    return json.loads((out / "final.json").read_text())["weights"]
+
+
+def _trial_id(out):
+    return json.loads((out / "determined_trial.json").read_text())["trial_id"]
+
+
+@pytest.fixture(scope="module")
+def train_yaml(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "train.yaml"
+    path.write_text(TRAIN_YAML)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(train_yaml, tmp_path_factory):
+    """An uninterrupted run: its final weights, and its TensorBoard files."""
+    out = tmp_path_factory.mktemp("ref") / "out"
+    rc, log = _finish(_start(_run_argv(train_yaml, procutil.WORKERS, out)))
+    assert rc == 0, log[-4000:]
+    return out
+
+
+def test_metrics_reach_tensorboard_and_jsonl(reference):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(reference / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("training/loss")] == [3, 6, 9, 12]
+    assert [e.step for e in acc.Scalars("validation/loss")] == [12]
+    groups = [json.loads(line)["group"] for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert groups == ["training"] * 4 + ["validation"]
+
+
+def test_sigterm_stops_every_rank_and_the_rerun_resumes_exactly(train_yaml, reference, tmp_path):
+    out = tmp_path / "out"
+    proc = _start(_run_argv(train_yaml, procutil.WORKERS, out), DET_TEST_STEP_SLEEP="0.4")
+    _wait_committed(proc, out, 1)
+    trial_id = _trial_id(out)
+    proc.send_signal(signal.SIGTERM)
+    rc, log = _finish(proc)
+    assert rc == 0, log[-4000:]                        # both ranks saved and exited cleanly
+    stopped = {(out / f"preempted-{r}").read_text() for r in (0, 1)}
+    assert len(stopped) == 1 and int(stopped.pop()) < 12     # the same step on both ranks, before the end
+    assert not (out / "final.json").exists()
+    rc, log = _finish(_start(_run_argv(train_yaml, procutil.WORKERS, out)))
+    assert rc == 0, log[-4000:]
+    assert _weights(out) == _weights(reference)        # bitwise equal to the uninterrupted run
+    assert json.loads((out / "final.json").read_text())["trial_id"] == trial_id == _trial_id(out)
+    assert json.loads((out / "determined_trial.json").read_text())["trial_run_id"] == 2
+
+
+def test_sigkill_inside_store_path_keeps_the_previous_checkpoint(train_yaml, reference, tmp_path):
+    out = tmp_path / "out"
+    rc, log = _finish(_start(_run_argv(train_yaml, procutil.WORKERS, out), DET_TEST_KILL_AT="6"))
+    assert rc != 0, log[-4000:]
+    committed = _committed(out)
+    assert [e["steps_completed"] for e in committed] == [3]
+    root = out / "checkpoints"
+    partial = [d for d in root.iterdir() if d.name != committed[0]["storage_id"]]
+    assert len(partial) == 1 and (partial[0] / "partial").exists()
+    assert not (partial[0] / storage.METADATA_NAME).exists()
+    rc, log = _finish(_start(_run_argv(train_yaml, procutil.WORKERS, out)))
+    assert rc == 0, log[-4000:]
+    assert not partial[0].exists()                      # the rerun removed the incomplete one
+    assert _weights(out) == _weights(reference)
+
+
+def test_deepspeed_wrapper_sharded_checkpoint_preempt_and_resume(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "det_deepspeed.py").write_text((procutil.WORKERS / "det_deepspeed.py").read_text())
+    (model_dir / "ds_config.json").write_text(json.dumps(DS_CONFIG))
+    (model_dir / "deepspeed.yaml").write_text(DS_YAML)
+    out = tmp_path / "out"
+    argv = _run_argv(model_dir / "deepspeed.yaml", model_dir, out)
+    proc = _start(argv, DET_TEST_STEP_SLEEP="0.5")
+    _wait_committed(proc, out, 1)
+    proc.send_signal(signal.SIGTERM)
+    rc, log = _finish(proc)
+    assert rc == 0, log[-4000:]
+    first = _committed(out)[-1]
+    shard_files = {p.name for p in (out / "checkpoints" / first["storage_id"]).rglob("*")}
+    assert {"mp_rank_00_model_states.pt", "metadata.json"} <= shard_files
+    assert sum("zero_pp_rank" in name for name in shard_files) == 2       # one optimizer shard per rank
+    rc, log = _finish(_start(argv))
+    assert rc == 0, log[-4000:]
+    steps = [json.loads(line)["steps_completed"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 8 and steps.count(first["steps_completed"] + 1) == 1   # resumed after the checkpoint
+    assert json.loads((out / "determined_searcher.json").read_text())["completed"] is True
+
+
+def test_single_process_core_init_preempts_on_its_own_signal_and_invalid_hp_exits_0(train_yaml, tmp_path):
+    cfg = tmp_path / "single.yaml"
+    cfg.write_text("searcher: {name: single, metric: loss, max_length: 5}\n")
+    env = {"TOOLKIT_EXPERIMENT_CONFIG": str(cfg), "TOOLKIT_OUTPUT_DIR": str(tmp_path / "out")}
+    argv = [sys.executable, str(procutil.WORKERS / "det_single.py")]
+    seen = json.loads(procutil.check(procutil.run(argv, env=procutil.child_env(**env))).strip().splitlines()[-1])
+    assert seen["size"] == 1 and seen["before"] is False and seen["after"] is True
+    assert seen["ops"] == [5] and seen["ops_again"] == 0 and seen["latest"] is None
+    again = json.loads(procutil.check(procutil.run(argv, env=procutil.child_env(**env))).strip().splitlines()[-1])
+    assert again["latest"] == seen["stored"] and again["trial_id"] == seen["trial_id"]
+    result = procutil.run(argv + ["invalid_hp"], env=procutil.child_env(**env))
+    assert result.returncode == 0 and "InvalidHP" in result.stdout
+
+
+@pytest.mark.parametrize("yaml_text,args,match", [
+    ("entrypoint: python3 x.py\nsearcher: {name: grid, metric: x}\n", [], "searcher.name='grid'"),
+    ("entrypoint: python3 x.py\nhyperparameters: {lr: {type: double, minval: 0, maxval: 1}}\n", [],
+     "hyperparameters.lr"),
+    ("entrypoint: python3 x.py\ncheckpoint_storage: {type: gcs, bucket: b}\n", [], "checkpoint_storage.type"),
+    ("entrypoint: python3 -m determined.launch.deepspeed --trial m:T\n", [], "Trial API"),
+    ("searcher: {name: single, metric: x}\n", [], "entrypoint is missing"),
+    ("entrypoint: python3 x.py\nmax_restarts: -1\n", [], "max_restarts"),
+    ("entrypoint: python3 x.py\n", ["--grace", "0"], "--grace"),
+])
+def test_bad_input_exits_2_naming_the_key_with_nothing_started(tmp_path, capsys, yaml_text, args, match):
+    from toolkit.run import main
+
+    cfg = tmp_path / "exp.yaml"
+    cfg.write_text(yaml_text)
+    out = tmp_path / "out"
+    try:
+        status = main([str(cfg), str(tmp_path), "--output-dir", str(out), *args])
+    except SystemExit as exc:       # argparse's own errors
+        status = exc.code
+    assert status == 2
+    assert match in capsys.readouterr().err
+    assert not out.exists()
+    with pytest.raises(SystemExit) as exc:
+        main([str(cfg), str(tmp_path / "missing")])
+    assert exc.value.code == 2

@@ -18,7 +18,7 @@ TensorBoard, metrics; default ``runs/<name>``), which ``det.get_cluster_info()``
 Example::
 
     python -m toolkit.run examples/determined/deepspeed.yaml examples/determined --output-dir runs/det
-    python -m toolkit.run examples/determined/deepspeed.yaml examples/determined --output-dir runs/det  # resumes
+    # the same command again resumes from the latest checkpoint
 """
 
 from __future__ import annotations
@@ -64,14 +64,45 @@ _FORWARDED = (signal.SIGTERM, signal.SIGINT)
 class RunPlan:
     """What to launch, decided from the config and flags alone (pure; see :func:`plan_run`)."""
 
-    def __init__(self, *, launcher: str, command: list[str], nproc: int, max_restarts: int,
-                 output_dir: Path, config_path: Path, model_dir: Path) -> None:
+    def __init__(
+        self,
+        *,
+        launcher: str,
+        command: list[str],
+        nproc: int,
+        max_restarts: int,
+        output_dir: Path,
+        config_path: Path,
+        model_dir: Path,
+    ) -> None:
         self.launcher, self.command, self.nproc = launcher, command, nproc
         self.max_restarts, self.output_dir = max_restarts, output_dir
         self.config_path, self.model_dir = config_path, model_dir
 
 
-def plan_run(config: Mapping[str, Any], *, config_path: Path, model_dir: Path, output_dir: Path | None) -> RunPlan:
+def _launcher_of(argv: list[str], problems: list[str]) -> tuple[str, list[str], int | None]:
+    """(launcher, user command, process count from the wrapper or None); problems appended."""
+    if not argv:
+        return "torchrun", argv, None
+    try:
+        found, wrapper_args, command = unwrap_launcher(argv)
+        nproc, ignored = torchrun_nproc_override(wrapper_args)
+    except ConfigError as err:
+        problems.extend(err.problems)
+        return "torchrun", argv, None
+    if ignored:
+        logger.warning(
+            "entrypoint: torchrun arguments %s are ignored; toolkit.run sets processes, "
+            "address and port itself",
+            ignored,
+        )
+    launcher = found or ("deepspeed" if os.path.basename(command[0]) == "deepspeed" else "torchrun")
+    return launcher, command, nproc
+
+
+def plan_run(
+    config: Mapping[str, Any], *, config_path: Path, model_dir: Path, output_dir: Path | None
+) -> RunPlan:
     """Check the experiment and decide the launch. Pure (reads nothing but its arguments).
 
     Raises:
@@ -87,35 +118,37 @@ def plan_run(config: Mapping[str, Any], *, config_path: Path, model_dir: Path, o
         argv = list(entry) if isinstance(entry, list) else shlex.split(entry)
     name = (config.get("searcher") or {}).get("name")
     if name not in (None, "single"):
-        problems.append(f"searcher.name={name!r}: toolkit runs one trial; use 'single' (hyperparameter "
-                        "searches need a Determined master; tune DeepSpeed settings with python -m toolkit.dsat)")
+        problems.append(
+            f"searcher.name={name!r}: toolkit runs one trial; use 'single' (hyperparameter "
+            "searches need a Determined master; tune DeepSpeed settings with python -m toolkit.dsat)"
+        )
     restarts = config.get("max_restarts", 5)
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
         problems.append(f"max_restarts={restarts!r}: expected an integer >= 0")
-    for check in (lambda: resolve_hparams(config.get("hyperparameters") or {}),
-                  lambda: storage.storage_root(config.get("checkpoint_storage"), output_dir=Path("."),
-                                               base_dir=Path("."))):
+    for check in (
+        lambda: resolve_hparams(config.get("hyperparameters") or {}),
+        lambda: storage.storage_root(
+            config.get("checkpoint_storage"), output_dir=Path("."), base_dir=Path(".")
+        ),
+    ):
         try:
             check()
         except ConfigError as err:
             problems.extend(err.problems)
-    launcher, wrapper_args, command, nproc = "torchrun", [], argv, None
-    if argv:
-        try:
-            found, wrapper_args, command = unwrap_launcher(argv)
-            launcher = found or ("deepspeed" if os.path.basename(command[0]) == "deepspeed" else "torchrun")
-            nproc, ignored = torchrun_nproc_override(wrapper_args)
-            if ignored:
-                logger.warning("entrypoint: torchrun arguments %s are ignored; toolkit.run sets processes, "
-                               "address and port itself", ignored)
-        except ConfigError as err:
-            problems.extend(err.problems)
+    launcher, command, nproc = _launcher_of(argv, problems)
     if problems:
         raise ConfigError(problems, source=str(config_path))
     slots = int((config.get("resources") or {}).get("slots_per_trial", 1))
     out = output_dir or output_dir_for(config)
-    return RunPlan(launcher=launcher, command=command, nproc=nproc or slots, max_restarts=int(restarts),
-                   output_dir=out.resolve(), config_path=config_path.resolve(), model_dir=model_dir.resolve())
+    return RunPlan(
+        launcher=launcher,
+        command=command,
+        nproc=nproc or slots,
+        max_restarts=int(restarts),
+        output_dir=out.resolve(),
+        config_path=config_path.resolve(),
+        model_dir=model_dir.resolve(),
+    )
 
 
 class _Forwarder:
@@ -129,15 +162,19 @@ class _Forwarder:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is None:
-            logger.warning("received %s: passing it to the ranks, which save and stop",
-                           signal.Signals(signum).name)
+            logger.warning(
+                "received %s: passing it to the ranks, which save and stop", signal.Signals(signum).name
+            )
         self.received = self.received or signum
         if self.proc is None or self.proc.poll() is not None:
             return
         # To the ranks themselves: the launcher then sees them exit 0 after saving, and exits 0.
         table = scan_processes()
-        ranks = [pid for pid in find_trial_processes(self.mark, root=self.proc.pid, variable=MARK_ENV, table=table)
-                 if is_rank_process(table[pid][1])]
+        ranks = [
+            pid
+            for pid in find_trial_processes(self.mark, root=self.proc.pid, variable=MARK_ENV, table=table)
+            if is_rank_process(table[pid][1])
+        ]
         for pid in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
@@ -177,8 +214,12 @@ def _run_once(plan: RunPlan, env: dict[str, str], forwarder: _Forwarder, *, grac
                 os.killpg(proc.pid, signal.SIGKILL)
     finally:
         forwarder.proc = None
-        kill_until_gone(lambda table: find_trial_processes(mark, root=proc.pid, variable=MARK_ENV, table=table),
-                        grace_s=5.0, reap=[proc], what="run")
+        kill_until_gone(
+            lambda table: find_trial_processes(mark, root=proc.pid, variable=MARK_ENV, table=table),
+            grace_s=5.0,
+            reap=[proc],
+            what="run",
+        )
 
 
 def _environment(plan: RunPlan) -> dict[str, str]:
@@ -215,15 +256,25 @@ def execute(plan: RunPlan, *, grace_s: float = 60.0) -> int:
             status = _run_once(plan, env, forwarder, grace_s=grace_s)
             if status == 0 or forwarder.received is not None:
                 if forwarder.received is not None:
-                    logger.info("stopped by %s (exit status %d); run the same command again to continue from "
-                                "the latest checkpoint", signal.Signals(forwarder.received).name, status)
+                    logger.info(
+                        "stopped by %s (exit status %d); run the same command again to continue from "
+                        "the latest checkpoint",
+                        signal.Signals(forwarder.received).name,
+                        status,
+                    )
                 return status
             if attempt >= plan.max_restarts:
-                logger.error("the run failed with exit status %d; max_restarts=%d reached", status, plan.max_restarts)
+                logger.error(
+                    "the run failed with exit status %d; max_restarts=%d reached", status, plan.max_restarts
+                )
                 return status
             attempt += 1
-            logger.warning("the run failed with exit status %d; restart %d of %d, from the latest checkpoint",
-                           status, attempt, plan.max_restarts)
+            logger.warning(
+                "the run failed with exit status %d; restart %d of %d, from the latest checkpoint",
+                status,
+                attempt,
+                plan.max_restarts,
+            )
     finally:
         forwarder.restore()
 
@@ -232,9 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit status (2: bad input, nothing started)."""
     parser = argparse.ArgumentParser(prog="python -m toolkit.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="the experiment YAML (Determined's format)")
-    parser.add_argument("model_dir", help="the directory the entrypoint runs in (Determined's context directory)")
+    parser.add_argument(
+        "model_dir", help="the directory the entrypoint runs in (Determined's context directory)"
+    )
     parser.add_argument("--output-dir", help="checkpoints, TensorBoard and metrics (default: runs/<name>)")
-    parser.add_argument("--grace", type=float, default=60.0, help="seconds the ranks get to stop after a signal")
+    parser.add_argument(
+        "--grace", type=float, default=60.0, help="seconds the ranks get to stop after a signal"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: [toolkit.run] %(message)s")
     config_path, model_dir = Path(args.config), Path(args.model_dir)
@@ -244,8 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--grace={args.grace!r}: expected a number of seconds > 0")
     try:
         config = toolkit.load_experiment_config(config_path)
-        plan = plan_run(config, config_path=config_path, model_dir=model_dir,
-                        output_dir=Path(args.output_dir) if args.output_dir else None)
+        plan = plan_run(
+            config,
+            config_path=config_path,
+            model_dir=model_dir,
+            output_dir=Path(args.output_dir) if args.output_dir else None,
+        )
     except (ConfigError, FileNotFoundError) as err:
         print(f"python -m toolkit.run: error: {err}", file=sys.stderr)
         return 2

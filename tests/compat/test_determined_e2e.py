@@ -1,12 +1,12 @@
 """Determined Core API scripts (tests/workers/det_*.py, imports swapped) under python -m toolkit.run,
 with 2 real ranks: TensorBoard, SIGTERM stopping every rank, an exact resume with the same trial id,
 a SIGKILL inside store_path, the DeepSpeed wrapper with store_path(shard=True), and bad input."""
+
 import json
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -29,8 +29,12 @@ hyperparameters:
   deepspeed_config: ds_config.json
   checkpoint_rate: 2
 """
-DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-             "zero_optimization": {"stage": 1, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}}
+DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "steps_per_print": 10**9,
+    "zero_optimization": {"stage": 1, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000},
+}
 
 
 def _run_argv(config, model_dir, out):
@@ -38,8 +42,14 @@ def _run_argv(config, model_dir, out):
 
 
 def _start(argv, **env):
-    return subprocess.Popen(argv, env=procutil.child_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(
+        argv,
+        env=procutil.child_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _finish(proc, timeout=240):
@@ -48,7 +58,7 @@ def _finish(proc, timeout=240):
     except subprocess.TimeoutExpired:
         proc.kill()
         out, _ = proc.communicate(timeout=30)
-        raise AssertionError(f"timed out; output:\n{out[-4000:]}")
+        raise AssertionError(f"timed out; output:\n{out[-4000:]}") from None
     return proc.returncode, out
 
 
@@ -106,13 +116,13 @@ def test_sigterm_stops_every_rank_and_the_rerun_resumes_exactly(train_yaml, refe
     trial_id = _trial_id(out)
     proc.send_signal(signal.SIGTERM)
     rc, log = _finish(proc)
-    assert rc == 0, log[-4000:]                        # both ranks saved and exited cleanly
+    assert rc == 0, log[-4000:]  # both ranks saved and exited cleanly
     stopped = {(out / f"preempted-{r}").read_text() for r in (0, 1)}
-    assert len(stopped) == 1 and int(stopped.pop()) < 12     # the same step on both ranks, before the end
+    assert len(stopped) == 1 and int(stopped.pop()) < 12  # the same step on both ranks, before the end
     assert not (out / "final.json").exists()
     rc, log = _finish(_start(_run_argv(train_yaml, procutil.WORKERS, out)))
     assert rc == 0, log[-4000:]
-    assert _weights(out) == _weights(reference)        # bitwise equal to the uninterrupted run
+    assert _weights(out) == _weights(reference)  # bitwise equal to the uninterrupted run
     assert json.loads((out / "final.json").read_text())["trial_id"] == trial_id == _trial_id(out)
     assert json.loads((out / "determined_trial.json").read_text())["trial_run_id"] == 2
 
@@ -129,7 +139,7 @@ def test_sigkill_inside_store_path_keeps_the_previous_checkpoint(train_yaml, ref
     assert not (partial[0] / storage.METADATA_NAME).exists()
     rc, log = _finish(_start(_run_argv(train_yaml, procutil.WORKERS, out)))
     assert rc == 0, log[-4000:]
-    assert not partial[0].exists()                      # the rerun removed the incomplete one
+    assert not partial[0].exists()  # the rerun removed the incomplete one
     assert _weights(out) == _weights(reference)
 
 
@@ -149,11 +159,11 @@ def test_deepspeed_wrapper_sharded_checkpoint_preempt_and_resume(tmp_path):
     first = _committed(out)[-1]
     shard_files = {p.name for p in (out / "checkpoints" / first["storage_id"]).rglob("*")}
     assert {"mp_rank_00_model_states.pt", "metadata.json"} <= shard_files
-    assert sum("zero_pp_rank" in name for name in shard_files) == 2       # one optimizer shard per rank
+    assert sum("zero_pp_rank" in name for name in shard_files) == 2  # one optimizer shard per rank
     rc, log = _finish(_start(argv))
     assert rc == 0, log[-4000:]
     steps = [json.loads(line)["steps_completed"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps[-1] == 8 and steps.count(first["steps_completed"] + 1) == 1   # resumed after the checkpoint
+    assert steps[-1] == 8 and steps.count(first["steps_completed"] + 1) == 1  # resumed after the checkpoint
     assert json.loads((out / "determined_searcher.json").read_text())["completed"] is True
 
 
@@ -162,25 +172,39 @@ def test_single_process_core_init_preempts_on_its_own_signal_and_invalid_hp_exit
     cfg.write_text("searcher: {name: single, metric: loss, max_length: 5}\n")
     env = {"TOOLKIT_EXPERIMENT_CONFIG": str(cfg), "TOOLKIT_OUTPUT_DIR": str(tmp_path / "out")}
     argv = [sys.executable, str(procutil.WORKERS / "det_single.py")]
-    seen = json.loads(procutil.check(procutil.run(argv, env=procutil.child_env(**env))).strip().splitlines()[-1])
+    seen = json.loads(
+        procutil.check(procutil.run(argv, env=procutil.child_env(**env))).strip().splitlines()[-1]
+    )
     assert seen["size"] == 1 and seen["before"] is False and seen["after"] is True
     assert seen["ops"] == [5] and seen["ops_again"] == 0 and seen["latest"] is None
-    again = json.loads(procutil.check(procutil.run(argv, env=procutil.child_env(**env))).strip().splitlines()[-1])
+    again = json.loads(
+        procutil.check(procutil.run(argv, env=procutil.child_env(**env))).strip().splitlines()[-1]
+    )
     assert again["latest"] == seen["stored"] and again["trial_id"] == seen["trial_id"]
     result = procutil.run(argv + ["invalid_hp"], env=procutil.child_env(**env))
     assert result.returncode == 0 and "InvalidHP" in result.stdout
 
 
-@pytest.mark.parametrize("yaml_text,args,match", [
-    ("entrypoint: python3 x.py\nsearcher: {name: grid, metric: x}\n", [], "searcher.name='grid'"),
-    ("entrypoint: python3 x.py\nhyperparameters: {lr: {type: double, minval: 0, maxval: 1}}\n", [],
-     "hyperparameters.lr"),
-    ("entrypoint: python3 x.py\ncheckpoint_storage: {type: gcs, bucket: b}\n", [], "checkpoint_storage.type"),
-    ("entrypoint: python3 -m determined.launch.deepspeed --trial m:T\n", [], "Trial API"),
-    ("searcher: {name: single, metric: x}\n", [], "entrypoint is missing"),
-    ("entrypoint: python3 x.py\nmax_restarts: -1\n", [], "max_restarts"),
-    ("entrypoint: python3 x.py\n", ["--grace", "0"], "--grace"),
-])
+@pytest.mark.parametrize(
+    "yaml_text,args,match",
+    [
+        ("entrypoint: python3 x.py\nsearcher: {name: grid, metric: x}\n", [], "searcher.name='grid'"),
+        (
+            "entrypoint: python3 x.py\nhyperparameters: {lr: {type: double, minval: 0, maxval: 1}}\n",
+            [],
+            "hyperparameters.lr",
+        ),
+        (
+            "entrypoint: python3 x.py\ncheckpoint_storage: {type: gcs, bucket: b}\n",
+            [],
+            "checkpoint_storage.type",
+        ),
+        ("entrypoint: python3 -m determined.launch.deepspeed --trial m:T\n", [], "Trial API"),
+        ("searcher: {name: single, metric: x}\n", [], "entrypoint is missing"),
+        ("entrypoint: python3 x.py\nmax_restarts: -1\n", [], "max_restarts"),
+        ("entrypoint: python3 x.py\n", ["--grace", "0"], "--grace"),
+    ],
+)
 def test_bad_input_exits_2_naming_the_key_with_nothing_started(tmp_path, capsys, yaml_text, args, match):
     from toolkit.run import main
 
@@ -189,7 +213,7 @@ def test_bad_input_exits_2_naming_the_key_with_nothing_started(tmp_path, capsys,
     out = tmp_path / "out"
     try:
         status = main([str(cfg), str(tmp_path), "--output-dir", str(out), *args])
-    except SystemExit as exc:       # argparse's own errors
+    except SystemExit as exc:  # argparse's own errors
         status = exc.code
     assert status == 2
     assert match in capsys.readouterr().err

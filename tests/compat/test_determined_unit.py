@@ -1,5 +1,6 @@
 """toolkit.compat.determined without processes: launcher wrappers, hyperparameters, ids, storage,
 checkpoints, metrics, the searcher, and every cluster-only call's error."""
+
 import json
 import os
 import sys
@@ -20,15 +21,24 @@ from toolkit.errors import ConfigError
 # The entrypoints of Determined's own examples, exactly as their YAMLs write them.
 EXAMPLES = [
     ("python3 -m determined.launch.deepspeed python3 script.py", ("deepspeed", [], ["python3", "script.py"])),
-    ("python3 -m determined.launch.torch_distributed python3 model_def_distributed.py",
-     ("torchrun", [], ["python3", "model_def_distributed.py"])),
-    ("python3 -m determined.launch.torch_distributed --nproc_per_node 1 -- python3 train.py",
-     ("torchrun", ["--nproc_per_node", "1"], ["python3", "train.py"])),
-    ("python3 -m determined.launch.wrap_rank 0 -- python3 4_distributed.py worker 0 0",
-     (None, [], ["python3", "4_distributed.py", "worker", "0", "0"])),
+    (
+        "python3 -m determined.launch.torch_distributed python3 model_def_distributed.py",
+        ("torchrun", [], ["python3", "model_def_distributed.py"]),
+    ),
+    (
+        "python3 -m determined.launch.torch_distributed --nproc_per_node 1 -- python3 train.py",
+        ("torchrun", ["--nproc_per_node", "1"], ["python3", "train.py"]),
+    ),
+    (
+        "python3 -m determined.launch.wrap_rank 0 -- python3 4_distributed.py worker 0 0",
+        (None, [], ["python3", "4_distributed.py", "worker", "0", "0"]),
+    ),
     ("python3 4_distributed.py launcher", (None, [], ["python3", "4_distributed.py", "launcher"])),
     ("python3 2_checkpoints.py", (None, [], ["python3", "2_checkpoints.py"])),
-    ("python3 -m determined.launch.deepspeed -- python3 script.py", ("deepspeed", [], ["python3", "script.py"])),
+    (
+        "python3 -m determined.launch.deepspeed -- python3 script.py",
+        ("deepspeed", [], ["python3", "script.py"]),
+    ),
 ]
 
 
@@ -37,11 +47,14 @@ def test_unwrap_launcher_on_determined_example_entrypoints(entry, expected):
     assert unwrap_launcher(entry.split()) == expected
 
 
-@pytest.mark.parametrize("entry,match", [
-    ("python3 -m determined.launch.torch_distributed", "no command"),
-    ("python3 -m determined.launch.deepspeed --trial model_def:Trial", "Trial API"),
-    ("python3 -m determined.launch.torch_distributed -- --trial model_def:Trial", "Trial API"),
-])
+@pytest.mark.parametrize(
+    "entry,match",
+    [
+        ("python3 -m determined.launch.torch_distributed", "no command"),
+        ("python3 -m determined.launch.deepspeed --trial model_def:Trial", "Trial API"),
+        ("python3 -m determined.launch.torch_distributed -- --trial model_def:Trial", "Trial API"),
+    ],
+)
 def test_unwrap_launcher_errors_name_the_fix(entry, match):
     with pytest.raises(ConfigError, match=match):
         unwrap_launcher(entry.split())
@@ -59,8 +72,12 @@ def test_hparams_const_resolved_and_search_spaces_named():
     hp = {"a": {"type": "const", "val": 2}, "g": {"b": {"type": "const", "val": [1]}, "c": 3}, "d": [1, 2]}
     assert info_mod.resolve_hparams(hp) == {"a": 2, "g": {"b": [1], "c": 3}, "d": [1, 2]}
     with pytest.raises(ConfigError) as err:
-        info_mod.resolve_hparams({"x": {"type": "int", "minval": 1, "maxval": 8},
-                                  "g": {"y": {"type": "categorical", "vals": [1, 2]}}})
+        info_mod.resolve_hparams(
+            {
+                "x": {"type": "int", "minval": 1, "maxval": 8},
+                "g": {"y": {"type": "categorical", "vals": [1, 2]}},
+            }
+        )
     assert any("hyperparameters.x" in p for p in err.value.problems)
     assert any("hyperparameters.g.y" in p for p in err.value.problems)
 
@@ -83,15 +100,22 @@ def env(tmp_path, monkeypatch):
 
 
 def test_cluster_info_from_yaml_with_stable_ids(env, monkeypatch):
-    cfg = _yaml(env, "name: t\nentrypoint: python3 x.py\nresources: {slots_per_trial: 2}\n"
-                     "hyperparameters: {lr: {type: const, val: 0.5}, n: 3}\ndata: {k: v}\n"
-                     "searcher: {name: single, metric: x, max_length: {batches: 7}}\n")
+    cfg = _yaml(
+        env,
+        "name: t\nentrypoint: python3 x.py\nresources: {slots_per_trial: 2}\n"
+        "hyperparameters: {lr: {type: const, val: 0.5}, n: 3}\ndata: {k: v}\n"
+        "searcher: {name: single, metric: x, max_length: {batches: 7}}\n",
+    )
     monkeypatch.setenv("TOOLKIT_EXPERIMENT_CONFIG", str(cfg))
     info = det.get_cluster_info()
-    assert info is det.get_cluster_info()   # cached
+    assert info is det.get_cluster_info()  # cached
     assert info.trial.hparams == {"lr": 0.5, "n": 3}
     assert info.latest_checkpoint is None and info.task_type == "TRIAL"
-    assert info.user_data == {"k": "v"} and info.trial.config["name"] == "t" and info.trial._config["name"] == "t"
+    assert (
+        info.user_data == {"k": "v"}
+        and info.trial.config["name"] == "t"
+        and info.trial._config["name"] == "t"
+    )
     assert info.slot_ids == [0, 1] and info.container_addrs == ["127.0.0.1"] and info.container_rank == 0
     ids = (info.trial.trial_id, info.trial.experiment_id)
     info_mod.reset_for_tests()
@@ -100,11 +124,14 @@ def test_cluster_info_from_yaml_with_stable_ids(env, monkeypatch):
     assert json.loads((env / "out" / info_mod.TRIAL_FILE).read_text())["trial_id"] == ids[0]
 
 
-@pytest.mark.parametrize("text,match", [
-    ("searcher: {name: adaptive_asha, metric: x}\n", "searcher.name='adaptive_asha'"),
-    ("hyperparameters: {g: {x: {type: log, base: 10, minval: -3, maxval: -1}}}\n", "hyperparameters.g.x"),
-    ("checkpoint_storage: {type: s3, bucket: b}\n", "checkpoint_storage.type='s3'"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("searcher: {name: adaptive_asha, metric: x}\n", "searcher.name='adaptive_asha'"),
+        ("hyperparameters: {g: {x: {type: log, base: 10, minval: -3, maxval: -1}}}\n", "hyperparameters.g.x"),
+        ("checkpoint_storage: {type: s3, bucket: b}\n", "checkpoint_storage.type='s3'"),
+    ],
+)
 def test_cluster_info_refuses_cluster_only_config(env, monkeypatch, text, match):
     monkeypatch.setenv("TOOLKIT_EXPERIMENT_CONFIG", str(_yaml(env, "entrypoint: python3 x.py\n" + text)))
     with pytest.raises(ConfigError, match=match):
@@ -121,12 +148,18 @@ def test_dsat_trial_hparams_come_from_the_trial(env, monkeypatch):
 def test_storage_roots(tmp_path):
     out, base = tmp_path / "out", tmp_path
     assert storage.storage_root(None, output_dir=out, base_dir=base) == out / "checkpoints"
-    assert storage.storage_root({"type": "shared_fs", "host_path": "/mnt", "storage_path": "c"},
-                                output_dir=out, base_dir=base) == Path("/mnt/c")
-    assert storage.storage_root({"type": "directory", "container_path": "/d"}, output_dir=out,
-                                base_dir=base) == Path("/d")
-    for bad, match in [("s3://b/p", "cloud"), ({"type": "gcs", "bucket": "b"}, "gcs"),
-                       ({"type": "azure"}, "azure"), ({"type": "shared_fs"}, "host_path")]:
+    assert storage.storage_root(
+        {"type": "shared_fs", "host_path": "/mnt", "storage_path": "c"}, output_dir=out, base_dir=base
+    ) == Path("/mnt/c")
+    assert storage.storage_root(
+        {"type": "directory", "container_path": "/d"}, output_dir=out, base_dir=base
+    ) == Path("/d")
+    for bad, match in [
+        ("s3://b/p", "cloud"),
+        ({"type": "gcs", "bucket": "b"}, "gcs"),
+        ({"type": "azure"}, "azure"),
+        ({"type": "shared_fs"}, "host_path"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             storage.storage_root(bad, output_dir=out, base_dir=base)
     assert storage.plan_gc([{"storage_id": s} for s in "abc"], 1) == ["a", "b"]
@@ -134,16 +167,17 @@ def test_storage_roots(tmp_path):
 
 
 def test_checkpoint_commit_restore_metadata_delete_and_gc(tmp_path):
-    ckpt = CheckpointContext(det.core.DummyDistributedContext(), root=tmp_path / "c", output_dir=tmp_path,
-                             save_trial_latest=2)
+    ckpt = CheckpointContext(
+        det.core.DummyDistributedContext(), root=tmp_path / "c", output_dir=tmp_path, save_trial_latest=2
+    )
     ids = []
     for step in (1, 2, 3):
         with ckpt.store_path({"steps_completed": step}) as (path, sid):
             (path / "w").write_text(str(step))
-            assert not storage.is_committed(tmp_path / "c", sid)   # not before the block ends
+            assert not storage.is_committed(tmp_path / "c", sid)  # not before the block ends
         ids.append(sid)
     registry = storage.read_registry(tmp_path)
-    assert [e["storage_id"] for e in registry["committed"]] == ids[1:]          # save_trial_latest: 2
+    assert [e["storage_id"] for e in registry["committed"]] == ids[1:]  # save_trial_latest: 2
     assert not (tmp_path / "c" / ids[0]).exists()
     assert storage.latest_storage_id(registry, tmp_path / "c") == ids[2]
     with ckpt.restore_path(ids[2]) as path:
@@ -157,12 +191,12 @@ def test_checkpoint_commit_restore_metadata_delete_and_gc(tmp_path):
     with pytest.raises(det.errors.CheckpointNotFound):
         with ckpt.restore_path(up):
             pass
-    with pytest.raises(RuntimeError, match="boom"):           # a failing block commits nothing
+    with pytest.raises(RuntimeError, match="boom"):  # a failing block commits nothing
         with ckpt.store_path({"steps_completed": 9}) as (path, sid):
             raise RuntimeError("boom")
     assert storage.latest_storage_id(storage.read_registry(tmp_path), tmp_path / "c") == ids[2]
     CheckpointContext(det.core.DummyDistributedContext(), root=tmp_path / "c", output_dir=tmp_path)
-    assert not (tmp_path / "c" / sid).exists()                # the next run removes the partial one
+    assert not (tmp_path / "c" / sid).exists()  # the next run removes the partial one
 
 
 def test_merge_metadata_conflicts():
@@ -209,9 +243,14 @@ def test_searcher_one_op_then_nothing_once_completed(tmp_path):
     assert json.loads((tmp_path / "determined_searcher.json").read_text())["searcher_metric"] == {"loss": 1.0}
 
 
-@pytest.mark.parametrize("searcher,match", [({"max_length": {"epochs": 2}}, "'epochs' is not supported"),
-                                            ({"max_length": {"records": 10}}, "'records'"),
-                                            ({}, "max_length is not set")])
+@pytest.mark.parametrize(
+    "searcher,match",
+    [
+        ({"max_length": {"epochs": 2}}, "'epochs' is not supported"),
+        ({"max_length": {"records": 10}}, "'records'"),
+        ({}, "max_length is not set"),
+    ],
+)
 def test_searcher_length_errors(tmp_path, searcher, match):
     ctx = SearcherContext(det.core.DummyDistributedContext(), {"searcher": searcher}, tmp_path)
     with pytest.raises(ConfigError, match=match):
@@ -243,7 +282,7 @@ def test_distributed_context_arguments():
     with pytest.raises(ValueError, match="cross_size"):
         det.core.DistributedContext(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0)
     with pytest.raises(TypeError):
-        det.core.DistributedContext(0, 1, 0, 1, 0, 1)   # keyword-only, as in Determined
+        det.core.DistributedContext(0, 1, 0, 1, 0, 1)  # keyword-only, as in Determined
     with pytest.raises(ValueError, match="chief_ip"):
         det.core.DistributedContext(rank=0, size=4, local_rank=0, local_size=2, cross_rank=0, cross_size=2)
     assert det.core.PreemptMode("CHIEF_ONLY") is det.core.PreemptMode.ChiefOnly
@@ -254,10 +293,15 @@ def test_distributed_context_arguments():
 
 
 def test_dsat_get_ds_config_from_hparams(tmp_path):
-    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
-        "stage": 1, "reduce_bucket_size": 5}}))
-    got = dsat.get_ds_config_from_hparams({"deepspeed_config": "ds.json", "overwrite_deepspeed_args": {
-        "zero_optimization": {"stage": 2}}}, base_dir=tmp_path)
+    (tmp_path / "ds.json").write_text(
+        json.dumps(
+            {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1, "reduce_bucket_size": 5}}
+        )
+    )
+    got = dsat.get_ds_config_from_hparams(
+        {"deepspeed_config": "ds.json", "overwrite_deepspeed_args": {"zero_optimization": {"stage": 2}}},
+        base_dir=tmp_path,
+    )
     assert got["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 5}
     with pytest.raises(ConfigError, match="deepspeed_config"):
         dsat.get_ds_config_from_hparams({})
@@ -268,6 +312,6 @@ def test_dsat_reporting_context_outside_a_trial_is_transparent(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     with dsat.dsat_reporting_context(None, None):
         pass
-    with pytest.raises(SystemExit):                     # no autotuning file: the exit goes on untouched
+    with pytest.raises(SystemExit):  # no autotuning file: the exit goes on untouched
         with dsat.dsat_reporting_context(None, None):
             sys.exit(0)

@@ -5,6 +5,7 @@ Started by `python3 -m determined.launch.deepspeed python3 det_deepspeed.py`; ev
 its shard with store_path(shard=True) + engine.save_checkpoint(path). DET_TEST_STEP_SLEEP slows
 each step so that a test can interrupt it.
 """
+
 import logging
 import os
 import pathlib
@@ -13,8 +14,8 @@ import time
 import deepspeed
 import torch
 
-from toolkit.compat import determined as det                 # was: import determined as det
-from toolkit.compat.determined.pytorch import dsat           # was: from determined.pytorch import dsat
+from toolkit.compat import determined as det  # was: import determined as det
+from toolkit.compat.determined.pytorch import dsat  # was: from determined.pytorch import dsat
 
 
 def batch(step, rank):
@@ -48,14 +49,16 @@ def main(core_context, hparams, latest_checkpoint):
                 losses = core_context.distributed.gather(loss.item())
                 if is_chief:
                     core_context.train.report_training_metrics(
-                        steps_completed=steps_completed, metrics={"loss": sum(losses) / len(losses)})
+                        steps_completed=steps_completed, metrics={"loss": sum(losses) / len(losses)}
+                    )
                 if not steps_completed % hparams["checkpoint_rate"]:
                     metadata = {"steps_completed": steps_completed}
                     with core_context.checkpoint.store_path(metadata=metadata, shard=True) as (path, _):
                         model_engine.save_checkpoint(path)
                     if core_context.preempt.should_preempt():
-                        pathlib.Path(os.environ["TOOLKIT_OUTPUT_DIR"], f"preempted-{model_engine.global_rank}"
-                                     ).write_text(str(steps_completed))
+                        pathlib.Path(
+                            os.environ["TOOLKIT_OUTPUT_DIR"], f"preempted-{model_engine.global_rank}"
+                        ).write_text(str(steps_completed))
                         return
                 if steps_completed == op.length:
                     if is_chief:

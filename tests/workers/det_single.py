@@ -1,6 +1,7 @@
 """One process, no launcher (`python det_single.py`): det.core.init() without a DistributedContext,
 as in Determined's stage-1/2 tutorials; a SIGTERM to itself must turn should_preempt() True.
 Prints one JSON line of what it saw; `invalid_hp` as argv[1] raises det.InvalidHP inside the context."""
+
 import json
 import logging
 import os

@@ -5,6 +5,7 @@ the chief reports metrics and stores a checkpoint every `checkpoint_every` steps
 asks should_preempt() after it. Test hooks (environment): DET_TEST_STEP_SLEEP slows each step,
 DET_TEST_KILL_AT=N makes rank 0 SIGKILL itself inside store_path at step N, after a partial write.
 """
+
 import io
 import json
 import logging
@@ -15,18 +16,28 @@ import time
 
 import torch
 
-from toolkit.compat import determined as det   # was: import determined as det
+from toolkit.compat import determined as det  # was: import determined as det
 
 
 def build(seed):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1)
+    )
     return model, torch.optim.Adam(model.parameters(), lr=0.01)
 
 
 def save_state(path, model, opt, steps_completed, trial_id):
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "steps": steps_completed,
-                "trial_id": trial_id, "rng": torch.get_rng_state()}, path / "state.pt")
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "steps": steps_completed,
+            "trial_id": trial_id,
+            "rng": torch.get_rng_state(),
+        },
+        path / "state.pt",
+    )
 
 
 def main(core_context, latest_checkpoint, trial_id, hparams):
@@ -57,8 +68,9 @@ def main(core_context, latest_checkpoint, trial_id, hparams):
         if steps_completed % hparams["checkpoint_every"] == 0:
             losses = core_context.distributed.gather(loss.item())
             if rank == 0:
-                core_context.train.report_training_metrics(steps_completed=steps_completed,
-                                                           metrics={"loss": sum(losses) / len(losses)})
+                core_context.train.report_training_metrics(
+                    steps_completed=steps_completed, metrics={"loss": sum(losses) / len(losses)}
+                )
                 core_context.train.report_progress(steps_completed / hparams["max_length"])
                 with core_context.checkpoint.store_path({"steps_completed": steps_completed}) as (path, uuid):
                     save_state(path, model, opt, steps_completed, trial_id)
@@ -66,11 +78,14 @@ def main(core_context, latest_checkpoint, trial_id, hparams):
                         (path / "partial").write_text("x")
                         os.kill(os.getpid(), signal.SIGKILL)
             if core_context.preempt.should_preempt():
-                pathlib.Path(os.environ["TOOLKIT_OUTPUT_DIR"], f"preempted-{rank}").write_text(str(steps_completed))
+                pathlib.Path(os.environ["TOOLKIT_OUTPUT_DIR"], f"preempted-{rank}").write_text(
+                    str(steps_completed)
+                )
                 return
     if rank == 0:
-        core_context.train.report_validation_metrics(steps_completed=hparams["max_length"],
-                                                     metrics={"loss": loss.item()})
+        core_context.train.report_validation_metrics(
+            steps_completed=hparams["max_length"], metrics={"loss": loss.item()}
+        )
         buf = io.BytesIO()
         torch.save([p.detach() for p in model.parameters()], buf)
         out = pathlib.Path(os.environ["TOOLKIT_OUTPUT_DIR"])

@@ -18,12 +18,27 @@ what to use instead. No dependency on the ``determined`` package.
 
 from toolkit.compat.determined import core, errors
 from toolkit.compat.determined.core.context import InvalidHP
-from toolkit.compat.determined.info import ClusterInfo, RendezvousInfo, ResourcesInfo, TrialInfo, get_cluster_info
+from toolkit.compat.determined.info import (
+    ClusterInfo,
+    RendezvousInfo,
+    ResourcesInfo,
+    TrialInfo,
+    get_cluster_info,
+)
 
 #: Determined's log format, for ``logging.basicConfig(format=det.LOG_FORMAT)``.
 LOG_FORMAT = "%(levelname)s: [%(process)s] %(name)s: %(message)s"
 #: The Determined release whose Core API this layer follows.
 __version__ = "0.38.1"
 
-__all__ = ["LOG_FORMAT", "ClusterInfo", "InvalidHP", "RendezvousInfo", "ResourcesInfo", "TrialInfo", "core",
-           "errors", "get_cluster_info"]
+__all__ = [
+    "LOG_FORMAT",
+    "ClusterInfo",
+    "InvalidHP",
+    "RendezvousInfo",
+    "ResourcesInfo",
+    "TrialInfo",
+    "core",
+    "errors",
+    "get_cluster_info",
+]

@@ -30,11 +30,20 @@ from typing import Any, Mapping
 import toolkit
 from toolkit._files import atomic_write_json
 from toolkit.compat.determined import storage
-from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV, TRIAL_HPARAMS_ENV
+from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV
 from toolkit.errors import ConfigError
 
-__all__ = ["ClusterInfo", "TrialInfo", "RendezvousInfo", "ResourcesInfo", "get_cluster_info",
-           "resolve_hparams", "TRIAL_FILE", "load_trial_state", "output_dir_for"]
+__all__ = [
+    "ClusterInfo",
+    "TrialInfo",
+    "RendezvousInfo",
+    "ResourcesInfo",
+    "get_cluster_info",
+    "resolve_hparams",
+    "TRIAL_FILE",
+    "load_trial_state",
+    "output_dir_for",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +55,18 @@ _cached: "ClusterInfo | None" = None
 class TrialInfo:
     """``info.trial``: the trial's ids, seed, hyperparameters and config (Determined's TrialInfo)."""
 
-    def __init__(self, trial_id: int, experiment_id: int, trial_seed: int, hparams: dict[str, Any],
-                 config: dict[str, Any], steps_completed: int, trial_run_id: int, debug: bool,
-                 inter_node_network_interface: str | None) -> None:
+    def __init__(
+        self,
+        trial_id: int,
+        experiment_id: int,
+        trial_seed: int,
+        hparams: dict[str, Any],
+        config: dict[str, Any],
+        steps_completed: int,
+        trial_run_id: int,
+        debug: bool,
+        inter_node_network_interface: str | None,
+    ) -> None:
         self.trial_id = trial_id
         self.experiment_id = experiment_id
         self.trial_seed = trial_seed
@@ -68,7 +86,9 @@ class TrialInfo:
 class RendezvousInfo:
     """Addresses and slot counts of the trial's machines (``container_*``)."""
 
-    def __init__(self, container_addrs: list[str], container_rank: int, container_slot_counts: list[int]) -> None:
+    def __init__(
+        self, container_addrs: list[str], container_rank: int, container_slot_counts: list[int]
+    ) -> None:
         self.container_addrs = container_addrs
         self.container_rank = container_rank
         self.container_slot_counts = container_slot_counts
@@ -84,12 +104,23 @@ class ResourcesInfo:
 class ClusterInfo:
     """What ``det.get_cluster_info()`` returns; same attributes as Determined 0.38's ClusterInfo."""
 
-    def __init__(self, master_url: str, cluster_id: str, agent_id: str, slot_ids: list[int], task_id: str,
-                 allocation_id: str, session_token: str, task_type: str,
-                 master_cert_name: str | None = None, master_cert_file: str | None = None,
-                 latest_checkpoint: str | None = None, trial_info: TrialInfo | None = None,
-                 rendezvous_info: RendezvousInfo | None = None,
-                 resources_info: ResourcesInfo | None = None) -> None:
+    def __init__(
+        self,
+        master_url: str,
+        cluster_id: str,
+        agent_id: str,
+        slot_ids: list[int],
+        task_id: str,
+        allocation_id: str,
+        session_token: str,
+        task_type: str,
+        master_cert_name: str | None = None,
+        master_cert_file: str | None = None,
+        latest_checkpoint: str | None = None,
+        trial_info: TrialInfo | None = None,
+        rendezvous_info: RendezvousInfo | None = None,
+        resources_info: ResourcesInfo | None = None,
+    ) -> None:
         self.master_url = master_url
         self.cluster_id = cluster_id
         self.agent_id = agent_id
@@ -115,7 +146,9 @@ class ClusterInfo:
     @property
     def trial(self) -> TrialInfo:
         if self.task_type != "TRIAL" or self._trial_info is None:
-            raise RuntimeError(f'you cannot use the .trial property when .task_type ("{self.task_type}") != "TRIAL"')
+            raise RuntimeError(
+                f'you cannot use the .trial property when .task_type ("{self.task_type}") != "TRIAL"'
+            )
         return self._trial_info
 
     @property
@@ -158,9 +191,11 @@ def resolve_hparams(hparams: Mapping[str, Any], prefix: str = "hyperparameters")
         if isinstance(value, Mapping) and value.get("type") == "const" and "val" in value:
             out[name] = value["val"]
         elif isinstance(value, Mapping) and value.get("type") in _SEARCH_TYPES:
-            problems.append(f"{key} is a search space (type: {value['type']}); toolkit runs one trial per "
-                            "run: give one value, e.g. {type: const, val: ...}, or tune DeepSpeed settings "
-                            "with python -m toolkit.dsat")
+            problems.append(
+                f"{key} is a search space (type: {value['type']}); toolkit runs one trial per "
+                "run: give one value, e.g. {type: const, val: ...}, or tune DeepSpeed settings "
+                "with python -m toolkit.dsat"
+            )
         elif isinstance(value, Mapping):
             try:
                 out[name] = resolve_hparams(value, key)
@@ -175,7 +210,9 @@ def resolve_hparams(hparams: Mapping[str, Any], prefix: str = "hyperparameters")
 
 def output_dir_for(config: Mapping[str, Any]) -> Path:
     """``$TOOLKIT_OUTPUT_DIR``, else ``runs/<experiment name>`` in the working directory. Any rank."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", str(config.get("name") or "determined")).strip("-.") or "determined"
+    name = (
+        re.sub(r"[^A-Za-z0-9._-]+", "-", str(config.get("name") or "determined")).strip("-.") or "determined"
+    )
     return toolkit.get_output_dir(Path("runs") / name)
 
 
@@ -190,9 +227,12 @@ def load_trial_state(output_dir: Path, *, write: bool) -> dict[str, int]:
         state = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         key = str(output_dir.resolve()).encode()
-        state = {"experiment_id": zlib.crc32(b"experiment:" + key) % 100_000 + 1,
-                 "trial_id": zlib.crc32(b"trial:" + key) % 1_000_000 + 1,
-                 "trial_seed": zlib.crc32(b"seed:" + key), "trial_run_id": 1}
+        state = {
+            "experiment_id": zlib.crc32(b"experiment:" + key) % 100_000 + 1,
+            "trial_id": zlib.crc32(b"trial:" + key) % 1_000_000 + 1,
+            "trial_seed": zlib.crc32(b"seed:" + key),
+            "trial_run_id": 1,
+        }
         if write:
             output_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(path, state)
@@ -202,9 +242,11 @@ def load_trial_state(output_dir: Path, *, write: bool) -> dict[str, int]:
 def _experiment_config() -> tuple[dict[str, Any], Path]:
     path = os.environ.get(EXPERIMENT_CONFIG_ENV)
     if not path:
-        logger.warning("%s is not set: no experiment config, empty hyperparameters; run through "
-                       "python -m toolkit.run CONFIG MODEL_DIR, or set it to the experiment YAML",
-                       EXPERIMENT_CONFIG_ENV)
+        logger.warning(
+            "%s is not set: no experiment config, empty hyperparameters; run through "
+            "python -m toolkit.run CONFIG MODEL_DIR, or set it to the experiment YAML",
+            EXPERIMENT_CONFIG_ENV,
+        )
         return {}, Path.cwd()
     return toolkit.load_experiment_config(path), Path(path).resolve().parent
 
@@ -212,9 +254,11 @@ def _experiment_config() -> tuple[dict[str, Any], Path]:
 def _check_searcher(config: Mapping[str, Any]) -> None:
     name = (config.get("searcher") or {}).get("name")
     if name not in (None, "single"):
-        raise ConfigError(f"searcher.name={name!r}: hyperparameter searches run on a Determined master; "
-                          "toolkit runs one trial: use 'single' (and python -m toolkit.dsat to tune "
-                          "DeepSpeed settings)")
+        raise ConfigError(
+            f"searcher.name={name!r}: hyperparameter searches run on a Determined master; "
+            "toolkit runs one trial: use 'single' (and python -m toolkit.dsat to tune "
+            "DeepSpeed settings)"
+        )
 
 
 def _launch_layout(config: Mapping[str, Any]) -> tuple[list[int], int, int]:
@@ -238,18 +282,35 @@ def _build() -> ClusterInfo:
     state = load_trial_state(output_dir, write=os.environ.get("RANK", "0") == "0")
     root = storage.storage_root(config.get("checkpoint_storage"), output_dir=output_dir, base_dir=config_dir)
     registry = storage.read_registry(output_dir)
-    written_to = Path(registry["root"]) if registry["root"] else root   # core.init(checkpoint_storage=...)
+    written_to = Path(registry["root"]) if registry["root"] else root  # core.init(checkpoint_storage=...)
     latest = storage.latest_storage_id(registry, written_to)
     steps = storage.read_metadata(written_to, latest).get("steps_completed", 0) if latest else 0
     slot_ids, nodes, node = _launch_layout(config)
-    trial = TrialInfo(state["trial_id"], state["experiment_id"], state["trial_seed"], hparams, dict(config),
-                      int(steps) if isinstance(steps, int) else 0, state.get("trial_run_id", 1),
-                      bool(config.get("debug", False)), None)
+    trial = TrialInfo(
+        state["trial_id"],
+        state["experiment_id"],
+        state["trial_seed"],
+        hparams,
+        dict(config),
+        int(steps) if isinstance(steps, int) else 0,
+        state.get("trial_run_id", 1),
+        bool(config.get("debug", False)),
+        None,
+    )
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    info = ClusterInfo("", "toolkit", socket.gethostname(), slot_ids, f"trial-{state['trial_id']}",
-                       f"trial-{state['trial_id']}.{state.get('trial_run_id', 1)}", "", "TRIAL",
-                       latest_checkpoint=latest, trial_info=trial,
-                       rendezvous_info=RendezvousInfo([addr] * nodes, node, [len(slot_ids)] * nodes))
+    info = ClusterInfo(
+        "",
+        "toolkit",
+        socket.gethostname(),
+        slot_ids,
+        f"trial-{state['trial_id']}",
+        f"trial-{state['trial_id']}.{state.get('trial_run_id', 1)}",
+        "",
+        "TRIAL",
+        latest_checkpoint=latest,
+        trial_info=trial,
+        rendezvous_info=RendezvousInfo([addr] * nodes, node, [len(slot_ids)] * nodes),
+    )
     info.output_dir, info.checkpoint_root = output_dir, root
     return info
 

@@ -42,20 +42,28 @@ _PYTHON = re.compile(r"^python(\d+(\.\d+)*)?$")
 
 
 def _wrapper_module(argv: Sequence[str]) -> str | None:
-    if len(argv) >= 3 and _PYTHON.match(os.path.basename(argv[0])) and argv[1] == "-m" \
-            and argv[2] in WRAPPERS:
+    if (
+        len(argv) >= 3
+        and _PYTHON.match(os.path.basename(argv[0]))
+        and argv[1] == "-m"
+        and argv[2] in WRAPPERS
+    ):
         return argv[2]
     return None
 
 
 def _check_command(entry: Sequence[str], module: str, command: list[str]) -> list[str]:
     if not command:
-        raise ConfigError(f"entrypoint={list(entry)!r}: {module} is given no command to run; expected "
-                          f"e.g. 'python3 -m {module} python3 train.py'")
+        raise ConfigError(
+            f"entrypoint={list(entry)!r}: {module} is given no command to run; expected "
+            f"e.g. 'python3 -m {module} python3 train.py'"
+        )
     if command[0] == "--trial":
-        raise ConfigError(f"entrypoint={list(entry)!r}: --trial runs Determined's Trial API "
-                          "(PyTorchTrial, DeepSpeedTrial), which toolkit does not provide; port the "
-                          "trial to a Core API script and name that script instead")
+        raise ConfigError(
+            f"entrypoint={list(entry)!r}: --trial runs Determined's Trial API "
+            "(PyTorchTrial, DeepSpeedTrial), which toolkit does not provide; port the "
+            "trial to a Core API script and name that script instead"
+        )
     return command
 
 
@@ -92,7 +100,7 @@ def unwrap_launcher(argv: Sequence[str]) -> tuple[str | None, list[str], list[st
     if module == "determined.launch.torch_distributed":
         if "--" in rest:
             cut = rest.index("--")
-            return "torchrun", rest[:cut], _check_command(argv, module, rest[cut + 1:])
+            return "torchrun", rest[:cut], _check_command(argv, module, rest[cut + 1 :])
         return "torchrun", [], _check_command(argv, module, rest)
     if module == "determined.launch.deepspeed":
         if rest[:1] == ["--"]:
@@ -102,8 +110,10 @@ def unwrap_launcher(argv: Sequence[str]) -> tuple[str | None, list[str], list[st
     if rest[:1] == ["--no-redirect-stdio"]:
         rest = rest[1:]
     if not rest:
-        raise ConfigError(f"entrypoint={argv!r}: {module} expects RANK and a command, e.g. "
-                          f"'python3 -m {module} RANK -- python3 train.py'")
+        raise ConfigError(
+            f"entrypoint={argv!r}: {module} expects RANK and a command, e.g. "
+            f"'python3 -m {module} RANK -- python3 train.py'"
+        )
     rest = rest[1:]
     if rest[:1] == ["--"]:
         rest = rest[1:]
@@ -136,8 +146,10 @@ def torchrun_nproc_override(overrides: Sequence[str]) -> tuple[int | None, list[
                 value = items[i + 1] if i + 1 < len(items) else ""
                 i += 1
             if not value.isdigit() or int(value) < 1:
-                raise ConfigError(f"entrypoint: determined.launch.torch_distributed {name}={value!r}: "
-                                  "expected an integer >= 1")
+                raise ConfigError(
+                    f"entrypoint: determined.launch.torch_distributed {name}={value!r}: "
+                    "expected an integer >= 1"
+                )
             nproc = int(value)
         else:
             left.append(arg)

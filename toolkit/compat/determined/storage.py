@@ -26,8 +26,18 @@ from toolkit._checks import is_int
 from toolkit._files import atomic_write_json
 from toolkit.errors import ConfigError
 
-__all__ = ["REGISTRY_NAME", "METADATA_NAME", "storage_root", "read_registry", "write_registry",
-           "latest_storage_id", "is_committed", "read_metadata", "plan_gc", "remove_checkpoint"]
+__all__ = [
+    "REGISTRY_NAME",
+    "METADATA_NAME",
+    "storage_root",
+    "read_registry",
+    "write_registry",
+    "latest_storage_id",
+    "is_committed",
+    "read_metadata",
+    "plan_gc",
+    "remove_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,17 +60,23 @@ def storage_root(storage: Any, *, output_dir: Path, base_dir: Path) -> Path:
         return output_dir / "checkpoints"
     if isinstance(storage, str):
         if "://" in storage and not storage.startswith("file://"):
-            raise ConfigError(f"checkpoint_storage={storage!r}: cloud storage is not available here; give a "
-                              "local or shared directory (a path), and copy checkpoints to the cloud yourself")
+            raise ConfigError(
+                f"checkpoint_storage={storage!r}: cloud storage is not available here; give a "
+                "local or shared directory (a path), and copy checkpoints to the cloud yourself"
+            )
         return base_dir / storage.removeprefix("file://")
     if not isinstance(storage, Mapping):
-        raise ConfigError(f"checkpoint_storage={storage!r}: expected a path or a mapping such as "
-                          "{type: shared_fs, host_path: /mnt/ckpt}")
+        raise ConfigError(
+            f"checkpoint_storage={storage!r}: expected a path or a mapping such as "
+            "{type: shared_fs, host_path: /mnt/ckpt}"
+        )
     kind = storage.get("type")
     if kind in _CLOUD:
-        raise ConfigError(f"checkpoint_storage.type={kind!r}: cloud checkpoint storage is cluster-only; use "
-                          "type: shared_fs (host_path, storage_path) or type: directory (container_path) "
-                          "on a disk every rank sees")
+        raise ConfigError(
+            f"checkpoint_storage.type={kind!r}: cloud checkpoint storage is cluster-only; use "
+            "type: shared_fs (host_path, storage_path) or type: directory (container_path) "
+            "on a disk every rank sees"
+        )
     if kind == "directory":
         path = storage.get("container_path")
         key = "container_path"
@@ -82,8 +98,11 @@ def read_registry(output_dir: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         data = {}
-    return {"root": data.get("root"), "committed": list(data.get("committed", [])),
-            "pending": list(data.get("pending", []))}
+    return {
+        "root": data.get("root"),
+        "committed": list(data.get("committed", [])),
+        "pending": list(data.get("pending", [])),
+    }
 
 
 def write_registry(output_dir: Path, registry: Mapping[str, Any]) -> None:
@@ -122,7 +141,9 @@ def plan_gc(committed: list[dict[str, Any]], save_trial_latest: Any) -> list[str
     if save_trial_latest is None:
         return []
     if not is_int(save_trial_latest) or save_trial_latest < 0:
-        raise ConfigError(f"checkpoint_storage.save_trial_latest={save_trial_latest!r}: expected an integer >= 0")
+        raise ConfigError(
+            f"checkpoint_storage.save_trial_latest={save_trial_latest!r}: expected an integer >= 0"
+        )
     keep = max(1, int(save_trial_latest))
     return [str(e["storage_id"]) for e in committed[:-keep]] if len(committed) > keep else []
 

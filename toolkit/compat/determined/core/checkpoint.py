@@ -61,15 +61,18 @@ def merge_metadata(parts: list[dict[str, Any] | None]) -> dict[str, Any]:
             elif isinstance(out[key], dict) and isinstance(value, dict):
                 out[key] = merge_metadata([out[key], value])
             elif out[key] != value:
-                raise RuntimeError(f"refusing to upload with metadata conflicts: {key!r}: {out[key]!r} != {value!r}")
+                raise RuntimeError(
+                    f"refusing to upload with metadata conflicts: {key!r}: {out[key]!r} != {value!r}"
+                )
     return out
 
 
 class CheckpointContext:
     """Store and restore checkpoints under the trial's checkpoint root. See the module docstring."""
 
-    def __init__(self, dist: DistributedContext, *, root: Path, output_dir: Path,
-                 save_trial_latest: Any = None) -> None:
+    def __init__(
+        self, dist: DistributedContext, *, root: Path, output_dir: Path, save_trial_latest: Any = None
+    ) -> None:
         self._dist = dist
         self._root = Path(root)
         self._output_dir = Path(output_dir)
@@ -102,8 +105,13 @@ class CheckpointContext:
         atomic_write_json(directory / storage.METADATA_NAME, metadata)
         registry = storage.read_registry(self._output_dir)
         registry["pending"] = [s for s in registry["pending"] if s != storage_id]
-        registry["committed"].append({"storage_id": storage_id, "steps_completed": metadata.get("steps_completed"),
-                                      "time": time.time()})
+        registry["committed"].append(
+            {
+                "storage_id": storage_id,
+                "steps_completed": metadata.get("steps_completed"),
+                "time": time.time(),
+            }
+        )
         doomed = storage.plan_gc(registry["committed"], self._save_trial_latest)
         registry["committed"] = [e for e in registry["committed"] if e["storage_id"] not in doomed]
         storage.write_registry(self._output_dir, registry)
@@ -112,8 +120,9 @@ class CheckpointContext:
         logger.info("saved checkpoint %s", storage_id)
 
     @contextlib.contextmanager
-    def store_path(self, metadata: dict[str, Any] | None = None, *,
-                   shard: bool = False) -> Iterator[tuple[Path, str]]:
+    def store_path(
+        self, metadata: dict[str, Any] | None = None, *, shard: bool = False
+    ) -> Iterator[tuple[Path, str]]:
         """A new checkpoint directory to write into; committed when the block ends.
 
         ``shard=False``: chief only. ``shard=True``: call on all ranks; every rank gets the same
@@ -124,8 +133,10 @@ class CheckpointContext:
             RuntimeError: ``shard=False`` on a rank other than 0; metadata conflicts across ranks.
         """
         if not shard and self._dist.rank != 0:
-            raise RuntimeError("cannot call CheckpointContext.store_path(shard=False) from non-chief worker "
-                               f"(rank={self._dist.rank})")
+            raise RuntimeError(
+                "cannot call CheckpointContext.store_path(shard=False) from non-chief worker "
+                f"(rank={self._dist.rank})"
+            )
         storage_id = self._begin() if self._dist.rank == 0 else ""
         if shard:
             storage_id = self._dist.broadcast(storage_id)
@@ -136,8 +147,14 @@ class CheckpointContext:
         if shard:
             self._dist.broadcast(None)  # every rank returns once the checkpoint is committed
 
-    def upload(self, ckpt_dir: str | os.PathLike[str] | None, metadata: dict[str, Any] | None = None, *,
-               shard: bool = False, selector: Callable[[str], bool] | None = None) -> str:
+    def upload(
+        self,
+        ckpt_dir: str | os.PathLike[str] | None,
+        metadata: dict[str, Any] | None = None,
+        *,
+        shard: bool = False,
+        selector: Callable[[str], bool] | None = None,
+    ) -> str:
         """Copy a directory into storage as a new checkpoint; returns its storage id.
 
         ``shard=False``: chief only. ``shard=True``: all ranks; ranks with nothing to add pass None.
@@ -151,13 +168,20 @@ class CheckpointContext:
 
     def _committed_dir(self, storage_id: str) -> Path:
         if not storage.is_committed(self._root, str(storage_id)):
-            raise CheckpointNotFound(f"Did not find checkpoint {storage_id} in {self._root} (or it was never "
-                                     "committed: its store_path did not finish)")
+            raise CheckpointNotFound(
+                f"Did not find checkpoint {storage_id} in {self._root} (or it was never "
+                "committed: its store_path did not finish)"
+            )
         return self._root / str(storage_id)
 
     @contextlib.contextmanager
-    def restore_path(self, storage_id: str, download_mode: DownloadMode = DownloadMode.LocalWorkersShareDownload,
-                     *, selector: Callable[[str], bool] | None = None) -> Iterator[Path]:
+    def restore_path(
+        self,
+        storage_id: str,
+        download_mode: DownloadMode = DownloadMode.LocalWorkersShareDownload,
+        *,
+        selector: Callable[[str], bool] | None = None,
+    ) -> Iterator[Path]:
         """The committed checkpoint's directory itself (no copy, as for Determined's shared_fs). Any rank.
 
         Raises:
@@ -168,9 +192,14 @@ class CheckpointContext:
             logger.warning("restore_path: selector ignored, the checkpoint is read in place")
         yield self._committed_dir(storage_id)
 
-    def download(self, storage_id: str, ckpt_dir: str | os.PathLike[str],
-                 download_mode: DownloadMode = DownloadMode.LocalWorkersShareDownload, *,
-                 selector: Callable[[str], bool] | None = None) -> None:
+    def download(
+        self,
+        storage_id: str,
+        ckpt_dir: str | os.PathLike[str],
+        download_mode: DownloadMode = DownloadMode.LocalWorkersShareDownload,
+        *,
+        selector: Callable[[str], bool] | None = None,
+    ) -> None:
         """Copy a committed checkpoint into ``ckpt_dir``. All ranks (default mode; local rank 0
         copies) or any rank alone (``NoSharedDownload``)."""
         shared = DownloadMode(download_mode) is DownloadMode.LocalWorkersShareDownload

@@ -47,9 +47,11 @@ class ProfilerContext:
     """Determined's system-metrics profiler reports to its master's web UI: not available."""
 
     def on(self, sampling_interval: int = 1, samples_per_report: int = 10) -> None:
-        raise NotImplementedError("profiler.on: Determined's profiler sends system metrics to its master's web "
-                                  "UI, which does not exist here; use torch.profiler, or DeepSpeed's "
-                                  "flops_profiler / wall_clock_breakdown config sections")
+        raise NotImplementedError(
+            "profiler.on: Determined's profiler sends system metrics to its master's web "
+            "UI, which does not exist here; use torch.profiler, or DeepSpeed's "
+            "flops_profiler / wall_clock_breakdown config sections"
+        )
 
     def off(self) -> None:
         """Nothing to stop. Any rank."""
@@ -69,8 +71,16 @@ class Context:
     """What ``core.init()`` returns: ``checkpoint``, ``distributed``, ``preempt``, ``train``,
     ``searcher``, ``profiler``, ``experimental``, ``info``. Use it as a context manager."""
 
-    def __init__(self, *, checkpoint: CheckpointContext, distributed: DistributedContext, preempt: PreemptContext,
-                 train: TrainContext, searcher: SearcherContext, info: ClusterInfo) -> None:
+    def __init__(
+        self,
+        *,
+        checkpoint: CheckpointContext,
+        distributed: DistributedContext,
+        preempt: PreemptContext,
+        train: TrainContext,
+        searcher: SearcherContext,
+        info: ClusterInfo,
+    ) -> None:
         self.checkpoint = checkpoint
         self.distributed = distributed
         self.preempt = preempt
@@ -88,8 +98,12 @@ class Context:
         self.start()
         return self
 
-    def close(self, exc_type: type[BaseException] | None = None, exc_val: BaseException | None = None,
-              exc_tb: TracebackType | None = None) -> None:
+    def close(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc_val: BaseException | None = None,
+        exc_tb: TracebackType | None = None,
+    ) -> None:
         """Restore the signal handlers, close the metrics files. All ranks (``with`` does it)."""
         try:
             self.preempt.close(exc_type, exc_val, exc_tb)
@@ -97,18 +111,26 @@ class Context:
             self.train.close()
             self.distributed.close()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc_val: BaseException | None,
-                 exc_tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> None:
         self.close(exc_type, exc_val, exc_tb)
         if isinstance(exc_val, InvalidHP):
             self.train.report_early_exit(EarlyExitReason.INVALID_HP)
             logger.info("InvalidHP detected during Trial init, converting InvalidHP to exit(0)")
             sys.exit(0)
 
-    def alert(self, title: str | None = None, description: str | None = None, level: str | None = "info") -> None:
+    def alert(
+        self, title: str | None = None, description: str | None = None, level: str | None = "info"
+    ) -> None:
         """Determined posts alerts to its master's webhooks: not available."""
-        raise NotImplementedError("core_context.alert: alerts go to a Determined master's webhooks, which do not "
-                                  "exist here; log with logging.getLogger(__name__).warning(...) instead")
+        raise NotImplementedError(
+            "core_context.alert: alerts go to a Determined master's webhooks, which do not "
+            "exist here; log with logging.getLogger(__name__).warning(...) instead"
+        )
 
 
 def _launched_world_size() -> int:
@@ -116,10 +138,13 @@ def _launched_world_size() -> int:
     return int(value) if value.isdigit() else 1
 
 
-def init(*, distributed: DistributedContext | None = None,
-         checkpoint_storage: str | Mapping[str, Any] | None = None,
-         preempt_mode: PreemptMode = PreemptMode.WorkersAskChief,
-         tensorboard_mode: TensorboardMode = TensorboardMode.AUTO) -> Context:
+def init(
+    *,
+    distributed: DistributedContext | None = None,
+    checkpoint_storage: str | Mapping[str, Any] | None = None,
+    preempt_mode: PreemptMode = PreemptMode.WorkersAskChief,
+    tensorboard_mode: TensorboardMode = TensorboardMode.AUTO,
+) -> Context:
     """The Core API context of this trial. Call on all ranks, as ``with det.core.init(...) as ctx``.
 
     Args:
@@ -137,22 +162,29 @@ def init(*, distributed: DistributedContext | None = None,
     info = get_cluster_info()
     if distributed is None:
         if _launched_world_size() > 1:
-            raise ValueError("you must provide a valid DistributedContext for a multi-slot task: "
-                             "det.core.init(distributed=det.core.DistributedContext.from_torch_distributed())")
+            raise ValueError(
+                "you must provide a valid DistributedContext for a multi-slot task: "
+                "det.core.init(distributed=det.core.DistributedContext.from_torch_distributed())"
+            )
         distributed = DummyDistributedContext()
     if not isinstance(distributed, DistributedContext):
         raise TypeError(f"distributed={distributed!r}: expected a det.core.DistributedContext")
     config = info.trial._config
-    root = info.checkpoint_root if checkpoint_storage is None else storage.storage_root(
-        checkpoint_storage, output_dir=info.output_dir, base_dir=Path.cwd())
+    root = (
+        info.checkpoint_root
+        if checkpoint_storage is None
+        else storage.storage_root(checkpoint_storage, output_dir=info.output_dir, base_dir=Path.cwd())
+    )
     yaml_storage = config.get("checkpoint_storage")
     save_latest = yaml_storage.get("save_trial_latest") if isinstance(yaml_storage, Mapping) else None
     resume_step = info.trial._steps_completed if info.latest_checkpoint else None
     return Context(
-        checkpoint=CheckpointContext(distributed, root=root, output_dir=info.output_dir,
-                                     save_trial_latest=save_latest),
+        checkpoint=CheckpointContext(
+            distributed, root=root, output_dir=info.output_dir, save_trial_latest=save_latest
+        ),
         distributed=distributed,
         preempt=PreemptContext(distributed, preempt_mode),
         train=TrainContext(info.output_dir, tensorboard_mode=tensorboard_mode, resume_step=resume_step),
         searcher=SearcherContext(distributed, config, info.output_dir),
-        info=info)
+        info=info,
+    )

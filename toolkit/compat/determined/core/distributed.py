@@ -31,9 +31,11 @@ _RANK_FIELDS = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross
 def _env_ints(names: dict[str, str], launcher: str) -> dict[str, int]:
     missing = [var for var in names.values() if var not in os.environ]
     if missing:
-        raise LaunchEnvError(f"{', '.join(missing)} not set: DistributedContext.from_{launcher}() reads the "
-                             f"{launcher} launcher's variables; start the script with python -m toolkit.run "
-                             "CONFIG MODEL_DIR (or that launcher)")
+        raise LaunchEnvError(
+            f"{', '.join(missing)} not set: DistributedContext.from_{launcher}() reads the "
+            f"{launcher} launcher's variables; start the script with python -m toolkit.run "
+            "CONFIG MODEL_DIR (or that launcher)"
+        )
     out = {}
     for field, var in names.items():
         try:
@@ -52,24 +54,40 @@ class DistributedContext:
     ignored (no ZMQ here). Call the constructor on all ranks.
     """
 
-    def __init__(self, *, rank: int | None = None, size: int | None = None, local_rank: int | None = None,
-                 local_size: int | None = None, cross_rank: int | None = None, cross_size: int | None = None,
-                 chief_ip: str | None = None, pub_port: int = 12360, pull_port: int = 12376,
-                 port_offset: int = 0, force_tcp: bool = False) -> None:
-        values = dict(zip(_RANK_FIELDS, (rank, size, local_rank, local_size, cross_rank, cross_size)))
+    def __init__(
+        self,
+        *,
+        rank: int | None = None,
+        size: int | None = None,
+        local_rank: int | None = None,
+        local_size: int | None = None,
+        cross_rank: int | None = None,
+        cross_size: int | None = None,
+        chief_ip: str | None = None,
+        pub_port: int = 12360,
+        pull_port: int = 12376,
+        port_offset: int = 0,
+        force_tcp: bool = False,
+    ) -> None:
+        given = (rank, size, local_rank, local_size, cross_rank, cross_size)
+        values = dict(zip(_RANK_FIELDS, given, strict=True))
         if all(v is None for v in values.values()):
-            values = dict(zip(_RANK_FIELDS, (0, 1, 0, 1, 0, 1)))
+            values = dict(zip(_RANK_FIELDS, (0, 1, 0, 1, 0, 1), strict=True))
         missing = [k for k, v in values.items() if v is None]
         if missing:
-            raise ValueError(f"DistributedContext: {', '.join(missing)} not given; give all of rank, size, "
-                             "local_rank, local_size, cross_rank, cross_size (or none, for rank 0 of 1)")
+            raise ValueError(
+                f"DistributedContext: {', '.join(missing)} not given; give all of rank, size, "
+                "local_rank, local_size, cross_rank, cross_size (or none, for rank 0 of 1)"
+            )
         ints = {k: int(v) for k, v in values.items() if v is not None}
         self.rank, self.size = ints["rank"], ints["size"]
         self.local_rank, self.local_size = ints["local_rank"], ints["local_size"]
         self.cross_rank, self.cross_size = ints["cross_rank"], ints["cross_size"]
         if not 0 <= self.rank < self.size or not 0 <= self.local_rank < self.local_size:
-            raise ValueError(f"DistributedContext: rank {self.rank} of {self.size}, local rank {self.local_rank} "
-                             f"of {self.local_size}: expected 0 <= rank < size")
+            raise ValueError(
+                f"DistributedContext: rank {self.rank} of {self.size}, local rank {self.local_rank} "
+                f"of {self.local_size}: expected 0 <= rank < size"
+            )
         if self.local_size != self.size and chief_ip is None:
             raise ValueError("DistributedContext: chief_ip is required across machines (local_size != size)")
         self._chief_ip = chief_ip if self.local_size != self.size else "127.0.0.1"
@@ -84,15 +102,22 @@ class DistributedContext:
 
     def _connect(self) -> None:
         """Join (or adopt) toolkit's process group; check it agrees with these ranks."""
-        for var, value in (("RANK", self.rank), ("WORLD_SIZE", self.size), ("LOCAL_RANK", self.local_rank),
-                           ("LOCAL_WORLD_SIZE", self.local_size), ("MASTER_ADDR", self._chief_ip),
-                           ("MASTER_PORT", self._port)):
+        for var, value in (
+            ("RANK", self.rank),
+            ("WORLD_SIZE", self.size),
+            ("LOCAL_RANK", self.local_rank),
+            ("LOCAL_WORLD_SIZE", self.local_size),
+            ("MASTER_ADDR", self._chief_ip),
+            ("MASTER_PORT", self._port),
+        ):
             os.environ.setdefault(var, str(value))
         self._ctx = toolkit.init_distributed()
         if (self._ctx.rank, self._ctx.world_size) != (self.rank, self.size):
-            raise ValueError(f"DistributedContext(rank={self.rank}, size={self.size}) but the launcher says rank "
-                             f"{self._ctx.rank} of {self._ctx.world_size}; build it from_torch_distributed() or "
-                             "from_deepspeed()")
+            raise ValueError(
+                f"DistributedContext(rank={self.rank}, size={self.size}) but the launcher says rank "
+                f"{self._ctx.rank} of {self._ctx.world_size}; build it from_torch_distributed() or "
+                "from_deepspeed()"
+            )
         if self.cross_size > 1:
             self._local_group, _ = dist.new_subgroups(group_size=self.local_size, backend="gloo")
 
@@ -104,24 +129,61 @@ class DistributedContext:
     @classmethod
     def from_torch_distributed(cls, chief_ip: str | None = None) -> "DistributedContext":
         """From torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_*). All ranks."""
-        v = _env_ints({"rank": "RANK", "size": "WORLD_SIZE", "local_rank": "LOCAL_RANK",
-                       "local_size": "LOCAL_WORLD_SIZE", "cross_rank": "GROUP_RANK",
-                       "cross_size": "GROUP_WORLD_SIZE"}, "torch_distributed")
-        return cls(**v, chief_ip=chief_ip or os.environ.get("DET_CHIEF_IP") or os.environ.get("MASTER_ADDR"))
+        v = _env_ints(
+            {
+                "rank": "RANK",
+                "size": "WORLD_SIZE",
+                "local_rank": "LOCAL_RANK",
+                "local_size": "LOCAL_WORLD_SIZE",
+                "cross_rank": "GROUP_RANK",
+                "cross_size": "GROUP_WORLD_SIZE",
+            },
+            "torch_distributed",
+        )
+        return cls(
+            rank=v["rank"],
+            size=v["size"],
+            local_rank=v["local_rank"],
+            local_size=v["local_size"],
+            cross_rank=v["cross_rank"],
+            cross_size=v["cross_size"],
+            chief_ip=chief_ip or os.environ.get("DET_CHIEF_IP") or os.environ.get("MASTER_ADDR"),
+        )
 
     @classmethod
     def from_deepspeed(cls, chief_ip: str | None = None) -> "DistributedContext":
-        """From DeepSpeed's launcher variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_*). All ranks."""
-        v = _env_ints({"rank": "RANK", "size": "WORLD_SIZE", "local_rank": "LOCAL_RANK",
-                       "local_size": "LOCAL_SIZE", "cross_rank": "CROSS_RANK", "cross_size": "CROSS_SIZE"},
-                      "deepspeed")
-        return cls(**v, chief_ip=chief_ip or os.environ.get("DET_CHIEF_IP") or os.environ.get("MASTER_ADDR"))
+        """From DeepSpeed's launcher variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_*).
+
+        Call on all ranks.
+        """
+        v = _env_ints(
+            {
+                "rank": "RANK",
+                "size": "WORLD_SIZE",
+                "local_rank": "LOCAL_RANK",
+                "local_size": "LOCAL_SIZE",
+                "cross_rank": "CROSS_RANK",
+                "cross_size": "CROSS_SIZE",
+            },
+            "deepspeed",
+        )
+        return cls(
+            rank=v["rank"],
+            size=v["size"],
+            local_rank=v["local_rank"],
+            local_size=v["local_size"],
+            cross_rank=v["cross_rank"],
+            cross_size=v["cross_size"],
+            chief_ip=chief_ip or os.environ.get("DET_CHIEF_IP") or os.environ.get("MASTER_ADDR"),
+        )
 
     @classmethod
     def from_horovod(cls, hvd: Any, chief_ip: str | None = None) -> "DistributedContext":
         """Horovod is not available here (deprecated in Determined 0.38)."""
-        raise NotImplementedError("DistributedContext.from_horovod: Horovod is not supported; launch with "
-                                  "torchrun or deepspeed and use from_torch_distributed() / from_deepspeed()")
+        raise NotImplementedError(
+            "DistributedContext.from_horovod: Horovod is not supported; launch with "
+            "torchrun or deepspeed and use from_torch_distributed() / from_deepspeed()"
+        )
 
     def get_rank(self) -> int:
         return self.rank

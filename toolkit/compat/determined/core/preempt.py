@@ -45,7 +45,9 @@ class PreemptMode(enum.Enum):
 class PreemptContext:
     """Determined's PreemptContext on toolkit's signal watcher. Started by ``core.init``'s ``with``."""
 
-    def __init__(self, dist: DistributedContext, preempt_mode: PreemptMode = PreemptMode.WorkersAskChief) -> None:
+    def __init__(
+        self, dist: DistributedContext, preempt_mode: PreemptMode = PreemptMode.WorkersAskChief
+    ) -> None:
         self._dist = dist
         self._mode = PreemptMode(preempt_mode)
         self._watcher: Any = None
@@ -56,8 +58,9 @@ class PreemptContext:
         ctx = self._dist.toolkit_context or toolkit.init_distributed()
         if self._mode is not PreemptMode.WorkersAskChief and ctx.world_size > 1:
             # Each rank answers alone: a one-rank view of the same process, so no collective.
-            ctx = dataclasses.replace(ctx, rank=0, world_size=1, local_rank=0, local_world_size=1,
-                                      node_rank=0, num_nodes=1)
+            ctx = dataclasses.replace(
+                ctx, rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1
+            )
         return ctx
 
     def start(self) -> "PreemptContext":
@@ -75,10 +78,14 @@ class PreemptContext:
             RuntimeError: before ``start()``, or on a worker with ``PreemptMode.ChiefOnly``.
         """
         if not self._started or self._watcher is None:
-            raise RuntimeError("you cannot call PreemptContext.should_preempt() before PreemptContext.start()")
+            raise RuntimeError(
+                "you cannot call PreemptContext.should_preempt() before PreemptContext.start()"
+            )
         if self._mode is PreemptMode.ChiefOnly and self._dist.rank != 0:
-            raise RuntimeError("PreemptContext was configured with preempt_mode=ChiefOnly but .should_preempt() "
-                               f"was called from non-chief worker of rank={self._dist.rank}")
+            raise RuntimeError(
+                "PreemptContext was configured with preempt_mode=ChiefOnly but .should_preempt() "
+                f"was called from non-chief worker of rank={self._dist.rank}"
+            )
         answer = bool(self._watcher.should_preempt())
         if answer and auto_ack:
             self.acknowledge_preemption_signal()
@@ -88,11 +95,17 @@ class PreemptContext:
         """Note that the trial stops to be resumed (rerun the same command to continue). Any rank."""
         if not self._acknowledged:
             self._acknowledged = True
-            logger.info("preemption acknowledged: the run stops here; run it again to continue from its "
-                        "latest checkpoint")
+            logger.info(
+                "preemption acknowledged: the run stops here; run it again to continue from its "
+                "latest checkpoint"
+            )
 
-    def close(self, exc_type: type[BaseException] | None = None, exc: BaseException | None = None,
-              tb: TracebackType | None = None) -> None:
+    def close(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc: BaseException | None = None,
+        tb: TracebackType | None = None,
+    ) -> None:
         """Restore the signal handlers. All ranks (``with core.init()`` does it)."""
         if self._watcher is not None:
             watcher, self._watcher = self._watcher, None
@@ -101,6 +114,7 @@ class PreemptContext:
     def __enter__(self) -> "PreemptContext":
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close(exc_type, exc, tb)

@@ -65,8 +65,10 @@ class SearcherOperation:
         if not self._is_chief:
             raise RuntimeError("you must only call op.report_progress() from the chief worker")
         if self._completed and length != self._length:
-            raise RuntimeError("you must not call op.report_progress() with a length other than op.length "
-                               "after op.report_completed()")
+            raise RuntimeError(
+                "you must not call op.report_progress() with a length other than op.length "
+                "after op.report_completed()"
+            )
         logger.info("progress report: %s/%s", length, self._length)
 
     def report_completed(self, searcher_metric: Any) -> None:
@@ -96,12 +98,16 @@ class SearcherContext:
         raw = (self._config.get("searcher") or {}).get("max_length")
         if isinstance(raw, Mapping) and set(raw) & {"epochs", "records"}:
             unit = sorted(set(raw) & {"epochs", "records"})[0]
-            raise ConfigError(f"searcher.max_length={dict(raw)!r}: the unit {unit!r} is not supported; toolkit "
-                              "counts batches (optimizer steps): write {batches: N}")
+            raise ConfigError(
+                f"searcher.max_length={dict(raw)!r}: the unit {unit!r} is not supported; toolkit "
+                "counts batches (optimizer steps): write {batches: N}"
+            )
         length = toolkit.max_length_steps(self._config)
         if length is None:
-            raise ConfigError("searcher.max_length is not set: core_context.searcher.operations() needs the "
-                              "trial's length; add e.g. 'max_length: {batches: 100}' under searcher")
+            raise ConfigError(
+                "searcher.max_length is not set: core_context.searcher.operations() needs the "
+                "trial's length; add e.g. 'max_length: {batches: 100}' under searcher"
+            )
         return length
 
     def record_completed(self, length: int, metric: Any) -> None:
@@ -110,10 +116,13 @@ class SearcherContext:
         try:
             atomic_write_json(self._file, {"completed": True, "length": length, "searcher_metric": metric})
         except TypeError:
-            atomic_write_json(self._file, {"completed": True, "length": length, "searcher_metric": repr(metric)})
+            atomic_write_json(
+                self._file, {"completed": True, "length": length, "searcher_metric": repr(metric)}
+            )
 
-    def operations(self, searcher_mode: SearcherMode = SearcherMode.WorkersAskChief,
-                   auto_ack: bool = True) -> Iterator[SearcherOperation]:
+    def operations(
+        self, searcher_mode: SearcherMode = SearcherMode.WorkersAskChief, auto_ack: bool = True
+    ) -> Iterator[SearcherOperation]:
         """The trial's operations: one, or none once completed. All ranks in step (WorkersAskChief)
         or the chief alone (ChiefOnly).
 
@@ -124,7 +133,9 @@ class SearcherContext:
         """
         mode = SearcherMode(searcher_mode)
         if mode is SearcherMode.ChiefOnly and self._dist.rank != 0:
-            raise RuntimeError("you cannot call searcher.operations(searcher_mode=ChiefOnly) from a non-chief worker.")
+            raise RuntimeError(
+                "you cannot call searcher.operations(searcher_mode=ChiefOnly) from a non-chief worker."
+            )
         return self._operations(mode, self._length())
 
     def _operations(self, mode: SearcherMode, length: int) -> Iterator[SearcherOperation]:

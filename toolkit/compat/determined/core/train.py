@@ -31,6 +31,7 @@ __all__ = ["TrainContext", "EarlyExitReason", "TensorboardMode"]
 
 logger = logging.getLogger(__name__)
 
+
 class TensorboardMode(enum.Enum):
     AUTO = "AUTO"
     MANUAL = "MANUAL"
@@ -60,7 +61,9 @@ def _jsonable(value: Any) -> Any:
 class TrainContext:
     """Metrics and progress of the trial. Chief only by Determined's rule (no collective)."""
 
-    def __init__(self, output_dir: Path, *, tensorboard_mode: TensorboardMode, resume_step: int | None) -> None:
+    def __init__(
+        self, output_dir: Path, *, tensorboard_mode: TensorboardMode, resume_step: int | None
+    ) -> None:
         self._dir = Path(output_dir)
         self._tb_dir = self._dir / "tensorboard"
         self._mode = TensorboardMode(tensorboard_mode)
@@ -70,8 +73,11 @@ class TrainContext:
         self._best: float | None = None
 
     def _write(self, group: str, steps_completed: int, metrics: dict[str, Any]) -> None:
-        if not isinstance(steps_completed, numbers.Integral) or isinstance(steps_completed, bool) \
-                or steps_completed < 0:
+        if (
+            not isinstance(steps_completed, numbers.Integral)
+            or isinstance(steps_completed, bool)
+            or steps_completed < 0
+        ):
             raise ConfigError(f"steps_completed={steps_completed!r}: expected an integer >= 0")
         if not isinstance(metrics, dict):
             raise TypeError(f"metrics={metrics!r}: expected a dict of metric names to values")
@@ -81,8 +87,12 @@ class TrainContext:
         if self._jsonl is None:
             self._dir.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(self._dir / "metrics.jsonl", "a", encoding="utf-8")
-        line = {"group": group, "steps_completed": int(steps_completed),
-                "metrics": {k: _jsonable(v) for k, v in metrics.items()}, "time": now}
+        line = {
+            "group": group,
+            "steps_completed": int(steps_completed),
+            "metrics": {k: _jsonable(v) for k, v in metrics.items()},
+            "time": now,
+        }
         self._jsonl.write(json.dumps(line) + "\n")
         self._jsonl.flush()
         if self._mode is TensorboardMode.AUTO:
@@ -99,8 +109,9 @@ class TrainContext:
             self._events = EventFile(self._tb_dir, purge_step=purge)
         return self._events
 
-    def report_training_metrics(self, steps_completed: int, metrics: dict[str, Any],
-                                batch_metrics: list[dict[str, Any]] | None = None) -> None:
+    def report_training_metrics(
+        self, steps_completed: int, metrics: dict[str, Any], batch_metrics: list[dict[str, Any]] | None = None
+    ) -> None:
         """Write training metrics at ``steps_completed``. Chief only.
 
         ``batch_metrics`` (one dict per batch, the last one at ``steps_completed``) become
@@ -120,18 +131,26 @@ class TrainContext:
         logger.info("report_validation_metrics(steps_completed=%s, metrics=%s)", steps_completed, metrics)
         bad = [k for k, v in metrics.items() if v is None]
         if bad:
-            raise ConfigError([f"validation metric {k!r} returned an invalid scalar value: None" for k in bad])
+            raise ConfigError(
+                [f"validation metric {k!r} returned an invalid scalar value: None" for k in bad]
+            )
         self._write("validation", steps_completed, metrics)
 
     def report_metrics(self, group: str, steps_completed: int, metrics: dict[str, Any]) -> None:
         """Write metrics of any group (``<group>/<name>`` in TensorBoard). Chief only."""
-        logger.info("report_metrics(group=%s, steps_completed=%s, metrics=%s)", group, steps_completed, metrics)
+        logger.info(
+            "report_metrics(group=%s, steps_completed=%s, metrics=%s)", group, steps_completed, metrics
+        )
         self._write(group, steps_completed, metrics)
 
     def report_progress(self, progress: float) -> None:
         """Log the fraction done, 0 to 1 (Determined's web UI bar). Chief only."""
-        if isinstance(progress, bool) or not isinstance(progress, numbers.Real) or not 0 <= progress <= 1 \
-                or math.isnan(progress):
+        if (
+            isinstance(progress, bool)
+            or not isinstance(progress, numbers.Real)
+            or not 0 <= progress <= 1
+            or math.isnan(progress)
+        ):
             raise ConfigError(f"progress={progress!r}: expected a number between 0 and 1")
         logger.info("report_progress with progress=%s", progress)
 
@@ -152,8 +171,11 @@ class TrainContext:
         self._tb_dir.mkdir(parents=True, exist_ok=True)
         return self._tb_dir
 
-    def upload_tensorboard_files(self, selector: Callable[[Path], bool] = lambda _: True,
-                                 mangler: Callable[[Path, int], Path] = lambda p, __: p) -> None:
+    def upload_tensorboard_files(
+        self,
+        selector: Callable[[Path], bool] = lambda _: True,
+        mangler: Callable[[Path, int], Path] = lambda p, __: p,
+    ) -> None:
         """MANUAL mode: nothing to upload, the files already are in the output directory. Any rank.
 
         Raises:
@@ -164,13 +186,17 @@ class TrainContext:
 
     def set_metadata(self, metadata: dict[str, Any]) -> None:
         """Run metadata lives in Determined's master database: not available."""
-        raise NotImplementedError("train.set_metadata: run metadata is stored by a Determined master; write it "
-                                  "into a checkpoint's metadata (store_path(metadata=...)) or a file instead")
+        raise NotImplementedError(
+            "train.set_metadata: run metadata is stored by a Determined master; write it "
+            "into a checkpoint's metadata (store_path(metadata=...)) or a file instead"
+        )
 
     def get_metadata(self) -> None:
         """Run metadata lives in Determined's master database: not available."""
-        raise NotImplementedError("train.get_metadata: run metadata is stored by a Determined master; read "
-                                  "checkpoint_context.get_metadata(storage_id) or your own file instead")
+        raise NotImplementedError(
+            "train.get_metadata: run metadata is stored by a Determined master; read "
+            "checkpoint_context.get_metadata(storage_id) or your own file instead"
+        )
 
     def close(self) -> None:
         """Flush and close the files (Context.close). Any rank."""

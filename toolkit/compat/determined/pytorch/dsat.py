@@ -39,8 +39,9 @@ _AUTOTUNING_METRIC = pathlib.Path("autotuning_metric.json")
 _state: dict[str, Any] = {"engine": None, "calls": 0}
 
 
-def get_ds_config_from_hparams(hparams: Mapping[str, Any],
-                               base_dir: pathlib.Path | str = pathlib.Path(".")) -> dict[str, Any]:
+def get_ds_config_from_hparams(
+    hparams: Mapping[str, Any], base_dir: pathlib.Path | str = pathlib.Path(".")
+) -> dict[str, Any]:
     """The JSON named by ``hparams["deepspeed_config"]`` (relative to ``base_dir``), with
     ``overwrite_deepspeed_args`` merged in. A new dict. Any rank.
 
@@ -49,8 +50,10 @@ def get_ds_config_from_hparams(hparams: Mapping[str, Any],
         FileNotFoundError: the JSON file does not exist.
     """
     if "deepspeed_config" not in hparams:
-        raise ConfigError("hyperparameters.deepspeed_config is missing: expected the path of the DeepSpeed "
-                          f"JSON, e.g. 'deepspeed_config: ds_config.json'; found keys {sorted(hparams)}")
+        raise ConfigError(
+            "hyperparameters.deepspeed_config is missing: expected the path of the DeepSpeed "
+            f"JSON, e.g. 'deepspeed_config: ds_config.json'; found keys {sorted(hparams)}"
+        )
     return toolkit.get_ds_config_from_hparams(hparams, base_dir)
 
 
@@ -68,9 +71,11 @@ def find_engine() -> Any:
 
     engines = [obj for obj in gc.get_objects() if isinstance(obj, DeepSpeedEngine)]
     if len(engines) != 1:
-        raise ValueError(f"dsat_reporting_context found {len(engines)} DeepSpeed engines in this process, expected "
-                         "one (from deepspeed.initialize, created before the first step); with several, use "
-                         "toolkit.dsat_reporting_context(engine, steps_completed=step)")
+        raise ValueError(
+            f"dsat_reporting_context found {len(engines)} DeepSpeed engines in this process, expected "
+            "one (from deepspeed.initialize, created before the first step); with several, use "
+            "toolkit.dsat_reporting_context(engine, steps_completed=step)"
+        )
     _state["engine"] = engines[0]
     return engines[0]
 

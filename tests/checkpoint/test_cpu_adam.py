@@ -3,10 +3,12 @@
 The kernel's step state is one C++ object per process, shared by every FusedAdam instance: an
 optimizer reloaded in this process after another one ran further takes the same ``pow`` path as
 one in a new process, so the defect and its repair show without launching processes. (The
-2-rank, new-process version through toolkit.load_checkpoint is in tests/checkpoint/test_api.py.)
+2-rank, new-process version through toolkit.load_checkpoint, ZeRO 0-3 and pipeline, is
+tests/checkpoint/test_exact_resume.py.)
 """
 
 import copy
+import logging
 from types import SimpleNamespace
 
 import numpy as np
@@ -73,3 +75,55 @@ def test_other_optimizers_and_fresh_ones_are_left_alone():
     assert replay_cpu_adam_state(torch_adam) == 0  # torch computes beta**step from the step
     assert replay_cpu_adam_state(FusedAdam([param])) == 0  # no step taken yet
     assert replay_cpu_adam_state(SimpleNamespace(optimizer=None)) == 0  # an engine without optimizer
+
+
+def _zero3_step(optimizer, flats, grads):
+    """What DeepSpeed's ZeRO-3 does per optimizer step: one base-optimizer step per sub-group, with
+    only that sub-group's flat fp32 partition in its group (stage3.py ``_optimizer_step``)."""
+    group = optimizer.param_groups[0]
+    for flat, grad in zip(flats, grads, strict=True):
+        flat.grad = grad
+        group["params"] = [flat]
+        optimizer.step()
+        group["params"] = []
+
+
+def test_replay_follows_zero3_sub_groups_although_its_groups_look_empty(caplog):
+    from deepspeed.ops.adam import FusedAdam
+
+    torch.manual_seed(0)
+    sizes = (1000, 3000)
+
+    def grads(step):
+        return [_grad(step)[:size].clone() for size in sizes]
+
+    flats = [torch.nn.Parameter(torch.randn(size)) for size in sizes]
+    original = FusedAdam(list(flats), lr=1e-3, betas=(0.9, 0.999))
+    original.param_groups[0]["params"] = []
+    for step in range(RESUME_AT):
+        _zero3_step(original, flats, grads(step))
+    saved = [f.detach().clone() for f in flats]
+    saved_state = {i: copy.deepcopy(original.state[f]) for i, f in enumerate(flats)}
+    for step in range(RESUME_AT, STEPS):
+        _zero3_step(original, flats, grads(step))
+    expected = [f.detach().clone() for f in flats]
+
+    def resumed(*, replay):
+        again = [torch.nn.Parameter(t.clone()) for t in saved]
+        optimizer = FusedAdam(list(again), lr=1e-3, betas=(0.9, 0.999))
+        optimizer.param_groups[0]["params"] = []  # as after ZeRO-3's load_state_dict
+        for i, flat in enumerate(again):
+            optimizer.state[flat] = copy.deepcopy(saved_state[i])
+        holder = SimpleNamespace(optimizer=optimizer, fp32_partitioned_groups_flat=again,
+                                 sub_group_to_group_id={0: 0, 1: 0})
+        if replay:
+            assert replay_cpu_adam_state(SimpleNamespace(optimizer=holder)) == RESUME_AT
+        with caplog.at_level(logging.WARNING, logger="toolkit.checkpoint.cpu_adam"):
+            assert replay_cpu_adam_state(optimizer) == 0  # the bare base optimizer: nothing to go by
+        assert "pass the engine" in caplog.text
+        for step in range(RESUME_AT, STEPS):
+            _zero3_step(optimizer, again, grads(step))
+        return [f.detach() for f in again]
+
+    assert not all(torch.equal(a, b) for a, b in zip(resumed(replay=False), expected, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(resumed(replay=True), expected, strict=True))

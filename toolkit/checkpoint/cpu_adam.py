@@ -12,7 +12,9 @@ the checkpoint restored every saved tensor exactly (for ``beta2=0.999`` the runn
 ``pow`` differ at most steps, 19 to 36 among them). None of this is in DeepSpeed's checkpoint.
 
 :func:`replay_cpu_adam_state` drives those kernels through steps ``1 .. step`` on empty tensors, the
-same calls the uninterrupted run made, so their running products end bitwise where that run's did,
+same calls the uninterrupted run made (per parameter group at ZeRO 0-2; per sub-group at ZeRO 3,
+whose base optimizer holds its fp32 partitions only while it steps, so its parameter groups look
+empty after a load), so their running products end bitwise where that run's did,
 at a cost of microseconds per replayed step. :func:`toolkit.load_checkpoint` calls it; call it
 yourself only after loading with ``engine.load_checkpoint`` directly. It assumes each parameter
 group's betas did not change up to the checkpoint: with a momentum schedule (DeepSpeed's
@@ -39,31 +41,56 @@ __all__ = ["replay_cpu_adam_state"]
 logger = logging.getLogger(__name__)
 
 
-def _optimizers(engine_or_optimizer: Any) -> Iterator[torch.optim.Optimizer]:
-    """The optimizer and every optimizer it wraps (DeepSpeed's ZeRO, bf16 and fp16 wrappers keep
-    the real one in ``.optimizer``), starting from an engine or an optimizer."""
+Group = dict[str, Any]
+
+
+def _optimizers(engine_or_optimizer: Any) -> Iterator[tuple[Any, torch.optim.Optimizer]]:
+    """``(holder, optimizer)`` for the optimizer and every optimizer it wraps (DeepSpeed's ZeRO,
+    bf16 and fp16 wrappers keep the real one in ``.optimizer``), starting from an engine or an
+    optimizer; ``holder`` is the object whose ``.optimizer`` it is (``None`` for the one given)."""
     seen: set[int] = set()
-    current = getattr(engine_or_optimizer, "optimizer", None) if not isinstance(
-        engine_or_optimizer, torch.optim.Optimizer) else engine_or_optimizer
+    holder, current = None, engine_or_optimizer
+    if not isinstance(current, torch.optim.Optimizer):
+        holder, current = current, getattr(current, "optimizer", None)
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, torch.optim.Optimizer):
-            yield current
-        current = getattr(current, "optimizer", None)
+            yield holder, current
+        holder, current = current, getattr(current, "optimizer", None)
 
 
-def _steps_taken(optimizer: torch.optim.Optimizer) -> int:
-    """The step count the kernel last saw: the largest ``step`` of the restored states."""
-    steps = [int(state["step"]) for state in optimizer.state.values() if "step" in state]
-    steps += [int(group["step"]) for group in optimizer.param_groups if "step" in group]
-    return max(steps, default=0)
+def _step_of(state: Any) -> int | None:
+    return int(state["step"]) if isinstance(state, dict) and "step" in state else None
 
 
-def _stepped_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [group for group in optimizer.param_groups if any(p in optimizer.state for p in group["params"])]
+def _schedule(holder: Any, optimizer: torch.optim.Optimizer) -> list[tuple[int, Group]]:
+    """``(steps, group)`` for each kernel call one optimizer step of the uninterrupted run made, in
+    its order; ``steps`` is how many optimizer steps that call took part in.
+
+    ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``) hands the base optimizer its fp32 partitions only
+    while it steps, one sub-group at a time (``_optimizer_step``), and keeps every
+    ``param_groups[i]['params']`` empty otherwise, after a checkpoint load too: its sub-groups
+    (``fp32_partitioned_groups_flat``, ``sub_group_to_group_id``), not the groups' parameter
+    lists, say which calls were made. Other wrappers leave the fp32 partitions in the groups.
+    """
+    flats = getattr(holder, "fp32_partitioned_groups_flat", None)
+    group_of = getattr(holder, "sub_group_to_group_id", None)
+    schedule = []
+    if flats is not None and group_of is not None:  # ZeRO stage 3: one kernel call per sub-group
+        for sub_group, flat in enumerate(flats):
+            # A sub-group stepped by another optimizer (partial offload's torch backup) has no state here.
+            steps = _step_of(optimizer.state.get(flat))
+            if steps:
+                schedule.append((steps, optimizer.param_groups[group_of[sub_group]]))
+        return schedule
+    for group in optimizer.param_groups:
+        stepped = [s for s in (_step_of(optimizer.state.get(p)) for p in group["params"]) if s]
+        if stepped:
+            schedule.append((max(stepped), group))
+    return schedule
 
 
-def _kernel_call(optimizer: torch.optim.Optimizer) -> Callable[[int, dict[str, Any]], None] | None:
+def _kernel_call(optimizer: torch.optim.Optimizer) -> Callable[[int, Group], None] | None:
     """One call of ``optimizer``'s CPU Adam kernel for a step and a group, on empty tensors (it
     updates the step state and touches no element), or ``None`` when it has no such kernel."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam  # deepspeed is loaded: an engine exists
@@ -72,14 +99,14 @@ def _kernel_call(optimizer: torch.optim.Optimizer) -> Callable[[int, dict[str, A
     if isinstance(optimizer, FusedAdam) and optimizer._dummy_overflow_buf.device.type == "cpu":
         # The CPU build keeps one kernel object per mode for the whole process. (The CUDA build
         # computes beta**step from the step each time: nothing hidden.)
-        def call(step: int, group: dict[str, Any]) -> None:
+        def call(step: int, group: Group) -> None:
             beta1, beta2 = group["betas"]
             optimizer.multi_tensor_adam(2048 * 32, optimizer._dummy_overflow_buf, [[empty]] * 4, group["lr"],
                                         beta1, beta2, group["eps"], step, optimizer.adam_w_mode,
                                         1 if group["bias_correction"] else 0, group["weight_decay"])
         return call
     if isinstance(optimizer, DeepSpeedCPUAdam):  # one kernel object per optimizer instance
-        def call(step: int, group: dict[str, Any]) -> None:
+        def call(step: int, group: Group) -> None:
             beta1, beta2 = group["betas"]
             optimizer.ds_opt_adam.adam_update(optimizer.opt_id, step, group["lr"], beta1, beta2, group["eps"],
                                               group["weight_decay"], group["bias_correction"],
@@ -93,11 +120,15 @@ def replay_cpu_adam_state(engine_or_optimizer: Any) -> int:
 
     Each rank replays its own kernels; there is no collective. Call it once, right after a
     checkpoint (with optimizer states) was loaded into a freshly created engine and before the
-    next ``engine.step()``. Optimizers other than DeepSpeed's CPU Adam kernels are left alone.
+    next ``engine.step()``. The calls are those the uninterrupted run made, in its order: per
+    parameter group at ZeRO 0-2, per sub-group at ZeRO 3. Pass the engine (or its ZeRO wrapper)
+    under ZeRO-3: its bare base optimizer has empty ``param_groups[i]['params']`` and does not
+    say which groups its states belong to (a warning says so and nothing is replayed).
+    Optimizers other than DeepSpeed's CPU Adam kernels are left alone.
 
     Args:
-        engine_or_optimizer: the engine from ``deepspeed.initialize`` or an optimizer (DeepSpeed's
-            wrappers are unwrapped through their ``.optimizer``).
+        engine_or_optimizer: the engine from ``deepspeed.initialize``, a DeepSpeed optimizer
+            wrapper or a base optimizer (wrappers are unwrapped through their ``.optimizer``).
 
     Returns:
         The number of optimizer steps replayed (0 when there was nothing to do).
@@ -109,16 +140,23 @@ def replay_cpu_adam_state(engine_or_optimizer: Any) -> int:
         toolkit.replay_cpu_adam_state(engine)
     """
     replayed = 0
-    for optimizer in _optimizers(engine_or_optimizer):
+    for holder, optimizer in _optimizers(engine_or_optimizer):
         call = _kernel_call(optimizer)
-        steps, groups = _steps_taken(optimizer), _stepped_groups(optimizer)
-        if call is None or steps == 0 or not groups:
+        schedule = _schedule(holder, optimizer) if call is not None else []
+        if call is None or not schedule:
+            if call is not None and any(_step_of(state) for state in optimizer.state.values()):
+                logger.warning("%s has stepped states but none in its parameter groups (a ZeRO-3 base "
+                               "optimizer?): pass the engine to replay_cpu_adam_state; nothing replayed",
+                               type(optimizer).__name__)
             continue
-        # The calls the uninterrupted run made: steps 1..N, each stepped group in order (a group
-        # with other betas sends the kernel down its pow path, as it did in that run).
+        steps = max(s for s, _ in schedule)
+        # The calls the uninterrupted run made: at each step 1..N, each stepped group (ZeRO-3: each
+        # sub-group) in order. A group with other betas sends the kernel down its pow path, as it
+        # did in that run; repeated calls with one step leave the state alone, as they did.
         for step in range(1, steps + 1):
-            for group in groups:
-                call(step, group)
+            for group_steps, group in schedule:
+                if step <= group_steps:
+                    call(step, group)
         logger.debug("replayed %d steps of %s's CPU kernel state", steps, type(optimizer).__name__)
         replayed = max(replayed, steps)
     return replayed

@@ -1,6 +1,6 @@
 """GPU check: the toolkit end to end on a CUDA machine, in one command.
 
-    .venv/bin/python scripts/gpu_check.py [--out DIR] [--quick]
+    .venv/bin/python scripts/gpu_check.py [--out DIR] [--quick] [--parts build examples oom gpt2]
 
 1. builds DeepSpeed's FusedAdam once (DeepSpeed JIT-builds it on CUDA; better serially, here);
 2. runs examples/core_api/{train,pipeline,mlm,causal_lm}.py on every GPU (torchrun, nccl), once
@@ -15,8 +15,14 @@
 
 Everything lands in --out (default runs/gpu_check): logs/, one directory per part. Every process
 has a time limit; a failed part is a "FAILED" row with its last error line, and the exit status
-is 1 when any part failed. --quick: fewer steps and trials. Without CUDA it says so and exits 0.
+is 1 when any part failed. Where one command may run 10 minutes at most, use --quick and split
+the parts over two commands (``--parts build examples``, then ``--parts oom gpt2``; the same
+--out). Without CUDA it says so and exits 0.
+MFU cells: "6N" is 6 x parameters x tokens/s per GPU (causal_lm only: the other examples have no
+parameter count from outside), "dsat" is the best trial's FLOPS_per_gpu; both over the peak.
 Only public interfaces are used: the launchers, the examples' flags, dsat's CLI and output files.
+One file on purpose (a script, past the 400 lines of a library module): pure pieces first, tested
+in tests/test_gpu_check.py, then the thin shells that start processes.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ PEAK_BF16_FLOPS = ((r"\bH100\b.*\bPCIe\b", 756e12), (r"\bH100\b.*\b(SXM|HBM3)", 
 GPT2_SMALL = {"vocab_size": 50257, "seq_len": 1024, "d_model": 768, "num_layers": 12, "num_heads": 12}
 GPT2_SIZE_KEYS = ("vocab_size", "seq_len", "d_model", "num_layers")   # gpt2_num_params' arguments
 OOM_FROM_MICRO_BATCH = 2
+PARTS = ("build", "examples", "oom", "gpt2")   # --parts: FusedAdam, the examples, dsat OOM, dsat GPT-2
 RUN_MARK = "GPU_CHECK_RUN"   # in every child's environment, to find what a timed-out launcher left
 
 
@@ -205,10 +212,12 @@ def oom_verdict(trials: Iterable[Mapping[str, Any]], *, oom_from: int) -> tuple[
 
 def last_error_line(text: str) -> str:
     """The line of a log that best says why a process failed: the last 'SomethingError: ...' line
-    (launcher prefixes such as '[rank0]: ' removed), else the last non-empty line."""
+    (launcher prefixes such as '[rank0]: ' removed; torchrun's own ChildFailedError skipped, it
+    only says that a worker failed), else the last non-empty line."""
     lines = [re.sub(r"^\[(rank|default)\d*\]:\s*", "", line).strip() for line in text.splitlines()]
     lines = [line for line in lines if line]
-    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Exit)\b:?", line)]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Exit)\b:?", line)
+              and "ChildFailedError" not in line]
     return ((errors or lines or [""])[-1])[:200]
 
 
@@ -301,9 +310,10 @@ def run_cmd(argv: list[str], *, log: Path, timeout: float, env: Mapping[str, str
             except subprocess.TimeoutExpired:
                 signal_group(proc.pid, signal.SIGKILL)
         finally:
-            signal_group(proc.pid, signal.SIGKILL)   # Ctrl-C here, or a launcher that left children
-            proc.wait()
-            kill_marked(mark)
+            if proc.poll() is None:   # Ctrl-C here: take the launcher's group down with us
+                signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+            kill_marked(mark)         # what the launcher left, in its group or outside it
     return rc, log.read_text(encoding="utf-8", errors="replace")
 
 
@@ -466,7 +476,7 @@ def gpt2_dsat(check: Check) -> Row:
     config = check.out / "gpt2_dsat" / "experiment.yaml"
     write_experiment_copy(EXAMPLES / "causal_lm.yaml", config, ds_overrides={"bf16": {"enabled": True}},
                           hparams=hparams, slots=check.gpus)
-    rc, log, out, timeout = run_dsat(check, "gpt2_dsat", config, EXAMPLES, trials=3 if check.quick else 6)
+    rc, log, out, timeout = run_dsat(check, "gpt2_dsat", config, EXAMPLES, trials=4 if check.quick else 8)
     trials = read_jsonl(out / "trials.jsonl")
     best = best_trial(trials, read_json(out / "best_ds_metrics.json"))
     row = Row("dsat GPT-2 small bf16", rc == 0 and best is not None, micro_batch=boundary_text(out, trials))
@@ -491,7 +501,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_check",
                         help="where runs, dsat outputs and logs go (default: runs/gpu_check)")
     parser.add_argument("--quick", action="store_true",
-                        help="20 steps per example, 2 + 3 dsat trials (default: 60 steps, 3 + 6 trials)")
+                        help="20 steps per example, 2 + 4 dsat trials (default: 60 steps, 3 + 8 trials)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="run only these parts, e.g. to split the check over commands of limited "
+                             "length (default: all)")
     args = parser.parse_args(argv)
     env = child_env()
     info = cuda_info(env)
@@ -501,10 +514,12 @@ def main(argv: list[str] | None = None) -> int:
     check = Check(out=args.out.resolve(), quick=args.quick, gpus=int(info["count"]), device_name=info["name"],
                   env=env)
     started = time.monotonic()
-    rows = [build_fused_adam(check)]
-    rows += [run_example(check, script, name, precision)
-             for script, name in EXAMPLE_RUNS for precision in PRECISIONS]
-    rows += [oom_check(check), gpt2_dsat(check)]
+    rows = [build_fused_adam(check)] if "build" in args.parts else []
+    if "examples" in args.parts:
+        rows += [run_example(check, script, name, precision)
+                 for script, name in EXAMPLE_RUNS for precision in PRECISIONS]
+    rows += [oom_check(check)] if "oom" in args.parts else []
+    rows += [gpt2_dsat(check)] if "gpt2" in args.parts else []
     peak = "n/a (not in the table)" if check.peak is None else f"{check.peak / 1e12:.0f} TFLOPS"
     print(f"\n{check.gpus} x {check.device_name}, peak bf16 dense {peak}; "
           f"{time.monotonic() - started:.0f} s; logs in {check.out / 'logs'}\n\n{format_table(rows)}")

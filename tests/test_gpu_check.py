@@ -165,7 +165,8 @@ def test_best_trial():
 def test_last_error_line():
     log = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"train.py\", line 1\n"
            "[rank0]: RuntimeError: Input type (float) and bias type (c10::BFloat16) should be the same\n"
-           "E1123 torch.distributed.elastic ... failed\n\n")
+           "E1123 torch.distributed.elastic ... failed\n    raise ChildFailedError(\n"
+           "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n\n")
     assert gc.last_error_line(log) == ("RuntimeError: Input type (float) and bias type (c10::BFloat16) "
                                        "should be the same")
     assert gc.last_error_line("starting\nkilled\n") == "killed"

@@ -15,4 +15,4 @@ cd "$root"
 # Lint, import order and types first (configured in pyproject.toml): a new violation fails CI.
 "$root/.venv/bin/ruff" check toolkit
 "$root/.venv/bin/mypy"
-exec "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
+exec "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider --durations=30 "$@"

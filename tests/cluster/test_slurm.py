@@ -1,0 +1,225 @@
+"""The real Slurm (slurm-wlm 22.05, one node on loopback, see conftest.py) with toolkit (issue 16).
+
+* ``srun --ntasks 2``: init_distributed reads the step's real SLURM_* variables;
+* ``scancel --signal=USR1``: every task stops through preemption with a committed checkpoint, and
+  the job submitted again resumes from it;
+* ``sbatch --signal=USR1@N``: the same at the time-limit warning;
+* ``python -m toolkit.dsat`` inside ``salloc``: trials placed with ``srun``, a trial's timeout
+  ending its step with no process left;
+* ``python -m toolkit.run`` inside ``salloc``.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from hostprocs import pid_alive
+
+import procutil as p
+from toolkit.dsat.execution.procs import find_trial_processes
+
+CTX = p.WORKERS / "cluster_ctx.py"
+TRAIN = p.WORKERS / "cluster_train.py"
+START_S = 300  # a toolkit rank's start (torch, DeepSpeed) on 2 busy cores; normally about 10 s
+
+
+def wait_for(predicate, timeout: float, what: str, *, alive=None) -> None:
+    """Poll until ``predicate()``; fail after ``timeout`` s, or at once when ``alive()`` says the job
+    ended."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if alive is not None and not alive():
+            raise AssertionError(f"the job ended before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def read(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def job_script(tmp_path: Path, name: str, *args: str) -> Path:
+    """A batch script whose only step is ``srun python cluster_train.py ARGS``."""
+    script = tmp_path / name
+    command = " ".join([sys.executable, str(TRAIN), *args])
+    script.write_text(f"#!/bin/sh\nsrun --kill-on-bad-exit=1 {command}\n")
+    return script
+
+
+def submit(slurm, tmp_path: Path, script: Path, *flags: str) -> str:
+    return slurm.sbatch("--ntasks=2", f"--output={tmp_path / (script.stem + '.out')}", f"--chdir={tmp_path}",
+                        *flags, str(script), env=slurm.env(p.child_env()))
+
+
+def job_log(tmp_path: Path, script: Path) -> str:
+    path = tmp_path / f"{script.stem}.out"
+    return path.read_text()[-4000:] if path.exists() else "(no output)"
+
+
+def both(out: Path, prefix: str) -> bool:
+    return all((out / f"{prefix}{rank}.json").exists() for rank in range(2))
+
+
+def test_srun_two_tasks_read_the_real_slurm_variables(slurm, tmp_path):
+    result = slurm.run("srun", "--ntasks=2", "--immediate=60", sys.executable, str(CTX), str(tmp_path),
+                       env=slurm.env(p.child_env()), check=False, timeout=START_S)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [read(tmp_path / f"rank{rank}.json") for rank in range(2)]
+    job = int(records[0]["env"]["SLURM_JOB_ID"])
+    for rank, record in enumerate(records):
+        env = record["env"]
+        assert record["launcher"] == "slurm"
+        assert (env["SLURM_PROCID"], env["SLURM_LOCALID"]) == (str(rank), str(rank))
+        assert env["SLURM_STEP_NUM_TASKS"] == "2"
+        assert (record["rank"], record["local_rank"], record["world_size"]) == (rank, rank, 2)
+        assert (record["local_world_size"], record["node_rank"], record["num_nodes"]) == (2, 0, 1)
+        assert env["SLURM_STEP_NODELIST"] == slurm.nodename and env["SLURM_STEP_TASKS_PER_NODE"] == "2"
+        # rank 0's host from the step's node list; the port from the job id
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == (slurm.nodename, str(10000 + job % 20000))
+        assert record["all_gathered"] == [0, 1] and record["sum"] == [2.0]
+        assert int(env["SLURM_JOB_ID"]) == job
+    assert records[0]["pid"] != records[1]["pid"]
+
+
+def test_scancel_usr1_stops_every_task_with_a_checkpoint_and_the_next_job_resumes(slurm, tmp_path):
+    out = tmp_path / "out"
+    script = job_script(tmp_path, "first.sh", str(out))
+    job = submit(slurm, tmp_path, script)
+    try:
+        # only once the watcher is installed: before it, SIGUSR1's default action ends the process
+        wait_for(lambda: both(out, "start"), START_S, "both tasks to start",
+                 alive=lambda: slurm.job_state(job) in ("PENDING", "RUNNING", "CONFIGURING"))
+        slurm.run("scancel", "--signal=USR1", job)
+        state = slurm.wait_job(job, timeout=120)
+    finally:
+        slurm.run("scancel", job, check=False)
+    assert state == "COMPLETED", f"{state}\n{job_log(tmp_path, script)}"
+    stops = [read(out / f"stop{rank}.json") for rank in range(2)]
+    step = stops[0]["step"]
+    assert [s["received"] for s in stops] == ["SIGUSR1", "SIGUSR1"]  # scancel signals every task of the step
+    assert [s["steps"] for s in stops] == [[step, step]] * 2  # both stopped at the same step
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{step}"
+    assert [read(out / f"start{rank}.json")["env"]["SLURM_JOB_ID"] for rank in range(2)] == [job, job]
+
+    again = job_script(tmp_path, "again.sh", str(out), "--max-steps", str(step + 3))
+    job2 = submit(slurm, tmp_path, again)
+    try:
+        state = slurm.wait_job(job2, timeout=START_S)
+    finally:
+        slurm.run("scancel", job2, check=False)
+    assert state == "COMPLETED", f"{state}\n{job_log(tmp_path, again)}"
+    done = [read(out / f"done{rank}.json") for rank in range(2)]
+    assert [(d["resumed_at"], d["step"], d["received"]) for d in done] == [(step, step + 3, None)] * 2
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{step + 3}"
+
+
+def test_signal_before_the_time_limit_stops_every_task_with_a_checkpoint(slurm, tmp_path):
+    """``--signal=USR1@120`` with ``--time=2``: slurmctld sends it at its first time-limit check
+    after the start (every 30 s), long before the limit; --block-usr1 holds it until the watcher
+    is installed if it comes while the ranks start."""
+    out = tmp_path / "out"
+    script = job_script(tmp_path, "limit.sh", str(out), "--block-usr1")
+    submitted = time.time()
+    job = submit(slurm, tmp_path, script, "--time=2", "--signal=USR1@120")
+    try:
+        bound = slurm.next_timelimit_check(submitted + 2) - time.time() + START_S
+        state = slurm.wait_job(job, timeout=bound)
+    finally:
+        slurm.run("scancel", job, check=False)
+    assert state == "COMPLETED", f"{state}\n{job_log(tmp_path, script)}"
+    stops = [read(out / f"stop{rank}.json") for rank in range(2)]
+    step = stops[0]["step"]
+    assert [s["received"] for s in stops] == ["SIGUSR1", "SIGUSR1"]
+    assert [s["steps"] for s in stops] == [[step, step]] * 2
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{step}"
+
+
+# ---------------------------------------------------------------- dsat and toolkit.run inside salloc
+def dsat_model_dir(tmp_path: Path, *, profile: str) -> Path:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    p.install_sim_model(p.WORKERS / "cluster_dsat_trial.py", model_dir)
+    (model_dir / "ds_config.json").write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}}))
+    (model_dir / "deepspeed.yaml").write_text(yaml.safe_dump({
+        "name": "cluster", "entrypoint": "python3 model.py", "resources": {"slots_per_trial": 2},
+        "searcher": {"max_length": 10},
+        "hyperparameters": {"deepspeed_config": "ds_config.json", "profile": profile}}))
+    return model_dir
+
+
+def salloc_dsat(slurm, model_dir: Path, out: Path, *flags: str, timeout: float):
+    """``salloc --ntasks 2 python -m toolkit.dsat binary ...`` (every host taken as remote: see the
+    wrapper)."""
+    argv = ["salloc", "--ntasks=2", "--immediate=60", sys.executable,
+            str(p.WORKERS / "cluster_dsat_remote.py"),
+            "binary", str(model_dir / "deepspeed.yaml"), str(model_dir), "--output-dir", str(out),
+            "--zero-stages", "1", "--memory-per-slot", "1GiB", *flags]
+    return slurm.run(*argv, env=slurm.env(p.child_env()), check=False, timeout=timeout, cwd=model_dir.parent)
+
+
+def test_dsat_inside_salloc_places_its_trials_with_srun(slurm, tmp_path):
+    out = tmp_path / "out"
+    result = salloc_dsat(slurm, dsat_model_dir(tmp_path, profile="init"), out, "--max-trials", "2",
+                         "--trial-timeout", str(START_S), timeout=2 * START_S)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    trials = sorted((out / "trials").iterdir())
+    assert [t.name for t in trials] == ["trial_0", "trial_1"]
+    for trial in trials:
+        placement = read(trial / "placement.json")
+        assert placement["launch"] == "srun" and placement["hosts"] == {slurm.nodename: [0, 1]}
+        assert placement["argv"][:5] == ["srun", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
+                                         f"--nodelist={slurm.nodename}"]
+        ranks = [read(trial / f"rank{rank}.json") for rank in range(2)]
+        assert [r["env"]["SLURM_PROCID"] for r in ranks] == ["0", "1"]
+        assert all(r["env"]["SLURM_STEP_NUM_TASKS"] == "2" and "SLURM_STEP_ID" in r["env"] for r in ranks)
+        assert {r["env"]["MASTER_PORT"] for r in ranks} == {str(placement["master_port"])}
+    # the profiling trial's ranks met on the address and port that dsat exported through srun
+    ctx = [read(trials[0] / f"rank{rank}.json")["ctx"] for rank in range(2)]
+    assert [(c["launcher"], c["rank"], c["world_size"], c["all_gathered"]) for c in ctx] == [
+        ("slurm", 0, 2, [0, 1]), ("slurm", 1, 2, [0, 1])]
+    assert read(out / "trials" / "trial_0" / "result.json")["status"] == "ok"
+
+
+def test_dsat_trial_timeout_ends_its_srun_step_and_every_process(slurm, tmp_path):
+    out = tmp_path / "out"
+    result = salloc_dsat(slurm, dsat_model_dir(tmp_path, profile="hang"), out, "--max-trials", "2",
+                         "--trial-timeout", "6", timeout=START_S)
+    log = result.stdout[-3000:] + result.stderr[-3000:]
+    trial = out / "trials" / "trial_0"
+    assert read(trial / "placement.json")["launch"] == "srun", log
+    ranks = [read(trial / f"rank{rank}.json") for rank in range(2)]  # both tasks ran before the timeout
+    assert "ran past the timeout" in log, log
+    # dsat signalled srun, and srun had Slurm cancel the step on its node (slurmstepd's message)
+    stderr = (trial / "stderr.log").read_text()
+    assert "srun: forcing job termination" in stderr and " CANCELLED AT " in stderr, stderr
+    assert not [r["pid"] for r in ranks if pid_alive(r["pid"])]
+    assert not find_trial_processes(f"{out / 'trials'}{os.sep}", prefix=True)
+    assert not slurm.steps(), slurm.steps()
+
+
+def test_toolkit_run_inside_salloc(slurm, tmp_path):
+    config = tmp_path / "experiment.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "cluster-run", "entrypoint": "python3 cluster_train.py --max-steps 5",
+        "resources": {"slots_per_trial": 2},
+        "searcher": {"name": "single", "metric": "loss", "max_length": 5},
+        "max_restarts": 0, "hyperparameters": {}}))
+    out = tmp_path / "out"
+    result = slurm.run("salloc", "--ntasks=2", "--immediate=60", sys.executable, "-m", "toolkit.run",
+                       str(config), str(p.WORKERS), "--output-dir", str(out), env=slurm.env(p.child_env()),
+                       check=False, timeout=START_S)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    done = [read(out / f"done{rank}.json") for rank in range(2)]
+    assert [(d["step"], d["steps"]) for d in done] == [(5, [5, 5])] * 2
+    starts = [read(out / f"start{rank}.json") for rank in range(2)]
+    # torchrun's variables win over the allocation's (which have no step: SLURM_STEP_ID is unset)
+    assert [(s["launcher"], s["rank"], s["world_size"]) for s in starts] == [
+        ("torchrun", 0, 2), ("torchrun", 1, 2)]
+    assert all(s["env"]["SLURM_NTASKS"] == "2" and "SLURM_STEP_ID" not in s["env"] for s in starts)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_5"

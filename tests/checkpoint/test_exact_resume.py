@@ -7,7 +7,8 @@ after a crash): ZeRO stages 0-3 and a 2-stage pipeline engine, with DeepSpeed's 
 and a WarmupDecayLR scheduler. Each case resumes twice: from a save at step 5 of the
 uninterrupted run, and from the checkpoint saved when rank 1 got SIGTERM in the middle of step
 19 (``toolkit.watch_preemption``); every micro-batch loss of the remaining 22-37 steps and the
-final weights must be bitwise equal.
+final weights must be bitwise equal. The ZeRO-3 cases run across two nodes too (two
+``torchrun --nnodes 2`` agents on 127.0.0.1, one rank each).
 
 The comparison can fail: resumed with toolkit's optimizer state restore switched off, every
 DeepSpeed-Adam case differs (the CPU Adam kernels' ``beta**step`` products, see
@@ -16,12 +17,19 @@ toolkit/checkpoint/cpu_adam.py). Before the ZeRO-3 fix the stage-3 cases were re
 """
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
 
 import pytest
 
 import procutil as p
 
 WORKER = p.WORKERS / "ckpt_exact_resume.py"
+# Resumes at 5 and at 19 or 20: the first step after each is one where float32 pow(0.999, step)
+# differs from 0.999**step by running product (steps 6, 19-40, ...), so a missing replay shows.
 STEPS, FIXED, POINT = 42, 5, 19
 DS_ADAM = ("zero0-ds", "zero1-ds", "zero2-ds", "zero3-ds", "pipe-ds")
 CASES = (*DS_ADAM[:4], "zero3-offload", "zero0-torch", "zero1-torch", "zero2-torch", "zero3-torch",
@@ -72,3 +80,52 @@ def test_without_the_optimizer_state_restore_the_resume_differs(runs, case):
         assert run["replayed"] == [0]
         differs = _first_difference(reference["losses"][run["start"]:], run["losses"], run["start"])
         assert differs is not None and run["weights"] != reference["weights"], (rank, "no difference shown")
+
+
+# ------------------------------------------------------------------ two nodes (torchrun --nnodes 2)
+# Stopped at step 18 or 19 (the agreement may take one more call across nodes), the first step
+# after the resume is 19 or 20, where float32 pow(0.999, step) != 0.999**step by running product:
+# without the ZeRO-3 replay it would differ.
+TWO_NODE_CASES, TWO_NODE_STEPS, TWO_NODE_POINT = ("zero3-ds",), 40, 18
+
+
+def _two_nodes(out, *args):
+    """Two ``torchrun --nnodes 2`` agents with the c10d rendezvous on 127.0.0.1, one rank each (the
+    launch tests/runtime/test_multinode.py checks), running the worker to the end."""
+    port, run_id = p.free_port(), uuid.uuid4().hex[:8]
+    procs = []
+    for node in (0, 1):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+                "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1",
+                "--max-restarts", "0", str(WORKER), str(out), *args]
+        with open(out / f"{args[0]}_node{node}.log", "w") as log:
+            procs.append(subprocess.Popen(argv, env=p.child_env(), stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    try:
+        codes = [proc.wait(timeout=300) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+    logs = "\n".join((out / f"{args[0]}_node{n}.log").read_text()[-3000:] for n in (0, 1))
+    assert codes == [0, 0], logs
+
+
+def test_two_nodes_resume_bitwise_at_zero3(tmp_path):
+    common = ["--cases", ",".join(TWO_NODE_CASES), "--steps", str(TWO_NODE_STEPS),
+              "--points", str(TWO_NODE_POINT)]
+    _two_nodes(tmp_path, "train", *common)
+    _two_nodes(tmp_path, "resume", *common)
+    for rank in range(2):
+        trained = json.loads((tmp_path / f"train_rank{rank}.json").read_text())
+        resumed = json.loads((tmp_path / f"resume_rank{rank}.json").read_text())
+        for case in TWO_NODE_CASES:
+            reference, run = trained[case]["reference"], resumed[case][f"preempt{TWO_NODE_POINT}"]
+            stopped = trained[case]["preempted"][str(TWO_NODE_POINT)]["stopped_at"]
+            assert run["start"] == stopped in (TWO_NODE_POINT, TWO_NODE_POINT + 1)
+            assert len(run["losses"]) == TWO_NODE_STEPS - stopped >= 20
+            differs = _first_difference(reference["losses"][run["start"]:], run["losses"], run["start"])
+            assert differs is None, (rank, case, differs)
+            assert run["weights"] == reference["weights"] and run["replayed"] == [run["start"]], (rank, case)

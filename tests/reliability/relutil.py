@@ -40,7 +40,8 @@ LAUNCH_TIMEOUT_S = 300.0
 def small_config(directory: Path, *, checkpoint_every: int = 2) -> Path:
     """The example's own config, shrunk (as tests/test_examples.py does) to seconds per run."""
     config = yaml.safe_load((EXAMPLES / "deepspeed.yaml").read_text())
-    config["hyperparameters"].update({"dataset_size": 512, "image_size": 16, "width": 8, "validate_every": 10**6,
+    config["hyperparameters"].update({"dataset_size": 512, "image_size": 16, "width": 8,
+                                      "validate_every": 10**6,
                                       "checkpoint_every": checkpoint_every,
                                       # A signal then stops the run within about 0.5 s (two checks),
                                       # so that shots land mid-run rather than after the last step.
@@ -89,8 +90,8 @@ def _saving(checkpoints: Path, since: float) -> str | None:
 
 
 def _workers(launcher_pid: int) -> list[int]:
-    found = subprocess.run(["pgrep", "-f", "-P", str(launcher_pid), SCRIPT.name], capture_output=True, text=True,
-                           timeout=30).stdout.split()
+    found = subprocess.run(["pgrep", "-f", "-P", str(launcher_pid), SCRIPT.name], capture_output=True,
+                           text=True, timeout=30).stdout.split()
     return [int(pid) for pid in found]
 
 
@@ -121,7 +122,8 @@ class Campaign:
         self.workdir, self.rng, self.max_steps = workdir, rng, max_steps
         self.out = workdir / "run"
         self.checkpoints = self.out / "checkpoints"
-        self.argv_tail = ["--config", str(config), "--output-dir", str(self.out), "--max-steps", str(max_steps)]
+        self.argv_tail = ["--config", str(config), "--output-dir", str(self.out),
+                          "--max-steps", str(max_steps)]
         self.shots: list[Shot] = []
         self.launches = 0
 
@@ -131,8 +133,9 @@ class Campaign:
         log = self.workdir / f"launch{self.launches:02d}.log"
         mark = f"{self.workdir}/launch{self.launches}"
         with open(log, "w") as fh:
-            proc = subprocess.Popen(p.torchrun_argv(SCRIPT, *self.argv_tail), env=p.child_env(**{LAUNCH_ENV: mark}),
-                                    stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(p.torchrun_argv(SCRIPT, *self.argv_tail),
+                                    env=p.child_env(**{LAUNCH_ENV: mark}), stdout=fh,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
         return proc, log, mark
 
     def _finish(self, proc: subprocess.Popen, mark: str, timeout: float = LAUNCH_TIMEOUT_S) -> int | None:
@@ -163,7 +166,8 @@ class Campaign:
                 time.sleep(0.2)
                 workers = _workers(proc.pid)
         if moment == "save":
-            while proc.poll() is None and time.monotonic() < deadline and not _saving(self.checkpoints, launched_at):
+            while (proc.poll() is None and time.monotonic() < deadline
+                   and not _saving(self.checkpoints, launched_at)):
                 time.sleep(0.002)
             time.sleep(self.rng.uniform(0.0, 0.01))
         elif moment == "step":
@@ -243,7 +247,8 @@ class Campaign:
             resumed = int(text.split(marker, 1)[1].split()[0])
             shot.resumed_from = resumed
             if resumed != shot.before:
-                shot.problems.append(f"launch resumed at step {resumed}, but step {shot.before} was committed")
+                shot.problems.append(f"launch resumed at step {resumed}, "
+                                     f"but step {shot.before} was committed")
 
     # ------------------------------------------------------------------ the end
     def run_to_end(self) -> tuple[int | None, str]:

@@ -7,14 +7,23 @@
   choose is always committed, complete and loadable (consolidated offline), never a partial one,
   and the run still ends bitwise equal.
 
-Short run (CI): one campaign with 2 SIGTERMs (start-up, save) and 2 SIGKILLs (save). Full run
+* The stage matrix (full run only): for each ZeRO stage 0-3 with DeepSpeed's CPU Adam, 20 runs
+  each stopped by a SIGTERM to rank 1 in the middle of a random step (``watch_preemption``),
+  each resumed in a new process and compared, bitwise, with an uninterrupted run: every
+  micro-batch loss after the resume and the final weights (tests/workers/ckpt_exact_resume.py;
+  gradient accumulation 2, dropout, clipping, an LR scheduler).
+
+Short run (CI): one campaign with 2 SIGTERMs (start-up, save) and 2 SIGKILLs (save); the stage
+matrix's everyday version is tests/checkpoint/test_exact_resume.py. Full run
 (``TOOLKIT_RELIABILITY_FULL=1``, scripts/reliability.py): 20 SIGTERMs and 10 SIGKILLs, in two
-campaigns. Moments are drawn from ``TOOLKIT_RELIABILITY_SEED`` (printed in the report).
+campaigns, and the stage matrix (80 resumes). Moments are drawn from ``TOOLKIT_RELIABILITY_SEED``
+(printed in the report).
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import random
 import signal
@@ -22,16 +31,22 @@ import signal
 import pytest
 import relutil as r
 
+import procutil as p
+
 FULL = os.environ.get("TOOLKIT_RELIABILITY_FULL") == "1"  # set by scripts/reliability.py
 SEED = int(os.environ.get("TOOLKIT_RELIABILITY_SEED", "20261121"))
 TERM_CATEGORY = "preemption chaos (SIGTERM)"
 KILL_CATEGORY = "crash during save (SIGKILL)"
+MATRIX_CATEGORY = "exact resume, ZeRO 0-3"
+EXACT = p.WORKERS / "ckpt_exact_resume.py"
+MATRIX_STEPS, MATRIX_POINTS = 40, 20
 EVERY = 2  # checkpoint every 2 steps: saves are frequent, so "during a save" is hit often
 
 
 def _max_steps(shots: int) -> int:
     # Room for every shot to land before the run ends: a SIGTERM lets the run go on for up to two
-    # preemption checks (0.25 s each: relutil.small_config sets that) before it stops: 10-45 steps of this small model (measured).
+    # preemption checks (0.25 s each: relutil.small_config sets that) before it stops: 10-45 steps
+    # of this small model (measured).
     return 50 * shots + 100
 
 
@@ -53,21 +68,25 @@ def _run(tmp_path, tally, plan: list[tuple[signal.Signals, str]], max_steps: int
     if code != 0:
         final.append(f"the final launch exited {code}: {text[-1500:]}")
     elif r.committed_step(campaign.checkpoints) != max_steps:
-        final.append(f"the final launch ended at step {r.committed_step(campaign.checkpoints)}, not {max_steps}")
+        final.append(f"the final launch ended at step {r.committed_step(campaign.checkpoints)}, "
+                     f"not {max_steps}")
     else:
         differing = r.compare_weights(reference(max_steps), campaign.checkpoints, tmp_path)
         if differing:
             final.append(f"final weights differ from the uninterrupted run: {differing[:5]}")
     for shot in campaign.shots:
-        problems = shot.problems + final + ([] if shot.landed != "after-exit" else ["the signal was never delivered"])
+        never = [] if shot.landed != "after-exit" else ["the signal was never delivered"]
+        problems = shot.problems + final + never
         t = tallies[signal.Signals[shot.sig]]
         t.record(not problems, f"shot {shot.index} {shot.sig} {shot.landed} -> {shot.target}: {problems}")
     for sig, t in tallies.items():
         landed = collections.Counter(s.landed for s in campaign.shots if s.sig == sig.name)
         if landed:
-            t.detail = f"seed {SEED}, landed during: " + ", ".join(f"{k} {v}" for k, v in sorted(landed.items()))
+            t.detail = f"seed {SEED}, landed during: " + ", ".join(
+                f"{k} {v}" for k, v in sorted(landed.items()))
     summary = "\n".join(f"{s.index:2d} {s.sig:7s} planned {s.moment:7s} landed {s.landed:10s} {s.target:18s} "
-                        f"steps {s.before:3d}->{s.after:3d} exit {s.exit_code} {s.problems}" for s in campaign.shots)
+                        f"steps {s.before:3d}->{s.after:3d} exit {s.exit_code} {s.problems}"
+                        for s in campaign.shots)
     print(summary)
     assert not final and all(s.ok for s in campaign.shots), summary + "\n" + "\n".join(final)
     landed = collections.Counter((s.sig, s.landed) for s in campaign.shots)
@@ -83,7 +102,8 @@ def reference(tmp_path_factory):
     def get(max_steps: int):
         if max_steps not in made:
             base = tmp_path_factory.mktemp(f"reference{max_steps}")
-            made[max_steps] = r.run_reference(base, r.small_config(base, checkpoint_every=EVERY), max_steps=max_steps)
+            made[max_steps] = r.run_reference(base, r.small_config(base, checkpoint_every=EVERY),
+                                              max_steps=max_steps)
         return made[max_steps]
     return get
 
@@ -108,3 +128,40 @@ def test_sigterm_at_20_random_moments(tmp_path, tally, reference):
 def test_sigkill_during_10_saves(tmp_path, tally, reference):
     rng = random.Random(SEED + 1)
     _run(tmp_path, tally, [(signal.SIGKILL, "save")] * 10, _max_steps(20), reference, rng)  # one reference
+
+
+def _matrix_losses(trained: dict, resumed: dict, case: str, point: int) -> list[str]:
+    """What differs between the resume from the preemption at ``point`` and the uninterrupted run."""
+    stop = trained[case]["preempted"][str(point)]["stopped_at"]
+    if stop is None:
+        return [f"SIGTERM in step {point}: the run never stopped"]
+    reference, run = trained[case]["reference"], resumed[case][f"preempt{point}"]
+    problems = [] if run["start"] == stop else [f"resumed at {run['start']}, stopped at {stop}"]
+    for offset, (a, b) in enumerate(zip(reference["losses"][run["start"]:], run["losses"], strict=True)):
+        if a != b:
+            problems.append(f"losses differ from step {run['start'] + offset + 1}: {a} vs {b}")
+            break
+    if run["weights"] != reference["weights"]:
+        problems.append("final weights differ")
+    return problems
+
+
+@pytest.mark.reliability_full
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_stage_matrix_20_random_preemptions_resume_bitwise(tmp_path, tally, stage):
+    rng = random.Random(SEED + 100 + stage)
+    points = sorted(rng.sample(range(1, MATRIX_STEPS - 1), MATRIX_POINTS))
+    case = f"zero{stage}-ds"
+    common = ["--cases", case, "--steps", str(MATRIX_STEPS), "--points", ",".join(map(str, points))]
+    p.check(p.run(p.torchrun_argv(EXACT, str(tmp_path), "train", *common), timeout=900))
+    p.check(p.run(p.torchrun_argv(EXACT, str(tmp_path), "resume", *common), timeout=900))  # a new process
+    runs = [tuple(json.loads((tmp_path / f"{mode}_rank{rank}.json").read_text())
+                  for mode in ("train", "resume")) for rank in range(2)]
+    t = tally(MATRIX_CATEGORY)
+    t.detail = f"seed {SEED}, {MATRIX_POINTS} random SIGTERM steps per stage of {MATRIX_STEPS}"
+    for point in points:
+        problems = [f"rank {rank}: {x}" for rank, (trained, resumed) in enumerate(runs)
+                    for x in _matrix_losses(trained, resumed, case, point)]
+        t.record(not problems, f"zero{stage}, SIGTERM in step {point}: {problems}")
+    print(f"zero{stage}: {t.survived}/{t.tried} resumes bitwise equal; points {points}")
+    assert t.lost == 0, t.notes

@@ -27,8 +27,8 @@ MODES = ("tmpfs", "rlimit", "rlimit1")
 def _mount_tmpfs(path) -> str | None:
     """None when mounted, else why not."""
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(path)], capture_output=True,
-                              text=True, timeout=30)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(path)],
+                              capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"mount failed: {err}"
     return None if done.returncode == 0 else f"mount -t tmpfs not permitted here: {done.stderr.strip()}"

@@ -46,7 +46,7 @@ for name, stage, pipeline in [("zero0", 0, False), ("zero1", 1, False), ("zero2"
                                            config=ds_config)
     gen = torch.Generator().manual_seed(ctx.rank)
     losses = []
-    for step in range(3):
+    for _ in range(3):
         if pipeline:
             batches = iter([(torch.randn(2, 8, generator=gen), torch.randint(0, 4, (2,), generator=gen))
                             for _ in range(engine.gradient_accumulation_steps())])

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import procutil as p
+from toolkit.errors import ConfigError
 from toolkit.preemption import DEFAULT_SIGNALS, PreemptionWatcher, watch_preemption
 from toolkit.runtime.context import DistributedContext
 
@@ -76,7 +77,7 @@ def test_handlers_are_installed_then_restored_including_after_an_exception():
 
         with pytest.raises(ZeroDivisionError):
             with watch_preemption(_world_of_one(), signals=[signal.SIGUSR1]):
-                1 / 0
+                _ = 1 / 0
         assert signal.getsignal(signal.SIGUSR1) is mine
         os.kill(os.getpid(), signal.SIGUSR1)  # the restored handler really is the one called
         deadline = time.monotonic() + 5
@@ -109,15 +110,17 @@ def test_request_stop_is_agreed_like_a_signal():
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(check_every=0), ValueError, "check_every=0"),
-    (dict(check_every=True), ValueError, "check_every=True"),
-    (dict(check_every=2.5), ValueError, "check_every=2.5"),
-    (dict(check_interval=0), ValueError, "check_interval=0"),
-    (dict(check_interval=float("nan")), ValueError, "check_interval=nan"),
-    (dict(signals=[]), ValueError, "at least one signal"),
-    (dict(signals=[signal.SIGKILL]), ValueError, "SIGKILL.*cannot catch"),
-    (dict(signals=[10_000]), ValueError, "10000"),
-    (dict(signals=signal.SIGTERM), TypeError, "sequence of signals"),
+    (dict(check_every=0), ConfigError, "check_every=0"),
+    (dict(check_every=True), ConfigError, "check_every=True"),
+    (dict(check_every=2.5), ConfigError, "check_every=2.5"),
+    (dict(check_interval=0), ConfigError, "check_interval=0"),
+    (dict(check_interval=float("nan")), ConfigError, "check_interval=nan"),
+    (dict(signals=[]), ConfigError, "at least one signal"),
+    (dict(signals=[signal.SIGKILL]), ConfigError, "SIGKILL.*cannot catch"),
+    (dict(signals=[10_000]), ConfigError, "10000"),
+    (dict(signals=signal.SIGTERM), ConfigError, "sequence of signals"),
+    # Every problem at once.
+    (dict(check_every=0, check_interval=0, signals=[signal.SIGKILL]), ConfigError, "3 problems"),
 ])
 def test_bad_arguments_are_explained_and_install_nothing(kwargs, error, match):
     before = {sig: signal.getsignal(sig) for sig in DEFAULT_SIGNALS}
@@ -177,7 +180,8 @@ def _finish(proc, timeout=240):
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"still running after {timeout} s:\n{proc.communicate(timeout=30)[0][-4000:]}")
+        raise AssertionError(
+            f"still running after {timeout} s:\n{proc.communicate(timeout=30)[0][-4000:]}") from None
     return proc.returncode, out
 
 
@@ -250,3 +254,33 @@ def test_deepspeed_launcher_signals_one_worker_at_a_time(tmp_path):
     assert seen is not None and seen <= stops[0]["stopped_at"] <= seen + 2 * 2 - 1, stops
     (rank0,) = _read_results(tmp_path, 1)  # rank 1 may be terminated after its watcher closed
     assert rank0["received"] == "SIGTERM" and rank0["final_steps"][0] == rank0["final_steps"][1]
+
+
+def test_rare_checks_answer_at_the_first_call_after_the_signal(tmp_path):
+    # A loop asking every 20 steps, 2 s apart (0.1 s steps); the last rank is signalled after step
+    # 25: the pipelined check would answer at step 60, the synchronous one at step 40.
+    args = ["--call-every", "20", "--sleep", "0.1", "--check-interval", "1", "--signal-after", "25",
+            "--max-steps", "200"]
+    code, output = _finish(_start(p.torchrun_argv(WORKER, str(tmp_path), *args)))
+    assert code == 0, output[-4000:]
+    results = _read_results(tmp_path, 2)
+    assert [r["stopped_at"] for r in results] == [40, 40], results
+    assert results[1]["received"] == "SIGTERM" and results[0]["received"] is None, results
+
+
+@pytest.mark.parametrize("loader", ["torch", "deepspeed"])
+def test_sigterm_to_torchrun_with_dataloader_workers_stops_saves_and_resumes(tmp_path, loader):
+    # num_workers=2, started before watch_preemption; torchrun signals each rank's process group,
+    # so the workers get SIGTERM too. They must survive until the ranks stop through should_preempt.
+    argv = p.torchrun_argv(p.WORKERS / "preempt_workers.py", str(tmp_path), "--loader", loader)
+    proc = _start(argv)
+    _wait_progress(proc, tmp_path, [0, 1], 5)
+    proc.send_signal(signal.SIGTERM)   # to torchrun itself
+    _, output = _finish(proc)
+    assert "killed by signal" not in output, output[-4000:]
+    stopped = [int((tmp_path / f"stopped{r}").read_text()) for r in (0, 1)]
+    assert stopped[0] == stopped[1] and 0 < stopped[0] < 400, output[-4000:]
+    assert not list(tmp_path.glob("finished*"))
+    out = p.check(p.run(argv))  # the rerun resumes from the committed checkpoint and finishes
+    assert [int((tmp_path / f"resumed{r}").read_text()) for r in (0, 1)] == stopped, out[-4000:]
+    assert [int((tmp_path / f"finished{r}").read_text()) for r in (0, 1)] == [400, 400]

@@ -22,10 +22,9 @@ the same on every rank at the same call::
 How the answer is agreed, cheaply
 ---------------------------------
 A blocking all-reduce on every call costs a network round trip per step and makes every rank
-wait for the slowest at that point: on 2 gloo ranks on a busy 2-core machine, several percent
-of a 5 ms step. Instead the watcher runs a pipeline of *non-blocking* all-reduces (MAX) of a
-three-integer CPU tensor (signal number, stop request, time per call) on ``ctx.group`` (gloo,
-also under nccl):
+wait for the slowest at that point, a cost that shows against short steps. Instead the watcher
+runs a pipeline of *non-blocking* all-reduces (MAX) of a three-integer CPU tensor (signal number,
+stop request, time per call) on its own gloo group (also under nccl):
 
 * at a *check point* it waits on the all-reduce launched at the previous check point, then
   launches the next one; every other call is a counter increment and a comparison;
@@ -40,19 +39,37 @@ about ``check_interval`` seconds apart: the interval in calls is
 ``clamp(check_interval // slowest rank's seconds per call, 1, 1000)``. A fixed number of calls
 suits either short steps (cost) or long steps (delay), not both: what a scheduler grants is a
 grace period in *seconds*, and what a check costs matters relative to the step *time*. Launching
-a non-blocking gloo all-reduce costs 0.2-0.8 ms of the caller's time (measured on 2 CPU ranks of
-a busy 2-core machine; the wait one interval later is ~15 us), and gloo's threads, woken for it,
-take about as much again from the ranks. Measured with ``scripts/bench_overhead.py --only
-preempt --cadence adaptive`` (2 CPU ranks, 30 ms steps): a 0.25 s interval cost about 1% of the
-step time (paired ratio 1.013, CPU-time ratio 1.010, against A/A controls of 1.003; an upper
-bound, as the interleaved arms gave each helper step about 3x a real loop's check points),
-hence the default of 1 s: at most about 0.25%, and the answer comes within about two seconds for short steps and within two steps
-for 10 s steps, well inside the grace period schedulers give (torchrun and Kubernetes: 30 s).
+a non-blocking gloo all-reduce costs the caller a fraction of a millisecond, and gloo's threads,
+woken for it, take about as much again; at one check point a second that is a small fraction of
+a percent of the step time (``scripts/bench_overhead.py --only preempt`` measures it; the
+README gives the figures), while the answer comes within about two seconds for short steps and
+within two steps for long ones, well inside the grace period schedulers give (torchrun and
+Kubernetes: 30 s).
+
+*An answer at the call.* When calls are rare (the slowest rank's time between check points, as
+agreed at the last check point, is at least ``check_interval``; for example a loop that checks
+once per checkpoint, every few seconds), the pipeline would answer one call late, a whole
+interval of steps after the signal. Then each check point agrees *synchronously* instead
+(launch and wait at the same call): its cost is one round trip per call, negligible against
+that gap, and the answer is True at the first call after the signal. The switch is decided from
+the reduced values, so every rank switches at the same call.
 
 Delay bound: if a signal is handled before call ``m``, ``should_preempt()`` returns True on every
 rank at call ``m + 2 * I - 1`` at the latest, where ``I`` is the interval in calls (``check_every``,
-or at most 1000 when adaptive; in seconds about ``2 * max(check_interval, step time)``). At
-world size 1 there is no collective and the answer is True at call ``m``.
+or at most 1000 when adaptive; in seconds about ``2 * max(check_interval, step time)``); at call
+``m`` itself when calls are rare (above). At world size 1 there is no collective and the answer
+is True at call ``m``.
+
+A rank that stops calling (an exception, a misplaced ``if``) makes the others fail with
+:class:`~toolkit.runtime.collectives.CollectiveTimeoutError` after the collective timeout
+(``init_distributed(collective_timeout=...)``, default 60 s), naming ``should_preempt``.
+
+DataLoader workers
+------------------
+A signal to the whole process group (torchrun, Ctrl-C, Slurm) also reaches each rank's
+DataLoader worker processes. Workers started after :func:`toolkit.init_distributed` or
+:func:`watch_preemption` ignore the watched signals (:mod:`toolkit.runtime.worker_signals`), so
+they keep loading until the rank stops through ``should_preempt()``; nothing to do in the loop.
 
 Which process gets the signal
 -----------------------------
@@ -79,8 +96,11 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from toolkit._checks import is_int
+from toolkit._checks import is_int, is_number
+from toolkit.errors import ConfigError
+from toolkit.runtime.collectives import BoundedGroup, new_bounded_group
 from toolkit.runtime.context import DistributedContext
+from toolkit.runtime.worker_signals import protect_dataloader_workers
 
 __all__ = ["PreemptionWatcher", "watch_preemption", "DEFAULT_SIGNALS", "MAX_ADAPTIVE_CHECK_EVERY"]
 
@@ -90,27 +110,50 @@ DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, si
 #: Upper bound on the adaptive interval, in calls; it keeps the delay bound finite in calls.
 MAX_ADAPTIVE_CHECK_EVERY = 1000
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
+_CALL = "PreemptionWatcher.should_preempt"
 
 
-def _as_signals(signals: Iterable[Any]) -> tuple[signal.Signals, ...]:
+def _as_signals(signals: Iterable[Any], problems: list[str]) -> tuple[signal.Signals, ...]:
+    """The signals to watch; what is wrong with them is appended to ``problems``."""
     if isinstance(signals, (int, str)) or not isinstance(signals, Iterable):
-        raise TypeError(f"signals={signals!r}: expected a sequence of signals, for example "
+        problems.append(f"signals={signals!r}: expected a sequence of signals, for example "
                         "(signal.SIGTERM, signal.SIGUSR1)")
+        return ()
     out: list[signal.Signals] = []
     for sig in signals:
         try:
             sig = signal.Signals(sig)
         except (ValueError, TypeError):
-            raise ValueError(f"signals contains {sig!r}, which is not a signal of this platform; "
-                             "use the signal module's constants, for example signal.SIGTERM") from None
+            problems.append(f"signals contains {sig!r}, which is not a signal of this platform; "
+                            "use the signal module's constants, for example signal.SIGTERM")
+            continue
         if sig in _UNCATCHABLE:
-            raise ValueError(f"signals contains {sig.name}, which a process cannot catch; "
-                             "watch SIGTERM or SIGUSR1 instead")
-        if sig not in out:
+            problems.append(f"signals contains {sig.name}, which a process cannot catch; "
+                            "watch SIGTERM or SIGUSR1 instead")
+        elif sig not in out:
             out.append(sig)
-    if not out:
-        raise ValueError("signals=(): expected at least one signal to watch, for example (signal.SIGTERM,)")
+    if not out and not problems:
+        problems.append("signals=(): expected at least one signal to watch, for example (signal.SIGTERM,)")
     return tuple(out)
+
+
+def _check_arguments(signals: Iterable[Any], check_every: Any,
+                     check_interval: Any) -> tuple[signal.Signals, ...]:
+    """Every problem of watch_preemption's arguments, raised once as a ConfigError."""
+    problems: list[str] = []
+    chosen = _as_signals(signals, problems)
+    if check_every is not None and (not is_int(check_every) or check_every < 1):
+        problems.append(f"check_every={check_every!r}: expected a whole number >= 1 (calls between "
+                        "two check points), or None to adapt the interval to the step time")
+    if not is_number(check_interval) or not math.isfinite(check_interval) or check_interval <= 0:
+        problems.append(f"check_interval={check_interval!r}: expected a number of seconds > 0, "
+                        "for example 1.0")
+    if problems:
+        raise ConfigError(problems)
+    return chosen
+
+
+_groups_made = 0  # watchers that made a group in this process: names each group's arrival keys
 
 
 class PreemptionWatcher:
@@ -132,15 +175,7 @@ class PreemptionWatcher:
         if not isinstance(ctx, DistributedContext):
             raise TypeError(f"ctx={ctx!r}: expected the DistributedContext returned by "
                             "toolkit.init_distributed()")
-        if check_every is not None and (not is_int(check_every)
-                                        or check_every < 1):
-            raise ValueError(f"check_every={check_every!r}: expected a whole number >= 1 (calls between "
-                             "two check points), or None to adapt the interval to the step time")
-        if (isinstance(check_interval, bool) or not isinstance(check_interval, (int, float))
-                or not math.isfinite(check_interval) or check_interval <= 0):
-            raise ValueError(f"check_interval={check_interval!r}: expected a number of seconds > 0, "
-                             "for example 1.0")
-        self._signals = _as_signals(signals)
+        self._signals = _check_arguments(signals, check_every, check_interval)
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("watch_preemption() was called outside the main thread; Python delivers "
                                "signals to the main thread only, so create the watcher there")
@@ -150,7 +185,8 @@ class PreemptionWatcher:
         self.check_every = check_every
         self.check_interval = float(check_interval)
         self._world_size = ctx.world_size
-        self._group = ctx.group
+        self._bounded = self._make_group(ctx)
+        protect_dataloader_workers(self._signals)
         self._signum = 0            # written by the handler only; 0 = no signal yet
         self._requested = False     # request_stop()
         self._decided = False
@@ -161,8 +197,11 @@ class PreemptionWatcher:
         # At world size 1 every call is a (free) check point; otherwise the first one is at call I.
         self._next_check = 0 if ctx.world_size == 1 else self._interval
         self._last_check_call = 0
-        self._last_check_ns = 0
-        self._pending: Any = None  # the all-reduce in flight (a torch.distributed Work)
+        # From creation: the first check point then measures the time per call already, so that
+        # a loop that calls rarely agrees synchronously from its second call on.
+        self._last_check_ns = time.perf_counter_ns()
+        self._sync = False          # agree at the call (rare calls); decided from reduced values
+        self._pending: Any = None   # (arrival number, the all-reduce in flight: a torch Work)
         # One buffer is enough: the previous all-reduce is always consumed before the next launch.
         # Written and read through a numpy view, which costs far less than building a tensor.
         self._buffer = torch.zeros(3, dtype=torch.int64)
@@ -241,25 +280,53 @@ class PreemptionWatcher:
         return self._check_point()
 
     def _check_point(self) -> bool:
-        now = time.perf_counter_ns()
-        if self._pending is not None:
-            work, self._pending = self._pending, None
-            work.wait()
-            signum, requested, ns_per_call = self._values.tolist()
-            if signum or requested:
-                self._decide(signum, bool(requested))
+        if self._pending is not None and self._read_agreed():
+            return True
+        self._launch()
+        if self._sync:  # rare calls: the answer at this call, not at the next check point
+            if self._read_agreed():
                 return True
-            if self.check_every is None and ns_per_call > 0:
-                # Same inputs on every rank (the reduced values), hence the same next check point.
-                self._interval = max(1, min(MAX_ADAPTIVE_CHECK_EVERY, self._target_ns // ns_per_call))
-        calls = self._calls - self._last_check_call
-        ns_per_call = (now - self._last_check_ns) // calls if self._last_check_call else 0
-        self._values[:] = (self._signum, int(self._requested), ns_per_call)
-        self._pending = dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self._group,
-                                        async_op=True)
-        self._last_check_call, self._last_check_ns = self._calls, now
+            if not self._sync:  # just switched to the pipeline: keep one all-reduce in flight
+                self._launch()
         self._next_check = self._calls + self._interval
         return False
+
+    def _launch(self) -> None:
+        now = time.perf_counter_ns()
+        calls = self._calls - self._last_check_call
+        ns_per_call = (now - self._last_check_ns) // calls if calls else 0  # 0: nothing measured
+        self._values[:] = (self._signum, int(self._requested), ns_per_call)
+        number = self._bounded.arrive(_CALL)
+        work = dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self._bounded.group,
+                               async_op=True)
+        self._pending = (number, work)
+        if calls:
+            self._last_check_call, self._last_check_ns = self._calls, now
+
+    def _read_agreed(self) -> bool:
+        """Wait for the all-reduce in flight and act on its result; True once a stop is agreed."""
+        (number, work), self._pending = self._pending, None
+        self._bounded.wait(_CALL, number, work)
+        signum, requested, ns_per_call = self._values.tolist()
+        if signum or requested:
+            self._decide(signum, bool(requested))
+            return True
+        if ns_per_call > 0:
+            # Same inputs on every rank (the reduced values), hence the same next check point.
+            if self.check_every is None:
+                self._interval = max(1, min(MAX_ADAPTIVE_CHECK_EVERY, self._target_ns // ns_per_call))
+            self._sync = ns_per_call * self._interval >= self._target_ns
+        return False
+
+    @staticmethod
+    def _make_group(ctx: DistributedContext) -> BoundedGroup:
+        """The watcher's own bounded gloo group: its agreement never pairs with another collective."""
+        global _groups_made
+        if ctx.world_size == 1:
+            return ctx.collectives
+        _groups_made += 1
+        return new_bounded_group(rank=ctx.rank, world_size=ctx.world_size,
+                                 timeout_s=ctx.collective_timeout, prefix=f"toolkit/preemption{_groups_made}")
 
     def _log_local(self) -> None:
         self._logged_local = True
@@ -292,7 +359,7 @@ class PreemptionWatcher:
             self._restore_handlers()
         finally:
             if pending is not None and wait:
-                pending.wait()
+                self._bounded.wait(_CALL, *pending)
 
     def _restore_handlers(self) -> None:
         for sig, previous in self._previous.items():
@@ -337,7 +404,8 @@ def watch_preemption(ctx: DistributedContext, *, signals: Iterable[Any] = DEFAUL
         A :class:`PreemptionWatcher`; use it as a context manager, or call ``close()`` at the end.
 
     Raises:
-        ValueError: an argument is out of range (named in the message).
+        ConfigError: every problem of ``signals``, ``check_every`` and ``check_interval``.
+        TypeError: ``ctx`` is not the context of ``init_distributed``.
         RuntimeError: not in the main thread, or torch.distributed is not initialised.
 
     Example::

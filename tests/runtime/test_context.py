@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -61,7 +62,8 @@ def test_two_simulated_nodes_on_loopback(tmp_path):
         assert proc.returncode == 0, out[-4000:]
     records = _records(tmp_path, 2)
     _check_two_ranks(records, launcher="torchrun", num_nodes=2)
-    assert [(r["node_rank"], r["local_rank"], r["local_world_size"]) for r in records] == [(0, 0, 1), (1, 0, 1)]
+    assert [(r["node_rank"], r["local_rank"], r["local_world_size"]) for r in records] == [
+        (0, 0, 1), (1, 0, 1)]
 
 
 def _spawn_with_env(tmp_path, envs):
@@ -84,7 +86,8 @@ def test_mpirun_variables(tmp_path):
 def test_srun_variables(tmp_path):
     # No Slurm allocation here: two real processes get the variables an srun step sets.
     port = str(p.free_port())
-    _spawn_with_env(tmp_path, [{"SLURM_PROCID": str(r), "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
+    _spawn_with_env(tmp_path, [{"SLURM_PROCID": str(r), "SLURM_STEP_ID": "0",
+                                "SLURM_STEP_NUM_TASKS": "2",
                                 "SLURM_LOCALID": str(r), "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "1",
                                 "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "127.0.0.1",
                                 "SLURM_JOB_ID": "7", "MASTER_PORT": port} for r in (0, 1)])
@@ -103,8 +106,13 @@ def test_bad_variable_stops_before_anything_starts(tmp_path):
 @pytest.mark.parametrize("code, message", [
     ("toolkit.init_distributed(backend='nccl')", "backend='nccl' needs CUDA"),
     ("toolkit.init_distributed(backend='tcp')", "backend='tcp': expected one of"),
-    ("toolkit.init_distributed(); toolkit.init_distributed(backend='mpi')", "already initialised with backend 'gloo'"),
-    ("toolkit.init_distributed(timeout=5)", "expected a datetime.timedelta"),
+    ("toolkit.init_distributed(); toolkit.init_distributed(backend='mpi')",
+     "already initialised with backend 'gloo'"),
+    ("toolkit.init_distributed(timeout=5)", "expected a positive datetime.timedelta"),
+    # Every problem of the arguments at once, as a ConfigError.
+    ("toolkit.init_distributed(backend='tcp', timeout=5, collective_timeout=0)",
+     "ConfigError: 3 problems in configuration"),
+    ("toolkit.init_distributed(collective_timeout=-1)", "collective_timeout=-1"),
     ("toolkit.get_context()", "init_distributed() has not been called"),
 ])
 def test_bad_arguments(code, message):
@@ -122,3 +130,40 @@ def test_adopts_process_group_made_by_deepspeed(tmp_path):
     script.write_text(code)
     out = p.check(p.run(p.torchrun_argv(script)))
     assert "ADOPTED 0 2 gloo" in out and "ADOPTED 1 2 gloo" in out
+
+
+LONE = """
+import sys, time, toolkit
+ctx = toolkit.init_distributed()
+if ctx.rank == 0:
+    getattr(ctx, sys.argv[1])(*([{"x": 1}] if sys.argv[1] != "barrier" else []))
+else:
+    time.sleep(30)   # the other rank does not call it: it trains on, or sleeps
+"""
+
+
+@pytest.mark.parametrize("call", ["all_gather_object", "barrier"])
+def test_collective_called_on_one_rank_raises_naming_the_call(tmp_path, call):
+    script = tmp_path / "lone.py"
+    script.write_text(LONE)
+    start = time.monotonic()
+    result = p.run(p.torchrun_argv(script, call), env=p.child_env(TOOLKIT_COLLECTIVE_TIMEOUT_S="4"),
+                   timeout=120)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 60, "the lone rank must fail within about the bound"
+    assert f"CollectiveTimeoutError: ctx.{call} (toolkit collective #1) did not complete within 4 s " \
+           "on rank 0: rank(s) [1] never reached it" in result.stdout, result.stdout[-4000:]
+    assert "called on all ranks" in result.stdout
+
+
+def test_collective_timeout_resolution():
+    from datetime import timedelta
+
+    from toolkit.errors import ConfigError
+    from toolkit.runtime.collectives import resolve_collective_timeout
+    assert resolve_collective_timeout(None, {}) == 60.0
+    assert resolve_collective_timeout(None, {"TOOLKIT_COLLECTIVE_TIMEOUT_S": "2.5"}) == 2.5
+    assert resolve_collective_timeout(timedelta(minutes=2), {"TOOLKIT_COLLECTIVE_TIMEOUT_S": "1"}) == 120.0
+    for bad, env in [(0, {}), (True, {}), (float("inf"), {}), (None, {"TOOLKIT_COLLECTIVE_TIMEOUT_S": "x"})]:
+        with pytest.raises(ConfigError):
+            resolve_collective_timeout(bad, env)

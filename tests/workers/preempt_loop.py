@@ -1,6 +1,7 @@
 """A training-loop stand-in for tests/test_preemption.py: sleep per step, ask should_preempt() every step.
 
     torchrun --nproc_per_node 2 preempt_loop.py OUT_DIR [--check-every N] [--check-interval S] ...
+    (--call-every N: ask only every N steps; --signal-after S: the last rank signals itself)
 
 Writes OUT_DIR/pid<rank> at start, OUT_DIR/progress<rank> (steps completed) after every step,
 OUT_DIR/stop<rank>.json when should_preempt() says stop, and OUT_DIR/result<rank>.json at the end;
@@ -29,6 +30,9 @@ parser.add_argument("--check-every", type=int, default=0, help="0: adaptive")
 parser.add_argument("--check-interval", type=float, default=0.25)
 parser.add_argument("--max-steps", type=int, default=3000)
 parser.add_argument("--sleep", type=float, default=0.005, help="seconds per step")
+parser.add_argument("--call-every", type=int, default=1, help="call should_preempt() every N steps")
+parser.add_argument("--signal-after", type=int, default=0,
+                    help="rank 1 (the last rank) sends itself SIGTERM after this step; 0: never")
 parser.add_argument("--local_rank", type=int, help="added by the deepspeed launcher; unused")
 args = parser.parse_args()
 
@@ -43,7 +47,7 @@ with watch_preemption(ctx, check_every=args.check_every or None,
     while step < args.max_steps:
         if seen_at is None and preemption.received_signal is not None:
             seen_at = step
-        if preemption.should_preempt():
+        if step % args.call_every == 0 and preemption.should_preempt():
             stopped_at = step
             # Written before close(): a launcher may signal this rank again once the watcher is
             # closed and its handlers are back to the default (the deepspeed launcher does).
@@ -52,6 +56,8 @@ with watch_preemption(ctx, check_every=args.check_every or None,
         time.sleep(args.sleep)
         step += 1
         write(args.out / f"progress{ctx.rank}", str(step))
+        if args.signal_after and step == args.signal_after and ctx.rank == ctx.world_size - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
 restored = all(signal.getsignal(sig) == before[sig] for sig in DEFAULT_SIGNALS)
 # A blocking collective after close: it only completes if the ranks left the loop in step.
 final_steps = ctx.all_gather_object(step)

@@ -30,9 +30,16 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from toolkit.errors import LaunchEnvError
-from toolkit.runtime.ds_shm import unlink_buffer
+from toolkit.errors import ConfigError, LaunchEnvError
+from toolkit.runtime.collectives import (
+    DEFAULT_COLLECTIVE_TIMEOUT_S,
+    BoundedGroup,
+    new_bounded_group,
+    resolve_collective_timeout,
+)
+from toolkit.runtime.ds_shm import share_with_deepspeed
 from toolkit.runtime.launch_env import LaunchInfo, detect_launch
+from toolkit.runtime.worker_signals import protect_dataloader_workers
 
 __all__ = ["DistributedContext", "init_distributed", "get_context", "DEFAULT_TIMEOUT"]
 
@@ -63,9 +70,13 @@ class DistributedContext:
         device: ``cuda:<local_rank>`` under nccl, else ``cpu``.
         backend: the torch.distributed backend in use (``"nccl"`` or ``"gloo"``, ...).
         launcher: which launcher's variables were read (see :mod:`toolkit.runtime.launch_env`).
-        group: the process group the toolkit's own collectives use. Under nccl it is a separate
-            gloo group, so that small control messages (flags, metrics, pickled objects) need
-            no GPU tensors and never queue behind training traffic on the GPU streams.
+        group: a CPU process group with the long ``init_distributed(timeout=...)``: under nccl a
+            separate gloo group, so that small control messages (flags, metrics, pickled objects)
+            need no GPU tensors and never queue behind training traffic on the GPU streams.
+        collectives: the :class:`~toolkit.runtime.collectives.BoundedGroup` (gloo) that the
+            collectives below run on, with the short ``collective_timeout``: a collective that
+            some rank never calls raises :class:`~toolkit.runtime.collectives.CollectiveTimeoutError`
+            on the waiting ranks, naming the call and the missing ranks, instead of hanging.
 
     The collectives below are no-ops (returning the obvious answer) at world size 1.
     """
@@ -80,6 +91,14 @@ class DistributedContext:
     backend: str
     launcher: str
     group: Any = dataclasses.field(default=None, repr=False, compare=False)
+    collectives: BoundedGroup = dataclasses.field(
+        default_factory=lambda: BoundedGroup(rank=0, world_size=1, timeout_s=DEFAULT_COLLECTIVE_TIMEOUT_S),
+        repr=False, compare=False)
+
+    @property
+    def collective_timeout(self) -> float:
+        """Seconds a toolkit collective waits for every rank before raising. Any rank."""
+        return self.collectives.timeout_s
 
     @property
     def is_chief(self) -> bool:
@@ -99,7 +118,7 @@ class DistributedContext:
     def barrier(self) -> None:
         """Wait until every rank has arrived. Call on all ranks."""
         if self.distributed:
-            dist.barrier(group=self.group)
+            self.collectives.run("ctx.barrier", lambda group: dist.barrier(group=group))
 
     def broadcast_object(self, obj: Any = None, *, src: int = 0) -> Any:
         """Send a picklable object from rank ``src`` to every rank and return it. Call on all ranks.
@@ -114,7 +133,8 @@ class DistributedContext:
         if not self.distributed:
             return obj
         box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        self.collectives.run("ctx.broadcast_object",
+                             lambda group: dist.broadcast_object_list(box, src=src, group=group))
         return box[0]
 
     def gather_object(self, obj: Any, *, dst: int = 0) -> list[Any] | None:
@@ -126,7 +146,8 @@ class DistributedContext:
         if not self.distributed:
             return [obj]
         out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dst, group=self.group)
+        self.collectives.run("ctx.gather_object",
+                             lambda group: dist.gather_object(obj, out, dst=dst, group=group))
         return out
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -134,7 +155,8 @@ class DistributedContext:
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        self.collectives.run("ctx.all_gather_object",
+                             lambda group: dist.all_gather_object(out, obj, group=group))
         return out
 
     def all_reduce(self, values: Sequence[float], *, op: str = "sum") -> list[float]:
@@ -148,12 +170,14 @@ class DistributedContext:
             The reduced values, identical on every rank.
         """
         if op not in ("sum", "mean", "max", "min"):
-            raise ValueError(f"op={op!r}: expected one of 'sum', 'mean', 'max', 'min'")
+            raise ConfigError(f"op={op!r}: expected one of 'sum', 'mean', 'max', 'min'")
         values = [float(v) for v in values]
         if not self.distributed or not values:
             return values
         tensor = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(tensor, op=_REDUCE_OPS["sum" if op == "mean" else op], group=self.group)
+        reduce_op = _REDUCE_OPS["sum" if op == "mean" else op]
+        self.collectives.run("ctx.all_reduce",
+                             lambda group: dist.all_reduce(tensor, op=reduce_op, group=group))
         if op == "mean":
             tensor /= self.world_size
         return tensor.tolist()
@@ -162,46 +186,25 @@ class DistributedContext:
     def chief_first(self) -> Iterator[None]:
         """Run the body on the chief first, then on the other ranks. Call on all ranks.
 
-        For work whose result the others reuse: a download, a cache, a directory.
+        For work whose result the others reuse: a download, a cache, a directory. The chief's
+        work may take long: these two barriers wait up to ``init_distributed(timeout=...)``, not
+        the short collective timeout.
 
         Example:
             >>> with ctx.chief_first():
             ...     dataset = build_or_load_cache(path)
         """
         if not self.is_chief:
-            self.barrier()
+            self._long_barrier()
         try:
             yield
         finally:
             if self.is_chief:
-                self.barrier()
+                self._long_barrier()
 
-
-def _share_with_deepspeed(backend: str, timeout: timedelta, info: LaunchInfo) -> None:
-    """Hand the process group to ``deepspeed.comm`` too. Call on all ranks.
-
-    DeepSpeed keeps its own communication backend object; ``PipelineModule(...)`` and other
-    DeepSpeed calls made before ``deepspeed.initialize`` assert that it exists. With
-    torch.distributed already initialised, DeepSpeed's init only wraps the existing group.
-
-    On the CPU, that init also creates this rank's shared-memory all-reduce segment, which
-    DeepSpeed never removes (:mod:`toolkit.runtime.ds_shm`). Once every rank is past the init, every rank
-    has mapped every peer's segment, so each removes the name of its own: the memory goes back
-    when the ranks exit, even if they are killed.
-    """
-    try:
-        import deepspeed.comm as ds_comm
-        from deepspeed.comm import comm as ds_comm_state
-    except ImportError:  # toolkit's config and launch helpers work without DeepSpeed
-        return
-    ds_comm.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
-    # One machine only: there every rank has the same DeepSpeed build, so all ranks agree on
-    # whether to take part in the barrier (DeepSpeed makes segments only when all ranks are local).
-    if info.num_nodes == 1 and getattr(ds_comm_state.cdb, "shm_comm_op", None) is not None:
-        if info.world_size > 1:
-            dist.barrier()
-        if unlink_buffer(info.rank):
-            logger.debug("removed the name of DeepSpeed's shared-memory segment of rank %d", info.rank)
+    def _long_barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
 
 
 _EXIT_GRACE_S = 0.1
@@ -231,15 +234,31 @@ def get_context() -> DistributedContext:
     return _context
 
 
+def _check_arguments(backend: Any, timeout: Any, collective_timeout: Any) -> float:
+    """Every problem of init_distributed's arguments, raised once; returns the collective timeout."""
+    problems: list[str] = []
+    if backend is not None and (not isinstance(backend, str) or backend not in _BACKENDS):
+        problems.append(f"backend={backend!r}: expected one of {', '.join(_BACKENDS)} or None "
+                        "(None picks nccl with CUDA, gloo otherwise)")
+    elif backend == "nccl" and not torch.cuda.is_available():
+        problems.append("backend='nccl' needs CUDA, and torch.cuda.is_available() is False here; "
+                        "use backend='gloo' or leave it None")
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        problems.append(f"timeout={timeout!r}: expected a positive datetime.timedelta, for example "
+                        "timedelta(minutes=30)")
+    seconds = DEFAULT_COLLECTIVE_TIMEOUT_S
+    try:
+        seconds = resolve_collective_timeout(collective_timeout)
+    except ConfigError as err:
+        problems.extend(err.problems)
+    if problems:
+        raise ConfigError(problems)
+    return seconds
+
+
 def _pick_backend(backend: str | None) -> str:
     if backend is None:
         return "nccl" if torch.cuda.is_available() else "gloo"
-    if not isinstance(backend, str) or backend not in _BACKENDS:
-        raise ValueError(f"backend={backend!r}: expected one of {', '.join(_BACKENDS)} or None "
-                         "(None picks nccl with CUDA, gloo otherwise)")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False here; "
-                         "use backend='gloo' or leave it None")
     return backend
 
 
@@ -259,8 +278,8 @@ def _export_env(info: LaunchInfo) -> None:
         os.environ.setdefault(key, str(value))
 
 
-def init_distributed(*, backend: str | None = None,
-                     timeout: timedelta = DEFAULT_TIMEOUT) -> DistributedContext:
+def init_distributed(*, backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT,
+                     collective_timeout: float | timedelta | None = None) -> DistributedContext:
     """Initialise torch.distributed from the launcher's variables, once. Call on all ranks.
 
     Reads the variables of torchrun, the deepspeed launcher, mpirun (Open MPI, MPICH/Intel MPI)
@@ -271,6 +290,9 @@ def init_distributed(*, backend: str | None = None,
 
     DeepSpeed's communication layer (``deepspeed.comm``) is handed the same process group, so
     ``PipelineModule`` and ``deepspeed.initialize`` need no ``deepspeed.init_distributed`` call.
+    DataLoader workers started from then on ignore SIGTERM, SIGINT and SIGUSR1, so that a
+    preemption stops the rank through ``should_preempt()`` instead of killing its workers
+    (:mod:`toolkit.runtime.worker_signals`).
 
     A second call returns the same context. If torch.distributed was already initialised (for
     example by ``deepspeed.init_distributed``), its rank and world size are adopted after
@@ -279,15 +301,19 @@ def init_distributed(*, backend: str | None = None,
     Args:
         backend: ``"nccl"``, ``"gloo"``, ``"mpi"`` or ``"ucc"``; ``None`` picks nccl when CUDA is
             available, gloo otherwise.
-        timeout: for the rendezvous and every collective.
+        timeout: for the rendezvous and DeepSpeed's collectives.
+        collective_timeout: seconds (or a timedelta) that toolkit's own collectives (the context's,
+            metrics, checkpoint agreement, preemption) wait for every rank before raising
+            ``CollectiveTimeoutError``; None reads ``TOOLKIT_COLLECTIVE_TIMEOUT_S``, else 60 s.
 
     Returns:
         The frozen :class:`DistributedContext`.
 
     Raises:
+        ConfigError: every problem of the arguments (unknown backend, nccl without CUDA, a
+            timeout that is not positive).
         LaunchEnvError: a launcher variable is malformed or inconsistent; it is named.
-        ValueError: ``backend`` is unknown, or nccl without CUDA, or differs from the backend of
-            an earlier call.
+        ValueError: ``backend`` differs from the backend of an earlier call.
 
     Example::
 
@@ -296,62 +322,68 @@ def init_distributed(*, backend: str | None = None,
         model = model.to(ctx.device)
     """
     global _context
-    if not isinstance(timeout, timedelta):
-        raise TypeError(f"timeout={timeout!r}: expected a datetime.timedelta")
+    collective_s = _check_arguments(backend, timeout, collective_timeout)
     with _init_lock:
         if _context is not None:
             if backend is not None and backend != _context.backend:
                 raise ValueError(f"init_distributed(backend={backend!r}) but this process was already "
                                  f"initialised with backend {_context.backend!r}")
             return _context
-
         info = detect_launch()
-        chosen = _pick_backend(backend)
         _export_env(info)
-
-        if dist.is_initialized():
-            chosen = dist.get_backend()
-            if dist.get_rank() != info.rank or dist.get_world_size() != info.world_size:
-                raise LaunchEnvError(
-                    f"torch.distributed is already initialised as rank {dist.get_rank()} of "
-                    f"{dist.get_world_size()}, but the {info.launcher} variables say rank {info.rank} of "
-                    f"{info.world_size}; initialise once, through toolkit.init_distributed()")
-        else:
-            if chosen == "nccl":
-                count = torch.cuda.device_count()
-                if info.local_rank >= count:
-                    raise LaunchEnvError(
-                        f"LOCAL_RANK={info.local_rank} but only {count} CUDA device(s) are visible; "
-                        "start at most one process per GPU")
-                torch.cuda.set_device(info.local_rank)
-            if info.world_size == 1:
-                dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1,
-                                        timeout=timeout)
-            elif info.uses_env_rendezvous:
-                dist.init_process_group(chosen, init_method="env://", rank=info.rank,
-                                        world_size=info.world_size, timeout=timeout)
-            else:
-                dist.init_process_group(chosen, init_method=f"tcp://{info.master_addr}:{info.master_port}",
-                                        rank=info.rank, world_size=info.world_size, timeout=timeout)
-
-            # Join the backend's threads before the interpreter tears them down: without this a
-            # gloo rank can abort at exit ("terminate called without an active exception").
-            atexit.register(_destroy_at_exit)
-
-        _share_with_deepspeed(chosen, timeout, info)
-
-        # Control-plane collectives on CPU: under nccl a separate gloo group, created on all ranks.
-        group = dist.new_group(backend="gloo", timeout=timeout) if chosen == "nccl" else None
-        device = torch.device("cuda", info.local_rank) if chosen == "nccl" else torch.device("cpu")
-        _context = DistributedContext(
-            rank=info.rank, local_rank=info.local_rank, world_size=info.world_size,
-            local_world_size=info.local_world_size, node_rank=info.node_rank,
-            num_nodes=info.num_nodes, device=device, backend=chosen, launcher=info.launcher,
-            group=group)
+        chosen = _init_process_group(info, _pick_backend(backend), timeout)
+        share_with_deepspeed(chosen, timeout, info)
+        _context = _make_context(info, chosen, timeout, collective_s)
+        protect_dataloader_workers()  # a preemption signal must not kill the loaders' workers
         from toolkit.runtime.rank_logging import (
             configure_rank_logging,  # local: log imports nothing heavy, no cycle
         )
         configure_rank_logging(_context.rank)
         logger.info("initialised %s: world size %d, %d node(s), backend %s, launcher %s",
-                    device, info.world_size, info.num_nodes, chosen, info.launcher)
+                    _context.device, info.world_size, info.num_nodes, chosen, info.launcher)
         return _context
+
+
+def _init_process_group(info: LaunchInfo, chosen: str, timeout: timedelta) -> str:
+    """Make the default process group (or adopt the existing one); returns the backend in use."""
+    if dist.is_initialized():
+        if dist.get_rank() != info.rank or dist.get_world_size() != info.world_size:
+            raise LaunchEnvError(
+                f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the {info.launcher} variables say rank {info.rank} of "
+                f"{info.world_size}; initialise once, through toolkit.init_distributed()")
+        return str(dist.get_backend())
+    if chosen == "nccl":
+        count = torch.cuda.device_count()
+        if info.local_rank >= count:
+            raise LaunchEnvError(
+                f"LOCAL_RANK={info.local_rank} but only {count} CUDA device(s) are visible; "
+                "start at most one process per GPU")
+        torch.cuda.set_device(info.local_rank)
+    if info.world_size == 1:
+        dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif info.uses_env_rendezvous:
+        dist.init_process_group(chosen, init_method="env://", rank=info.rank,
+                                world_size=info.world_size, timeout=timeout)
+    else:
+        dist.init_process_group(chosen, init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                                rank=info.rank, world_size=info.world_size, timeout=timeout)
+    # Join the backend's threads before the interpreter tears them down: without this a
+    # gloo rank can abort at exit ("terminate called without an active exception").
+    atexit.register(_destroy_at_exit)
+    return chosen
+
+
+def _make_context(info: LaunchInfo, chosen: str, timeout: timedelta,
+                  collective_s: float) -> DistributedContext:
+    """The context, with its CPU groups. Call on all ranks: new_group is a collective."""
+    # Control-plane collectives on CPU: under nccl a separate gloo group, created on all ranks.
+    group = dist.new_group(backend="gloo", timeout=timeout) if chosen == "nccl" else None
+    bounded = new_bounded_group(rank=info.rank, world_size=info.world_size, timeout_s=collective_s,
+                                prefix="toolkit/ctx")
+    device = torch.device("cuda", info.local_rank) if chosen == "nccl" else torch.device("cpu")
+    return DistributedContext(
+        rank=info.rank, local_rank=info.local_rank, world_size=info.world_size,
+        local_world_size=info.local_world_size, node_rank=info.node_rank,
+        num_nodes=info.num_nodes, device=device, backend=chosen, launcher=info.launcher,
+        group=group, collectives=bounded)

@@ -30,9 +30,15 @@ from __future__ import annotations
 import logging
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["SHM_DIR", "buffer_name", "remove_buffers", "remove_stale_buffers", "unlink_buffer"]
+if TYPE_CHECKING:
+    from toolkit.runtime.launch_env import LaunchInfo
+
+__all__ = ["SHM_DIR", "buffer_name", "remove_buffers", "remove_stale_buffers", "share_with_deepspeed",
+           "unlink_buffer"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +134,39 @@ def remove_stale_buffers(*, shm_dir: Path = SHM_DIR, min_age_s: float = _MIN_AGE
     return removed
 
 
+def share_with_deepspeed(backend: str, timeout: timedelta, info: "LaunchInfo") -> None:
+    """Hand the process group to ``deepspeed.comm`` too. Call on all ranks.
+
+    DeepSpeed keeps its own communication backend object; ``PipelineModule(...)`` and other
+    DeepSpeed calls made before ``deepspeed.initialize`` assert that it exists. With
+    torch.distributed already initialised, DeepSpeed's init only wraps the existing group.
+
+    On the CPU, that init also creates this rank's shared-memory all-reduce segment, which
+    DeepSpeed never removes (this module). Once every rank is past the init, every rank has
+    mapped every peer's segment, so each removes the name of its own: the memory goes back
+    when the ranks exit, even if they are killed.
+    """
+    import torch.distributed as dist  # here: setup.sh runs this file without torch (see the end)
+
+    try:
+        import deepspeed.comm as ds_comm
+        from deepspeed.comm import comm as ds_comm_state
+    except ImportError:  # toolkit's config and launch helpers work without DeepSpeed
+        return
+    ds_comm.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
+    # One machine only: there every rank has the same DeepSpeed build, so all ranks agree on
+    # whether to take part in the barrier (DeepSpeed makes segments only when all ranks are local).
+    if info.num_nodes == 1 and getattr(ds_comm_state.cdb, "shm_comm_op", None) is not None:
+        if info.world_size > 1:
+            dist.barrier()
+        if unlink_buffer(info.rank):
+            logger.debug("removed the name of DeepSpeed's shared-memory segment of rank %d", info.rank)
+
+
 if __name__ == "__main__":
     # scripts/setup.sh runs this file by path, with -P (no toolkit import, so no torch: fast).
     gone = remove_stale_buffers()
     if gone:
-        print(f"setup: removed {len(gone)} DeepSpeed shared-memory segment(s) from {SHM_DIR} that earlier runs "
-              "left and no process maps")
+        print(f"setup: removed {len(gone)} DeepSpeed shared-memory segment(s) from {SHM_DIR} that earlier "
+              "runs left and no process maps")
+

@@ -219,7 +219,8 @@ def _finish(launcher: str, r: _Reader, *, rank, world_size, local_rank, local_wo
             r.problems.append(
                 f"{launcher}: local world size {local_world_size} exceeds world size {world_size}")
         if not 0 <= node_rank < max(num_nodes, 1):
-            r.problems.append(f"{launcher}: node rank {node_rank} is outside [0, number of nodes {num_nodes})")
+            r.problems.append(
+                f"{launcher}: node rank {node_rank} is outside [0, number of nodes {num_nodes})")
         if master_port is not None and not 1 <= master_port <= 65535:
             r.problems.append(f"{launcher}: master port {master_port} is outside 1..65535")
         if world_size > 1 and master_addr is None:
@@ -258,74 +259,15 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     """
     env = os.environ if environ is None else environ
     r = _Reader(env)
-
     if r.has("RANK", "WORLD_SIZE"):
-        if r.has("CROSS_RANK") or r.has("LOCAL_SIZE"):
-            launcher, local_size_var, node_var = "deepspeed", "LOCAL_SIZE", "CROSS_RANK"
-            num_nodes = r.int("CROSS_SIZE", minimum=1)
-        elif r.has("GROUP_RANK") or r.has("TORCHELASTIC_RUN_ID"):
-            launcher, local_size_var, node_var = "torchrun", "LOCAL_WORLD_SIZE", "GROUP_RANK"
-            num_nodes = r.int("GROUP_WORLD_SIZE", minimum=1)
-        else:
-            launcher, local_size_var, node_var = "env", "LOCAL_WORLD_SIZE", "NODE_RANK"
-            num_nodes = None
-        return _finish(
-            launcher, r,
-            rank=r.int("RANK"), world_size=r.int("WORLD_SIZE", minimum=1),
-            local_rank=r.int("LOCAL_RANK"), local_world_size=r.int(local_size_var, minimum=1),
-            node_rank=r.int(node_var), num_nodes=num_nodes,
-            master_addr=r.str("MASTER_ADDR"), master_port=r.int("MASTER_PORT", minimum=1))
-
+        return _from_rank_vars(r)
     if r.has("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
-        local_size = r.int("OMPI_COMM_WORLD_LOCAL_SIZE", minimum=1)
-        world = r.int("OMPI_COMM_WORLD_SIZE", minimum=1)
-        return _finish(
-            "mpi", r,
-            rank=r.int("OMPI_COMM_WORLD_RANK"), world_size=world,
-            local_rank=r.int("OMPI_COMM_WORLD_LOCAL_RANK"), local_world_size=local_size,
-            node_rank=None, num_nodes=None,  # OMPI_COMM_WORLD_NODE_RANK is not a node index
-            master_addr=r.str("MASTER_ADDR") or _local_master(world, local_size),
-            master_port=r.int("MASTER_PORT", DEFAULT_MASTER_PORT, minimum=1))
-
+        return _from_mpi(r, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                         "OMPI_COMM_WORLD_LOCAL_SIZE")
     if r.has("PMI_RANK", "PMI_SIZE"):
-        local_size = r.int("MPI_LOCALNRANKS", minimum=1)
-        world = r.int("PMI_SIZE", minimum=1)
-        return _finish(
-            "mpi", r,
-            rank=r.int("PMI_RANK"), world_size=world,
-            local_rank=r.int("MPI_LOCALRANKID"), local_world_size=local_size,
-            node_rank=None, num_nodes=None,
-            master_addr=r.str("MASTER_ADDR") or _local_master(world, local_size),
-            master_port=r.int("MASTER_PORT", DEFAULT_MASTER_PORT, minimum=1))
-
+        return _from_mpi(r, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
     if r.has("SLURM_PROCID", "SLURM_STEP_ID"):
-        world = r.int("SLURM_STEP_NUM_TASKS", minimum=1)
-        if world is None:
-            world = r.int("SLURM_NTASKS", 1, minimum=1)
-        num_nodes = r.int("SLURM_STEP_NUM_NODES", minimum=1)
-        if num_nodes is None:
-            num_nodes = r.int("SLURM_NNODES", minimum=1)
-        per_node_raw = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-        local_size = _slurm_tasks_per_node(per_node_raw, r.int("SLURM_NODEID")) if per_node_raw else None
-        if per_node_raw and local_size is None:
-            r.problems.append(f"SLURM_STEP_TASKS_PER_NODE={per_node_raw!r} cannot be parsed; expected e.g. '2(x3)'")
-        master = r.str("MASTER_ADDR")
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-        if master is None and nodelist:
-            try:
-                master = first_slurm_host(nodelist)
-            except LaunchEnvError as err:
-                r.problems.append(str(err))
-        job_id = r.int("SLURM_JOB_ID", 0)
-        # A port derived from the job id lets concurrent jobs on shared nodes avoid each other.
-        port = r.int("MASTER_PORT", 10000 + (job_id or 0) % 20000, minimum=1)
-        return _finish(
-            "slurm", r,
-            rank=r.int("SLURM_PROCID"), world_size=world,
-            local_rank=r.int("SLURM_LOCALID"), local_world_size=local_size,
-            node_rank=r.int("SLURM_NODEID"), num_nodes=num_nodes,
-            master_addr=master, master_port=port)
-
+        return _from_slurm(r, env)
     partial = [name for name in ("RANK", "WORLD_SIZE") if name in env]
     if partial:
         missing = sorted({"RANK", "WORLD_SIZE"} - set(partial))
@@ -334,6 +276,70 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
             "both. Unset it to run as a single process, or set both.")
     return _finish("none", r, rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
                    num_nodes=1, master_addr=None, master_port=None)
+
+
+def _from_rank_vars(r: _Reader) -> LaunchInfo:
+    """torchrun, the deepspeed launcher, or a plain RANK/WORLD_SIZE environment."""
+    if r.has("CROSS_RANK") or r.has("LOCAL_SIZE"):
+        launcher, local_size_var, node_var = "deepspeed", "LOCAL_SIZE", "CROSS_RANK"
+        num_nodes = r.int("CROSS_SIZE", minimum=1)
+    elif r.has("GROUP_RANK") or r.has("TORCHELASTIC_RUN_ID"):
+        launcher, local_size_var, node_var = "torchrun", "LOCAL_WORLD_SIZE", "GROUP_RANK"
+        num_nodes = r.int("GROUP_WORLD_SIZE", minimum=1)
+    else:
+        launcher, local_size_var, node_var = "env", "LOCAL_WORLD_SIZE", "NODE_RANK"
+        num_nodes = None
+    return _finish(
+        launcher, r,
+        rank=r.int("RANK"), world_size=r.int("WORLD_SIZE", minimum=1),
+        local_rank=r.int("LOCAL_RANK"), local_world_size=r.int(local_size_var, minimum=1),
+        node_rank=r.int(node_var), num_nodes=num_nodes,
+        master_addr=r.str("MASTER_ADDR"), master_port=r.int("MASTER_PORT", minimum=1))
+
+
+def _from_mpi(r: _Reader, rank_var: str, size_var: str, local_rank_var: str,
+              local_size_var: str) -> LaunchInfo:
+    """Open MPI (OMPI_COMM_WORLD_*) or MPICH / Intel MPI (PMI_*, MPI_LOCAL*)."""
+    local_size = r.int(local_size_var, minimum=1)
+    world = r.int(size_var, minimum=1)
+    return _finish(
+        "mpi", r,
+        rank=r.int(rank_var), world_size=world,
+        local_rank=r.int(local_rank_var), local_world_size=local_size,
+        node_rank=None, num_nodes=None,  # OMPI_COMM_WORLD_NODE_RANK is not a node index
+        master_addr=r.str("MASTER_ADDR") or _local_master(world, local_size),
+        master_port=r.int("MASTER_PORT", DEFAULT_MASTER_PORT, minimum=1))
+
+
+def _from_slurm(r: _Reader, env: Mapping[str, str]) -> LaunchInfo:
+    """An ``srun`` job step: SLURM_PROCID and friends; rank 0's host from the node list."""
+    world = r.int("SLURM_STEP_NUM_TASKS", minimum=1)
+    if world is None:
+        world = r.int("SLURM_NTASKS", 1, minimum=1)
+    num_nodes = r.int("SLURM_STEP_NUM_NODES", minimum=1)
+    if num_nodes is None:
+        num_nodes = r.int("SLURM_NNODES", minimum=1)
+    per_node_raw = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    local_size = _slurm_tasks_per_node(per_node_raw, r.int("SLURM_NODEID")) if per_node_raw else None
+    if per_node_raw and local_size is None:
+        r.problems.append(f"SLURM_STEP_TASKS_PER_NODE={per_node_raw!r} cannot be parsed; "
+                          "expected e.g. '2(x3)'")
+    master = r.str("MASTER_ADDR")
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if master is None and nodelist:
+        try:
+            master = first_slurm_host(nodelist)
+        except LaunchEnvError as err:
+            r.problems.append(str(err))
+    job_id = r.int("SLURM_JOB_ID", 0)
+    # A port derived from the job id lets concurrent jobs on shared nodes avoid each other.
+    port = r.int("MASTER_PORT", 10000 + (job_id or 0) % 20000, minimum=1)
+    return _finish(
+        "slurm", r,
+        rank=r.int("SLURM_PROCID"), world_size=world,
+        local_rank=r.int("SLURM_LOCALID"), local_world_size=local_size,
+        node_rank=r.int("SLURM_NODEID"), num_nodes=num_nodes,
+        master_addr=master, master_port=port)
 
 
 def _local_master(world: int | None, local_size: int | None) -> str | None:

@@ -1,0 +1,208 @@
+"""Bounded collectives: a toolkit collective that one rank calls alone fails fast, with a name.
+
+A collective documented as "call on all ranks" that is called on some ranks only (for example
+``if ctx.is_chief: writer.report(...)``) would wait for the process group's timeout, 30 minutes
+by default, with nothing in the logs. Toolkit's own collectives instead run on a separate gloo
+group whose timeout is the *collective timeout* (default 60 s), and when one does not complete
+in that time every waiting rank raises :class:`CollectiveTimeoutError`, naming the call and the
+ranks that had not reached it::
+
+    CollectiveTimeoutError: ctx.all_gather_object (toolkit collective #12) did not complete within
+    60 s on rank 0: rank(s) [1] never reached it. It must be called on all ranks, the same number
+    of times, in the same order ...
+
+The timeout is chosen, in this order, by ``init_distributed(collective_timeout=...)``, the
+environment variable ``TOOLKIT_COLLECTIVE_TIMEOUT_S`` (seconds), or :data:`DEFAULT_COLLECTIVE_TIMEOUT_S`.
+Raise it when a legitimate wait can be longer (ranks reaching a metrics report minutes apart).
+
+How the missing ranks are found: before each bounded collective, every rank records the number
+of toolkit collectives it has started (one key per rank in the launcher's key-value store, one
+small write, overwritten each time). When a collective fails, the rank compares the numbers.
+
+DeepSpeed's own collectives (``engine.backward``, ``engine.step``, ``deepspeed.comm``) run on
+DeepSpeed's groups, with the timeout given to ``init_distributed(timeout=...)``: toolkit does not
+bound them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from datetime import timedelta
+from typing import Any, Callable, Mapping, TypeVar
+
+import torch.distributed as dist
+
+from toolkit._checks import is_number
+from toolkit.errors import ConfigError
+
+__all__ = ["COLLECTIVE_TIMEOUT_ENV", "DEFAULT_COLLECTIVE_TIMEOUT_S", "BoundedGroup",
+           "CollectiveTimeoutError", "new_bounded_group", "resolve_collective_timeout"]
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_ENV = "TOOLKIT_COLLECTIVE_TIMEOUT_S"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+
+T = TypeVar("T")
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A toolkit collective did not complete on this rank: some rank did not call it.
+
+    Attributes:
+        call: the name of the collective, e.g. ``"ctx.all_gather_object"``.
+        missing: the ranks that had not reached it when this rank gave up (empty when unknown).
+    """
+
+    def __init__(self, message: str, *, call: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.call = call
+        self.missing = missing
+
+
+def resolve_collective_timeout(value: Any = None, environ: Mapping[str, str] | None = None) -> float:
+    """The collective timeout in seconds, from the argument, else the environment, else 60. Pure; any rank.
+
+    Args:
+        value: seconds (a number) or a ``datetime.timedelta``; None to read the environment.
+        environ: where ``TOOLKIT_COLLECTIVE_TIMEOUT_S`` is read; ``os.environ`` when None.
+
+    Raises:
+        ConfigError: the value is not a positive, finite number of seconds.
+
+    Example:
+        >>> resolve_collective_timeout(None, {"TOOLKIT_COLLECTIVE_TIMEOUT_S": "120"})
+        120.0
+    """
+    env = os.environ if environ is None else environ
+    source = "collective_timeout"
+    if value is None:
+        raw = env.get(COLLECTIVE_TIMEOUT_ENV)
+        if raw is None or raw.strip() == "":
+            return DEFAULT_COLLECTIVE_TIMEOUT_S
+        source = COLLECTIVE_TIMEOUT_ENV
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(f"{COLLECTIVE_TIMEOUT_ENV}={raw!r}: expected a number of seconds > 0, "
+                              "for example 120") from None
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if not is_number(value) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{source}={value!r}: expected a number of seconds > 0 (or a "
+                          "datetime.timedelta), for example 120")
+    return float(value)
+
+
+class BoundedGroup:
+    """A gloo group whose collectives fail after ``timeout_s`` with a named error. Call on all ranks.
+
+    Made by :func:`toolkit.init_distributed` (``ctx.collectives``); other toolkit modules route
+    their collectives through :meth:`run` (blocking) or :meth:`arrive` + :meth:`wait` (async).
+
+    Example::
+
+        # torchrun --nproc_per_node 2 train.py
+        tensor = torch.zeros(3)
+        ctx.collectives.run("MyWriter.flush", lambda group: dist.all_reduce(tensor, group=group))
+    """
+
+    def __init__(self, *, rank: int, world_size: int, timeout_s: float, group: Any = None,
+                 store: Any = None, prefix: str = "toolkit/arrived") -> None:
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.group = group
+        self._store = store
+        self._prefix = prefix
+        self._count = 0
+
+    def arrive(self, call: str) -> int:
+        """Record that this rank reached its next toolkit collective; returns its number. Any rank."""
+        self._count += 1
+        if self._store is not None:
+            try:
+                self._store.set(f"{self._prefix}/{self.rank}", f"{self._count} {call}")
+            except RuntimeError as err:  # the store is a diagnosis aid, never a reason to fail
+                logger.debug("could not record arrival at %s: %s", call, err)
+        return self._count
+
+    def run(self, call: str, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(group)`` (a blocking collective on :attr:`group`) with the bound. Call on all ranks.
+
+        Raises:
+            CollectiveTimeoutError: it did not complete; the message names ``call`` and the ranks
+                that did not reach it.
+        """
+        number = self.arrive(call)
+        try:
+            return fn(self.group)
+        except RuntimeError as err:
+            raise self.failure(call, number, err) from err
+
+    def wait(self, call: str, number: int, work: Any) -> None:
+        """Wait for the async collective launched after ``arrive(call)`` gave ``number``. All ranks."""
+        try:
+            work.wait()
+        except RuntimeError as err:
+            raise self.failure(call, number, err) from err
+
+    def failure(self, call: str, number: int, err: BaseException) -> CollectiveTimeoutError:
+        """The error to raise for collective ``number`` (``call``) that failed with ``err``. Any rank."""
+        arrived = self._arrivals()
+        missing = [r for r, (n, _) in arrived.items() if r != self.rank and n < number]
+        elsewhere = [f"rank {r} is at #{n} ({c})" for r, (n, c) in arrived.items()
+                     if r != self.rank and n > number]
+        if missing:
+            who = f"rank(s) {missing} never reached it"
+        elif arrived:
+            who = "every rank reached it, so a rank failed or left inside it"
+        else:
+            who = "the ranks that did not reach it cannot be told"
+        extra = f" ({'; '.join(elsewhere)})" if elsewhere else ""
+        return CollectiveTimeoutError(
+            f"{call} (toolkit collective #{number}) did not complete within {self.timeout_s:g} s "
+            f"on rank {self.rank}: {who}{extra}. It must be called on all ranks, the same number of "
+            f"times, in the same order (not under 'if ctx.is_chief:'); if ranks can legitimately "
+            f"arrive more than "
+            f"{self.timeout_s:g} s apart, raise init_distributed(collective_timeout=...) or "
+            f"{COLLECTIVE_TIMEOUT_ENV}. Cause: {err}", call=call, missing=missing)
+
+    def _arrivals(self) -> dict[int, tuple[int, str]]:
+        """Every rank's last recorded arrival, from the store; ranks with none count as #0."""
+        if self._store is None:
+            return {}
+        out: dict[int, tuple[int, str]] = {}
+        try:
+            for r in range(self.world_size):
+                key = f"{self._prefix}/{r}"
+                if not self._store.check([key]):
+                    out[r] = (0, "no toolkit collective yet")
+                    continue
+                count, _, call = self._store.get(key).decode().partition(" ")
+                out[r] = (int(count), call)
+        except (RuntimeError, ValueError) as err:
+            logger.debug("could not read the ranks' arrivals: %s", err)
+            return {}
+        return out
+
+
+def new_bounded_group(*, rank: int, world_size: int, timeout_s: float, prefix: str) -> BoundedGroup:
+    """A fresh gloo group with ``timeout_s`` as its timeout. Call on all ranks, in the same order.
+
+    ``prefix`` names this group's arrival keys in the store; it must differ between groups."""
+    if world_size == 1:
+        return BoundedGroup(rank=rank, world_size=1, timeout_s=timeout_s)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    store = _default_store()
+    return BoundedGroup(rank=rank, world_size=world_size, timeout_s=timeout_s, group=group, store=store,
+                        prefix=prefix)
+
+
+def _default_store() -> Any:
+    """The launcher's key-value store of the default process group, or None if torch hides it."""
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return getter() if getter is not None else None
+    except (RuntimeError, ValueError):
+        return None

@@ -1,0 +1,103 @@
+"""DataLoader worker processes ignore the stop signals, so that a preemption stops the rank cleanly.
+
+``torchrun`` stops a job by signalling each rank's whole process group (``os.killpg``), and a
+terminal's Ctrl-C or Slurm reach the same group. A rank's DataLoader workers (``num_workers > 0``,
+also DeepSpeed's ``deepspeed.initialize(training_data=...)`` loader) are in that group. With the
+default action they die at once, and the rank, which meant to finish its step and save a
+checkpoint through ``should_preempt()``, fails instead with ``RuntimeError: DataLoader worker
+(pid ...) is killed by signal: Terminated``.
+
+:func:`protect_dataloader_workers` makes every DataLoader worker started *afterwards* ignore
+SIGTERM, SIGINT and SIGUSR1 (and any other signals passed): it wraps torch's worker entry point
+(``torch.utils.data._utils.worker._worker_loop``, which the DataLoader looks up each time it
+starts workers) so that, right after torch's loop has installed its own handlers (its SIGTERM
+handler re-raises the default action), the worker sets these signals to SIG_IGN.
+:func:`toolkit.init_distributed` and :func:`toolkit.watch_preemption` call it, so a
+user has nothing to do: every loader's workers start after ``init_distributed`` (they need the
+rank). Workers still stop when they should: the DataLoader shuts them down through its queues,
+and a worker whose rank has exited notices within 5 s (torch's watchdog) and exits too.
+
+What this does not cover: workers started before ``init_distributed`` (a ``persistent_workers``
+loader iterated before it), and a ``SIGKILL``, which nothing can catch.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+from typing import Any, Iterable
+
+__all__ = ["PROTECTED_SIGNALS", "protect_dataloader_workers", "protected_signals"]
+
+logger = logging.getLogger(__name__)
+
+PROTECTED_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+_original: Any = None         # torch's own _worker_loop, once wrapped
+_signals: tuple[int, ...] = ()
+
+
+def worker_loop_ignoring(signals: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """Torch's worker loop, after setting ``signals`` to SIG_IGN in this worker process.
+
+    A module-level function bound with functools.partial, so that a DataLoader with the
+    ``spawn`` or ``forkserver`` start method can pickle it as the process's target.
+    """
+    from torch.utils.data._utils import signal_handling, worker
+
+    torch_handlers = signal_handling._set_worker_signal_handlers
+
+    # Torch's loop first installs C handlers for SIGSEGV, SIGBUS, SIGFPE and SIGTERM (its SIGTERM
+    # handler re-raises the default action unless the DataLoader's own process sent it), so the
+    # signals are ignored right after that, in this worker process only.
+    def set_handlers(*a: Any, **kw: Any) -> None:
+        torch_handlers(*a, **kw)
+        for sig in signals:
+            signal.signal(sig, signal.SIG_IGN)
+
+    signal_handling._set_worker_signal_handlers = set_handlers
+
+    # Forked: the original saved by protect_dataloader_workers. Spawned: this module and torch
+    # were imported afresh in the child, where torch's attribute is still its own loop.
+    loop = _original if _original is not None else worker._worker_loop
+    loop(*args, **kwargs)
+
+
+def protect_dataloader_workers(signals: Iterable[int] = PROTECTED_SIGNALS) -> tuple[int, ...]:
+    """Make DataLoader workers started from now on ignore ``signals`` (added to earlier ones). Any rank.
+
+    Idempotent, process-wide, never undone (a worker that ignores a stop signal is stopped by its
+    DataLoader or by its rank's exit). Returns every signal now ignored by new workers.
+
+    Example::
+
+        # torchrun --nproc_per_node 2 train.py   (init_distributed already calls this)
+        toolkit.runtime.worker_signals.protect_dataloader_workers()
+        loader = DataLoader(dataset, batch_size=8, num_workers=2)
+    """
+    global _original, _signals
+    try:
+        from torch.utils.data._utils import worker
+    except ImportError:  # pragma: no cover - torch moved its worker loop: say so, do not fail
+        logger.warning("torch.utils.data._utils.worker is gone; DataLoader workers keep the default "
+                       "action of SIGTERM and may die on a preemption")
+        return ()
+    wanted = tuple(sorted(set(_signals) | {int(s) for s in signals}))
+    if _original is None:
+        _original = worker._worker_loop
+    if wanted != _signals or not _is_ours(worker._worker_loop):
+        _signals = wanted
+        worker._worker_loop = functools.partial(worker_loop_ignoring, _signals)
+        logger.debug("DataLoader workers will ignore %s",
+                     ", ".join(signal.Signals(s).name for s in wanted))
+    return _signals
+
+
+def protected_signals() -> tuple[int, ...]:
+    """The signals new DataLoader workers ignore (empty before any protection). Any rank."""
+    return _signals
+
+
+def _is_ours(loop: Any) -> bool:
+    return isinstance(loop, functools.partial) and loop.func is worker_loop_ignoring

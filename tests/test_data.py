@@ -21,6 +21,7 @@ from toolkit.data import (
     resume_position,
     seed_everything,
 )
+from toolkit.errors import ConfigError
 
 
 def _chunks(indices, size, drop_last):
@@ -97,7 +98,7 @@ def test_resumed_sampler_yields_exactly_the_rest_of_the_uninterrupted_order(case
     per_epoch = batches_per_epoch(per_rank, micro_batch_size=mb, drop_last=case["loader_drop_last"])
     steps_per_epoch = per_epoch / grad_acc if case["carry_over"] else per_epoch // grad_acc
     if steps_per_epoch == 0:
-        with pytest.raises(ValueError, match="no"):
+        with pytest.raises(ConfigError, match="no"):
             resume_position(0, samples_per_rank=per_rank, micro_batch_size=mb,
                             gradient_accumulation_steps=grad_acc, drop_last=case["loader_drop_last"],
                             carry_over=case["carry_over"])
@@ -156,15 +157,15 @@ def test_batches_per_epoch_counts_the_last_partial_batch_unless_dropped():
 ])
 def test_resume_position_rejects_impossible_inputs(kwargs, match):
     args = dict(steps_completed=1, samples_per_rank=10, micro_batch_size=4) | kwargs
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         resume_position(args.pop("steps_completed"), **args)
 
 
 def test_set_epoch_skip_is_checked_and_reset_by_the_next_epoch():
     sampler = ResumableDistributedSampler(list(range(20)), num_replicas=2, rank=1, seed=3)
-    with pytest.raises(ValueError, match="skip=11.*only 10 samples"):
+    with pytest.raises(ConfigError, match="skip=11.*only 10 samples"):
         sampler.set_epoch(0, skip=11)
-    with pytest.raises(ValueError, match="epoch=-1"):
+    with pytest.raises(ConfigError, match="epoch=-1"):
         sampler.set_epoch(-1)
     sampler.set_epoch(2, skip=4)
     whole = DistributedSampler(list(range(20)), num_replicas=2, rank=1, seed=3)
@@ -173,7 +174,7 @@ def test_set_epoch_skip_is_checked_and_reset_by_the_next_epoch():
     sampler.set_epoch(3)
     whole.set_epoch(3)
     assert sampler.skip == 0 and list(sampler) == list(whole) and len(sampler) == 10
-    with pytest.raises(ValueError, match="seed=-1"):
+    with pytest.raises(ConfigError, match="seed=-1"):
         ResumableDistributedSampler(list(range(4)), num_replicas=1, rank=0, seed=-1)
 
 
@@ -216,13 +217,15 @@ def test_seed_everything_reproduces_python_numpy_and_torch_streams():
     seed_everything(1235)
     assert draw() != first
     for bad in (-1, 2**32, 1.5, True, "1"):
-        with pytest.raises(ValueError, match="seed="):
+        with pytest.raises(ConfigError, match="seed="):
             seed_everything(bad)
 
 
 def test_seed_everything_deterministic_sets_the_gpu_switches_and_leaves_onednn_on():
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.mkldnn.enabled)
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+             torch.backends.mkldnn.enabled)
     try:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
@@ -230,14 +233,46 @@ def test_seed_everything_deterministic_sets_the_gpu_switches_and_leaves_onednn_o
         assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark
         seed_everything(7, deterministic=True)
         assert torch.are_deterministic_algorithms_enabled()
-        assert torch.is_deterministic_algorithms_warn_only_enabled()  # a user's op without one warns, not fails
+        # A user's op without a deterministic version warns, not fails.
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
         assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
         # An exact CPU resume does not need oneDNN off (measured, see the docstring): keep its speed.
         assert torch.backends.mkldnn.enabled
         for bad in ("yes", 1, None):
-            with pytest.raises(TypeError, match="deterministic="):
+            with pytest.raises(ConfigError, match="deterministic="):
                 seed_everything(7, deterministic=bad)
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
         torch.backends.mkldnn.enabled = saved[4]
+
+
+@pytest.mark.parametrize("grad_acc", [1, 2])
+def test_micro_batches_resume_mid_epoch_and_across_epochs(grad_acc):
+    from toolkit import micro_batches
+    data = list(range(21))
+
+    def stream(steps_completed):
+        sampler = ResumableDistributedSampler(data, num_replicas=2, rank=1, seed=3, drop_last=True)
+        loader = DataLoader(data, batch_size=2, sampler=sampler, drop_last=True,
+                            generator=sampler.loader_generator)
+        return micro_batches(loader, sampler, steps_completed=steps_completed,
+                             gradient_accumulation_steps=grad_acc)
+
+    whole = [next(batches).tolist() for batches in [stream(0)] for _ in range(30)]
+    # 10 samples a rank, 5 micro-batches an epoch: 30 span six epochs, each in its own order.
+    assert whole[:5] != whole[5:10]
+    for steps in (1, 2, 3, 7):
+        resumed = stream(steps)
+        assert [next(resumed).tolist() for _ in range(10)] == whole[steps * grad_acc:steps * grad_acc + 10]
+
+
+def test_micro_batches_wrong_arguments_are_explained():
+    from toolkit import micro_batches
+    data = list(range(8))
+    with pytest.raises(TypeError, match="ResumableDistributedSampler"):
+        plain = DistributedSampler(data, num_replicas=1, rank=0)  # type: ignore[arg-type]  # list is a Dataset
+        next(micro_batches(DataLoader(data, batch_size=2), plain, steps_completed=0))  # type: ignore[arg-type]
+    sampler = ResumableDistributedSampler(data, num_replicas=1, rank=0)
+    with pytest.raises(TypeError, match="batch_size is None"):
+        next(micro_batches(DataLoader(data, batch_size=None, sampler=sampler), sampler, steps_completed=0))

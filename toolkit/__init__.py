@@ -28,7 +28,13 @@ from toolkit.config import (
     resolve_ds_config,
     validate_ds_config,
 )
-from toolkit.data import ResumableDistributedSampler, ResumePosition, resume_position, seed_everything
+from toolkit.data import (
+    ResumableDistributedSampler,
+    ResumePosition,
+    micro_batches,
+    resume_position,
+    seed_everything,
+)
 from toolkit.dsat.trial import dsat_reporting_context
 from toolkit.errors import CheckpointError, ConfigError, LaunchEnvError
 from toolkit.metrics import MetricsWriter
@@ -61,6 +67,7 @@ __all__ = [
     "load_checkpoint",
     "load_experiment_config",
     "max_length_steps",
+    "micro_batches",
     "overwrite_deepspeed_config",
     "replay_cpu_adam_state",
     "resolve_ds_config",

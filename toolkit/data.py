@@ -41,23 +41,24 @@ Example::
 from __future__ import annotations
 
 import random
-from typing import Iterator, NamedTuple, Sized
+from typing import Any, Iterator, NamedTuple, Sized
 
 import numpy as np
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from toolkit._checks import is_int
+from toolkit.errors import ConfigError
 
-__all__ = ["ResumableDistributedSampler", "ResumePosition", "batches_per_epoch", "resume_position",
-           "seed_everything"]
+__all__ = ["ResumableDistributedSampler", "ResumePosition", "batches_per_epoch", "micro_batches",
+           "resume_position", "seed_everything"]
 
 _SEED_LIMIT = 2**32  # numpy's legacy seeding accepts 0 <= seed < 2**32
 
 
 def _check_count(name: str, value: object, *, minimum: int) -> int:
     if not is_int(value) or value < minimum:
-        raise ValueError(f"{name}={value!r}: expected a whole number >= {minimum}")
+        raise ConfigError(f"{name}={value!r}: expected a whole number >= {minimum}")
     return value
 
 
@@ -119,7 +120,7 @@ def resume_position(steps_completed: int, *, samples_per_rank: int, micro_batch_
         A :class:`ResumePosition`.
 
     Raises:
-        ValueError: a count is negative or zero where it cannot be, or an epoch holds no batch
+        ConfigError: a count is negative or zero where it cannot be, or an epoch holds no batch
             (or, with ``carry_over=False``, no full optimizer step).
 
     Example:
@@ -130,7 +131,7 @@ def resume_position(steps_completed: int, *, samples_per_rank: int, micro_batch_
     _check_count("gradient_accumulation_steps", gradient_accumulation_steps, minimum=1)
     batches = batches_per_epoch(samples_per_rank, micro_batch_size=micro_batch_size, drop_last=drop_last)
     if batches == 0:
-        raise ValueError(f"an epoch of samples_per_rank={samples_per_rank} with micro_batch_size="
+        raise ConfigError(f"an epoch of samples_per_rank={samples_per_rank} with micro_batch_size="
                          f"{micro_batch_size} and drop_last=True holds no batch; use a smaller batch, "
                          "more data per rank, or drop_last=False")
     if carry_over:
@@ -138,7 +139,7 @@ def resume_position(steps_completed: int, *, samples_per_rank: int, micro_batch_
     else:
         steps_per_epoch = batches // gradient_accumulation_steps
         if steps_per_epoch == 0:
-            raise ValueError(f"an epoch holds {batches} micro-batch(es), fewer than "
+            raise ConfigError(f"an epoch holds {batches} micro-batch(es), fewer than "
                              f"gradient_accumulation_steps={gradient_accumulation_steps}, so with "
                              "carry_over=False it holds no optimizer step; use carry_over=True, a smaller "
                              "batch or fewer accumulation steps")
@@ -186,7 +187,7 @@ class ResumableDistributedSampler(DistributedSampler):
     def __init__(self, dataset: Sized, *, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
         if not is_int(seed) or not 0 <= seed < 2**63:
-            raise ValueError(f"seed={seed!r}: expected a whole number in [0, 2**63)")
+            raise ConfigError(f"seed={seed!r}: expected a whole number in [0, 2**63)")
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
         self.skip = 0
@@ -208,7 +209,7 @@ class ResumableDistributedSampler(DistributedSampler):
         _check_count("epoch", epoch, minimum=0)
         _check_count("skip", skip, minimum=0)
         if skip > self.num_samples:
-            raise ValueError(f"skip={skip}: this rank's share of an epoch has only {self.num_samples} "
+            raise ConfigError(f"skip={skip}: this rank's share of an epoch has only {self.num_samples} "
                              "samples; compute skip with sampler.resume_position(steps_completed, ...)")
         super().set_epoch(epoch)
         self.skip = skip
@@ -263,9 +264,9 @@ def seed_everything(seed: int, *, deterministic: bool = False) -> None:
         toolkit.seed_everything(hparams["seed"], deterministic=True)
     """
     if not is_int(seed) or not 0 <= seed < _SEED_LIMIT:
-        raise ValueError(f"seed={seed!r}: expected a whole number in [0, 2**32), numpy's limit")
+        raise ConfigError(f"seed={seed!r}: expected a whole number in [0, 2**32), numpy's limit")
     if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic={deterministic!r}: expected True or False")
+        raise ConfigError(f"deterministic={deterministic!r}: expected True or False")
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # seeds every CUDA device too
@@ -274,3 +275,42 @@ def seed_everything(seed: int, *, deterministic: bool = False) -> None:
         torch.backends.cudnn.benchmark = False
         # warn_only: ops without a deterministic kernel warn instead of failing a user's run.
         torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def micro_batches(loader: DataLoader, sampler: ResumableDistributedSampler, *, steps_completed: int,
+                  gradient_accumulation_steps: int = 1) -> Iterator[Any]:
+    """The loader's micro-batches from where a run stopped after ``steps_completed`` steps, forever.
+
+    Across epochs (``sampler.set_epoch`` at each), starting mid-epoch on a resume, so that a run
+    resumed from a checkpoint sees exactly the micro-batches the uninterrupted run would have
+    seen next. Call on all ranks (each rank iterates its own share; no collective). ``loader``
+    must take its order from ``sampler`` (``DataLoader(..., sampler=sampler)``) and its
+    ``batch_size`` and ``drop_last`` are read from it.
+
+    Example::
+
+        # torchrun --nproc_per_node 2 train.py
+        sampler = toolkit.ResumableDistributedSampler(dataset, num_replicas=ctx.world_size,
+                                                      rank=ctx.rank, seed=seed, drop_last=True)
+        loader = DataLoader(dataset, batch_size=8, sampler=sampler, drop_last=True,
+                            generator=sampler.loader_generator)
+        stream = toolkit.micro_batches(loader, sampler, steps_completed=steps_completed,
+                                       gradient_accumulation_steps=grad_acc)
+        for _ in range(grad_acc):
+            batch = next(stream)
+    """
+    if not isinstance(sampler, ResumableDistributedSampler):
+        raise TypeError(f"sampler={sampler!r}: expected the toolkit.ResumableDistributedSampler that the "
+                        "loader draws from")
+    if loader.batch_size is None:
+        raise TypeError("loader.batch_size is None: micro_batches needs a DataLoader that batches "
+                        "(DataLoader(dataset, batch_size=..., sampler=sampler))")
+    start = sampler.resume_position(steps_completed, micro_batch_size=loader.batch_size,
+                                    gradient_accumulation_steps=gradient_accumulation_steps,
+                                    drop_last=loader.drop_last)
+    epoch, skip = start.epoch, start.samples_to_skip
+    while True:
+        sampler.set_epoch(epoch, skip=skip)
+        skip = 0
+        yield from loader
+        epoch += 1

@@ -1,4 +1,4 @@
-"""Plumbing shared by the examples: arguments, synthetic data sets, the micro-batch stream.
+"""Plumbing shared by the examples: arguments, synthetic data sets, the loader.
 
 Nothing toolkit-specific hides here: every toolkit helper is called in the example scripts.
 """
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -23,8 +22,10 @@ def parse_args(default_config: str, description: str) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, default=HERE / default_config,
                         help=f"experiment YAML (default: {default_config} beside this script)")
     parser.add_argument("--output-dir", type=Path, default=None,
-                        help="checkpoints and TensorBoard logs (default: $TOOLKIT_OUTPUT_DIR or ./runs/<name>)")
-    parser.add_argument("--max-steps", type=int, default=None, help="default: searcher.max_length of the config")
+                        help="checkpoints and TensorBoard logs "
+                             "(default: $TOOLKIT_OUTPUT_DIR or ./runs/<name>)")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="default: searcher.max_length of the config")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.max_steps is not None and args.max_steps < 0:
@@ -37,7 +38,8 @@ def setup(args: argparse.Namespace):
     ctx = toolkit.init_distributed()
     experiment = toolkit.load_experiment_config(args.config)
     hparams = toolkit.get_hparams(args.config)  # a dsat trial's own hyperparameters inside a trial
-    max_steps = args.max_steps if args.max_steps is not None else toolkit.max_length_steps(experiment, default=100)
+    max_steps = (args.max_steps if args.max_steps is not None
+                 else toolkit.max_length_steps(experiment, default=100))
     out = args.output_dir or toolkit.get_output_dir(Path("runs") / experiment.get("name", "run"))
     return ctx, hparams, max_steps, out
 
@@ -78,20 +80,6 @@ class RandomTokens(Dataset):
         start = torch.randint(0, self.vocab_size, (1,), generator=gen)
         # Ids 0 and 1 are reserved (padding, [MASK]).
         return (start + steps.cumsum(0)) % (self.vocab_size - 2) + 2
-
-
-def micro_batches(loader: DataLoader, sampler: toolkit.ResumableDistributedSampler, *,
-                  steps_completed: int, gradient_accumulation_steps: int) -> Iterator:
-    """Micro-batches from where a run stopped after ``steps_completed`` steps, across epochs, forever."""
-    start = sampler.resume_position(steps_completed, micro_batch_size=loader.batch_size,
-                                    gradient_accumulation_steps=gradient_accumulation_steps,
-                                    drop_last=loader.drop_last)
-    epoch, skip = start.epoch, start.samples_to_skip
-    while True:
-        sampler.set_epoch(epoch, skip=skip)
-        skip = 0
-        yield from loader
-        epoch += 1
 
 
 def make_loader(dataset: Dataset, *, num_replicas: int, rank: int, micro_batch: int, seed: int):

@@ -16,7 +16,7 @@ import logging
 import deepspeed
 import torch
 import torch.nn.functional as F
-from common import HERE, RandomTokens, make_loader, micro_batches, parse_args, setup
+from common import HERE, RandomTokens, make_loader, parse_args, setup
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -80,13 +80,14 @@ def main() -> None:
     resumed = toolkit.load_checkpoint(engine, out / "checkpoints")
     steps_completed = resumed[0] if resumed else 0
     grad_acc = engine.gradient_accumulation_steps()
-    stream = micro_batches(loader, sampler, steps_completed=steps_completed, gradient_accumulation_steps=grad_acc)
+    stream = toolkit.micro_batches(loader, sampler, steps_completed=steps_completed,
+                                   gradient_accumulation_steps=grad_acc)
     samples_per_step = engine.train_micro_batch_size_per_gpu() * grad_acc
 
     with toolkit.MetricsWriter(ctx, out / "tensorboard", resume_step=steps_completed) as metrics, \
             toolkit.watch_preemption(ctx) as preemption:
         while steps_completed < max_steps:
-            with toolkit.dsat_reporting_context(engine, steps_completed=steps_completed):
+            with toolkit.dsat_reporting_context(engine):
                 for _ in range(grad_acc):
                     loss = mlm_loss(engine, next(stream), vocab_size=vocab, device=ctx.device)
                     engine.backward(loss)

@@ -15,7 +15,7 @@ anything else before DeepSpeed starts.
 import logging
 
 import deepspeed
-from common import HERE, RandomImages, make_loader, micro_batches, parse_args, setup
+from common import HERE, RandomImages, make_loader, parse_args, setup
 from deepspeed.pipe import PipelineModule
 from torch import nn
 from torch.utils.data import DataLoader
@@ -61,13 +61,14 @@ def main() -> None:
 
     resumed = toolkit.load_checkpoint(engine, out / "checkpoints")
     steps_completed = resumed[0] if resumed else 0
-    stream = micro_batches(loader, sampler, steps_completed=steps_completed, gradient_accumulation_steps=grad_acc)
+    stream = toolkit.micro_batches(loader, sampler, steps_completed=steps_completed,
+                                   gradient_accumulation_steps=grad_acc)
     samples_per_step = engine.train_micro_batch_size_per_gpu() * grad_acc
 
     with toolkit.MetricsWriter(ctx, out / "tensorboard", resume_step=steps_completed) as metrics, \
             toolkit.watch_preemption(ctx) as preemption:
         while steps_completed < max_steps:
-            with toolkit.dsat_reporting_context(engine, steps_completed=steps_completed):
+            with toolkit.dsat_reporting_context(engine):
                 loss = engine.train_batch(data_iter=stream)   # grad_acc micro-batches, forward+backward+step
             steps_completed += 1
             metrics.report_training_metrics(steps_completed, {"loss": loss}, samples=samples_per_step)

@@ -22,7 +22,7 @@ import logging
 import deepspeed
 import torch
 import torch.nn.functional as F
-from common import HERE, RandomImages, make_loader, micro_batches, parse_args, setup
+from common import HERE, RandomImages, make_loader, parse_args, setup
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -97,7 +97,8 @@ def main() -> None:
     if resumed:
         logger.info("resumed at step %d of %d", steps_completed, max_steps)
     grad_acc = engine.gradient_accumulation_steps()
-    stream = micro_batches(loader, sampler, steps_completed=steps_completed, gradient_accumulation_steps=grad_acc)
+    stream = toolkit.micro_batches(loader, sampler, steps_completed=steps_completed,
+                                   gradient_accumulation_steps=grad_acc)
     samples_per_step = engine.train_micro_batch_size_per_gpu() * grad_acc
 
     # Optional hyperparameter: seconds between the ranks' preemption checks (toolkit's default is
@@ -107,7 +108,7 @@ def main() -> None:
             toolkit.watch_preemption(ctx, **({} if interval is None else {"check_interval": interval})) as preemption:
         while steps_completed < max_steps:
             # dsat times this step inside an autotuning trial; elsewhere the context does nothing.
-            with toolkit.dsat_reporting_context(engine, steps_completed=steps_completed):
+            with toolkit.dsat_reporting_context(engine):
                 for _ in range(grad_acc):
                     x, y = next(stream)
                     loss = F.cross_entropy(engine(x.to(ctx.device)), y.to(ctx.device))

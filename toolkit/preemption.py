@@ -101,7 +101,7 @@ from toolkit._checks import is_int, is_number
 from toolkit.errors import ConfigError
 from toolkit.runtime.collectives import BoundedGroup, new_bounded_group
 from toolkit.runtime.context import DistributedContext
-from toolkit.runtime.worker_signals import protect_dataloader_workers
+from toolkit.runtime.worker_signals import protect_dataloader_workers, stop_signals
 
 __all__ = ["PreemptionWatcher", "watch_preemption", "DEFAULT_SIGNALS", "MAX_ADAPTIVE_CHECK_EVERY"]
 
@@ -110,39 +110,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 #: Upper bound on the adaptive interval, in calls; it keeps the delay bound finite in calls.
 MAX_ADAPTIVE_CHECK_EVERY = 1000
-_UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 _CALL = "PreemptionWatcher.should_preempt"
-
-
-def _as_signals(signals: Iterable[Any], problems: list[str]) -> tuple[signal.Signals, ...]:
-    """The signals to watch; what is wrong with them is appended to ``problems``."""
-    if isinstance(signals, (int, str)) or not isinstance(signals, Iterable):
-        problems.append(f"signals={signals!r}: expected a sequence of signals, for example "
-                        "(signal.SIGTERM, signal.SIGUSR1)")
-        return ()
-    out: list[signal.Signals] = []
-    for sig in signals:
-        try:
-            sig = signal.Signals(sig)
-        except (ValueError, TypeError):
-            problems.append(f"signals contains {sig!r}, which is not a signal of this platform; "
-                            "use the signal module's constants, for example signal.SIGTERM")
-            continue
-        if sig in _UNCATCHABLE:
-            problems.append(f"signals contains {sig.name}, which a process cannot catch; "
-                            "watch SIGTERM or SIGUSR1 instead")
-        elif sig not in out:
-            out.append(sig)
-    if not out and not problems:
-        problems.append("signals=(): expected at least one signal to watch, for example (signal.SIGTERM,)")
-    return tuple(out)
 
 
 def _check_arguments(signals: Iterable[Any], check_every: Any,
                      check_interval: Any) -> tuple[signal.Signals, ...]:
     """Every problem of watch_preemption's arguments, raised once as a ConfigError."""
     problems: list[str] = []
-    chosen = _as_signals(signals, problems)
+    chosen = stop_signals(signals, problems)
     if check_every is not None and (not is_int(check_every) or check_every < 1):
         problems.append(f"check_every={check_every!r}: expected a whole number >= 1 (calls between "
                         "two check points), or None to adapt the interval to the step time")
@@ -412,17 +387,10 @@ def watch_preemption(ctx: DistributedContext, *, signals: Iterable[Any] = DEFAUL
         TypeError: ``ctx`` is not the context of ``init_distributed``.
         RuntimeError: not in the main thread, or torch.distributed is not initialised.
 
-    Example::
+    Example (see the module docstring for a whole loop)::
 
-        # torchrun --nproc_per_node 2 train.py
         # sbatch --signal=USR1@120 job.sh    (job.sh: srun python train.py)
-        ctx = toolkit.init_distributed()
-        with toolkit.watch_preemption(ctx) as preemption:
-            while steps_completed < max_steps:
-                train_step()
-                steps_completed += 1
-                if preemption.should_preempt():
-                    toolkit.save_checkpoint(engine, ckpt_dir, steps_completed=steps_completed)
-                    break
+        with toolkit.watch_preemption(ctx, signals=(signal.SIGUSR1, signal.SIGTERM)) as preemption:
+            ...
     """
     return PreemptionWatcher(ctx, signals=signals, check_every=check_every, check_interval=check_interval)

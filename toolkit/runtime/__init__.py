@@ -1,6 +1,7 @@
 """Where a rank sits and how ranks talk: the launcher's environment (``launch_env``), the
-process group and toolkit's collectives (``context``), rank-aware logging (``rank_logging``) and
-DeepSpeed's CPU shared-memory segments (``ds_shm``).
+process group and toolkit's collectives (``context``), their bounded wait (``collectives``),
+DataLoader workers that survive a preemption signal (``worker_signals``), rank-aware logging
+(``rank_logging``) and DeepSpeed's CPU shared-memory segments (``ds_shm``).
 
 Example::
 
@@ -11,7 +12,9 @@ Example::
         print(ctx.world_size)
 """
 
+from toolkit.runtime.collectives import COLLECTIVE_TIMEOUT_ENV, CollectiveTimeoutError
 from toolkit.runtime.context import DistributedContext, get_context, init_distributed
 from toolkit.runtime.launch_env import LaunchInfo, detect_launch
 
-__all__ = ["DistributedContext", "LaunchInfo", "detect_launch", "get_context", "init_distributed"]
+__all__ = ["COLLECTIVE_TIMEOUT_ENV", "CollectiveTimeoutError", "DistributedContext", "LaunchInfo",
+           "detect_launch", "get_context", "init_distributed"]

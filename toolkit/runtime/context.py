@@ -288,15 +288,12 @@ def init_distributed(*, backend: str | None = None, timeout: timedelta = DEFAULT
     store (no port, no network) so that ``deepspeed.initialize`` finds torch.distributed ready
     instead of trying MPI discovery.
 
-    DeepSpeed's communication layer (``deepspeed.comm``) is handed the same process group, so
-    ``PipelineModule`` and ``deepspeed.initialize`` need no ``deepspeed.init_distributed`` call.
-    DataLoader workers started from then on ignore SIGTERM, SIGINT and SIGUSR1, so that a
-    preemption stops the rank through ``should_preempt()`` instead of killing its workers
-    (:mod:`toolkit.runtime.worker_signals`).
-
-    A second call returns the same context. If torch.distributed was already initialised (for
-    example by ``deepspeed.init_distributed``), its rank and world size are adopted after
-    checking them against the launcher's variables.
+    ``deepspeed.comm`` is handed the same process group (``PipelineModule`` and
+    ``deepspeed.initialize`` need no ``deepspeed.init_distributed``). DataLoader workers started
+    from then on ignore SIGTERM, SIGINT and SIGUSR1: a preemption stops the rank through
+    ``should_preempt()`` instead of killing its workers (:mod:`toolkit.runtime.worker_signals`).
+    A second call returns the same context; a process group made before (for example by
+    ``deepspeed.init_distributed``) is adopted once checked against the launcher's variables.
 
     Args:
         backend: ``"nccl"``, ``"gloo"``, ``"mpi"`` or ``"ucc"``; ``None`` picks nccl when CUDA is
@@ -317,8 +314,7 @@ def init_distributed(*, backend: str | None = None, timeout: timedelta = DEFAULT
 
     Example::
 
-        # torchrun --nproc_per_node 2 train.py
-        ctx = toolkit.init_distributed()
+        ctx = toolkit.init_distributed()    # torchrun --nproc_per_node 2 train.py
         model = model.to(ctx.device)
     """
     global _context

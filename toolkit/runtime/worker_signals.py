@@ -28,11 +28,13 @@ import logging
 import signal
 from typing import Any, Iterable
 
-__all__ = ["PROTECTED_SIGNALS", "protect_dataloader_workers", "protected_signals"]
+__all__ = ["PROTECTED_SIGNALS", "protect_dataloader_workers", "protected_signals", "stop_signals"]
 
 logger = logging.getLogger(__name__)
 
 PROTECTED_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+_UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 
 _original: Any = None         # torch's own _worker_loop, once wrapped
 _signals: tuple[int, ...] = ()
@@ -101,3 +103,33 @@ def protected_signals() -> tuple[int, ...]:
 
 def _is_ours(loop: Any) -> bool:
     return isinstance(loop, functools.partial) and loop.func is worker_loop_ignoring
+
+
+def stop_signals(signals: Iterable[Any], problems: list[str]) -> tuple[signal.Signals, ...]:
+    """The signals of ``signals``, deduplicated; what is wrong is appended to ``problems``. Any rank.
+
+    Example:
+        >>> problems: list[str] = []
+        >>> stop_signals([signal.SIGTERM, signal.SIGTERM], problems), problems
+        ((<Signals.SIGTERM: 15>,), [])
+    """
+    if isinstance(signals, (int, str)) or not isinstance(signals, Iterable):
+        problems.append(f"signals={signals!r}: expected a sequence of signals, for example "
+                        "(signal.SIGTERM, signal.SIGUSR1)")
+        return ()
+    out: list[signal.Signals] = []
+    for sig in signals:
+        try:
+            sig = signal.Signals(sig)
+        except (ValueError, TypeError):
+            problems.append(f"signals contains {sig!r}, which is not a signal of this platform; "
+                            "use the signal module's constants, for example signal.SIGTERM")
+            continue
+        if sig in _UNCATCHABLE:
+            problems.append(f"signals contains {sig.name}, which a process cannot catch; "
+                            "watch SIGTERM or SIGUSR1 instead")
+        elif sig not in out:
+            out.append(sig)
+    if not out and not problems:
+        problems.append("signals=(): expected at least one signal to watch, for example (signal.SIGTERM,)")
+    return tuple(out)

@@ -41,7 +41,7 @@ Example::
 from __future__ import annotations
 
 import random
-from typing import Any, Iterator, NamedTuple, Sized
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -184,7 +184,7 @@ class ResumableDistributedSampler(DistributedSampler):
         sampler.set_epoch(start.epoch, skip=start.samples_to_skip)
     """
 
-    def __init__(self, dataset: Sized, *, num_replicas: int | None = None, rank: int | None = None,
+    def __init__(self, dataset: Any, *, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
         if not is_int(seed) or not 0 <= seed < 2**63:
             raise ConfigError(f"seed={seed!r}: expected a whole number in [0, 2**63)")

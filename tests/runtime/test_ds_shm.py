@@ -26,7 +26,7 @@ def _segments(port) -> list[str]:
 @pytest.fixture
 def ports():
     """Rendezvous ports a test used; whatever it leaves there, even on failure, is removed after."""
-    used = []
+    used: list[int] = []
     yield used
     for port in used:
         remove_buffers(addr="127.0.0.1", port=port)
@@ -44,7 +44,8 @@ def _run(tmp_path, mode, ports):
 
 def test_the_name_is_deepspeeds():
     # shm.cpp: "%s_%d_%s_%s" % (SHM_BUFFER_NAME, getuid(), MASTER_ADDR, MASTER_PORT), then "_<rank>"
-    assert buffer_name(addr="127.0.0.1", port=29500, rank=3, uid=7) == "deepspeed_allreduce_buffer_7_127.0.0.1_29500_3"
+    assert buffer_name(addr="127.0.0.1", port=29500, rank=3, uid=7) == \
+        "deepspeed_allreduce_buffer_7_127.0.0.1_29500_3"
 
 
 def test_unlink_buffer_reads_the_rendezvous_from_the_environment(tmp_path):
@@ -83,7 +84,7 @@ def test_stale_means_old_and_mapped_by_no_process(tmp_path):
         f"f = open({str(tmp_path / names['mapped'])!r}, 'r+b'); m = mmap.mmap(f.fileno(), 0)\n"
         "print('mapped', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "mapped"
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "mapped"
         removed = remove_stale_buffers(shm_dir=tmp_path)
     finally:
         holder.kill()
@@ -125,11 +126,12 @@ def test_the_dsat_runner_removes_what_a_trial_left(tmp_path, monkeypatch, ports,
     from toolkit.dsat.search.types import TrialSpec
 
     p.clean_launch_env(monkeypatch)
-    settings = RunnerSettings(entrypoint=("python3", "dsat_fake_trial.py"), model_dir=p.WORKERS, slots_per_trial=2,
-                              max_slots=2, max_concurrent=1, timeout_s=4.0, grace_s=1.0, poll_s=0.1)
+    settings = RunnerSettings(entrypoint=("python3", "dsat_fake_trial.py"), model_dir=p.WORKERS,
+                              slots_per_trial=2, max_slots=2, max_concurrent=1, timeout_s=4.0, grace_s=1.0, poll_s=0.1)
     out = tmp_path / "out"
     with TrialRunner(settings, output_dir=out) as runner:
-        runner.start(TrialSpec(1, 1, {"stage": 1}, line=0), ds_config={}, hparams={"behaviour": behaviour, "shm": True})
+        runner.start(TrialSpec(1, 1, {"stage": 1}, line=0), ds_config={},
+                     hparams={"behaviour": behaviour, "shm": True})
         trial_dir = out / "trials" / "trial_1"
         end = time.monotonic() + 60
         while not all((trial_dir / f"rank{r}.json").exists() for r in (0, 1)) and time.monotonic() < end:

@@ -19,7 +19,7 @@ record = {
     "mean": ctx.all_reduce([ctx.rank, 1.0], op="mean"),
     "max": ctx.all_reduce([ctx.rank], op="max"),
 }
-order = []
+order: list[int] = []
 with ctx.chief_first():
     marker = out / "chief_first.txt"
     with open(marker, "a") as fh:

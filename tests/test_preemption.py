@@ -131,7 +131,7 @@ def test_bad_arguments_are_explained_and_install_nothing(kwargs, error, match):
 
 def test_wrong_context_and_non_main_thread_are_explained():
     with pytest.raises(TypeError, match="DistributedContext"):
-        watch_preemption(None)
+        watch_preemption(None)  # type: ignore[arg-type]  # the wrong type on purpose
     errors = []
 
     def body():

@@ -11,7 +11,8 @@ TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE
 
 def test_nothing_set_is_world_of_one():
     info = detect_launch({})
-    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.num_nodes) == ("none", 0, 1, 0, 1)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.num_nodes) == (
+        "none", 0, 1, 0, 1)
     assert info.master_addr is None
 
 
@@ -53,7 +54,8 @@ def test_mpi_across_hosts_needs_master_addr():
 
 
 def test_mpich_pmi():
-    env = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "MASTER_ADDR": "n0"}
+    env = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
+           "MASTER_ADDR": "n0"}
     info = detect_launch(env)
     assert (info.rank, info.local_rank, info.node_rank, info.num_nodes) == (3, 1, 1, 2)
 

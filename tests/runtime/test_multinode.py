@@ -54,7 +54,7 @@ def wait_all(procs: list[subprocess.Popen], out: Path, timeout: float = 300) -> 
         return [proc.wait(timeout=max(end - time.monotonic(), 1)) for proc in procs]
     except subprocess.TimeoutExpired:
         logs = "\n".join((out / f"agent{n}.log").read_text()[-3000:] for n in (0, 1))
-        raise AssertionError(f"the agents did not finish in {timeout} s:\n{logs}")
+        raise AssertionError(f"the agents did not finish in {timeout} s:\n{logs}") from None
     finally:
         for proc in procs:
             if proc.poll() is None:

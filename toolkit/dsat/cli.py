@@ -8,23 +8,24 @@ tuning trial succeeded); 2 bad input (nothing was launched and nothing written);
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
-import math
 import os
 import re
 import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from toolkit._checks import is_int
-from toolkit.config.deepspeed import get_ds_config_from_hparams, validate_ds_config
+from toolkit.config.deepspeed import BATCH_KEYS, get_ds_config_from_hparams, validate_ds_config
 from toolkit.config.experiment import entrypoint_argv, load_experiment_config
-from toolkit.dsat.contract import METRICS
-from toolkit.dsat.execution.argv import MULTIHOST_LAUNCHERS
+from toolkit.dsat.cli_args import build_parser, parse_bytes
 from toolkit.dsat.execution.hosts import Host, read_hostfile, slurm_hosts
-from toolkit.dsat.execution.settings import RunnerSettings
+from toolkit.dsat.execution.settings import RunnerSettings, available_memory_bytes, default_memory_per_slot
+from toolkit.dsat.search.batch import GlobalBatch, allowed_micro_batches, global_batch_policy
+from toolkit.dsat.search.space import default_zero_autos
 from toolkit.dsat.search.types import SearchSettings
 from toolkit.errors import ConfigError
 
@@ -41,120 +42,11 @@ class UsageError(ConfigError):
     config keys). The CLI prints them and exits 2; nothing was launched or written."""
 
 
-# The argparse types parse a flag's syntax only: its range is checked once, by the settings it goes
-# into (RunnerSettings, SearchSettings), and reported with the flag's name (see user_terms).
-
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-
-
-def _number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
-
-
-def _stage(text: str) -> int:
-    if text not in ("0", "1", "2", "3"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a ZeRO stage: expected 0, 1, 2 or 3")
-    return int(text)
-
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """``"8GiB"``, ``"512MiB"``, ``"2G"`` or a plain number of bytes (the settings check its range)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if not match or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: expected e.g. 8GiB, 512MiB or 1000000")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (one sub-command per search method)."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("config", type=Path, help="experiment YAML (entrypoint, resources.slots_per_trial, "
-                        "hyperparameters.deepspeed_config)")
-    common.add_argument("model_dir", type=Path,
-                        help="directory holding the entrypoint and the DeepSpeed JSON")
-    g = common.add_argument_group("search")
-    g.add_argument("--max-trials", type=_integer, default=50)
-    g.add_argument("--max-concurrent-trials", type=_integer, default=16)
-    g.add_argument("--max-slots", type=_integer, default=None,
-                   help="slots in use at once (default: GPUs of this machine, or its CPU cores)")
-    g.add_argument("--metric", choices=METRICS, default="FLOPS_per_gpu",
-                   help="FLOPS_per_gpu and throughput: larger is better; forward, backward, latency: smaller")
-    g.add_argument("--run-full-experiment", action="store_true",
-                   help="after the search, run the entrypoint with the best config for "
-                        "searcher.max_length steps")
-    g.add_argument("--zero-stages", type=_stage, nargs="+", default=[1, 2, 3])
-    g.add_argument("--start-profile-step", type=_integer, default=3)
-    g.add_argument("--end-profile-step", type=_integer, default=5)
-    g.add_argument("--random-seed", type=_integer, default=42)
-    g.add_argument("--trial-timeout", type=_number, default=600.0, metavar="SECONDS",
-                   help="a trial running longer is killed with all its processes (default 600)")
-    g.add_argument("--memory-per-slot", type=parse_bytes, default=None, metavar="SIZE",
-                   help="CPU only: memory budget per slot, e.g. 4GiB (default: host memory / max slots); "
-                        "a trial process above it is killed and recorded as out-of-memory")
-    g.add_argument("--launcher", choices=("torchrun", "deepspeed"), default="torchrun",
-                   help="starts a trial whose slots are all on this machine")
-    h = common.add_argument_group("hosts (default: this machine alone, or the Slurm allocation's nodes)")
-    h.add_argument("--hostfile", type=Path, default=None,
-                   help="DeepSpeed hostfile ('HOST slots=N' per line): the hosts and slots trials run on; "
-                        "a trial larger than one host's slots spans hosts")
-    h.add_argument("--multihost-launcher", choices=MULTIHOST_LAUNCHERS, default=None,
-                   help="starts a trial on other hosts: DeepSpeed's runner (pdsh, openmpi, mvapich, mpich, "
-                        "impi) or srun (default: srun inside a Slurm allocation, else pdsh)")
-    h.add_argument("--ssh-port", type=_integer, default=None, help="ssh port of the hosts (pdsh)")
-    g.add_argument("--output-dir", type=Path, default=None, help="default: MODEL_DIR/dsat_output")
-    g.add_argument("--resume", action="store_true", help="continue the search recorded in --output-dir")
-
-    description = "DeepSpeed autotuner: find the fastest DeepSpeed config that fits."
-    parser = argparse.ArgumentParser(prog="python -m toolkit.dsat", description=description)
-    _add_methods(parser, common)
-    return parser
-
-
-def _add_methods(parser: argparse.ArgumentParser, common: argparse.ArgumentParser) -> None:
-    """One sub-command per search method, with the common flags and its own."""
-    methods = parser.add_subparsers(dest="method", required=True, metavar="{binary,random,asha}")
-    binary = methods.add_parser("binary", parents=[common],
-                                help="bisect the micro-batch of random ZeRO configs")
-    binary.add_argument("--search-range-factor", type=_number, default=1.0)
-    binary.add_argument("--bisect-tolerance", type=_number, default=0.25, metavar="FRACTION",
-                        help="stop bisecting a config's micro-batch once the open range is within this "
-                             "fraction of its largest fitting micro-batch f; for throughput/FLOPS_per_gpu "
-                             "then probe down a ladder of powers of two (the largest below f, then /4 each "
-                             "time) while each probe is within half of the config's best, and end with up "
-                             "to two probes at the powers of two next to the ladder's best (twice and half "
-                             "it) (0: bisect to the last unit; default 0.25)")
-    rand = methods.add_parser("random", parents=[common], help="random ZeRO configs with early stopping")
-    rand.add_argument("--trials-per-random-config", type=_integer, default=5)
-    rand.add_argument("--early-stopping", type=_integer, default=None,
-                      help="stop after this many trials without improvement")
-    asha = methods.add_parser("asha", parents=[common], help="ASHA over lines of binary search")
-    asha.add_argument("--max-rungs", type=_integer, default=5)
-    asha.add_argument("--min-binary-search-trials", type=_integer, default=3)
-    asha.add_argument("--asha-early-stopping", type=_integer, default=0)
-    asha.add_argument("--divisor", type=_integer, default=2)
-    asha.add_argument("--search-range-factor", type=_number, default=1.0)
-
-
 #: Where each settings field comes from: a flag, or a key of the experiment config.
 _FLAGS = ("max_trials", "max_slots", "zero_stages", "start_profile_step", "end_profile_step", "random_seed",
           "memory_per_slot", "ssh_port", "multihost_launcher", "search_range_factor", "bisect_tolerance",
           "trials_per_random_config", "early_stopping", "max_rungs", "min_binary_search_trials",
-          "asha_early_stopping", "divisor")
+          "asha_early_stopping", "divisor", "offload")
 USER_NAMES = {**{field: "--" + field.replace("_", "-") for field in _FLAGS},
               "max_concurrent": "--max-concurrent-trials", "timeout_s": "--trial-timeout",
               "slots_per_trial": "resources.slots_per_trial",
@@ -258,8 +150,9 @@ def _find_machines(args: argparse.Namespace, problems: list[str]) -> _Machines:
         problems.append("--memory-per-slot is for CPU runs; on GPUs the profiling trial measures the GPU "
                         "memory")
     memory_per_slot = args.memory_per_slot
-    if not cuda and memory_per_slot is None:  # the host's memory shared by the slots (bad ones: reported)
-        memory_per_slot = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(int(max_slots), 1)
+    if not cuda and memory_per_slot is None:  # the host's free memory, less headroom, shared by the slots
+        memory_per_slot = default_memory_per_slot(available_memory_bytes(),
+                                                  slots=max_slots if is_int(max_slots) else 1)
     elif cuda:
         memory_per_slot = None
     gpus = tuple(range(torch.cuda.device_count())) if cuda else None
@@ -276,19 +169,52 @@ def _data_parallel_size(inputs: _Inputs, problems: list[str]) -> Any:
     return dp
 
 
-def _check_ds_config(inputs: _Inputs, dp: Any, *, device: str, problems: list[str]) -> None:
-    """The user's config at micro-batch 1 must be runnable before any trial is started."""
+def _hidden_size(inputs: _Inputs, problems: list[str]) -> int | None:
+    """``hyperparameters.hidden_size``: resolves ZeRO's "auto" sizes the HF way (None: not given)."""
+    value = inputs.hparams.get("hidden_size")
+    if value is not None and not (is_int(value) and value >= 1):
+        problems.append(f"hyperparameters.hidden_size={value!r}: expected a positive integer (the model's "
+                        "width; it resolves the DeepSpeed config's \"auto\" ZeRO sizes)")
+        return None
+    return value
+
+
+def _as_written(base: Mapping[str, Any]) -> dict[str, Any]:
+    """The user's config less what dsat fills itself: "auto" batch keys and "auto" ZeRO sizes."""
+    config = copy.deepcopy(dict(base))
+    for key in BATCH_KEYS:
+        if config.get(key) == "auto":
+            del config[key]
+    if "zero_optimization" in config:
+        config["zero_optimization"] = default_zero_autos(config["zero_optimization"])
+    return config
+
+
+def _check_ds_config(args: argparse.Namespace, inputs: _Inputs, dp: Any, *, device: str,
+                     problems: list[str]) -> tuple[GlobalBatch | None, int | None]:
+    """The user's DeepSpeed config (JSON + overwrite_deepspeed_args) as written, against every rule
+    of ``validate_ds_config``, before dsat substitutes its own values; then the global batch policy
+    and the profiling trial's config. Returns (the policy, ``hidden_size``); None: a problem."""
     from toolkit.dsat.orchestrator import profile_spec, trial_ds_config
+    hidden = _hidden_size(inputs, problems)
     if not (is_int(dp) and dp >= 1):
-        return  # reported as a value; the config cannot be resolved without it
+        return None, hidden  # reported as a value; the config cannot be checked without it
     try:
-        validate_ds_config(trial_ds_config(inputs.base, profile_spec(inputs.base), data_parallel_size=dp),
+        validate_ds_config(_as_written(inputs.base), device=device, data_parallel_size=dp)
+        policy = global_batch_policy(args.global_batch, user_train_batch_size=inputs.base.get(BATCH_KEYS[0]))
+        if policy.train_batch_size is not None:
+            allowed_micro_batches(policy.train_batch_size, data_parallel_size=dp)
+        validate_ds_config(trial_ds_config(inputs.base, profile_spec(inputs.base), data_parallel_size=dp,
+                                           train_batch_size=policy.train_batch_size, hidden_size=hidden),
                            device=device, data_parallel_size=dp)
     except ConfigError as err:
         problems.extend(f"DeepSpeed config: {p}" for p in err.problems)
+        return None, hidden
+    return policy, hidden
 
 
 def _build_settings(args: argparse.Namespace, inputs: _Inputs, machines: _Machines, dp: Any,
+                    policy: GlobalBatch | None,
                     problems: list[str]) -> tuple[SearchSettings | None, RunnerSettings | None]:
     """The search's and the runner's settings; each checks its own values (problems in the user's terms)."""
     method_args = {k: getattr(args, k) for k in (
@@ -296,11 +222,14 @@ def _build_settings(args: argparse.Namespace, inputs: _Inputs, machines: _Machin
         "min_binary_search_trials", "asha_early_stopping", "divisor") if hasattr(args, k)}
     zero = inputs.base.get("zero_optimization")
     search = runner = None
+    kept = policy.train_batch_size if policy is not None else None
+    micro_batches = allowed_micro_batches(kept, data_parallel_size=dp) if kept is not None else None
     try:
         search = SearchSettings(method=args.method, metric=args.metric, max_trials=args.max_trials,
                                 zero_stages=tuple(dict.fromkeys(args.zero_stages)), data_parallel_size=dp,
                                 random_seed=args.random_seed,
-                                base_zero=dict(zero) if isinstance(zero, dict) else {}, **method_args)
+                                base_zero=dict(zero) if isinstance(zero, dict) else {},
+                                micro_batches=micro_batches, offload=args.offload, **method_args)
     except ConfigError as err:
         problems.extend(user_terms(p) for p in err.problems)
     try:
@@ -344,18 +273,19 @@ def make_plan(args: argparse.Namespace) -> Plan:
     inputs = _load_inputs(args, problems)
     machines = _find_machines(args, problems)
     dp = _data_parallel_size(inputs, problems)
-    _check_ds_config(inputs, dp, device="cpu" if machines.gpus is None else "cuda", problems=problems)
-    search, runner = _build_settings(args, inputs, machines, dp, problems)
+    policy, hidden = _check_ds_config(args, inputs, dp, device="cpu" if machines.gpus is None else "cuda",
+                                      problems=problems)
+    search, runner = _build_settings(args, inputs, machines, dp, policy, problems)
     output_dir = (args.output_dir or inputs.model_dir / "dsat_output").resolve()
     problem = _output_dir_problem(output_dir, resume=args.resume)
     if problem:
         problems.append(problem)
-    if problems or search is None or runner is None:
+    if problems or search is None or runner is None or policy is None:
         raise UsageError(problems)
     plan = Plan(config_path=args.config.resolve(), experiment=inputs.experiment, base_ds_config=inputs.base,
                 hparams=inputs.hparams, data_parallel_size=dp, search=search, runner=runner,
                 output_dir=output_dir, resume=args.resume, run_full_experiment=args.run_full_experiment,
-                memory_per_slot=machines.memory_per_slot)
+                memory_per_slot=machines.memory_per_slot, global_batch=policy, hidden_size=hidden)
     problem = plan.resume_problem() if args.resume else None
     if problem:
         raise UsageError(problem)

@@ -21,7 +21,38 @@ from toolkit.dsat.execution.argv import LAUNCHERS, MULTIHOST_LAUNCHERS, build_tr
 from toolkit.dsat.execution.hosts import Host, place_trial
 from toolkit.errors import ConfigError
 
-__all__ = ["RunnerSettings"]
+__all__ = ["CPU_MEMORY_FRACTION", "CPU_MEMORY_RESERVE", "RunnerSettings", "available_memory_bytes",
+           "default_memory_per_slot"]
+
+#: The CPU default of ``--memory-per-slot``: this fraction of the memory available when dsat
+#: starts, less this reserve for the system, the autotuner and the launchers, shared by the slots.
+CPU_MEMORY_FRACTION = 0.8
+CPU_MEMORY_RESERVE = 2 * 2**30
+
+
+def default_memory_per_slot(available_bytes: int, *, slots: int) -> int:
+    """The CPU budget per slot when ``--memory-per-slot`` is not given: ``(0.8 x available - 2 GiB)
+    / slots``, at least 1 byte (the memory model then says nothing fits). Pure; any process.
+
+    Example:
+        >>> default_memory_per_slot(12 * 2**30, slots=2) // 2**20   # (9.6 GiB - 2 GiB) / 2
+        3891
+    """
+    room = int(available_bytes * CPU_MEMORY_FRACTION) - CPU_MEMORY_RESERVE
+    return max(room // max(int(slots), 1), 1)
+
+
+def available_memory_bytes() -> int:
+    """Memory available to new processes now (``MemAvailable`` of /proc/meminfo; elsewhere the
+    physical memory). Autotuner process only."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from toolkit.dsat.contract import TrialStatus
 from toolkit.dsat.search.lines import Line, LineSearcher, metric_value
@@ -68,7 +68,8 @@ class BinaryLine(Line):
         return not self.descending
 
 
-def final_probes(line: BinaryLine, metric: str) -> tuple[list[int], str]:
+def final_probes(line: BinaryLine, metric: str, *,
+                 snap: Callable[[int], int] | None = None) -> tuple[list[int], str]:
     """``binary``'s final probes of ``line``: (micro-batches in order, why). Pure; rank 0 only by use.
 
     Around the ladder's best probe ``b`` (the best finite value among :attr:`BinaryLine.ladder`,
@@ -78,7 +79,8 @@ def final_probes(line: BinaryLine, metric: str) -> tuple[list[int], str]:
     the line above ``b`` against the nearest one below ``b`` (any trial of the line, upward ones
     included); a missing side counts as worse, ties go above first. A probe is dropped when it
     is below 1, was tried, or is not below ``line.lo`` (not known to fit). No probe when no
-    ladder probe has a finite value.
+    ladder probe has a finite value. ``snap`` maps each probe to the micro-batch a trial may use
+    (the largest allowed one not above it, when the global batch is kept).
 
     Example (rank 0, when the ladder of a line ends)::
 
@@ -99,10 +101,11 @@ def final_probes(line: BinaryLine, metric: str) -> tuple[list[int], str]:
             f"{'none' if below is None else below} below, {'below' if below_first else 'above'} first")
     probes, notes = [], []
     for m in ([b // 2, 2 * b] if below_first else [2 * b, b // 2]):
+        m = snap(m) if snap is not None and m >= 1 else m
         where = f"{m} ({'twice' if m > b else 'half'} the ladder's best {b})"
         if m < 1:
             notes.append(f"{where}: below 1")
-        elif m in line.tried:
+        elif m in line.tried or m in probes:
             notes.append(f"{where}: already tried")
         elif m >= line.lo:
             notes.append(f"{where}: not known to fit")
@@ -173,7 +176,7 @@ class BinarySearcher(LineSearcher[BinaryLine]):
         # lower stage that fits is faster), with the user's own ZeRO knobs: the tuned result is
         # then at least the user's configuration at its best micro-batch, whatever the random
         # draws give. Then lines are drawn at random from all stages.
-        started = {line.stage for line in self._lines}
+        started = {line.stage for line in self._lines if line.offload == self.level}
         fresh = [st for st in self._space.stages if st not in started]
         if fresh:
             return self._new_line(user_stage=min(fresh))
@@ -194,7 +197,7 @@ class BinarySearcher(LineSearcher[BinaryLine]):
             line.probe = None
             line.ladder.append(m)
             if self._ladder_goes_on(line, m):
-                self._set_ladder_probe(line, m // 4)
+                self._set_ladder_probe(line, self._top(m // 4))
         else:
             self._after_upward_trial(line)
 
@@ -218,7 +221,7 @@ class BinarySearcher(LineSearcher[BinaryLine]):
         else:
             first = 1 << ((fits - 1).bit_length() - 1)  # the largest power of two below ``fits``
             logger.debug("line %d: upward search over (%s); ladder down from %d", line.line_id, reason, first)
-            self._set_ladder_probe(line, first)
+            self._set_ladder_probe(line, self._top(first))
 
     def _set_ladder_probe(self, line: BinaryLine, m: int) -> None:
         """Make ``m >= 1`` the next ladder probe; one the line already tried is judged on its
@@ -229,7 +232,7 @@ class BinarySearcher(LineSearcher[BinaryLine]):
                          line.line_id, m, line.statuses[m].value)
             if not self._ladder_goes_on(line, m, skipped=True):
                 return
-            m //= 4
+            m = self._top(m // 4)
         line.probe = m
 
     def _ladder_goes_on(self, line: BinaryLine, m: int, *, skipped: bool = False) -> bool:
@@ -253,7 +256,7 @@ class BinarySearcher(LineSearcher[BinaryLine]):
 
     def _end_ladder(self, line: BinaryLine, reason: str) -> None:
         """The ladder of ``line`` is over: give it its final probes, or stop it."""
-        finals, why = final_probes(line, self.settings.metric)
+        finals, why = final_probes(line, self.settings.metric, snap=self._top)
         if not finals:
             line.stopped = f"{reason}; no final probe: {why}"
             return

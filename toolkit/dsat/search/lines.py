@@ -14,6 +14,13 @@ micro-batch, and all above it, are not tried again on that line (a trial too slo
 slower still above it; a crash at ``m`` is as likely a memory crash as anything). The range is
 closed when ``lo > hi``; the best fitting micro-batch of the line is then ``lo - 1``.
 
+When the settings restrict the micro-batches (``micro_batches``: the global batch kept;
+``max_micro_batch``: the trial timeout), ``hi`` is always an allowed micro-batch (or below 1),
+trials use allowed micro-batches only, and bisection runs over the sorted allowed ones in ``[lo, hi]``.
+Lines belong to an offload level (:mod:`~toolkit.dsat.search.offload`): the search starts at the
+first level the memory model says fits at micro-batch 1, and moves one level down when every
+stage of its level ran out of memory at micro-batch 1.
+
 :class:`Line` holds only what every method uses; a method with state of its own per line
 subclasses it (``binary``'s ladder: :class:`~toolkit.dsat.search.binary.BinaryLine`, ``asha``'s
 rungs: :class:`~toolkit.dsat.search.asha.AshaLine`). Pure logic, rank 0 only by use (the
@@ -22,6 +29,7 @@ orchestrator).
 
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 import json
@@ -32,8 +40,16 @@ from typing import Any, Generic, Iterable, TypeVar
 
 from toolkit._checks import is_int, is_number
 from toolkit.dsat.contract import ProfileInfo, TrialStatus
+from toolkit.dsat.search import memory
 from toolkit.dsat.search.memory import approx_max_micro_batch, offload_flags
-from toolkit.dsat.search.space import ZeroSpace
+from toolkit.dsat.search.offload import (
+    first_level,
+    level_stages,
+    nothing_fits_at_one,
+    offload_levels,
+    offload_zero,
+)
+from toolkit.dsat.search.space import ZeroSpace, zero_config_for_stage
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec, is_better
 
 __all__ = ["best_result", "metric_value", "Line", "LineSearcher"]
@@ -87,6 +103,7 @@ class Line:
         in_flight: one of them is running.
         best: its best successful result so far.
         stopped: why the line takes no more trials (None while it may).
+        offload: its offload level (``none``, ``optimizer`` or ``param``).
     """
 
     line_id: int
@@ -97,6 +114,7 @@ class Line:
     in_flight: bool = False
     best: TrialResult | None = None
     stopped: str | None = None
+    offload: str = "none"
 
     @property
     def stage(self) -> int:
@@ -136,7 +154,9 @@ class LineSearcher(Generic[LineT]):
         self.settings = settings
         self.profile = profile
         self._rng = random.Random(settings.random_seed)
-        self._space = ZeroSpace(settings.zero_stages, base_zero=settings.base_zero)
+        self._levels = offload_levels(settings.offload, settings.zero_stages)
+        self._level = self._start_level()
+        self._space = self._space_at(self._level)
         self._lines: list[LineT] = []
         self._in_flight: dict[int, tuple[LineT, TrialSpec]] = {}
         self._results: list[TrialResult] = []
@@ -185,10 +205,11 @@ class LineSearcher(Generic[LineT]):
             if result.status is TrialStatus.OK:
                 line.lo = max(line.lo, m + 1)
             else:
-                line.hi = min(line.hi, m - 1)
+                line.hi = self._top(min(line.hi, m - 1))
         self._after_observe(line, result, improved)
         if line.stopped is None and not line.has_trial_due:
             line.stopped = "range closed"
+        self._maybe_offload_more()
         logger.debug("trial %d (line %d, stage %d, micro-batch %d): %s; line range [%d, %d]%s",
                      spec.trial_id, line.line_id, line.stage, m, result.status.value, line.lo, line.hi,
                      f", stopped: {line.stopped}" if line.stopped else "")
@@ -265,8 +286,9 @@ class LineSearcher(Generic[LineT]):
         approx = approx_max_micro_batch(self.profile, int(zero["stage"]),
                                         data_parallel_size=self.settings.data_parallel_size,
                                         offload_optimizer=off_opt, offload_param=off_par)
-        hi = max(1, math.ceil(self.settings.search_range_factor * approx))
+        hi = self._top(max(1, math.ceil(self.settings.search_range_factor * approx)))
         line = self._make_line(len(self._lines), zero, hi)
+        line.offload = self.level
         self._lines.append(line)
         logger.debug("line %d: stage %d, micro-batch range [1, %d]", line.line_id, line.stage, hi)
         return line
@@ -274,14 +296,75 @@ class LineSearcher(Generic[LineT]):
     def _idle_lines(self) -> list[LineT]:
         return [line for line in self._lines if line.idle_open]
 
+    def _top(self, m: int) -> int:
+        """The largest micro-batch a trial may use that is ``<= m`` (``m`` itself when below 1)."""
+        if m < 1:
+            return m
+        if self.settings.max_micro_batch is not None:
+            m = min(m, self.settings.max_micro_batch)
+        allowed = self.settings.micro_batches
+        return m if allowed is None else allowed[bisect.bisect_right(allowed, m) - 1]
+
+    def _inside(self, line: Line) -> tuple[int, ...] | None:
+        """The allowed micro-batches in ``[line.lo, line.hi]``, ascending; None when any is allowed."""
+        allowed = self.settings.micro_batches
+        if allowed is None:
+            return None
+        return allowed[bisect.bisect_left(allowed, line.lo):bisect.bisect_right(allowed, line.hi)]
+
+    # -- offload levels -----------------------------------------------------------------------
+    @property
+    def level(self) -> str:
+        """The offload level new lines are drawn at."""
+        return self._levels[self._level]
+
+    def _space_at(self, index: int) -> ZeroSpace:
+        level = self._levels[index]
+        return ZeroSpace(level_stages(self.settings.zero_stages, level),
+                         base_zero=offload_zero(self.settings.base_zero, level))
+
+    def _fits_at_one(self, level: str) -> bool:
+        """The memory model says some stage of ``level`` fits one example per slot."""
+        base = offload_zero(self.settings.base_zero, level)
+        for stage in level_stages(self.settings.zero_stages, level):
+            off_opt, off_par = offload_flags(zero_config_for_stage(base, stage))
+            row = memory.predict(self.profile, data_parallel_size=self.settings.data_parallel_size,
+                                 zero_stages=(stage,), offload_optimizer=off_opt, offload_param=off_par)
+            if row[stage]["fits"]:
+                return True
+        return False
+
+    def _start_level(self) -> int:
+        """``auto``: the first level the memory model says fits at micro-batch 1; else the first."""
+        if self.settings.offload != "auto" or len(self._levels) == 1:
+            return 0
+        index = first_level(self._levels, self._fits_at_one)
+        if index:
+            logger.info("memory model: no searched stage fits micro-batch 1 without offload; searching with "
+                        "offload level %r", self._levels[index])
+        return index
+
+    def _maybe_offload_more(self) -> None:
+        """Move one offload level down when every stage of this level ran out of memory at micro-batch 1."""
+        if self._level + 1 >= len(self._levels):
+            return
+        here = [r for r in self._results if self._lines[r.spec.line].offload == self.level]
+        if nothing_fits_at_one(here, level_stages(self.settings.zero_stages, self.level)):
+            self._level += 1
+            self._space = self._space_at(self._level)
+            logger.info("every stage ran out of memory at micro-batch 1: searching with offload level %r",
+                        self.level)
+
     # -- per method ---------------------------------------------------------------------------
     def _make_line(self, line_id: int, zero: dict[str, Any], hi: int) -> LineT:
         """A fresh line of this method's line type on the range ``[1, hi]``."""
         raise NotImplementedError
 
     def _micro_batch(self, line: LineT) -> int:
-        """The micro-batch of ``line``'s next trial: the midpoint of its range by default."""
-        return (line.lo + line.hi) // 2
+        """The micro-batch of ``line``'s next trial: the midpoint of its range (of the allowed
+        micro-batches in it) by default."""
+        inside = self._inside(line)
+        return (line.lo + line.hi) // 2 if inside is None else inside[(len(inside) - 1) // 2]
 
     def _next_line(self) -> LineT | None:
         """The line to give the next trial to (may start a new one); None when nothing to do."""

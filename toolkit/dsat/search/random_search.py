@@ -63,7 +63,8 @@ class RandomSearcher(LineSearcher[Line]):
         return Line(line_id=line_id, zero=zero, lo=1, hi=hi)
 
     def _micro_batch(self, line: Line) -> int:
-        return self._rng.randint(line.lo, line.hi)
+        inside = self._inside(line)
+        return self._rng.randint(line.lo, line.hi) if inside is None else self._rng.choice(inside)
 
     def _allowed_stages(self) -> list[int]:
         return [s for s in self._space.stages if not (s == 3 and self._stopping.low_stage_fits)]

@@ -36,7 +36,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from toolkit._checks import is_mapping
 
-__all__ = ["STAGE_KNOBS", "ZeroSpace", "zero_config_for_stage"]
+__all__ = ["STAGE_KNOBS", "ZeroSpace", "default_zero_autos", "zero_config_for_stage"]
 
 _BUCKETS = (50_000_000, 200_000_000, 500_000_000)
 _STAGE12 = (
@@ -77,6 +77,28 @@ _KNOB_DEFAULTS: Mapping[str, Any] = {
 _FIELD_NAMES: Mapping[str, str] = {"stage3_prefetch_bucket_size": "prefetch_bucket_size",
                                    "stage3_param_persistence_threshold": "param_persistence_threshold",
                                    "stage3_max_live_parameters": "max_live_parameters"}
+
+
+def default_zero_autos(zero: Any) -> Any:
+    """A copy of a ZeRO section with its model-size ``"auto"`` values (HF style, those
+    :func:`toolkit.resolve_ds_config` fills from ``hidden_size``) set to DeepSpeed's defaults.
+
+    The search chooses bucket sizes itself; a trial whose section still says ``"auto"`` after
+    ``resolve_ds_config(..., hidden_size=...)`` (no ``hidden_size`` hyperparameter) runs with
+    DeepSpeed's values. Anything but a mapping is returned as is. Pure; call anywhere.
+
+    Example:
+        >>> default_zero_autos({"stage": 2, "reduce_bucket_size": "auto"})
+        {'stage': 2, 'reduce_bucket_size': 500000000}
+    """
+    if not is_mapping(zero):
+        return zero
+    return {key: (_KNOB_DEFAULTS[key] if value == "auto" and key in _AUTO_KNOBS else copy.deepcopy(value))
+            for key, value in zero.items()}
+
+
+#: The ZeRO values HF-style configs may leave "auto" (toolkit.resolve_ds_config's hidden_size rule).
+_AUTO_KNOBS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 
 
 def zero_config_for_stage(base_zero: Mapping[str, Any], stage: int,

@@ -21,6 +21,7 @@ from toolkit.dsat.contract import METRICS, TrialStatus
 from toolkit.errors import ConfigError
 
 __all__ = [
+    "OFFLOAD_MODES",
     "SEARCH_METHODS",
     "SMALLER_IS_BETTER",
     "SearchSettings",
@@ -31,6 +32,7 @@ __all__ = [
 ]
 
 SEARCH_METHODS = ("binary", "random", "asha")
+OFFLOAD_MODES = ("auto", "never", "always")  # see toolkit.dsat.search.offload
 SMALLER_IS_BETTER = frozenset({"forward", "backward", "latency"})
 
 
@@ -136,6 +138,12 @@ class SearchSettings:
             Default 0.25: the last trials at the memory boundary (the largest micro-batches,
             often out of memory) buy little; the downward ladder explores below it instead.
         max_rungs, min_binary_search_trials, asha_early_stopping, divisor: ``asha`` method.
+        micro_batches: the only micro-batches a trial may use, ascending (the global batch kept:
+            the divisors of ``train_batch_size / data_parallel_size``, see
+            :mod:`~toolkit.dsat.search.batch`); None: any. Bisection runs over this list.
+        max_micro_batch: no trial above it (its predicted step time would pass the trial
+            timeout); None: no cap.
+        offload: ``auto``, ``never`` or ``always`` (:mod:`~toolkit.dsat.search.offload`).
     """
 
     method: str
@@ -153,6 +161,9 @@ class SearchSettings:
     min_binary_search_trials: int = 3
     asha_early_stopping: int = 0
     divisor: int = 2
+    micro_batches: tuple[int, ...] | None = None
+    max_micro_batch: int | None = None
+    offload: str = "auto"
 
     def __post_init__(self) -> None:
         p: list[str | None] = []
@@ -177,9 +188,28 @@ class SearchSettings:
               int_problem("min_binary_search_trials", self.min_binary_search_trials, minimum=1),
               int_problem("asha_early_stopping", self.asha_early_stopping, minimum=0),
               int_problem("divisor", self.divisor, minimum=2)]
+        p += self._micro_batch_problems()
         problems = [problem for problem in p if problem]
         if problems:
             raise ConfigError(problems)
+
+
+    def _micro_batch_problems(self) -> list[str | None]:
+        """The allowed micro-batches (ascending positive integers, 1 first), the cap, the offload mode."""
+        p: list[str | None] = []
+        mbs = self.micro_batches
+        if mbs is not None and (not isinstance(mbs, tuple) or not mbs or not all(is_int(m) for m in mbs)
+                                or mbs[0] != 1 or list(mbs) != sorted(set(mbs))):
+            p.append(f"micro_batches={mbs!r}: expected a tuple of ascending integers starting at 1, or None")
+        if self.max_micro_batch is not None:
+            p.append(int_problem("max_micro_batch", self.max_micro_batch, minimum=1, hint=" or None"))
+        if self.offload not in OFFLOAD_MODES:
+            p.append(f"offload={self.offload!r}: expected one of {', '.join(OFFLOAD_MODES)}")
+        elif self.offload == "always" and all(is_int(x) for x in self.zero_stages) \
+                and not set(self.zero_stages) & {2, 3}:
+            p.append(f"offload='always' with zero_stages={list(self.zero_stages)}: offload needs stage 2 or "
+                     "3; add one to zero_stages or use offload 'auto'")
+        return p
 
 
 class Searcher(Protocol):

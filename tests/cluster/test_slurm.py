@@ -15,11 +15,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from hostprocs import pid_alive
 
 import procutil as p
-from toolkit.dsat.execution.procs import find_trial_processes
+from toolkit.dsat.execution.procs import find_trial_processes, kill_until_gone
 
 CTX = p.WORKERS / "cluster_ctx.py"
 TRAIN = p.WORKERS / "cluster_train.py"
@@ -223,3 +224,33 @@ def test_toolkit_run_inside_salloc(slurm, tmp_path):
         ("torchrun", 0, 2), ("torchrun", 1, 2)]
     assert all(s["env"]["SLURM_NTASKS"] == "2" and "SLURM_STEP_ID" not in s["env"] for s in starts)
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_5"
+
+
+@pytest.mark.xfail(strict=True, reason="toolkit.run forwards SIGTERM and SIGINT only: SIGUSR1 (what "
+                   "sbatch --signal=B:USR1@N sends the batch script) kills it and orphans its ranks unsaved")
+def test_toolkit_run_as_the_batch_script_stops_on_the_batch_signal(slurm, tmp_path):
+    """``exec python -m toolkit.run`` in a batch script, and the signal Slurm sends the batch shell
+    (``scancel --signal=USR1 --batch``, as ``--signal=B:USR1@N`` does at the time-limit warning)."""
+    config = tmp_path / "experiment.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "cluster-batch", "entrypoint": "python3 cluster_train.py",
+        "resources": {"slots_per_trial": 2}, "max_restarts": 0, "hyperparameters": {},
+        "searcher": {"name": "single", "metric": "loss", "max_length": 5}}))
+    out = tmp_path / "out"
+    script = tmp_path / "batch.sh"
+    command = f"{sys.executable} -m toolkit.run {config} {p.WORKERS} --output-dir {out}"
+    script.write_text(f"#!/bin/sh\nexec {command}\n")
+    job = submit(slurm, tmp_path, script)
+    pids = []
+    try:
+        wait_for(lambda: both(out, "start"), START_S, "both ranks to start",
+                 alive=lambda: slurm.job_state(job) in ("PENDING", "RUNNING", "CONFIGURING"))
+        pids = [read(out / f"start{rank}.json")["pid"] for rank in range(2)]
+        slurm.run("scancel", "--signal=USR1", "--batch", job)
+        state = slurm.wait_job(job, timeout=120)
+    finally:
+        slurm.run("scancel", job, check=False)
+        kill_until_gone(lambda table: {pid for pid in pids if pid in table}, grace_s=5.0,
+                        what="orphaned ranks")
+    assert state == "COMPLETED", f"{state}\n{job_log(tmp_path, script)}"
+    assert both(out, "stop") and (out / "checkpoints" / "latest").exists()

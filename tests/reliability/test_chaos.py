@@ -158,7 +158,7 @@ def test_stage_matrix_20_random_preemptions_resume_bitwise(tmp_path, tally, stag
     runs = [tuple(json.loads((tmp_path / f"{mode}_rank{rank}.json").read_text())
                   for mode in ("train", "resume")) for rank in range(2)]
     t = tally(MATRIX_CATEGORY)
-    t.detail = f"seed {SEED}, {MATRIX_POINTS} random SIGTERM steps per stage of {MATRIX_STEPS}"
+    t.detail = f"zero{stage}: {MATRIX_POINTS} SIGTERM steps of {MATRIX_STEPS} (seed {SEED})"
     for point in points:
         problems = [f"rank {rank}: {x}" for rank, (trained, resumed) in enumerate(runs)
                     for x in _matrix_losses(trained, resumed, case, point)]

@@ -71,7 +71,7 @@ def main() -> None:
     with toolkit.MetricsWriter(ctx, out / "tensorboard", resume_step=steps_completed) as metrics, \
             toolkit.watch_preemption(ctx) as preemption:
         while steps_completed < max_steps:
-            with toolkit.dsat_reporting_context(engine, steps_completed=steps_completed):
+            with toolkit.dsat_reporting_context(engine):
                 for _ in range(grad_acc):
                     loss = lm_loss(engine, next(stream), device=ctx.device)
                     engine.backward(loss)

@@ -8,14 +8,16 @@ from the trial's hyperparameters (``toolkit.get_hparams()``):
     sleep_forward_ms  sleep inside the model's forward (a module)          -> "forward" >= this
     sleep_backward_ms sleep inside the backward (an autograd function)     -> "backward" >= this
     sleep_step_ms     sleep in the step, outside forward and backward      -> only "latency"
+    first_step        the loop's first steps_completed (a loop resumed from a checkpoint; default 0)
+    one_line          call dsat_reporting_context(engine) without steps_completed
     mock_oom_at       [step, rank]: raise torch.cuda.OutOfMemoryError there, inside the step;
                       ["start", rank]: before deepspeed.initialize (outside any step). A real
                       CUDA OOM cannot happen on this CPU-only machine; the raise is what toolkit sees.
 
 Model: Linear(16, 32) -> Sleep -> ReLU -> Linear(32, 4, bias frozen): 676 parameters, 672
 trainable; per example the leaf outputs are 32 + 32 + 4 float32 = 272 bytes (Sleep returns a view
-of its input: same storage, not counted twice); forward FLOPs per example as counted by DeepSpeed's
-profiler: 2*16*32 + 32 + 2*32*4 = 1312.
+of its input: same storage, not counted twice); forward FLOPs per example as torch's FLOP counter
+counts them (matrix products only): 2*16*32 + 2*32*4 = 1280.
 
 Each rank writes ``stopwatch<rank>.json`` into the trial directory: its own wall time around each
 ``with`` block (perf_counter), the external stopwatch the test compares the metrics with.
@@ -88,11 +90,14 @@ def main():
 
     data = batches()
     stopwatch = []
-    for step in range(int(hparams.get("steps", 20))):
+    first = int(hparams.get("first_step", 0))
+    for step in range(first, first + int(hparams.get("steps", 20))):
         t0 = time.perf_counter()
+        context = dsat_reporting_context(engine) if hparams.get("one_line") else \
+            dsat_reporting_context(engine, steps_completed=step)
         try:
-            with dsat_reporting_context(engine, steps_completed=step):
-                if mock_oom and [step, ctx.rank] == mock_oom:
+            with context:
+                if mock_oom and [step - first, ctx.rank] == mock_oom:
                     raise torch.cuda.OutOfMemoryError(
                         "CUDA out of memory. Tried to allocate 2.00 GiB (mocked)"
                     )

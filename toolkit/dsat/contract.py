@@ -85,18 +85,27 @@ class TrialStatus(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class ProfileInfo:
-    """What the profiling trial measured (micro-batch 1).
+    """What a profiling trial measured (the first at micro-batch 1), or the memory model's
+    calibrated view of two of them (:func:`toolkit.dsat.search.memory.calibrate`).
 
     Attributes:
         num_params: all parameters of the model.
         trainable_params: parameters with ``requires_grad``.
-        activation_bytes_per_example: activation memory per example (bytes).
+        activation_bytes_per_example: memory per example (bytes): as measured by a trial, the
+            outputs of the leaf modules (a lower bound: backward temporaries and allocator slack
+            are not seen); calibrated, the slope of the measured peak memory per example.
         memory_per_slot: bytes available per slot: the GPU's total memory, or on CPU the
             ``--memory-per-slot`` budget.
-        baseline_bytes: memory used per slot before any model state (CUDA context, or on CPU
-            the process's resident size of interpreter + libraries); the memory model subtracts it.
+        baseline_bytes: memory used per slot besides model state and per-example memory (CUDA
+            context, or on CPU interpreter + libraries; calibrated: the peak's intercept at
+            micro-batch 0); the memory model subtracts it.
         half_precision: fp16 or bf16 enabled in the user's config.
         device: ``"cuda"`` or ``"cpu"``.
+        micro_batch: the micro-batch the trial ran (0 in a record older than this field).
+        peak_bytes: the largest rank's peak memory over the trial: on CPU its peak resident
+            size (``VmHWM``), on GPU PyTorch's peak reserved memory plus what PyTorch does not
+            hold (CUDA context, communication buffers); 0 where not measured.
+        calibrated: the per-example and baseline figures come from two trials' peaks.
     """
 
     num_params: int
@@ -106,6 +115,9 @@ class ProfileInfo:
     baseline_bytes: int = 0
     half_precision: bool = False
     device: str = "cpu"
+    micro_batch: int = 0
+    peak_bytes: int = 0
+    calibrated: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

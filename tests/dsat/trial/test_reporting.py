@@ -24,7 +24,7 @@ WORKERS = procutil.WORKERS
 GIB = 1024 ** 3
 START, END = 3, 5
 SLEEP = {"sleep_forward_ms": 20, "sleep_backward_ms": 10, "sleep_step_ms": 15}
-FWD_FLOPS_PER_EXAMPLE = 2 * 16 * 32 + 32 + 2 * 32 * 4   # Linear + ReLU + Linear, as DeepSpeed counts them
+FWD_FLOPS_PER_EXAMPLE = 2 * 16 * 32 + 2 * 32 * 4   # the two Linear layers (torch counts matmuls; ReLU is 0)
 
 
 def ds_config(*, micro_batch, stage, gas=1, trial_id=0):
@@ -47,11 +47,14 @@ def ds_config(*, micro_batch, stage, gas=1, trial_id=0):
 TRIALS = {
     # id: (spec, ds_config, extra hparams)
     0: (TrialSpec(0, 1, {"stage": 3}, profile=True), ds_config(micro_batch=1, stage=3), {}),
-    1: (TrialSpec(1, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1), SLEEP),
+    # a loop resumed at step 100 passing steps_completed: its warm-up is counted from the first call
+    1: (TrialSpec(1, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1),
+        {**SLEEP, "first_step": 100}),
+    # the one-line form, dsat_reporting_context(engine): the context counts its own calls
     2: (
         TrialSpec(2, 2, {"stage": 1}, line=0),
         ds_config(micro_batch=2, stage=1, gas=2),
-        {"pipeline": True, "sleep_forward_ms": 10, "sleep_backward_ms": 5},
+        {"pipeline": True, "sleep_forward_ms": 10, "sleep_backward_ms": 5, "one_line": True},
     ),
     3: (TrialSpec(3, 2, {"stage": 2}, line=0), ds_config(micro_batch=2, stage=2), {"mock_oom_at": [4, 1]}),
     4: (TrialSpec(4, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1), {"steps": END - 1}),
@@ -60,6 +63,7 @@ TRIALS = {
         ds_config(micro_batch=2, stage=0),
         {"mock_oom_at": ["start", 0]},
     ),
+    6: (TrialSpec(6, 2, {"stage": 2}, line=0), ds_config(micro_batch=2, stage=2), {}),
 }
 
 
@@ -118,7 +122,8 @@ def test_data_parallel_metrics_and_units_against_a_stopwatch(trials):
     # block, so it cannot exceed the slowest rank's stopwatch mean (step 5 there also holds the
     # result writing); and it agrees with the plain steps 3 and 4 within timing noise.
     watches = [stopwatch(trials_dir, 1, rank) for rank in (0, 1)]
-    assert all(len(w) == END + 1 for w in watches)  # the trial ended right after end_profile_step
+    # the trial ended right after end_profile_step, counted from the loop's first step (100: resumed)
+    assert all(len(w) == END + 1 for w in watches)
     assert m["latency"] <= max(sum(w[START:END + 1]) / (END - START + 1) for w in watches) * 1.0001
     plain = max(sum(w[START:END]) / (END - START) for w in watches)
     assert 0.5 * plain <= m["latency"] <= 3.0 * plain  # catches s-vs-ms and per-sample mistakes
@@ -136,6 +141,7 @@ def test_pipeline_engine_metrics(trials):
     assert m["forward"] >= 2 * 10 and m["backward"] >= 2 * 5
     assert m["latency"] >= m["forward"] + m["backward"]
     watches = [stopwatch(trials_dir, 2, rank) for rank in (0, 1)]
+    assert all(len(w) == END + 1 for w in watches)  # one-line form: the context counted its calls
     assert m["latency"] <= max(sum(w[START:END + 1]) / (END - START + 1) for w in watches) * 1.0001
     # train_batch_size = 2 x 2 micro-batches x data-parallel size 1
     assert m["throughput"] == pytest.approx(4 / (m["latency"] / 1000), rel=1e-9)
@@ -143,6 +149,19 @@ def test_pipeline_engine_metrics(trials):
     assert m["FLOPS_per_gpu"] * m["latency"] / 1000 == pytest.approx(
         3 * FWD_FLOPS_PER_EXAMPLE * 4 / 2, rel=1e-9
     )
+
+
+def test_model_flops_per_sample_are_the_same_at_every_zero_stage(trials):
+    # FLOPS_per_gpu x ranks / throughput = the model's FLOPs per sample: trial 0 runs ZeRO-3 (where
+    # DeepSpeed wraps F.linear and gathers parameters in hooks), trial 1 ZeRO-1, trial 6 ZeRO-2
+    _, results = trials
+    per_sample = {}
+    for trial_id in (0, 1, 6):
+        m = ok(results[trial_id])
+        per_sample[results[trial_id].spec.stage] = m["FLOPS_per_gpu"] * 2 / m["throughput"]
+    print(f"\nmodel FLOPs per sample by ZeRO stage: {per_sample}")
+    assert max(per_sample.values()) <= 1.05 * min(per_sample.values())
+    assert per_sample[3] == pytest.approx(3 * FWD_FLOPS_PER_EXAMPLE, rel=1e-9)
 
 
 def test_profiling_trial_reports_the_model_under_zero3(trials):
@@ -203,6 +222,7 @@ def test_outside_a_trial_it_is_a_shared_no_op(monkeypatch):
     engine = Untouchable()
     first = dsat_reporting_context(engine, steps_completed=0)
     assert dsat_reporting_context(engine, steps_completed=10 ** 6) is first
+    assert dsat_reporting_context(engine) is first   # the one-line form
     with first as value:
         assert value is None
     assert Untouchable.touched == []

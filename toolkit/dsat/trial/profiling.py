@@ -22,7 +22,8 @@ from typing import Any
 
 from toolkit.dsat.contract import ProfileInfo
 
-__all__ = ["ProfileProbe", "measure_profile", "merge_profiles", "rss_bytes", "state_bytes"]
+__all__ = ["ProfileProbe", "measure_profile", "merge_profiles", "peak_memory_bytes", "rss_bytes",
+           "state_bytes"]
 
 
 def rss_bytes(field: str = "VmRSS") -> int:
@@ -36,6 +37,23 @@ def rss_bytes(field: str = "VmRSS") -> int:
         pass
     import resource  # not Linux: the peak is the best available
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_memory_bytes(device: Any) -> int:
+    """This rank's peak memory so far, what a memory budget is held against. Any rank.
+
+    On CUDA: PyTorch's peak reserved memory (its caching allocator's segments, what an
+    out-of-memory error is decided on) plus the device memory PyTorch does not hold now (CUDA
+    context, communication buffers, other libraries); on CPU: the peak resident size
+    (``VmHWM``), the runner enforcing ``--memory-per-slot`` on the resident size.
+    """
+    import torch
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        outside = max(total - free - torch.cuda.memory_reserved(device), 0)
+        return int(torch.cuda.max_memory_reserved(device)) + int(outside)
+    return rss_bytes("VmHWM")
 
 
 def _numel(p: Any) -> int:
@@ -146,7 +164,9 @@ def measure_profile(engine: Any, *, activation_bytes: int, forwards: int, state_
       ``rss_start`` minus the state). The peak, not the size before the step: the first step
       itself allocates memory that does not grow with the batch (DeepSpeed's first-step buffers,
       kernel workspaces), and the runner enforces the budget on the resident size, so the model
-      must count it.
+      must count it;
+    * peak: :func:`peak_memory_bytes` after the first step (the session updates it when the
+      trial ends, so that it covers every step).
     """
     import torch
     params = list(engine.module.parameters())
@@ -165,7 +185,8 @@ def measure_profile(engine: Any, *, activation_bytes: int, forwards: int, state_
         trainable_params=sum(_numel(p) for p in params if p.requires_grad),
         activation_bytes_per_example=math.ceil(activation_bytes / examples),
         memory_per_slot=int(memory), baseline_bytes=int(baseline), half_precision=half,
-        device="cuda" if device.type == "cuda" else "cpu").to_json()
+        device="cuda" if device.type == "cuda" else "cpu",
+        micro_batch=engine.train_micro_batch_size_per_gpu(), peak_bytes=peak_memory_bytes(device)).to_json()
 
 
 def merge_profiles(profiles: list[dict[str, Any] | None]) -> dict[str, Any] | None:
@@ -175,7 +196,8 @@ def merge_profiles(profiles: list[dict[str, Any] | None]) -> dict[str, Any] | No
     if not known:
         return None
     merged = dict(known[0])
-    for key in ("num_params", "trainable_params", "activation_bytes_per_example", "baseline_bytes"):
-        merged[key] = max(p[key] for p in known)
+    for key in ("num_params", "trainable_params", "activation_bytes_per_example", "baseline_bytes",
+                "peak_bytes"):
+        merged[key] = max(p.get(key, 0) for p in known)
     merged["memory_per_slot"] = min(p["memory_per_slot"] for p in known)
     return merged

@@ -5,8 +5,8 @@ The only dsat-specific line in a user's loop is :func:`dsat_reporting_context` a
 training step::
 
     # torchrun --nproc_per_node 2 train.py     (or started by dsat as a trial: no change)
-    for step, batch in enumerate(batches):
-        with toolkit.dsat_reporting_context(engine, steps_completed=step):
+    for batch in batches:
+        with toolkit.dsat_reporting_context(engine):
             loss = engine(batch)                 # pipeline engines: engine.train_batch(it)
             engine.backward(loss)
             engine.step()
@@ -14,9 +14,10 @@ training step::
 Outside a trial (:data:`~toolkit.dsat.contract.TRIAL_ENV` unset) it returns one shared
 ``contextlib.nullcontext`` and never touches the engine. Inside a trial, on every rank:
 
-* ``steps_completed`` (the steps finished before this one) decides the step's role, counted
-  from the first value seen in the process (a loop resumed from a checkpoint still gets its
-  warm-up steps): the FLOPs are counted on step ``start_profile_step - 1`` and steps
+* The step's position decides its role: without ``steps_completed``, the calls of the context
+  in this process (the first call is step 0); with it (the steps finished before this one),
+  counted from the first value seen in the process. Either way a loop resumed from a checkpoint
+  still gets its warm-up steps: the FLOPs are counted on step ``start_profile_step - 1`` and steps
   ``start_profile_step`` to ``end_profile_step`` (both included) are timed, the device
   synchronised around each one; after the last of them the chief writes the result file and
   every rank exits with status 0. Forward and backward are timed by wrapping this engine's
@@ -29,8 +30,13 @@ Outside a trial (:data:`~toolkit.dsat.contract.TRIAL_ENV` unset) it returns one 
   micro-steps); ``throughput`` = samples per second over all ranks = micro-batches per step
   x ``train_micro_batch_size_per_gpu`` x data-parallel size / latency; ``FLOPS_per_gpu`` =
   model FLOPs per step on this rank / latency, averaged over ranks, with model FLOPs = 3 x the
-  forward FLOPs that DeepSpeed's :class:`FlopsProfiler` counts (backward ~ 2 x forward;
-  activation recomputation not counted, the convention of DeepSpeed's own autotuner).
+  forward FLOPs (backward ~ 2 x forward; activation recomputation not counted, the convention
+  of DeepSpeed's own autotuner). The forward FLOPs are those of the engine's forward calls
+  (pipeline engines: their ForwardPass instructions) in step ``start_profile_step - 1``,
+  counted by ``torch.utils.flop_counter.FlopCounterMode`` at the aten level (matrix products,
+  convolutions, attention; elementwise operations count nothing), so the model's FLOPs per
+  sample are the same at every ZeRO stage: what ZeRO runs around the model (gathers, hooks,
+  its own ``F.linear``) is not the model's arithmetic.
 * The profiling trial (``TrialContract.profile``, micro-batch 1) also records a
   :class:`~toolkit.dsat.contract.ProfileInfo` during its first wrapped step (see
   :mod:`toolkit.dsat.trial.profiling`) and reports metrics as well.
@@ -73,8 +79,8 @@ _session: TrialSession | None = None
 def instrumentation_overrides(contract: TrialContract) -> dict[str, Any]:
     """DeepSpeed config keys to merge into every trial's config (never into the best config).
 
-    The timing here wraps the engine's own methods and runs DeepSpeed's
-    :class:`FlopsProfiler` itself, so no timer needs enabling; but DeepSpeed's config-driven
+    The timing here wraps the engine's own methods and counts FLOPs with torch's own counter,
+    so no timer needs enabling; but DeepSpeed's config-driven
     flops profiler and autotuner must stay off in trials: both monkey-patch
     ``torch.nn.functional`` (counting twice) and the autotuner exits the process on its own.
     Pure; any process.
@@ -87,12 +93,16 @@ def instrumentation_overrides(contract: TrialContract) -> dict[str, Any]:
     return {"flops_profiler": {"enabled": False}, "autotuning": {"enabled": False}}
 
 
-def dsat_reporting_context(engine: Any, *, steps_completed: int) -> contextlib.AbstractContextManager:
+def dsat_reporting_context(engine: Any, *, steps_completed: int | None = None
+                           ) -> contextlib.AbstractContextManager:
     """Wrap ONE training step; inside a dsat trial, measure it and end the trial. Call on all ranks.
 
     Args:
         engine: the engine from ``deepspeed.initialize`` (data-parallel or pipeline).
-        steps_completed: training steps finished before this one (0 for the first).
+        steps_completed: optional, training steps finished before this one (0 for the first).
+            None (the default): the context counts its own calls in this process, which is
+            all it needs (steps are counted from the first call either way, so a resumed loop
+            still gets its warm-up).
 
     Returns:
         A context manager. Outside a trial: the same shared no-op object on every call.
@@ -106,7 +116,7 @@ def dsat_reporting_context(engine: Any, *, steps_completed: int) -> contextlib.A
     Example::
 
         # torchrun --nproc_per_node 2 train.py
-        with toolkit.dsat_reporting_context(engine, steps_completed=step):
+        with toolkit.dsat_reporting_context(engine):
             engine.train_batch(data_iter)          # pipeline engine: one call is one step
     """
     global _trial_file, _session
@@ -117,7 +127,7 @@ def dsat_reporting_context(engine: Any, *, steps_completed: int) -> contextlib.A
     if _session is None or _session.engine is not engine:
         install_oom_excepthook()   # usually done already by toolkit.init_distributed
         _session = TrialSession(engine, _trial_file)
-    return _session.step(int(steps_completed))
+    return _session.step(None if steps_completed is None else int(steps_completed))
 
 
 def _reset_for_tests() -> None:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, NoReturn
 from toolkit._files import atomic_write_json
 from toolkit.dsat.contract import TRIAL_ENV, TrialContract
 from toolkit.dsat.trial.oom import exit_on_oom, is_crashing, is_oom
-from toolkit.dsat.trial.profiling import ProfileProbe, merge_profiles, rss_bytes
+from toolkit.dsat.trial.profiling import ProfileProbe, merge_profiles, peak_memory_bytes, rss_bytes
 from toolkit.errors import LaunchEnvError
 
 __all__ = ["TrialSession", "read_contract", "reduce_metrics"]
@@ -88,9 +88,12 @@ class TrialSession:
         self.step_s: list[float] = []
         self.micro_steps = 0
         self.flops_per_step: float | None = None
+        self.forward_flops: int | None = None   # while the FLOPs step runs: its forwards' FLOPs so far
+        self.counting = False                   # a forward is running under the FLOP counter
         self.profile: dict[str, Any] | None = None
         self.rss_start = rss_bytes()
         self.first_step: int | None = None   # steps are counted from the first one seen (resumed loops)
+        self.step_calls = 0                   # calls of step(): the position when no count is given
         self.last_step = -1
         self.finished = False
         self._install_timers()
@@ -105,6 +108,8 @@ class TrialSession:
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             session.calls[kind] += 1
+            if kind == "forward" and session.forward_flops is not None and not session.counting:
+                return session._counted(fn, args, kwargs)
             if not session.timing:
                 return fn(*args, **kwargs)
             session._sync()
@@ -115,6 +120,21 @@ class TrialSession:
                 session._sync()
                 session.seconds[kind] += time.perf_counter() - start
         return wrapper
+
+    def _counted(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """Run one forward under torch's FLOP counter (aten level: matmul, conv, attention) and add
+        its FLOPs to the step's count. Only the model's own arithmetic is seen: ZeRO-3's gathers
+        and hooks count nothing, and its wrapped ``F.linear`` is one matmul as at any stage."""
+        from torch.utils.flop_counter import FlopCounterMode
+        counter = FlopCounterMode(display=False)
+        self.counting = True
+        try:
+            with counter:
+                return fn(*args, **kwargs)
+        finally:
+            self.counting = False
+            if self.forward_flops is not None:
+                self.forward_flops += int(counter.get_total_flops())
 
     def _install_timers(self) -> None:
         # Instance attributes shadow the class's methods for this engine only, and only in a trial.
@@ -130,15 +150,23 @@ class TrialSession:
             engine.backward = self._timed("backward", engine.backward)
 
     @contextlib.contextmanager
-    def step(self, steps_completed: int) -> Iterator[None]:
-        """Run one step in its role (FLOPs counted, timed, profiled); end the trial after the last."""
+    def step(self, steps_completed: int | None) -> Iterator[None]:
+        """Run one step in its role (FLOPs counted, timed, profiled); end the trial after the last.
+
+        ``steps_completed`` None: the step's position is the count of earlier calls.
+        """
         c = self.contract
+        if steps_completed is None:
+            steps_completed = self.step_calls
+        self.step_calls += 1
         if self.first_step is None:
             self.first_step = steps_completed
         k = steps_completed - self.first_step
         probe = ProfileProbe(self.engine, forwards=self.calls["forward"]) \
             if c.profile and self.profile is None else None
-        flops = self._start_flops() if k == c.start_profile_step - 1 else None
+        flops = k == c.start_profile_step - 1     # this step's forwards go through the FLOP counter
+        if flops:
+            self.forward_flops = 0
         timed = c.start_profile_step <= k <= c.end_profile_step
         forwards = self.calls["forward"]
         if timed:
@@ -148,7 +176,7 @@ class TrialSession:
         try:
             yield
         except BaseException as err:
-            self._abandon_step(err, probe, flops)
+            self._abandon_step(err, probe)
             raise
         if timed:
             self._sync()
@@ -159,33 +187,28 @@ class TrialSession:
         if probe is not None:
             self.profile = probe.measure(forwards=self.calls["forward"], memory_budget=c.memory_per_slot,
                                          local_world_size=self.ctx.local_world_size, rss_start=self.rss_start)
-        if flops is not None:
-            flops.stop_profile()
-            self.flops_per_step = 3.0 * float(flops.get_total_flops())
-            flops.end_profile()
+        if flops:
+            self.flops_per_step = 3.0 * float(self.forward_flops or 0)
+            self.forward_flops = None
         if k >= c.end_profile_step:
             self.report_and_exit()
 
-    def _abandon_step(self, err: BaseException, probe: ProfileProbe | None, flops: Any) -> None:
+    def _abandon_step(self, err: BaseException, probe: ProfileProbe | None) -> None:
         """A step raised: undo its hooks; an OOM ends the process here, anything else propagates."""
         self.timing = False
+        self.forward_flops = None
         with contextlib.suppress(Exception):  # undo the hooks; the step's own error matters
-            if flops is not None:
-                flops.end_profile()
             if probe is not None:
                 probe.remove()
         if is_oom(err):
             self.finished = True
             exit_on_oom(self.contract, err, rank=self.ctx.rank)
 
-    def _start_flops(self) -> Any:
-        from deepspeed.profiling.flops_profiler import FlopsProfiler
-        profiler = FlopsProfiler(self.engine.module)
-        profiler.start_profile()
-        return profiler
-
     def _local_measurements(self) -> dict[str, Any]:
         steps = max(len(self.step_s), 1)
+        if self.profile is not None:  # the peak over every step of the trial, not just the first
+            peak = peak_memory_bytes(getattr(self.engine, "device", "cpu"))
+            self.profile["peak_bytes"] = max(int(self.profile.get("peak_bytes", 0)), peak)
         # forward/backward seconds only accumulate while a timed step runs
         return {"latency": 1000.0 * sum(self.step_s) / steps,
                 "forward": 1000.0 * self.seconds["forward"] / steps,

@@ -15,7 +15,9 @@ handler re-raises the default action), the worker sets these signals to SIG_IGN.
 :func:`toolkit.init_distributed` and :func:`toolkit.watch_preemption` call it, so a
 user has nothing to do: every loader's workers start after ``init_distributed`` (they need the
 rank). Workers still stop when they should: the DataLoader shuts them down through its queues,
-and a worker whose rank has exited notices within 5 s (torch's watchdog) and exits too.
+a worker whose rank has exited notices within 5 s (torch's watchdog) and exits too, and the
+workers of a loader still alive when the rank exits are killed at exit (multiprocessing would
+otherwise wait for them forever, having sent them a SIGTERM they ignore).
 
 What this does not cover: workers started before ``init_distributed`` (a ``persistent_workers``
 loader iterated before it), and a ``SIGKILL``, which nothing can catch.
@@ -23,6 +25,7 @@ loader iterated before it), and a ``SIGKILL``, which nothing can catch.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import signal
@@ -87,6 +90,7 @@ def protect_dataloader_workers(signals: Iterable[int] = PROTECTED_SIGNALS) -> tu
         return ()
     wanted = tuple(sorted(set(_signals) | {int(s) for s in signals}))
     if _original is None:
+        atexit.register(_kill_protected_workers)  # after this, runs before multiprocessing's own
         _original = worker._worker_loop
     if wanted != _signals or not _is_ours(worker._worker_loop):
         _signals = wanted
@@ -99,6 +103,21 @@ def protect_dataloader_workers(signals: Iterable[int] = PROTECTED_SIGNALS) -> tu
 def protected_signals() -> tuple[int, ...]:
     """The signals new DataLoader workers ignore (empty before any protection). Any rank."""
     return _signals
+
+
+def _kill_protected_workers() -> None:
+    """At exit, end the DataLoader workers that ignore SIGTERM, before multiprocessing joins them.
+
+    Multiprocessing's exit handler terminates daemonic children with SIGTERM and then joins them
+    without a timeout: a worker of a loader still alive at exit (a persistent_workers iterator, a
+    global one) would ignore that SIGTERM and the rank would wait forever. Such workers have
+    nothing left to do, so they are killed.
+    """
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.daemon and _is_ours(getattr(child, "_target", None)):
+            child.kill()
 
 
 def _is_ours(loop: Any) -> bool:

@@ -26,6 +26,8 @@ from toolkit.dsat.records import (
     write_trial_tables,
 )
 from toolkit.dsat.search import memory
+from toolkit.dsat.search.batch import GlobalBatch, time_capped_micro_batch
+from toolkit.dsat.search.space import default_zero_autos
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
 from toolkit.dsat.trial.reporting import instrumentation_overrides
 
@@ -53,6 +55,9 @@ class Plan:
         run_full_experiment: after the search, train with the best config.
         memory_per_slot: bytes per slot given to the memory model (CPU budget; on GPU the
             profiling trial's measurement wins).
+        global_batch: the global batch policy (keep the user's ``train_batch_size``, fix it, or
+            free it); every trial and the best config follow it.
+        hidden_size: ``hyperparameters.hidden_size``, which resolves ZeRO's "auto" sizes.
     """
 
     config_path: Path
@@ -66,6 +71,8 @@ class Plan:
     resume: bool = False
     run_full_experiment: bool = False
     memory_per_slot: int | None = None
+    global_batch: GlobalBatch = GlobalBatch("free")
+    hidden_size: int | None = None
 
     def fingerprint(self) -> dict[str, Any]:
         """What must not change between a search and its ``--resume``."""
@@ -77,7 +84,8 @@ class Plan:
                 "slots_per_trial": self.runner.slots_per_trial,
                 "entrypoint": list(self.runner.entrypoint),
                 "start_profile_step": self.runner.start_profile_step,
-                "end_profile_step": self.runner.end_profile_step}
+                "end_profile_step": self.runner.end_profile_step,
+                "global_batch": self.global_batch.to_json(), "hidden_size": self.hidden_size}
 
     def resume_problem(self) -> str | None:
         """Why ``--resume`` cannot continue the search recorded in ``output_dir``, or None.
@@ -103,21 +111,34 @@ def profile_spec(base_ds_config: Mapping[str, Any]) -> TrialSpec:
     return TrialSpec(trial_id=0, micro_batch=1, zero=zero, line=-1, profile=True)
 
 
-def trial_ds_config(base_ds_config: Mapping[str, Any], spec: TrialSpec, *,
-                    data_parallel_size: int) -> dict[str, Any]:
+def trial_ds_config(base_ds_config: Mapping[str, Any], spec: TrialSpec, *, data_parallel_size: int,
+                    train_batch_size: int | None = None, hidden_size: int | None = None) -> dict[str, Any]:
     """The complete DeepSpeed config of a trial (or of the best trial): pure.
 
     The trial's ZeRO section replaces the user's whole (the searcher built it on the user's,
-    dropping what its stage cannot run); the micro-batch is the trial's; gradient accumulation
-    stays the user's (1 when unset or "auto"); ``train_batch_size`` is derived so that
-    ``train_batch_size = micro_batch * accumulation * data_parallel_size`` holds.
+    dropping what its stage cannot run); the micro-batch is the trial's. With a global batch
+    (``train_batch_size``: the policy keep or N) the accumulation is derived so that
+    ``train_batch_size = micro_batch * accumulation * data_parallel_size``; without (free), the
+    accumulation stays the user's (1 when unset or "auto") and ``train_batch_size`` is derived.
+    ZeRO's "auto" sizes are resolved from ``hidden_size`` (HF's rule), else DeepSpeed's defaults.
+    A profiling trial whose micro-batch does not divide ``train_batch_size / data_parallel_size``
+    (it measures memory, not speed) runs with the accumulation of the free policy.
     """
     config = overwrite_deepspeed_config(base_ds_config, {MBS: spec.micro_batch})
     config["zero_optimization"] = copy.deepcopy(dict(spec.zero))
-    config.pop(TBS, None)
-    if not isinstance(config.get(GAS), int) or isinstance(config.get(GAS), bool):
-        config[GAS] = 1
-    return resolve_ds_config(config, data_parallel_size=data_parallel_size)
+    if spec.profile and train_batch_size is not None \
+            and train_batch_size % (spec.micro_batch * data_parallel_size):
+        train_batch_size = None  # a profiling trial at a micro-batch that cannot keep it: memory only
+    if train_batch_size is not None:
+        config[TBS] = train_batch_size
+        config.pop(GAS, None)
+    else:
+        config.pop(TBS, None)
+        if not isinstance(config.get(GAS), int) or isinstance(config.get(GAS), bool):
+            config[GAS] = 1
+    config = resolve_ds_config(config, data_parallel_size=data_parallel_size, hidden_size=hidden_size)
+    config["zero_optimization"] = default_zero_autos(config["zero_optimization"])
+    return config
 
 
 @dataclasses.dataclass
@@ -150,7 +171,9 @@ class Autotuner:
     # ---------------------------------------------------------------- helpers
     def _config_for(self, spec: TrialSpec, *, instrumented: bool) -> dict[str, Any]:
         plan = self.plan
-        config = trial_ds_config(plan.base_ds_config, spec, data_parallel_size=plan.data_parallel_size)
+        config = trial_ds_config(plan.base_ds_config, spec, data_parallel_size=plan.data_parallel_size,
+                                 train_batch_size=plan.global_batch.train_batch_size,
+                                 hidden_size=plan.hidden_size)
         if instrumented:
             runner = self.plan.runner
             contract = TrialContract(spec.trial_id, "", runner.start_profile_step, runner.end_profile_step,
@@ -230,6 +253,7 @@ class Autotuner:
         (self.out / "trials").mkdir(exist_ok=True)
         events = self.log.read()
         atomic_write_json(self.out / "search.json", self.plan.fingerprint())
+        self.say(self.plan.global_batch.describe())
         with TrialRunner(self.plan.runner, output_dir=self.out) as runner:
             profile = self._profile(runner, events)
             if profile is None:
@@ -237,7 +261,7 @@ class Autotuner:
                 return SearchOutcome(1, list(self.results.values()), None,
                                      f"the profiling trial failed ({failed.status.value}): {failed.error}; "
                                      f"its logs are in {self.out / 'trials' / 'trial_0'}")
-            searcher: search.Searcher = search.make_searcher(self.plan.search, profile)
+            searcher: search.Searcher = search.make_searcher(self._search_settings(), profile)
             observed = self._replay(searcher, runner, events)
             while not searcher.done:
                 for spec in searcher.propose(runner.capacity()):
@@ -250,6 +274,30 @@ class Autotuner:
                     observed += 1
                     self._progress(result, runner.running())
         return self._conclude()
+
+    def _search_settings(self) -> SearchSettings:
+        """The plan's search settings with the micro-batch capped so that no trial is predicted to run
+        past the trial timeout (the profiling trial's step time, linear in the micro-batch).
+
+        With the global batch kept and a timed step that spans the accumulation steps (more than
+        one micro-batch per step), a step's examples do not grow with the micro-batch: no cap."""
+        runner, profiled, dp = self.plan.runner, self.results[0], self.plan.data_parallel_size
+        latency = float(profiled.metrics.get("latency") or 0.0)
+        micro_per_step = float(profiled.metrics.get("throughput") or 0.0) * latency / 1000.0 / dp
+        if self.plan.global_batch.train_batch_size is not None and micro_per_step > 1.5:
+            return self.plan.search
+        steps = runner.end_profile_step
+        overhead = profiled.duration_s - steps * latency / 1000.0
+        cap = time_capped_micro_batch(latency, steps=steps, timeout_s=runner.timeout_s, overhead_s=overhead)
+        if cap is None:
+            return self.plan.search
+        logger.info("trial timeout %gs: no micro-batch above %d (predicted %.0fs start-up + %d steps x %.4g "
+                    "ms x micro-batch)", runner.timeout_s, cap, overhead, steps, latency)
+        top = self.plan.search.micro_batches[-1] if self.plan.search.micro_batches else None
+        if top is None or cap < top:
+            self.say(f"trial timeout {runner.timeout_s:g}s: micro-batches above {cap} are not tried "
+                     f"(predicted {overhead:.0f}s start-up + {steps} steps x {latency:.4g} ms x micro-batch)")
+        return dataclasses.replace(self.plan.search, max_micro_batch=cap)
 
     def _replay(self, searcher: search.Searcher, runner: TrialRunner, events: list[dict[str, Any]]) -> int:
         """Feed a resumed search's recorded results through the fresh searcher; rerun the unfinished."""
@@ -288,7 +336,11 @@ class Autotuner:
         atomic_write_json(self.out / "best_ds_config.json", best_config)
         atomic_write_json(self.out / "best_ds_metrics.json",
                           {"trial_id": best.spec.trial_id, "metric": self.plan.search.metric,
-                           "metrics": dict(best.metrics)})
+                           "metrics": dict(best.metrics),
+                           "global_batch": {**self.plan.global_batch.to_json(),
+                                            "train_batch_size": best_config[TBS],
+                                            "gradient_accumulation_steps": best_config[GAS],
+                                            "train_micro_batch_size_per_gpu": best_config[MBS]}})
         counts = {s.value: sum(r.status is s for r in tuning) for s in TrialStatus}
         message = (f"best {self.plan.search.metric} = {best.metrics[self.plan.search.metric]:.4g} (trial "
                    f"{best.spec.trial_id}: stage {best.spec.stage}, micro-batch {best.spec.micro_batch}); "

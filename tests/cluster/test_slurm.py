@@ -254,3 +254,29 @@ def test_toolkit_run_as_the_batch_script_stops_on_the_batch_signal(slurm, tmp_pa
                         what="orphaned ranks")
     assert state == "COMPLETED", f"{state}\n{job_log(tmp_path, script)}"
     assert both(out, "stop") and (out / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.xfail(strict=True, reason="under srun the default MASTER_PORT is 10000 + job id % 20000: two "
+                   "steps of one job running at once on a node take the same port (EADDRINUSE, cross-talk)")
+def test_two_concurrent_steps_of_one_job_each_rendezvous(slurm, tmp_path):
+    """``srun ... & srun ... & wait`` in one allocation (a sweep inside one job), no MASTER_PORT set."""
+    script = tmp_path / "steps.sh"
+    command = f"srun --overlap --ntasks=2 {sys.executable} {CTX}"
+    steps = "".join(f"{command} {tmp_path / name} &\n" for name in "AB")
+    script.write_text(f"#!/bin/sh\n{steps}wait\n")
+    for name in "AB":
+        (tmp_path / name).mkdir()
+    env = p.child_env(CLUSTER_CTX_TIMEOUT_S="20", TOOLKIT_COLLECTIVE_TIMEOUT_S="20")
+    job = slurm.sbatch("--ntasks=2", f"--output={tmp_path / 'steps.out'}", f"--chdir={tmp_path}", str(script),
+                       env=slurm.env(env))
+    try:  # a failed step ends the test at once (the other may wait minutes on a peer that is gone)
+        wait_for(lambda: slurm.job_state(job) not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING")
+                 or "srun: error" in job_log(tmp_path, script), START_S, "the job or a failed step")
+        state = slurm.job_state(job)
+    finally:
+        slurm.run("scancel", job, check=False)
+    log = job_log(tmp_path, script)
+    assert state == "COMPLETED" and "srun: error" not in log, log
+    for name in "AB":
+        records = [read(tmp_path / name / f"rank{rank}.json") for rank in range(2)]
+        assert [r["all_gathered"] for r in records] == [[0, 1], [0, 1]], log

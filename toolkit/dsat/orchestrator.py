@@ -181,6 +181,11 @@ class Autotuner:
             config = overwrite_deepspeed_config(config, instrumentation_overrides(contract))
         return config
 
+    def _overrides(self, spec: TrialSpec) -> dict[str, Any]:
+        """A trial's ``ds_overrides`` for trials.jsonl: its micro-batch, ZeRO section and batch triple."""
+        config = self._config_for(spec, instrumented=False)
+        return {**spec.ds_overrides(), TBS: config[TBS], GAS: config[GAS]}
+
     def _start(self, runner: TrialRunner, spec: TrialSpec, *, observed_before: int, log: bool = True) -> None:
         config = self._config_for(spec, instrumented=True)
         if log:
@@ -193,7 +198,7 @@ class Autotuner:
         if not replayed:
             self.log.finished(result)
             self.tensorboard.add(result)
-        write_trial_tables(self.out, self.results.values())
+        write_trial_tables(self.out, self.results.values(), overrides=self._overrides)
 
     def _progress(self, result: TrialResult, running: int) -> None:
         metric = self.plan.search.metric

@@ -23,7 +23,7 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from toolkit._files import atomic_write
 from toolkit.dsat.contract import METRICS
@@ -91,11 +91,16 @@ def _record(result: TrialResult) -> dict[str, Any]:
             "error": result.error}
 
 
-def write_trial_tables(output_dir: Path, results: Iterable[TrialResult]) -> None:
-    """Rewrite trials.jsonl and trials.csv from all finished trials (sorted by trial id)."""
+def write_trial_tables(output_dir: Path, results: Iterable[TrialResult], *,
+                       overrides: Callable[[TrialSpec], Mapping[str, Any]] | None = None) -> None:
+    """Rewrite trials.jsonl and trials.csv from all finished trials (sorted by trial id).
+
+    ``overrides``: a trial's ``ds_overrides`` in trials.jsonl (default: ``spec.ds_overrides()``;
+    the orchestrator adds the batch triple the global batch policy gave the trial)."""
     ordered = sorted(results, key=lambda r: r.spec.trial_id)
     records = [_record(r) for r in ordered]
-    jsonl = "".join(json.dumps({**rec, "ds_overrides": r.spec.ds_overrides()}, sort_keys=True) + "\n"
+    over = overrides or (lambda spec: spec.ds_overrides())
+    jsonl = "".join(json.dumps({**rec, "ds_overrides": dict(over(r.spec))}, sort_keys=True) + "\n"
                     for rec, r in zip(records, ordered, strict=True))
     atomic_write(output_dir / "trials.jsonl", jsonl)
     columns: list[str] = []

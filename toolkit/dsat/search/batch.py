@@ -77,14 +77,16 @@ class GlobalBatch:
 def global_batch_policy(flag: str | int | None, *, user_train_batch_size: Any) -> GlobalBatch:
     """The policy of ``--global-batch`` (None: not given) for the user's ``train_batch_size``.
 
-    Not given: keep the user's integer, else free. ``"keep"`` with no integer in the config is a
-    :class:`ConfigError`. Pure; any rank.
+    Not given: keep the user's positive integer, else free (a bad value is the config check's to
+    report). ``"keep"`` with no integer in the config is a :class:`ConfigError`. Pure; any rank.
 
     Example:
         >>> global_batch_policy(None, user_train_batch_size="auto").policy
         'free'
     """
-    user = int(user_train_batch_size) if is_int(user_train_batch_size) else None
+    user = None
+    if is_int(user_train_batch_size) and user_train_batch_size >= 1:
+        user = int(user_train_batch_size)
     if flag is None:
         return GlobalBatch("keep", user) if user is not None else GlobalBatch("free")
     if flag == "free":

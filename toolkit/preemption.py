@@ -36,8 +36,7 @@ stop request, time per call) on its own gloo group (also under nccl):
 
 Check points are ``check_every`` calls apart, or, by default (``check_every=None``), adaptively
 about ``check_interval`` seconds apart: the interval in calls is
-``clamp(check_interval // slowest rank's seconds per call, 1, 1000)``, growing at most
-twofold from one check point to the next. A fixed number of calls
+``clamp(check_interval // slowest rank's seconds per call, 1, 1000)``. A fixed number of calls
 suits either short steps (cost) or long steps (delay), not both: what a scheduler grants is a
 grace period in *seconds*, and what a check costs matters relative to the step *time*. Launching
 a non-blocking gloo all-reduce costs the caller a fraction of a millisecond, and gloo's threads,
@@ -177,6 +176,7 @@ class PreemptionWatcher:
         # a loop that calls rarely agrees synchronously from its second call on.
         self._last_check_ns = time.perf_counter_ns()
         self._sync = False          # agree at the call (rare calls); decided from reduced values
+        self._measured = False      # True after the first reduced time per call
         self._pending: Any = None   # (arrival number, the all-reduce in flight: a torch Work)
         # One buffer is enough: the previous all-reduce is always consumed before the next launch.
         # Written and read through a numpy view, which costs far less than building a tensor.
@@ -289,11 +289,11 @@ class PreemptionWatcher:
             return True
         if ns_per_call > 0:
             # Same inputs on every rank (the reduced values), hence the same next check point.
-            if self.check_every is None:
-                # At most twice the last interval: the first measurement (from the watcher's
-                # creation) may catch a call made right away, which would suggest a huge interval.
-                self._interval = max(1, min(MAX_ADAPTIVE_CHECK_EVERY, self._target_ns // ns_per_call,
-                                            2 * self._interval))
+            # The first measurement runs from the watcher's creation and may catch a call made right
+            # away: it may switch to synchronous checks, but not lengthen the interval.
+            if self.check_every is None and self._measured:
+                self._interval = max(1, min(MAX_ADAPTIVE_CHECK_EVERY, self._target_ns // ns_per_call))
+            self._measured = True
             self._sync = ns_per_call * self._interval >= self._target_ns
         return False
 

@@ -369,3 +369,106 @@ def test_run_full_experiment_trains_with_the_best_config(tmp_path):
             json.loads((out / "full_experiment" / "output" / f"full_run_rank{rank}.json").read_text()) == best
         )
     assert "full experiment exited with status 0" in result.stdout
+
+
+# ---------------------------------------------------------------- the global batch policy (issue 12)
+def _plan(tmp_path, model_dir, *flags):
+    from toolkit.dsat.cli import build_parser, make_plan
+
+    args = build_parser().parse_args(["binary", str(model_dir / "deepspeed.yaml"), str(model_dir),
+                                      "--output-dir", str(tmp_path / "out"), "--memory-per-slot", "100MiB",
+                                      *flags])
+    return make_plan(args)  # checks and plans only: launches and writes nothing
+
+
+KEEP_64 = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}}
+
+
+@pytest.mark.parametrize("flags, policy, tbs, allowed", [
+    ([], "keep", 64, (1, 2, 4, 8, 16, 32)),
+    (["--global-batch", "keep"], "keep", 64, (1, 2, 4, 8, 16, 32)),
+    (["--global-batch", "48"], "fixed", 48, (1, 2, 3, 4, 6, 8, 12, 24)),
+    (["--global-batch", "free"], "free", None, None),
+])
+def test_the_global_batch_policy_reaches_the_plan(tmp_path, flags, policy, tbs, allowed):
+    model_dir = make_model_dir(tmp_path, slots=2, ds=KEEP_64)
+    plan = _plan(tmp_path, model_dir, *flags)
+    assert (plan.global_batch.policy, plan.global_batch.train_batch_size) == (policy, tbs)
+    assert plan.search.micro_batches == allowed
+    assert plan.fingerprint()["global_batch"] == {"policy": policy, "train_batch_size": tbs}
+    spec = TrialSpec(1, micro_batch=8, zero={"stage": 2}, line=0)
+    config = trial_ds_config(plan.base_ds_config, spec, data_parallel_size=2,
+                             train_batch_size=plan.global_batch.train_batch_size)
+    expected = (tbs, 8, tbs // 16) if tbs else (128, 8, 8)  # free: the user's accumulation 8 kept
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"],
+            config["gradient_accumulation_steps"]) == expected
+
+
+def test_without_train_batch_size_the_policy_is_free(tmp_path):
+    plan = _plan(tmp_path, make_model_dir(tmp_path))
+    assert plan.global_batch.policy == "free" and plan.search.micro_batches is None
+
+
+def test_auto_zero_sizes_are_accepted_and_resolved(tmp_path):
+    ds = {**KEEP_64, "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                           "stage3_prefetch_bucket_size": "auto",
+                                           "stage3_param_persistence_threshold": "auto"},
+          "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+    plan = _plan(tmp_path, make_model_dir(tmp_path, slots=2, ds=ds, hparams={"hidden_size": 64}))
+    assert plan.hidden_size == 64 and plan.global_batch.train_batch_size == 64
+    config = trial_ds_config(plan.base_ds_config, profile_spec(plan.base_ds_config), data_parallel_size=2,
+                             train_batch_size=64, hidden_size=plan.hidden_size)
+    zero = config["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
+            zero["stage3_param_persistence_threshold"]) == (64 * 64, int(0.9 * 64 * 64), 640)
+    # without hidden_size: DeepSpeed's defaults; a searched knob is the search's choice
+    spec = TrialSpec(1, micro_batch=2, zero={**ds["zero_optimization"], "reduce_bucket_size": 50_000_000})
+    zero = trial_ds_config(plan.base_ds_config, spec, data_parallel_size=2, train_batch_size=64)["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
+            zero["stage3_param_persistence_threshold"]) == (50_000_000, 50_000_000, 100_000)
+
+
+def test_every_flag_has_help_with_its_default():
+    from toolkit.dsat.cli import build_parser
+
+    parser = build_parser()
+    methods = next(a for a in parser._actions if a.dest == "method")
+    for name, sub in methods.choices.items():
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help and "default" in action.help, (name, action.option_strings)
+    text = " ".join(methods.choices["binary"].format_help().split())
+    assert "80% of the memory available" in text and "(default: 600.0 seconds)" in text
+
+
+def test_the_cpu_default_budget_leaves_headroom():
+    from toolkit.dsat.execution.settings import default_memory_per_slot
+
+    gib = 2**30
+    assert default_memory_per_slot(23 * gib, slots=2) == int((0.8 * 23 * gib - 2 * gib) // 2)
+    assert default_memory_per_slot(gib, slots=2) == 1  # nothing left: the memory model says so
+
+
+def test_the_global_batch_is_kept_in_every_trial(tmp_path):
+    model_dir = make_model_dir(tmp_path, slots=2, ds=KEEP_64)
+    out = tmp_path / "out"
+    result = dsat(model_dir, "--max-trials", "6", "--zero-stages", "1", "2", "--memory-per-slot", "100MiB")
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "global batch: keep train_batch_size=64" in result.stdout
+    records = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
+    assert len(records) == 6
+    for record in records:
+        over = record["ds_overrides"]
+        assert over["train_batch_size"] == 64, record
+        assert over["train_micro_batch_size_per_gpu"] in (1, 2, 4, 8, 16, 32), record
+        assert over["train_micro_batch_size_per_gpu"] * over["gradient_accumulation_steps"] * 2 == 64
+        trial = json.loads((out / "trials" / f"trial_{record['trial_id']}" / "ds_config.json").read_text())
+        assert trial["train_batch_size"] == 64
+    best = json.loads((out / "best_ds_config.json").read_text())
+    assert best["train_batch_size"] == 64
+    assert best["train_micro_batch_size_per_gpu"] * best["gradient_accumulation_steps"] * 2 == 64
+    metrics = json.loads((out / "best_ds_metrics.json").read_text())
+    assert metrics["global_batch"]["policy"] == "keep" and metrics["global_batch"]["train_batch_size"] == 64
+    assert json.loads((out / "search.json").read_text())["global_batch"] == {"policy": "keep",
+                                                                           "train_batch_size": 64}

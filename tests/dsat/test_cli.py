@@ -424,7 +424,8 @@ def test_auto_zero_sizes_are_accepted_and_resolved(tmp_path):
             zero["stage3_param_persistence_threshold"]) == (64 * 64, int(0.9 * 64 * 64), 640)
     # without hidden_size: DeepSpeed's defaults; a searched knob is the search's choice
     spec = TrialSpec(1, micro_batch=2, zero={**ds["zero_optimization"], "reduce_bucket_size": 50_000_000})
-    zero = trial_ds_config(plan.base_ds_config, spec, data_parallel_size=2, train_batch_size=64)["zero_optimization"]
+    config = trial_ds_config(plan.base_ds_config, spec, data_parallel_size=2, train_batch_size=64)
+    zero = config["zero_optimization"]
     assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
             zero["stage3_param_persistence_threshold"]) == (50_000_000, 50_000_000, 100_000)
 

@@ -29,6 +29,8 @@ import atexit
 import functools
 import logging
 import signal
+import threading
+import time
 from typing import Any, Iterable
 
 __all__ = ["PROTECTED_SIGNALS", "protect_dataloader_workers", "protected_signals", "stop_signals"]
@@ -38,6 +40,7 @@ logger = logging.getLogger(__name__)
 PROTECTED_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
+_EXIT_GRACE_S = 1.0
 
 _original: Any = None         # torch's own _worker_loop, once wrapped
 _signals: tuple[int, ...] = ()
@@ -106,17 +109,28 @@ def protected_signals() -> tuple[int, ...]:
 
 
 def _kill_protected_workers() -> None:
-    """At exit, end the DataLoader workers that ignore SIGTERM, before multiprocessing joins them.
+    """At exit, end daemonic children (DataLoader workers) before multiprocessing joins them.
 
     Multiprocessing's exit handler terminates daemonic children with SIGTERM and then joins them
     without a timeout: a worker of a loader still alive at exit (a persistent_workers iterator, a
-    global one) would ignore that SIGTERM and the rank would wait forever. Such workers have
-    nothing left to do, so they are killed.
+    global one) ignores that SIGTERM, and the rank would wait forever. Here every daemonic child
+    gets the same SIGTERM, one second in all to exit, then SIGKILL. (Which children are workers
+    cannot be told: multiprocessing drops a process's target once it has started.)
     """
     import multiprocessing
 
-    for child in multiprocessing.active_children():
-        if child.daemon and _is_ours(getattr(child, "_target", None)):
+    children = [child for child in multiprocessing.active_children() if child.daemon]
+    if not children:
+        return
+    # torch's SIGCHLD handler would report the killed workers as a failure of the loader.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + _EXIT_GRACE_S
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+        if child.is_alive():
             child.kill()
 
 

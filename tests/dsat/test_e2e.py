@@ -67,3 +67,30 @@ def test_binary_search_on_the_example_then_train_with_the_best_config(tmp_path):
                                   "--output-dir", str(tmp_path / "run"), "--max-steps", "3"), timeout=600)
     assert train.returncode == 0, train.stdout[-4000:]
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_3"
+
+
+@pytest.mark.slow
+def test_an_offload_trial_runs_on_cpu(tmp_path):
+    """One real ZeRO-Offload trial (issue 12): optimizer state offloaded to the CPU at stage 2, where
+    DeepSpeed steps it with DeepSpeedCPUAdam; the global batch 16 kept on 2 ranks."""
+    config = small_setup(tmp_path)
+    out = tmp_path / "dsat"
+    result = p.run([sys.executable, "-m", "toolkit.dsat", "binary", str(config), str(EXAMPLES),
+                    "--max-trials", "2", "--memory-per-slot", "1400MiB", "--zero-stages", "2",
+                    "--offload", "always", "--global-batch", "16", "--start-profile-step", "2",
+                    "--end-profile-step", "3", "--trial-timeout", "240", "--output-dir", str(out)],
+                   timeout=900)
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert "global batch: fixed train_batch_size=16" in result.stdout
+    records = {r["trial_id"]: r for r in map(json.loads, (out / "trials.jsonl").read_text().splitlines())}
+    assert records[1]["status"] == "ok" and not records[1]["profile"], records  # the one tuning trial
+    offloaded = records[1]["ds_overrides"]
+    assert offloaded["zero_optimization"]["stage"] == 2
+    assert offloaded["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert offloaded["train_batch_size"] == 16
+    trial = json.loads((out / "trials" / "trial_1" / "ds_config.json").read_text())  # what DeepSpeed ran
+    assert trial["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert trial["optimizer"]["type"] == "Adam"  # with the optimizer offloaded: DeepSpeedCPUAdam
+    best = json.loads((out / "best_ds_config.json").read_text())
+    assert best["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert best["train_batch_size"] == 16

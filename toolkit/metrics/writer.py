@@ -123,10 +123,10 @@ class MetricsWriter:
 
     Cost: one all-reduce per batch of training reports (and per validation report) of
     ``len(metrics) + 3`` floats per report (+2 with ``samples``, + the batch metrics), plus one
-    all-gather and one more all-reduce when the set of names changes; on the chief, some tens of
-    microseconds per report to buffer one TensorBoard event and one JSON line (written by the
-    reporting thread itself; there is no writer thread). Files are flushed every ``flush_every``
-    reports, every ``flush_secs`` seconds, and on close.
+    all-gather and one more all-reduce when the set of names changes; on the chief, buffering one
+    TensorBoard event and one JSON line per report, done by the reporting thread itself (there is
+    no writer thread). Files are flushed every ``flush_every`` reports, every ``flush_secs``
+    seconds, and on close.
 
     A value of the wrong kind raises on the rank that has it, before any collective: when every
     rank passes the same bad input, every rank raises. Ranks that disagree about the metric

@@ -6,6 +6,7 @@ time; the README's benchmark section has the figures)::
 
     .venv/bin/python scripts/bench_dsat.py
     .venv/bin/python scripts/bench_dsat.py --method asha --output runs/bench_dsat/asha.json
+    .venv/bin/python scripts/bench_dsat.py --train-batch-size 512 --skip-ds-autotuner   # batch kept
 
 On the example model (examples/core_api/train.py, made small: ``--width 8 --image-size 16``) and
 one CPU memory budget (``--memory-per-slot``, default 1GiB per rank, above what the profiling
@@ -44,6 +45,10 @@ trial needs), one after the other in this process:
    measured N more times through the same trial runner, interleaved; every measurement of a
    config (search, grid, confirm) is pooled and the medians compared, because the best of many
    noisy trials is biased upwards and the grid draws many more than dsat.
+
+With ``--train-batch-size N`` the experiment fixes the global batch (``overwrite_deepspeed_args``):
+dsat keeps it (its default policy) and the grid runs every micro-batch dividing ``N / 2`` up to
+the range tops, with the accumulation derived, through the same ``trial_ds_config``.
 
 Printed at the end: a table with absolute numbers and the ratios ``dsat_best / grid_best``
 (target >= 0.95) and ``dsat_trial_seconds / grid_trial_seconds`` (target <= 0.25); DeepSpeed's
@@ -93,6 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bisect-tolerance", type=float, default=None,
                    help="dsat binary's --bisect-tolerance (default: dsat's own)")
     p.add_argument("--random-seed", type=int, default=42)
+    p.add_argument("--train-batch-size", type=int, default=None, metavar="N",
+                   help="the user's global batch, written in the experiment's overwrite_deepspeed_args (with "
+                        "the micro-batch and accumulation 'auto'): dsat keeps it and so does the grid, over "
+                        "the micro-batches dividing N / 2 (default: none, the global batch is free)")
     # 4 timed steps per trial: with 1-2 the metric of one config varies by +-10% between trials
     # here, and the best of many noisy trials (the grid's) is biased upwards.
     p.add_argument("--start-profile-step", type=int, default=3)
@@ -160,6 +169,10 @@ def write_experiment(args: argparse.Namespace, work: Path) -> Path:
     experiment.setdefault("hyperparameters", {}).update({
         "deepspeed_config": str(EXAMPLE / "ds_config.json"), "deterministic": False,
         "width": args.width, "image_size": args.image_size, "dataset_size": args.dataset_size})
+    if args.train_batch_size is not None:  # the global batch a real run fixes; dsat keeps it by default
+        experiment["hyperparameters"].setdefault("overwrite_deepspeed_args", {}).update({
+            "train_batch_size": args.train_batch_size, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto"})
     path = work / "experiment.yaml"
     path.write_text(yaml.safe_dump(experiment, sort_keys=False), encoding="utf-8")
     return path
@@ -251,7 +264,9 @@ class TrialArm:
                     continue
                 # Exactly what dsat's orchestrator starts (Autotuner._config_for and _start).
                 config = trial_ds_config(plan.base_ds_config, spec,
-                                         data_parallel_size=plan.data_parallel_size)
+                                         data_parallel_size=plan.data_parallel_size,
+                                         train_batch_size=plan.global_batch.train_batch_size,
+                                         hidden_size=plan.hidden_size)
                 contract = TrialContract(spec.trial_id, "", plan.runner.start_profile_step,
                                          plan.runner.end_profile_step, False, plan.runner.memory_per_slot)
                 config = overwrite_deepspeed_config(config, instrumentation_overrides(contract))
@@ -274,11 +289,20 @@ def grid_micro_batches(hi: int) -> list[int]:
     return sorted({2 ** k for k in range(hi.bit_length()) if 2 ** k <= hi} | {hi})
 
 
-def search_range(args: argparse.Namespace, profile: dict[str, Any]) -> dict[int, int]:
-    """Per stage, the top of the micro-batch range dsat bisects (see ``toolkit.dsat.search.lines``)."""
+def search_range(args: argparse.Namespace, profile: dict[str, Any],
+                 allowed: tuple[int, ...] | None = None) -> dict[int, int]:
+    """Per stage, the top of the micro-batch range dsat bisects (see ``toolkit.dsat.search.lines``):
+    with the global batch kept, the largest allowed micro-batch not above it."""
     prediction = profile["prediction"]
-    return {s: max(1, math.ceil(args.search_range_factor * int(prediction[str(s)]["approx_max_micro_batch"])))
+    factor = args.search_range_factor
+    tops = {s: max(1, math.ceil(factor * int(prediction[str(s)]["approx_max_micro_batch"])))
             for s in args.zero_stages}
+    return tops if allowed is None else {s: max(m for m in allowed if m <= top) for s, top in tops.items()}
+
+
+def grid_points(top: int, allowed: tuple[int, ...] | None) -> list[int]:
+    """The grid's micro-batches up to ``top``: the doubling grid, or every allowed micro-batch."""
+    return grid_micro_batches(top) if allowed is None else [m for m in allowed if m <= top]
 
 
 def first_failure(results: list[TrialResult], stage: int) -> int | None:
@@ -290,18 +314,20 @@ def run_grid(args: argparse.Namespace, arm: TrialArm, dsat: dict[str, Any],
              profile: dict[str, Any]) -> dict[str, Any]:
     from toolkit.dsat.search import best_result
 
-    tops = search_range(args, profile)
+    allowed = arm.plan.search.micro_batches
+    tops = search_range(args, profile, allowed)
     specs: list[TrialSpec] = []
     for stage in args.zero_stages:
-        stage_specs = [arm.spec(stage, mb) for mb in grid_micro_batches(tops[stage])
+        stage_specs = [arm.spec(stage, mb) for mb in grid_points(tops[stage], allowed)
                        if args.grid_limit is None or mb <= args.grid_limit]
         if dsat["best_stage"] == stage and dsat["best_zero"] is not None:
             keys = {config_key(s.micro_batch, dict(s.zero)) for s in stage_specs}
             if config_key(dsat["best_micro_batch"], dsat["best_zero"]) not in keys:
                 stage_specs.append(arm.spec(stage, dsat["best_micro_batch"], dsat["best_zero"]))
         specs += sorted(stage_specs, key=lambda s: s.micro_batch)
-    say(f"== grid: ZeRO stages {args.zero_stages} x micro-batches 1, 2, 4, ... up to the range tops {tops}, "
-        f"plus dsat's best config: {len(specs)} trials")
+    say(f"== grid: ZeRO stages {args.zero_stages} x micro-batches "
+        f"{'1, 2, 4, ...' if allowed is None else 'dividing the kept batch'} up to the range tops {tops}, "
+        f"plus dsat's best config: {len(specs)} trials ({arm.plan.global_batch.describe()})")
 
     def skip(spec: TrialSpec, done: list[TrialResult]) -> bool:
         failed_at = first_failure(done, spec.stage)

@@ -47,7 +47,7 @@ _signals: tuple[int, ...] = ()
 
 
 def worker_loop_ignoring(signals: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-    """Torch's worker loop, after setting ``signals`` to SIG_IGN in this worker process.
+    """Torch's worker loop, after setting ``signals`` to SIG_IGN. Runs in a DataLoader worker only.
 
     A module-level function bound with functools.partial, so that a DataLoader with the
     ``spawn`` or ``forkserver`` start method can pickle it as the process's target.

@@ -473,3 +473,16 @@ def test_the_global_batch_is_kept_in_every_trial(tmp_path):
     assert metrics["global_batch"]["policy"] == "keep" and metrics["global_batch"]["train_batch_size"] == 64
     assert json.loads((out / "search.json").read_text())["global_batch"] == {"policy": "keep",
                                                                            "train_batch_size": 64}
+
+
+def test_resume_needs_the_same_global_batch(tmp_path):
+    from toolkit.dsat.cli import UsageError
+
+    model_dir = make_model_dir(tmp_path, slots=2, ds=KEEP_64)
+    plan = _plan(tmp_path, model_dir)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "search.json").write_text(json.dumps(plan.fingerprint()))
+    (tmp_path / "out" / "events.jsonl").write_text("")
+    assert _plan(tmp_path, model_dir, "--resume").global_batch == plan.global_batch
+    with pytest.raises(UsageError, match="settings differ.*global_batch"):
+        _plan(tmp_path, model_dir, "--resume", "--global-batch", "free")

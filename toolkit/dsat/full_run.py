@@ -31,6 +31,7 @@ def run_full_experiment(plan: Plan, outcome: SearchOutcome, *, say: Callable[[st
     The script runs exactly as it would by hand, with ``toolkit.get_hparams`` returning the
     experiment's hyperparameters with ``deepspeed_config`` pointing at ``best_ds_config.json``;
     it trains for ``searcher.max_length`` steps of the experiment config (the script reads it).
+    The best config carries the global batch of the search's policy (kept: the user's own).
     """
     from toolkit.dsat.execution.runner import free_port, run_to_completion
 
@@ -45,7 +46,8 @@ def run_full_experiment(plan: Plan, outcome: SearchOutcome, *, say: Callable[[st
     argv = build_trial_argv(list(plan.runner.entrypoint), launcher=plan.runner.launcher,
                             nproc=plan.runner.slots_per_trial, master_port=port)
     env = {TRIAL_HPARAMS_ENV: str(directory / "hparams.json"), EXPERIMENT_CONFIG_ENV: str(plan.config_path)}
-    say(f"full experiment: {' '.join(argv)} ({steps or 'script-defined'} steps; logs in {directory})")
+    say(f"full experiment: {' '.join(argv)} ({steps or 'script-defined'} steps, train_batch_size "
+        f"{best_config.get('train_batch_size')} ({plan.global_batch.policy}); logs in {directory})")
     code = run_to_completion(argv, cwd=Path(plan.runner.model_dir), env=env, log_dir=directory,
                              timeout_s=timeout_s, nproc=plan.runner.slots_per_trial)
     remove_buffers(addr=LOOPBACK, port=port)  # what DeepSpeed leaves in /dev/shm (toolkit.runtime.ds_shm)

@@ -210,16 +210,23 @@ def unix_socket_owners(prefix: str) -> list[int]:
     return [pid for pid in owners if pid != os.getpid()]
 
 
+def owner_of(pid: int) -> str | None:
+    """The owner mark in a process's environment, or in its argv (sshd overwrites its environment)."""
+    token = OWNER_ENV.encode() + b"="
+    for name in ("environ", "cmdline"):
+        with contextlib.suppress(OSError):
+            for item in Path(f"/proc/{pid}/{name}").read_bytes().replace(b" ", b"\0").split(b"\0"):
+                start = item.find(token)
+                if start >= 0:
+                    return item[start + len(token):].decode(errors="replace")
+    return None
+
+
 def reap_orphans() -> list[int]:
     """Kill daemons whose owner (a pytest process) is gone: the watchdog's ``os._exit`` skips teardown."""
     killed = []
     for pid in _pids():
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        prefix = OWNER_ENV.encode() + b"="
-        mark = next((e[len(prefix):].decode() for e in environ if e.startswith(prefix)), None)
+        mark = owner_of(pid)
         if mark is None or not mark.partition(":")[0].isdigit():
             continue
         owner = int(mark.partition(":")[0])

@@ -19,7 +19,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hostprocs import SBIN_PATH, ClusterError, daemon_env, free_port, pids_of, tail, terminate, which
+from hostprocs import (
+    OWNER_ENV,
+    SBIN_PATH,
+    ClusterError,
+    daemon_env,
+    free_port,
+    owner_mark,
+    pids_of,
+    tail,
+    terminate,
+    which,
+)
 
 
 @dataclass
@@ -98,7 +109,10 @@ def start_sshd(workdir: str | os.PathLike[str], timeout: float = 15) -> Sshd:
     if check.returncode != 0:
         raise ClusterError(f"sshd -t: {check.stderr.strip()}")
     log = wd / "sshd.log"
-    proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(server), "-E", str(log)], env=daemon_env(),
+    # sshd overwrites its environment with its process title, so the owner mark goes into its argv
+    # (which the title keeps); SetEnv also marks what its sessions start
+    mark = ["-o", f"SetEnv={OWNER_ENV}={owner_mark()}"]
+    proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(server), "-E", str(log), *mark], env=daemon_env(),
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     daemon = Sshd(wd, port, key, client, bin_dir, proc)

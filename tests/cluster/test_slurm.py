@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hostprocs import pid_alive
+from hostprocs import owner_mark, owner_of, pid_alive
 
 import procutil as p
 from toolkit.dsat.execution.procs import find_trial_processes, kill_until_gone
@@ -63,6 +63,16 @@ def job_log(tmp_path: Path, script: Path) -> str:
 
 def both(out: Path, prefix: str) -> bool:
     return all((out / f"{prefix}{rank}.json").exists() for rank in range(2))
+
+
+def test_slurm_daemons_carry_the_owner_mark_not_the_test_session_mark(slurm, sshd):
+    """tests/conftest.py kills processes with the session mark after each module: not these."""
+    daemons = [proc.pid for proc in slurm.procs.values()] + [slurm.munge.proc.pid, sshd.proc.pid]
+    for pid in daemons:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert not [e for e in environ if e.startswith(f"{p.SESSION_ENV}=".encode())], pid
+        # what hostprocs.reap_orphans reads (from the argv for sshd, which overwrites its environment)
+        assert owner_of(pid) == owner_mark(), pid
 
 
 def test_srun_two_tasks_read_the_real_slurm_variables(slurm, tmp_path):

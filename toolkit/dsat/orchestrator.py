@@ -6,19 +6,18 @@ trials are separate launches of the user's entrypoint (see :mod:`toolkit.dsat.ex
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
 import time
-from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from toolkit._files import atomic_write_json
-from toolkit.config.deepspeed import BATCH_KEYS, overwrite_deepspeed_config, resolve_ds_config
+from toolkit.config.deepspeed import BATCH_KEYS, overwrite_deepspeed_config
 from toolkit.dsat import search
 from toolkit.dsat.contract import ProfileInfo, TrialContract, TrialStatus
-from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
+from toolkit.dsat.execution.runner import TrialRunner
+from toolkit.dsat.plan import Plan, profile_spec, trial_ds_config
 from toolkit.dsat.records import (
     EventLog,
     TensorBoardTrials,
@@ -26,8 +25,7 @@ from toolkit.dsat.records import (
     write_trial_tables,
 )
 from toolkit.dsat.search import memory
-from toolkit.dsat.search.batch import GlobalBatch, time_capped_micro_batch
-from toolkit.dsat.search.space import default_zero_autos
+from toolkit.dsat.search.batch import time_capped_micro_batch
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
 from toolkit.dsat.trial.reporting import instrumentation_overrides
 
@@ -35,110 +33,6 @@ __all__ = ["Plan", "trial_ds_config", "profile_spec", "Autotuner", "SearchOutcom
 
 logger = logging.getLogger(__name__)
 TBS, MBS, GAS = BATCH_KEYS
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Everything the autotuner was asked to do, checked before anything is launched.
-
-    Attributes:
-        config_path: the experiment YAML.
-        experiment: the loaded experiment config.
-        base_ds_config: the user's DeepSpeed config (file + overwrite_deepspeed_args), unresolved.
-        hparams: the experiment's hyperparameters.
-        data_parallel_size: replicas per trial (``hyperparameters.data_parallel_world_size`` or
-            ``resources.slots_per_trial``).
-        search: the search method's settings.
-        runner: how trials are launched and limited.
-        output_dir: where everything is written.
-        resume: continue the search recorded in ``output_dir``.
-        run_full_experiment: after the search, train with the best config.
-        memory_per_slot: bytes per slot given to the memory model (CPU budget; on GPU the
-            profiling trial's measurement wins).
-        global_batch: the global batch policy (keep the user's ``train_batch_size``, fix it, or
-            free it); every trial and the best config follow it.
-        hidden_size: ``hyperparameters.hidden_size``, which resolves ZeRO's "auto" sizes.
-    """
-
-    config_path: Path
-    experiment: Mapping[str, Any]
-    base_ds_config: Mapping[str, Any]
-    hparams: Mapping[str, Any]
-    data_parallel_size: int
-    search: SearchSettings
-    runner: RunnerSettings
-    output_dir: Path
-    resume: bool = False
-    run_full_experiment: bool = False
-    memory_per_slot: int | None = None
-    global_batch: GlobalBatch = GlobalBatch("free")
-    hidden_size: int | None = None
-
-    def fingerprint(self) -> dict[str, Any]:
-        """What must not change between a search and its ``--resume``."""
-        search_settings = {k: (list(v) if isinstance(v, tuple) else v)
-                           for k, v in dataclasses.asdict(self.search).items()}
-        return {"search": json.loads(json.dumps(search_settings, default=str)),
-                "base_ds_config": json.loads(json.dumps(self.base_ds_config)),
-                "data_parallel_size": self.data_parallel_size,
-                "slots_per_trial": self.runner.slots_per_trial,
-                "entrypoint": list(self.runner.entrypoint),
-                "start_profile_step": self.runner.start_profile_step,
-                "end_profile_step": self.runner.end_profile_step,
-                "global_batch": self.global_batch.to_json(), "hidden_size": self.hidden_size}
-
-    def resume_problem(self) -> str | None:
-        """Why ``--resume`` cannot continue the search recorded in ``output_dir``, or None.
-
-        A search continues only with the settings it was recorded with (:meth:`fingerprint`).
-        """
-        path = self.output_dir / "search.json"
-        if not path.exists():
-            return None
-        recorded, now = json.loads(path.read_text(encoding="utf-8")), self.fingerprint()
-        if recorded == now:
-            return None
-        changed = sorted(k for k in now if recorded.get(k) != now[k])
-        return (f"--resume: the settings differ from the recorded search in {self.output_dir} "
-                f"({', '.join(changed)}); resume with the same flags and config")
-
-
-def profile_spec(base_ds_config: Mapping[str, Any]) -> TrialSpec:
-    """The profiling trial: micro-batch 1, the user's own ZeRO section."""
-    zero = base_ds_config.get("zero_optimization")
-    zero = copy.deepcopy(dict(zero)) if isinstance(zero, Mapping) else {"stage": int(bool(zero))}
-    zero.setdefault("stage", 0)
-    return TrialSpec(trial_id=0, micro_batch=1, zero=zero, line=-1, profile=True)
-
-
-def trial_ds_config(base_ds_config: Mapping[str, Any], spec: TrialSpec, *, data_parallel_size: int,
-                    train_batch_size: int | None = None, hidden_size: int | None = None) -> dict[str, Any]:
-    """The complete DeepSpeed config of a trial (or of the best trial): pure.
-
-    The trial's ZeRO section replaces the user's whole (the searcher built it on the user's,
-    dropping what its stage cannot run); the micro-batch is the trial's. With a global batch
-    (``train_batch_size``: the policy keep or N) the accumulation is derived so that
-    ``train_batch_size = micro_batch * accumulation * data_parallel_size``; without (free), the
-    accumulation stays the user's (1 when unset or "auto") and ``train_batch_size`` is derived.
-    ZeRO's "auto" sizes are resolved from ``hidden_size`` (HF's rule), else DeepSpeed's defaults.
-    A profiling trial whose micro-batch does not divide ``train_batch_size / data_parallel_size``
-    (it measures memory, not speed) runs with the accumulation of the free policy.
-    """
-    config = overwrite_deepspeed_config(base_ds_config, {MBS: spec.micro_batch})
-    config["zero_optimization"] = copy.deepcopy(dict(spec.zero))
-    if spec.profile and train_batch_size is not None \
-            and train_batch_size % (spec.micro_batch * data_parallel_size):
-        train_batch_size = None  # a profiling trial at a micro-batch that cannot keep it: memory only
-    if train_batch_size is not None:
-        config[TBS] = train_batch_size
-        config.pop(GAS, None)
-    else:
-        config.pop(TBS, None)
-        if not isinstance(config.get(GAS), int) or isinstance(config.get(GAS), bool):
-            config[GAS] = 1
-    config = resolve_ds_config(config, data_parallel_size=data_parallel_size, hidden_size=hidden_size)
-    config["zero_optimization"] = default_zero_autos(config["zero_optimization"])
-    return config
 
 
 @dataclasses.dataclass
@@ -211,16 +105,19 @@ class Autotuner:
                  f"{best_text} | running {running} | {time.monotonic() - self.started_at:.0f}s")
 
     # ---------------------------------------------------------------- phases
-    def _run_profiling_trial(self, runner: TrialRunner, events: list[dict[str, Any]]) -> TrialResult:
-        """The profiling trial's result: the recorded one when it succeeded (--resume), else a new run."""
-        recorded = [e for e in events if e["event"] == "result" and e["trial_id"] == 0]
-        if recorded and recorded[-1]["result"]["status"] == TrialStatus.OK.value:
-            result = TrialResult.from_json(recorded[-1]["result"])
-            self._record(result, replayed=True)
-            self.say("profiling trial: reusing the recorded result")
-            return result
-        self.say("profiling trial (micro-batch 1) ...")
-        self._start(runner, profile_spec(self.plan.base_ds_config), observed_before=0)
+    def _run_profiling_trial(self, runner: TrialRunner, events: list[dict[str, Any]],
+                             spec: TrialSpec) -> TrialResult:
+        """A profiling trial's result: the recorded one (--resume) when it succeeded, or for the
+        calibration trial (id < 0) when it ran out of memory at the same micro-batch; else a new run."""
+        recorded = [TrialResult.from_json(e["result"]) for e in events
+                    if e["event"] == "result" and e["trial_id"] == spec.trial_id]
+        reusable = (TrialStatus.OK,) if spec.trial_id == 0 else (TrialStatus.OK, TrialStatus.OOM)
+        if recorded and recorded[-1].status in reusable and recorded[-1].spec.micro_batch == spec.micro_batch:
+            self._record(recorded[-1], replayed=True)
+            self.say(f"profiling trial {spec.trial_id}: reusing the recorded result")
+            return recorded[-1]
+        self.say(f"profiling trial {spec.trial_id} (micro-batch {spec.micro_batch}) ...")
+        self._start(runner, spec, observed_before=0)
         done: list[TrialResult] = []
         while not done:
             done = runner.wait(timeout=1.0)
@@ -228,29 +125,90 @@ class Autotuner:
         self._progress(done[0], 0)
         return done[0]
 
-    def _profile(self, runner: TrialRunner, events: list[dict[str, Any]]) -> ProfileInfo | None:
-        """Run (or reuse) the profiling trial; its model and memory numbers, with the memory model's
-        prediction written to ``profile.json``. None when the profiling trial failed."""
-        result = self._run_profiling_trial(runner, events)
-        if result.status is not TrialStatus.OK or not result.profile:
-            return None
-        fields = dict(result.profile)
+    def _measured(self, result: TrialResult) -> ProfileInfo:
+        """A profiling trial's profile with the CPU budget of the plan and the trial's micro-batch."""
+        fields = dict(result.profile or {})
         if self.plan.memory_per_slot is not None and fields.get("device", "cpu") == "cpu":
             fields["memory_per_slot"] = self.plan.memory_per_slot
-        profile = ProfileInfo.from_json(fields)
+        fields["micro_batch"] = result.spec.micro_batch
+        return ProfileInfo.from_json(fields)
+
+    def _calibrate(self, runner: TrialRunner, events: list[dict[str, Any]],
+                   first: TrialResult) -> tuple[ProfileInfo, list[dict[str, Any]]]:
+        """The memory model's profile: calibrated by a second profiling trial of the same ZeRO
+        section at a larger micro-batch (trial -1; after an out-of-memory, once more at a quarter
+        of it, trial -2), or the first profile alone when that is impossible. Also the measured
+        profiles, for ``profile.json``."""
+        profile, dp = self._measured(first), self.plan.data_parallel_size
+        off_opt, off_par = memory.offload_flags(first.spec.zero)
+        k = memory.calibration_micro_batch(profile, first.spec.stage, data_parallel_size=dp,
+                                           latency_ms=first.metrics.get("latency"),
+                                           offload_optimizer=off_opt, offload_param=off_par)
+        measured, why = [profile.to_json()], "the first profile has no peak-memory measurement"
+        for trial_id in (-1, -2):
+            if k is None or k <= profile.micro_batch:
+                break
+            result = self._run_profiling_trial(
+                runner, events, dataclasses.replace(first.spec, trial_id=trial_id, micro_batch=k))
+            if result.status is TrialStatus.OK and result.profile:
+                second = self._measured(result)
+                measured.append(second.to_json())
+                model = memory.model_memory_bytes(profile, first.spec.stage, data_parallel_size=dp,
+                                                  offload_optimizer=off_opt, offload_param=off_par)
+                return memory.calibrate(profile, second, model_memory=model), measured
+            why = f"the calibration trial at micro-batch {k} ended {result.status.value}"
+            k = k // 4 if result.status is TrialStatus.OOM and k // 4 >= 2 else None
+        self.say(f"memory model not calibrated ({why}): the estimate from the leaf outputs alone may be "
+                 "several times too large")
+        return profile, measured
+
+    def _profile(self, runner: TrialRunner, events: list[dict[str, Any]]) -> ProfileInfo | None:
+        """Run (or reuse) the profiling trials; the memory model's profile, with its prediction and
+        the measured profiles written to ``profile.json``. None when the profiling trial failed."""
+        result = self._run_profiling_trial(runner, events, profile_spec(self.plan.base_ds_config))
+        if result.status is not TrialStatus.OK or not result.profile:
+            return None
+        profile, measured = self._calibrate(runner, events, result)
         # The user's offload intent, as if at stage 3; predict applies what each stage allows.
         offload_optimizer, offload_param = memory.offload_flags({**self.plan.search.base_zero, "stage": 3})
         prediction = memory.predict(profile, data_parallel_size=self.plan.data_parallel_size,
                                     zero_stages=self.plan.search.zero_stages,
                                     offload_optimizer=offload_optimizer, offload_param=offload_param)
         atomic_write_json(self.out / "profile.json",
-                          {"profile": profile.to_json(),
+                          {"profile": profile.to_json(), "measured": measured,
                            "prediction": {str(k): v for k, v in prediction.items()}})
+        kind = "peak memory" if profile.calibrated else "activations"
         self.say(f"model: {profile.num_params:,} parameters ({profile.trainable_params:,} trainable), "
-                 f"activations {profile.activation_bytes_per_example:,} bytes/example, "
+                 f"{kind} {profile.activation_bytes_per_example:,} bytes/example, "
                  f"{profile.memory_per_slot:,} bytes per slot ({profile.device})")
         self.say(memory.format_prediction(prediction, profile=profile))
         return profile
+
+    def run_profiling(self) -> ProfileInfo | None:
+        """Only the profiling trials and the memory model (``profile.json``), no search: for
+        benchmarks of the memory model (``scripts/bench_memory.py``). Rank 0 only.
+
+        Example::
+
+            profile = Autotuner(make_plan(args), say=print).run_profiling()
+        """
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "trials").mkdir(exist_ok=True)
+        with TrialRunner(self.plan.runner, output_dir=self.out) as runner:
+            return self._profile(runner, self.log.read())
+
+    def _record_boundaries(self, results: list[TrialResult]) -> None:
+        """Add the boundary the trials found per stage beside the prediction in ``profile.json``; say it."""
+        path = self.out / "profile.json"
+        if not path.exists():
+            return
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+        found = memory.found_boundaries(results)
+        recorded["found"] = {str(stage): row for stage, row in found.items()}
+        atomic_write_json(path, recorded)
+        if found:
+            self.say("memory model, predicted vs found:\n"
+                     + memory.format_boundaries(recorded.get("prediction", {}), found))
 
     def run(self) -> SearchOutcome:
         """Run (or resume) the search. Interrupting it (Ctrl-C) kills every trial; the record stays."""
@@ -308,7 +266,7 @@ class Autotuner:
         """Feed a resumed search's recorded results through the fresh searcher; rerun the unfinished."""
         results, observed_before, seen = [], {}, set()
         for event in events:
-            if event["trial_id"] == 0:
+            if event["trial_id"] <= 0:  # the profiling trials
                 continue
             if event["event"] == "start":
                 observed_before[event["trial_id"]] = event["observed_before"]
@@ -333,6 +291,7 @@ class Autotuner:
         table = summary_table(results, metric=self.plan.search.metric,
                               best_id=best.spec.trial_id if best else None)
         self.say(table)
+        self._record_boundaries(results)
         if best is None:
             return SearchOutcome(1, results, None,
                                  f"no tuning trial succeeded ({len(tuning)} run); see trials.csv and each "

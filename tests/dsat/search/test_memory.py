@@ -6,14 +6,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from toolkit.dsat.contract import ProfileInfo
+from toolkit.dsat.contract import ProfileInfo, TrialStatus
 from toolkit.dsat.search.memory import (
+    CALIBRATION_MAX,
     approx_max_micro_batch,
+    calibrate,
+    calibration_micro_batch,
+    format_boundaries,
     format_prediction,
+    found_boundaries,
     model_memory_bytes,
     offload_flags,
     predict,
 )
+from toolkit.dsat.search.types import TrialResult, TrialSpec
 
 
 def _profile(n=1000, n_t=1000, *, act=100, mem=17_000, base=0, half=False):
@@ -122,3 +128,72 @@ def test_predict_and_table():
     assert len(lines) == 2 + 1 + 3
     assert lines[3].split()[0] == "0" and lines[3].endswith("(does not fit)")
     assert lines[5].split()[0] == "3" and lines[5].split()[-1] == "80"
+
+
+# ---- calibration: two profiling trials' peaks -------------------------------------------------
+
+MIB = 2 ** 20
+
+
+def _measured(mb, peak, *, act=1000, n=10 ** 6, mem=1024 * MIB):
+    return ProfileInfo(num_params=n, trainable_params=n, activation_bytes_per_example=act,
+                       memory_per_slot=mem, baseline_bytes=300 * MIB, micro_batch=mb, peak_bytes=peak)
+
+
+def test_calibrated_prediction_is_the_peak_slope_per_stage():
+    # A simulated process: peak(mb) = 300 MiB + model state at the profiled stage + 2 MiB per example.
+    # The first trial's leaf outputs (1000 bytes/example) miss almost all of the 2 MiB.
+    dp, stage0 = 2, 1
+    state = {s: model_memory_bytes(_measured(1, 1), s, data_parallel_size=dp) for s in (1, 2, 3)}
+    peak = lambda mb: 300 * MIB + state[stage0] + 2 * MIB * mb   # noqa: E731
+    first, second = _measured(1, peak(1)), _measured(40, peak(40))
+    profile = calibrate(first, second, model_memory=state[stage0])
+    assert profile.calibrated and profile.activation_bytes_per_example == 2 * MIB
+    assert profile.baseline_bytes == 300 * MIB
+    for s in (1, 2, 3):
+        # floor((budget - peak(1) - (state(s) - state(1))) / slope) + 1 = the true boundary
+        true = (1024 * MIB - 300 * MIB - state[s]) // (2 * MIB)
+        assert approx_max_micro_batch(profile, s, data_parallel_size=dp) == true
+        assert peak(true) - state[stage0] + state[s] <= 1024 * MIB < peak(true + 1) - state[stage0] + state[s]
+    uncalibrated = approx_max_micro_batch(first, 1, data_parallel_size=dp)
+    assert uncalibrated > 100 * approx_max_micro_batch(profile, 1, data_parallel_size=dp)
+
+
+def test_calibration_never_goes_below_the_leaf_outputs_and_checks_its_inputs():
+    # a peak that did not grow (allocator noise) falls back on the first trial's leaf outputs
+    profile = calibrate(_measured(1, 500 * MIB, act=4096), _measured(8, 499 * MIB, act=4096), model_memory=0)
+    assert profile.activation_bytes_per_example == 4096
+    with pytest.raises(ValueError, match="increasing"):
+        calibrate(_measured(8, 1), _measured(8, 2), model_memory=0)
+    with pytest.raises(ValueError, match="peak_bytes"):
+        calibrate(_measured(1, 0), _measured(8, 2), model_memory=0)
+
+
+def test_calibration_micro_batch_is_a_fraction_of_the_estimate_capped():
+    # uncalibrated estimate at stage 1, dp 2: (1 GiB - 300 MiB - 10 MB state) // 1000 bytes ~ 749,000
+    first = _measured(1, 400 * MIB)
+    assert calibration_micro_batch(first, 1, data_parallel_size=2) == CALIBRATION_MAX
+    # a 100 ms step at micro-batch 1: at most 3 s per step -> 30
+    assert calibration_micro_batch(first, 1, data_parallel_size=2, latency_ms=100.0) == 30
+    small = _measured(1, 400 * MIB, act=50 * MIB)        # estimate 14 -> 10% is 1 -> at least 2
+    assert calibration_micro_batch(small, 1, data_parallel_size=2) == 2
+    assert calibration_micro_batch(_measured(1, 0), 1, data_parallel_size=2) is None   # no peak measured
+    calibrated = calibrate(first, _measured(9, 420 * MIB), model_memory=0)
+    assert calibration_micro_batch(calibrated, 1, data_parallel_size=2) is None
+
+
+def _result(tid, stage, mb, status, profile=False):
+    return TrialResult(TrialSpec(tid, mb, {"stage": stage}, profile=profile), TrialStatus(status))
+
+
+def test_found_boundaries_and_their_lines():
+    results = [_result(0, 1, 1, "ok", profile=True), _result(-1, 1, 90, "oom", profile=True),
+               _result(1, 1, 40, "ok"), _result(2, 1, 60, "oom"), _result(3, 1, 50, "ok"),
+               _result(4, 1, 55, "oom"), _result(5, 3, 70, "ok"), _result(6, 2, 10, "failed")]
+    found = found_boundaries(results)
+    assert found == {1: {"largest_ok": 50, "smallest_oom": 55}, 3: {"largest_ok": 70, "smallest_oom": None}}
+    prediction = {"1": {"approx_max_micro_batch": 52}, "3": {"approx_max_micro_batch": 80}}
+    text = format_boundaries(prediction, found)
+    assert text.splitlines() == [
+        "stage 1: predicted largest micro-batch 52; found: largest ok 50, smallest oom 55",
+        "stage 3: predicted largest micro-batch 80; found: largest ok 70, smallest oom none"]

@@ -16,6 +16,17 @@ the device does not have.
 The approximate largest micro-batch of a stage is
 ``max((memory_per_slot - baseline_bytes - model_memory) // activation_bytes_per_example, 1)``.
 
+Calibrated (:func:`calibrate`): the profiling trial at micro-batch 1 sees only the outputs of the
+leaf modules, not the backward's temporaries, the allocator's slack, the communication buckets or
+the optimizer's first-step allocations, so the orchestrator runs a second profiling trial at a
+larger micro-batch ``k`` (:func:`calibration_micro_batch`) and the model uses the slope of the
+measured peak memory (``peak_bytes``) between the two: with ``peak(1)`` measured at the profiled
+stage ``s0``, a stage ``s`` is predicted to fit up to
+``floor((memory_per_slot - peak(1) - (model_memory(s) - model_memory(s0))) / slope) + 1``, the
+stages' model-state differences coming from the formula above. The calibrated profile carries the
+slope as ``activation_bytes_per_example`` and the intercept as ``baseline_bytes``, so the formula
+of :func:`approx_max_micro_batch` computes exactly that.
+
 Example (rank 0 only, e.g. in the autotuner's orchestrator after the profiling trial)::
 
     profile = ProfileInfo(num_params=10**8, trainable_params=10**8,
@@ -38,6 +49,10 @@ __all__ = [
     "offload_flags",
     "predict",
     "format_prediction",
+    "calibration_micro_batch",
+    "calibrate",
+    "found_boundaries",
+    "format_boundaries",
 ]
 
 logger = logging.getLogger(__name__)
@@ -221,7 +236,8 @@ def format_prediction(prediction: Mapping[int, Mapping[str, Any]], *,
             f"{'fp16/bf16' if profile.half_precision else 'fp32'}, device {profile.device}",
             f"memory per slot: {_human(int(profile.memory_per_slot))}, "
             f"baseline: {_human(int(profile.baseline_bytes))}, "
-            f"activations per example: {_human(int(profile.activation_bytes_per_example))}",
+            f"{'peak memory' if profile.calibrated else 'activations'} per example: "
+            f"{_human(int(profile.activation_bytes_per_example))}",
         ]
     lines.append(f"{'stage':>5}  {'model memory':>12}  {'free for activations':>20}  "
                  f"{'approx max micro-batch':>22}")
@@ -230,4 +246,110 @@ def format_prediction(prediction: Mapping[int, Mapping[str, Any]], *,
         mark = "" if row.get("fits", True) else "  (does not fit)"
         lines.append(f"{stage:>5}  {_human(int(row['model_memory_bytes'])):>12}  "
                      f"{_human(int(row['free_bytes'])):>20}  {int(row['approx_max_micro_batch']):>22}{mark}")
+    return "\n".join(lines)
+
+
+#: The calibration trial's micro-batch: this fraction of the uncalibrated estimate (the leaf outputs
+#: miss backward temporaries and allocator slack, so that estimate can be several times too large),
+#: at most CALIBRATION_MAX examples and at most CALIBRATION_STEP_MS of predicted step time.
+CALIBRATION_FRACTION = 0.1
+CALIBRATION_MAX = 256
+CALIBRATION_STEP_MS = 3000.0
+
+
+def calibration_micro_batch(profile: ProfileInfo, stage: int, *, data_parallel_size: int,
+                            latency_ms: float | None = None, offload_optimizer: bool = False,
+                            offload_param: bool = False) -> int | None:
+    """The micro-batch of the second profiling trial, or None when there is nothing to calibrate.
+
+    :data:`CALIBRATION_FRACTION` of the uncalibrated largest micro-batch at the profiled
+    ``stage``, at most :data:`CALIBRATION_MAX`, and at most what keeps the step under
+    :data:`CALIBRATION_STEP_MS` when steps grow linearly from ``latency_ms`` (the first
+    profile's step time at its micro-batch); at least 2. None when the profile has no peak
+    measurement (``peak_bytes`` 0) or is calibrated already. Pure; call anywhere.
+
+    Example:
+        >>> p = ProfileInfo(num_params=1000, trainable_params=1000, activation_bytes_per_example=100,
+        ...                 memory_per_slot=10**6, micro_batch=1, peak_bytes=50_000)
+        >>> calibration_micro_batch(p, 1, data_parallel_size=2)    # 10% of 9880, at most 256
+        256
+    """
+    if int(profile.peak_bytes) <= 0 or profile.calibrated:
+        return None
+    estimate = approx_max_micro_batch(profile, stage, data_parallel_size=data_parallel_size,
+                                      offload_optimizer=offload_optimizer, offload_param=offload_param)
+    k = min(int(estimate * CALIBRATION_FRACTION), CALIBRATION_MAX)
+    if latency_ms is not None and latency_ms > 0:
+        k = min(k, int(CALIBRATION_STEP_MS / latency_ms * max(int(profile.micro_batch), 1)))
+    return max(k, 2)
+
+
+def calibrate(first: ProfileInfo, second: ProfileInfo, *, model_memory: int) -> ProfileInfo:
+    """The profile the memory model uses after two profiling trials of the same configuration.
+
+    ``first`` and ``second`` ran the same ZeRO section at micro-batches ``m1 < m2``;
+    ``model_memory`` is :func:`model_memory_bytes` of that section. The slope of the peak memory
+    per example, ``(peak(m2) - peak(m1)) / (m2 - m1)``, becomes ``activation_bytes_per_example``
+    (never less than the leaf outputs that the first trial saw), and the intercept at micro-batch
+    0 less the model state, ``baseline_bytes``. Pure; call anywhere.
+
+    Raises:
+        ValueError: the micro-batches are not increasing, or a profile lacks its peak.
+
+    Example:
+        >>> a = ProfileInfo(num_params=1000, trainable_params=1000, activation_bytes_per_example=10,
+        ...                 memory_per_slot=10**6, micro_batch=1, peak_bytes=30_000)
+        >>> b = ProfileInfo(num_params=1000, trainable_params=1000, activation_bytes_per_example=10,
+        ...                 memory_per_slot=10**6, micro_batch=11, peak_bytes=31_000)
+        >>> c = calibrate(a, b, model_memory=16_000)
+        >>> (c.activation_bytes_per_example, c.baseline_bytes)   # 1000 / 10; 30000 - 100 - 16000
+        (100, 13900)
+    """
+    m1, m2 = int(first.micro_batch), int(second.micro_batch)
+    if not 1 <= m1 < m2:
+        raise ValueError(f"micro_batch {m1} then {m2}: expected two profiling trials at increasing "
+                         "micro-batches >= 1")
+    if int(first.peak_bytes) <= 0 or int(second.peak_bytes) <= 0:
+        raise ValueError(f"peak_bytes {first.peak_bytes}, {second.peak_bytes}: expected both measured (> 0)")
+    slope = _ceil_div(max(int(second.peak_bytes) - int(first.peak_bytes), 0), m2 - m1)
+    slope = max(slope, int(first.activation_bytes_per_example), 1)
+    baseline = max(int(first.peak_bytes) - slope * m1 - int(model_memory), 0)
+    fields = {**first.to_json(), "activation_bytes_per_example": slope, "baseline_bytes": baseline,
+              "peak_bytes": int(first.peak_bytes), "calibrated": True}
+    return ProfileInfo.from_json(fields)
+
+
+def found_boundaries(results: Iterable[Any]) -> dict[int, dict[str, int | None]]:
+    """Per ZeRO stage, the boundary the tuning trials found: the largest micro-batch that ran
+    (``largest_ok``) and the smallest that ran out of memory (``smallest_oom``), None where no
+    trial says. ``results``: :class:`~toolkit.dsat.search.types.TrialResult` objects (profiling
+    trials are left out). Pure; rank 0 by convention.
+    """
+    out: dict[int, dict[str, int | None]] = {}
+    for r in results:
+        if r.spec.profile or r.status.value not in ("ok", "oom"):
+            continue
+        row = out.setdefault(r.spec.stage, {"largest_ok": None, "smallest_oom": None})
+        key, pick = ("largest_ok", max) if r.status.value == "ok" else ("smallest_oom", min)
+        row[key] = r.spec.micro_batch if row[key] is None else pick(row[key], r.spec.micro_batch)
+    return dict(sorted(out.items()))
+
+
+def format_boundaries(prediction: Mapping[Any, Mapping[str, Any]],
+                      found: Mapping[int, Mapping[str, int | None]]) -> str:
+    """Lines ``stage S: predicted largest micro-batch P; found: largest ok A, smallest oom B``,
+    for the stages the trials ran. ``prediction``: :func:`predict`'s (keys int or str). Pure.
+
+    Example:
+        >>> print(format_boundaries({"1": {"approx_max_micro_batch": 40}},
+        ...                         {1: {"largest_ok": 38, "smallest_oom": 41}}))
+        stage 1: predicted largest micro-batch 40; found: largest ok 38, smallest oom 41
+    """
+    lines = []
+    for stage, row in sorted(found.items()):
+        predicted = prediction.get(stage) or prediction.get(str(stage)) or {}
+        shown = predicted.get("approx_max_micro_batch", "?")
+        lines.append(f"stage {stage}: predicted largest micro-batch {shown}; found: largest ok "
+                     f"{row['largest_ok'] if row['largest_ok'] is not None else 'none'}, smallest oom "
+                     f"{row['smallest_oom'] if row['smallest_oom'] is not None else 'none'}")
     return "\n".join(lines)

@@ -148,6 +148,10 @@ def test_dsat_trial_hparams_come_from_the_trial(env, monkeypatch):
 def test_storage_roots(tmp_path):
     out, base = tmp_path / "out", tmp_path
     assert storage.storage_root(None, output_dir=out, base_dir=base) == out / "checkpoints"
+    assert (
+        storage.storage_root({"save_trial_latest": 2}, output_dir=out, base_dir=base) == out / "checkpoints"
+    )
+    assert storage.storage_root({"storage_path": "ck"}, output_dir=out, base_dir=base) == base / "ck"
     assert storage.storage_root(
         {"type": "shared_fs", "host_path": "/mnt", "storage_path": "c"}, output_dir=out, base_dir=base
     ) == Path("/mnt/c")

@@ -71,6 +71,8 @@ def storage_root(storage: Any, *, output_dir: Path, base_dir: Path) -> Path:
             "{type: shared_fs, host_path: /mnt/ckpt}"
         )
     kind = storage.get("type")
+    if kind is None and not any(storage.get(k) for k in ("host_path", "storage_path", "container_path")):
+        return output_dir / "checkpoints"  # only policy keys such as save_trial_latest
     if kind in _CLOUD:
         raise ConfigError(
             f"checkpoint_storage.type={kind!r}: cloud checkpoint storage is cluster-only; use "

@@ -1,0 +1,130 @@
+"""What the autotuner was asked to do (:class:`Plan`) and the DeepSpeed config of each trial.
+
+Pure values and functions: :func:`trial_ds_config` is the one place a trial's (and the best
+trial's) complete DeepSpeed config is made, following the global batch policy. Rank 0 only by
+use (the autotuner's process); re-exported by :mod:`toolkit.dsat.orchestrator`. Example::
+
+    config = trial_ds_config(plan.base_ds_config, spec, data_parallel_size=2, train_batch_size=64)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from toolkit.config.deepspeed import BATCH_KEYS, overwrite_deepspeed_config, resolve_ds_config
+from toolkit.dsat.execution.settings import RunnerSettings
+from toolkit.dsat.search.batch import GlobalBatch
+from toolkit.dsat.search.space import default_zero_autos
+from toolkit.dsat.search.types import SearchSettings, TrialSpec
+
+__all__ = ["Plan", "profile_spec", "trial_ds_config"]
+
+TBS, MBS, GAS = BATCH_KEYS
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything the autotuner was asked to do, checked before anything is launched.
+
+    Attributes:
+        config_path: the experiment YAML.
+        experiment: the loaded experiment config.
+        base_ds_config: the user's DeepSpeed config (file + overwrite_deepspeed_args), unresolved.
+        hparams: the experiment's hyperparameters.
+        data_parallel_size: replicas per trial (``hyperparameters.data_parallel_world_size`` or
+            ``resources.slots_per_trial``).
+        search: the search method's settings.
+        runner: how trials are launched and limited.
+        output_dir: where everything is written.
+        resume: continue the search recorded in ``output_dir``.
+        run_full_experiment: after the search, train with the best config.
+        memory_per_slot: bytes per slot given to the memory model (CPU budget; on GPU the
+            profiling trial's measurement wins).
+        global_batch: the global batch policy (keep the user's ``train_batch_size``, fix it, or
+            free it); every trial and the best config follow it.
+        hidden_size: ``hyperparameters.hidden_size``, which resolves ZeRO's "auto" sizes.
+    """
+
+    config_path: Path
+    experiment: Mapping[str, Any]
+    base_ds_config: Mapping[str, Any]
+    hparams: Mapping[str, Any]
+    data_parallel_size: int
+    search: SearchSettings
+    runner: RunnerSettings
+    output_dir: Path
+    resume: bool = False
+    run_full_experiment: bool = False
+    memory_per_slot: int | None = None
+    global_batch: GlobalBatch = GlobalBatch("free")
+    hidden_size: int | None = None
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What must not change between a search and its ``--resume``."""
+        search_settings = {k: (list(v) if isinstance(v, tuple) else v)
+                           for k, v in dataclasses.asdict(self.search).items()}
+        return {"search": json.loads(json.dumps(search_settings, default=str)),
+                "base_ds_config": json.loads(json.dumps(self.base_ds_config)),
+                "data_parallel_size": self.data_parallel_size,
+                "slots_per_trial": self.runner.slots_per_trial,
+                "entrypoint": list(self.runner.entrypoint),
+                "start_profile_step": self.runner.start_profile_step,
+                "end_profile_step": self.runner.end_profile_step,
+                "global_batch": self.global_batch.to_json(), "hidden_size": self.hidden_size}
+
+    def resume_problem(self) -> str | None:
+        """Why ``--resume`` cannot continue the search recorded in ``output_dir``, or None.
+
+        A search continues only with the settings it was recorded with (:meth:`fingerprint`).
+        """
+        path = self.output_dir / "search.json"
+        if not path.exists():
+            return None
+        recorded, now = json.loads(path.read_text(encoding="utf-8")), self.fingerprint()
+        if recorded == now:
+            return None
+        changed = sorted(k for k in now if recorded.get(k) != now[k])
+        return (f"--resume: the settings differ from the recorded search in {self.output_dir} "
+                f"({', '.join(changed)}); resume with the same flags and config")
+
+
+def profile_spec(base_ds_config: Mapping[str, Any]) -> TrialSpec:
+    """The profiling trial: micro-batch 1, the user's own ZeRO section."""
+    zero = base_ds_config.get("zero_optimization")
+    zero = copy.deepcopy(dict(zero)) if isinstance(zero, Mapping) else {"stage": int(bool(zero))}
+    zero.setdefault("stage", 0)
+    return TrialSpec(trial_id=0, micro_batch=1, zero=zero, line=-1, profile=True)
+
+
+def trial_ds_config(base_ds_config: Mapping[str, Any], spec: TrialSpec, *, data_parallel_size: int,
+                    train_batch_size: int | None = None, hidden_size: int | None = None) -> dict[str, Any]:
+    """The complete DeepSpeed config of a trial (or of the best trial): pure.
+
+    The trial's ZeRO section replaces the user's whole (the searcher built it on the user's,
+    dropping what its stage cannot run); the micro-batch is the trial's. With a global batch
+    (``train_batch_size``: the policy keep or N) the accumulation is derived so that
+    ``train_batch_size = micro_batch * accumulation * data_parallel_size``; without (free), the
+    accumulation stays the user's (1 when unset or "auto") and ``train_batch_size`` is derived.
+    ZeRO's "auto" sizes are resolved from ``hidden_size`` (HF's rule), else DeepSpeed's defaults.
+    A profiling trial whose micro-batch does not divide ``train_batch_size / data_parallel_size``
+    (it measures memory, not speed) runs with the accumulation of the free policy.
+    """
+    config = overwrite_deepspeed_config(base_ds_config, {MBS: spec.micro_batch})
+    config["zero_optimization"] = copy.deepcopy(dict(spec.zero))
+    if spec.profile and train_batch_size is not None \
+            and train_batch_size % (spec.micro_batch * data_parallel_size):
+        train_batch_size = None  # a profiling trial at a micro-batch that cannot keep it: memory only
+    if train_batch_size is not None:
+        config[TBS] = train_batch_size
+        config.pop(GAS, None)
+    else:
+        config.pop(TBS, None)
+        if not isinstance(config.get(GAS), int) or isinstance(config.get(GAS), bool):
+            config[GAS] = 1
+    config = resolve_ds_config(config, data_parallel_size=data_parallel_size, hidden_size=hidden_size)
+    config["zero_optimization"] = default_zero_autos(config["zero_optimization"])
+    return config

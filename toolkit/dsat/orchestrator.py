@@ -80,6 +80,13 @@ class Autotuner:
         config = self._config_for(spec, instrumented=False)
         return {**spec.ds_overrides(), TBS: config[TBS], GAS: config[GAS]}
 
+    def _allowed_at_most(self, m: int | None) -> int | None:
+        """The largest micro-batch the global batch policy allows that is ``<= m`` (None stays None)."""
+        allowed = self.plan.search.micro_batches
+        if m is None or allowed is None or m < 1:
+            return m
+        return max(a for a in allowed if a <= m)
+
     def _start(self, runner: TrialRunner, spec: TrialSpec, *, observed_before: int, log: bool = True) -> None:
         config = self._config_for(spec, instrumented=True)
         if log:
@@ -146,6 +153,7 @@ class Autotuner:
                                            offload_optimizer=off_opt, offload_param=off_par)
         measured, why = [profile.to_json()], "the first profile has no peak-memory measurement"
         for trial_id in (-1, -2):
+            k = self._allowed_at_most(k)  # the global batch policy: a micro-batch that keeps it
             if k is None or k <= profile.micro_batch:
                 break
             result = self._run_profiling_trial(

@@ -10,8 +10,11 @@ from pathlib import Path
 import toolkit
 
 out = Path(sys.argv[-1])
-timeout = os.environ.get("CLUSTER_CTX_TIMEOUT_S")
-ctx = toolkit.init_distributed(**({"timeout": timedelta(seconds=float(timeout))} if timeout else {}))
+timeout_s = os.environ.get("CLUSTER_CTX_TIMEOUT_S")
+if timeout_s:
+    ctx = toolkit.init_distributed(timeout=timedelta(seconds=float(timeout_s)))
+else:
+    ctx = toolkit.init_distributed()
 record = {
     "rank": ctx.rank, "world_size": ctx.world_size, "local_rank": ctx.local_rank,
     "local_world_size": ctx.local_world_size, "node_rank": ctx.node_rank, "num_nodes": ctx.num_nodes,

@@ -12,6 +12,7 @@ import pytest
 
 import procutil
 from toolkit.compat.determined import storage
+from toolkit.dsat.execution.procs import find_trial_processes
 
 TRAIN_YAML = """name: det-train
 entrypoint: python3 -m determined.launch.torch_distributed python3 det_train.py
@@ -125,6 +126,17 @@ def test_sigterm_stops_every_rank_and_the_rerun_resumes_exactly(train_yaml, refe
     assert _weights(out) == _weights(reference)  # bitwise equal to the uninterrupted run
     assert json.loads((out / "final.json").read_text())["trial_id"] == trial_id == _trial_id(out)
     assert json.loads((out / "determined_trial.json").read_text())["trial_run_id"] == 2
+    assert not find_trial_processes(str(out), variable="TOOLKIT_OUTPUT_DIR")  # nothing left behind
+
+
+def test_a_failed_run_is_restarted_from_its_checkpoint(tmp_path):
+    cfg = tmp_path / "flaky.yaml"
+    cfg.write_text("entrypoint: python3 det_flaky.py\nmax_restarts: 1\n")
+    out = tmp_path / "out"
+    rc, log = _finish(_start(_run_argv(cfg, procutil.WORKERS, out)))
+    assert rc == 0, log[-4000:]
+    assert "restart 1 of 1" in log
+    assert json.loads((out / "flaky.json").read_text()) == {"step": 1, "run": 2}
 
 
 def test_sigkill_inside_store_path_keeps_the_previous_checkpoint(train_yaml, reference, tmp_path):

@@ -319,3 +319,39 @@ def test_dsat_reporting_context_outside_a_trial_is_transparent(tmp_path, monkeyp
     with pytest.raises(SystemExit):  # no autotuning file: the exit goes on untouched
         with dsat.dsat_reporting_context(None, None):
             sys.exit(0)
+
+
+class _Rank1:
+    """A worker's view for calls that must refuse non-chief ranks (no process group needed)."""
+
+    rank, size, local_rank = 1, 2, 1
+
+    def broadcast(self, stuff):
+        return False
+
+
+def test_chief_only_calls_refuse_workers(tmp_path):
+    ckpt = CheckpointContext(_Rank1(), root=tmp_path / "c", output_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="non-chief"):
+        with ckpt.store_path({"steps_completed": 1}):
+            pass
+    searcher = SearcherContext(_Rank1(), {"searcher": {"max_length": 3}}, tmp_path)
+    with pytest.raises(RuntimeError, match="non-chief"):
+        searcher.operations(det.core.SearcherMode.ChiefOnly)
+    op = next(searcher.operations())
+    with pytest.raises(RuntimeError, match="chief"):
+        op.report_completed(1.0)
+    with pytest.raises(RuntimeError, match="chief"):
+        op.report_progress(1)
+    preempt = det.core.PreemptContext(det.core.DummyDistributedContext())
+    with pytest.raises(RuntimeError, match="before PreemptContext.start"):
+        preempt.should_preempt()
+
+
+def test_init_without_distributed_under_a_multi_process_launch_is_refused(env, monkeypatch):
+    monkeypatch.setenv("TOOLKIT_EXPERIMENT_CONFIG", str(_yaml(env, "entrypoint: python3 x.py\n")))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="DistributedContext"):
+        det.core.init()
+    with pytest.raises(TypeError):
+        det.core.init(None)  # keyword-only, as in Determined

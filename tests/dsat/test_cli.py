@@ -486,3 +486,24 @@ def test_resume_needs_the_same_global_batch(tmp_path):
     assert _plan(tmp_path, model_dir, "--resume").global_batch == plan.global_batch
     with pytest.raises(UsageError, match="settings differ.*global_batch"):
         _plan(tmp_path, model_dir, "--resume", "--global-batch", "free")
+
+
+@pytest.mark.parametrize("ds, throughput, cap", [
+    (None, 20.0, 1180),     # free: 10 s start-up + 5 steps x 100 ms x m <= 600 s: m <= 1180
+    (KEEP_64, 20.0, 1180),  # kept, one micro-batch per timed step: the same cap
+    (KEEP_64, 640.0, None),  # kept, 32 micro-batches per timed step: a step's examples stay 64
+])
+def test_the_trial_timeout_caps_the_micro_batch(tmp_path, ds, throughput, cap):
+    from toolkit.dsat.contract import TrialStatus
+    from toolkit.dsat.orchestrator import Autotuner
+    from toolkit.dsat.search.types import TrialResult
+
+    plan = _plan(tmp_path, make_model_dir(tmp_path, slots=2, ds=ds))
+    tuner = object.__new__(Autotuner)  # only the plan and the profiling result are read
+    tuner.plan, tuner.say = plan, lambda line: None
+    profiled = TrialResult(profile_spec(plan.base_ds_config), TrialStatus.OK,
+                           {"latency": 100.0, "throughput": throughput}, duration_s=10.5)
+    tuner.results = {0: profiled}
+    settings = tuner._search_settings()
+    assert settings.max_micro_batch == cap
+    assert settings.micro_batches == plan.search.micro_batches

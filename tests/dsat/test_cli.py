@@ -503,7 +503,8 @@ def test_the_trial_timeout_caps_the_micro_batch(tmp_path, ds, throughput, cap):
     tuner.plan, tuner.say = plan, lambda line: None
     profiled = TrialResult(profile_spec(plan.base_ds_config), TrialStatus.OK,
                            {"latency": 100.0, "throughput": throughput}, duration_s=10.5)
-    tuner.results = {0: profiled}
+    tuner.results = {0: profiled, -1: profiled}  # with a calibration trial
     settings = tuner._search_settings()
     assert settings.max_micro_batch == cap
     assert settings.micro_batches == plan.search.micro_batches
+    assert settings.max_trials == plan.search.max_trials - 1  # --max-trials counts every trial

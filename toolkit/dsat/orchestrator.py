@@ -247,8 +247,16 @@ class Autotuner:
         return self._conclude()
 
     def _search_settings(self) -> SearchSettings:
-        """The plan's search settings with the micro-batch capped so that no trial is predicted to run
-        past the trial timeout (the profiling trial's step time, linear in the micro-batch).
+        """The plan's search settings for the searcher: the micro-batch capped by the trial timeout
+        (:meth:`_time_cap`), and ``max_trials`` less the extra profiling (calibration) trials, so that
+        ``--max-trials`` counts every trial of the search."""
+        extra = sum(1 for trial_id in self.results if trial_id < 0)
+        return dataclasses.replace(self.plan.search, max_micro_batch=self._time_cap(),
+                                   max_trials=max(self.plan.search.max_trials - extra, 2))
+
+    def _time_cap(self) -> int | None:
+        """The largest micro-batch no trial is predicted to run past the trial timeout with (the
+        profiling trial's step time, linear in the micro-batch); None: no cap.
 
         With the global batch kept and a timed step that spans the accumulation steps (more than
         one micro-batch per step), a step's examples do not grow with the micro-batch: no cap."""
@@ -256,19 +264,19 @@ class Autotuner:
         latency = float(profiled.metrics.get("latency") or 0.0)
         micro_per_step = float(profiled.metrics.get("throughput") or 0.0) * latency / 1000.0 / dp
         if self.plan.global_batch.train_batch_size is not None and micro_per_step > 1.5:
-            return self.plan.search
+            return None
         steps = runner.end_profile_step
         overhead = profiled.duration_s - steps * latency / 1000.0
         cap = time_capped_micro_batch(latency, steps=steps, timeout_s=runner.timeout_s, overhead_s=overhead)
         if cap is None:
-            return self.plan.search
+            return None
         logger.info("trial timeout %gs: no micro-batch above %d (predicted %.0fs start-up + %d steps x %.4g "
                     "ms x micro-batch)", runner.timeout_s, cap, overhead, steps, latency)
         top = self.plan.search.micro_batches[-1] if self.plan.search.micro_batches else None
         if top is None or cap < top:
             self.say(f"trial timeout {runner.timeout_s:g}s: micro-batches above {cap} are not tried "
                      f"(predicted {overhead:.0f}s start-up + {steps} steps x {latency:.4g} ms x micro-batch)")
-        return dataclasses.replace(self.plan.search, max_micro_batch=cap)
+        return cap
 
     def _replay(self, searcher: search.Searcher, runner: TrialRunner, events: list[dict[str, Any]]) -> int:
         """Feed a resumed search's recorded results through the fresh searcher; rerun the unfinished."""

@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_search_flags(g: argparse._ArgumentGroup) -> None:
     """What is searched and how it is judged."""
     g.add_argument("--max-trials", type=_integer, default=50, metavar="N",
-                   help="trials in all, the profiling trial included (default: %(default)s)")
+                   help="trials in all, the profiling trials included (default: %(default)s)")
     g.add_argument("--metric", choices=METRICS, default="FLOPS_per_gpu",
                    help="what the best trial maximises (FLOPS_per_gpu, throughput in samples/s) or minimises "
                         "(forward, backward, latency in ms per step) (default: %(default)s)")

@@ -103,7 +103,7 @@ def _launcher_of(argv: list[str], problems: list[str]) -> tuple[str, list[str], 
 def plan_run(
     config: Mapping[str, Any], *, config_path: Path, model_dir: Path, output_dir: Path | None
 ) -> RunPlan:
-    """Check the experiment and decide the launch. Pure (reads nothing but its arguments).
+    """Check the experiment and decide the launch. Pure, but reads ``$TOOLKIT_OUTPUT_DIR`` (the default).
 
     Raises:
         ConfigError: every problem, each naming its key (entrypoint, searcher.name, a search
@@ -152,7 +152,8 @@ def plan_run(
 
 
 class _Forwarder:
-    """Signal handlers that pass SIGTERM/SIGINT to the running launcher's process group."""
+    """Signal handlers that pass SIGTERM/SIGINT to the run's rank processes (or, before they exist,
+    to the launcher's process group)."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None

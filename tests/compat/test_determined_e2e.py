@@ -129,30 +129,24 @@ def test_sigterm_stops_every_rank_and_the_rerun_resumes_exactly(train_yaml, refe
     assert not find_trial_processes(str(out), variable="TOOLKIT_OUTPUT_DIR")  # nothing left behind
 
 
-def test_a_failed_run_is_restarted_from_its_checkpoint(tmp_path):
-    cfg = tmp_path / "flaky.yaml"
-    cfg.write_text("entrypoint: python3 det_flaky.py\nmax_restarts: 1\n")
+def test_sigkill_inside_store_path_keeps_the_previous_checkpoint_and_the_restart_resumes(
+    train_yaml, reference, tmp_path
+):
+    cfg = tmp_path / "restart.yaml"
+    cfg.write_text(train_yaml.read_text().replace("max_restarts: 0", "max_restarts: 1"))
     out = tmp_path / "out"
-    rc, log = _finish(_start(_run_argv(cfg, procutil.WORKERS, out)))
+    rc, log = _finish(_start(_run_argv(cfg, procutil.WORKERS, out), DET_TEST_KILL_AT="6"))
     assert rc == 0, log[-4000:]
-    assert "restart 1 of 1" in log
-    assert json.loads((out / "flaky.json").read_text()) == {"step": 1, "run": 2}
-
-
-def test_sigkill_inside_store_path_keeps_the_previous_checkpoint(train_yaml, reference, tmp_path):
-    out = tmp_path / "out"
-    rc, log = _finish(_start(_run_argv(train_yaml, procutil.WORKERS, out), DET_TEST_KILL_AT="6"))
-    assert rc != 0, log[-4000:]
-    committed = _committed(out)
-    assert [e["steps_completed"] for e in committed] == [3]
-    root = out / "checkpoints"
-    partial = [d for d in root.iterdir() if d.name != committed[0]["storage_id"]]
-    assert len(partial) == 1 and (partial[0] / "partial").exists()
-    assert not (partial[0] / storage.METADATA_NAME).exists()
-    rc, log = _finish(_start(_run_argv(train_yaml, procutil.WORKERS, out)))
-    assert rc == 0, log[-4000:]
-    assert not partial[0].exists()  # the rerun removed the incomplete one
+    assert "restart 1 of 1" in log and "left incomplete" in log  # the partial step-6 checkpoint, removed
+    # The restart resumed from step 3, the checkpoint before the one killed inside store_path.
+    steps = [json.loads(line)["steps_completed"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [3, 6, 6, 9, 12, 12]  # step 6 reported, killed in store_path, redone after the restart
+    assert [e["steps_completed"] for e in _committed(out)] == [3, 6, 9, 12]
+    assert sorted(d.name for d in (out / "checkpoints").iterdir()) == sorted(
+        e["storage_id"] for e in _committed(out)
+    )
     assert _weights(out) == _weights(reference)
+    assert json.loads((out / "determined_trial.json").read_text())["trial_run_id"] == 2
 
 
 def test_deepspeed_wrapper_sharded_checkpoint_preempt_and_resume(tmp_path):

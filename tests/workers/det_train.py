@@ -3,7 +3,8 @@
 Two ranks train a tiny model; gradients are averaged with core_context.distributed.allgather;
 the chief reports metrics and stores a checkpoint every `checkpoint_every` steps; every rank
 asks should_preempt() after it. Test hooks (environment): DET_TEST_STEP_SLEEP slows each step,
-DET_TEST_KILL_AT=N makes rank 0 SIGKILL itself inside store_path at step N, after a partial write.
+DET_TEST_KILL_AT=N makes rank 0 SIGKILL itself inside store_path at step N, after a partial write
+(on the trial's first run only, so that toolkit.run's restart goes through).
 """
 
 import io
@@ -52,7 +53,8 @@ def main(core_context, latest_checkpoint, trial_id, hparams):
         opt.load_state_dict(state["opt"])
         start = state["steps"] if state["trial_id"] == trial_id else 0
         torch.manual_seed(hparams["seed"] + 1000 * rank + 7 * start)
-    kill_at = int(os.environ.get("DET_TEST_KILL_AT", "0"))
+    first_run = det.get_cluster_info().trial._trial_run_id == 1
+    kill_at = int(os.environ.get("DET_TEST_KILL_AT", "0")) if first_run else 0
     for batch in range(start, hparams["max_length"]):
         x = torch.randn(8, 4)
         loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()

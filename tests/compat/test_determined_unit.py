@@ -355,3 +355,20 @@ def test_init_without_distributed_under_a_multi_process_launch_is_refused(env, m
         det.core.init()
     with pytest.raises(TypeError):
         det.core.init(None)  # keyword-only, as in Determined
+
+
+def test_searcher_length_inside_a_dsat_trial_is_the_last_profiled_step(tmp_path, monkeypatch):
+    contract = tmp_path / "trial.json"
+    contract.write_text(
+        json.dumps(
+            {
+                "trial_id": 0,
+                "result_path": str(tmp_path / "r.json"),
+                "start_profile_step": 3,
+                "end_profile_step": 5,
+            }
+        )
+    )
+    monkeypatch.setenv("TOOLKIT_DSAT_TRIAL", str(contract))
+    searcher = SearcherContext(det.core.DummyDistributedContext(), {}, tmp_path)
+    assert next(searcher.operations()).length == 6

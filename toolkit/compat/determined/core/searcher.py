@@ -2,8 +2,9 @@
 
 As Determined's ``single`` searcher (0.37 semantics, which the dsat example relies on):
 ``operations()`` yields one :class:`SearcherOperation` whose ``length`` is ``searcher.max_length``
-(``100`` or ``{batches: 100}``; epochs and records are an error naming them, since toolkit
-counts batches). Once the chief called ``op.report_completed(metric)``, the metric is recorded in
+(``100`` or ``{batches: 100}``; epochs and records are an error naming them, since toolkit counts
+batches; inside a dsat trial: ``end_profile_step + 1``, as Determined's dsat set it). Once the
+chief called ``op.report_completed(metric)``, the metric is recorded in
 ``<output_dir>/determined_searcher.json`` and ``operations()`` yields nothing more, in this run
 and the next ones in that output directory.
 
@@ -21,12 +22,14 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import toolkit
 from toolkit._files import atomic_write_json
 from toolkit.compat.determined.core.distributed import DistributedContext
+from toolkit.dsat.contract import TRIAL_ENV, TrialContract
 from toolkit.errors import ConfigError
 
 __all__ = ["SearcherContext", "SearcherOperation", "SearcherMode", "Unit", "SEARCHER_FILE"]
@@ -95,6 +98,11 @@ class SearcherContext:
             self._completed = False
 
     def _length(self) -> int:
+        trial_file = os.environ.get(TRIAL_ENV)
+        if trial_file:
+            # Inside a dsat trial the operation lasts until the last profiled step (as Determined's
+            # dsat set it); the trial ends there anyway (SystemExit from the reporting context).
+            return TrialContract.read(trial_file).end_profile_step + 1
         raw = (self._config.get("searcher") or {}).get("max_length")
         if isinstance(raw, Mapping) and set(raw) & {"epochs", "records"}:
             unit = sorted(set(raw) & {"epochs", "records"})[0]

@@ -266,8 +266,6 @@ def test_toolkit_run_as_the_batch_script_stops_on_the_batch_signal(slurm, tmp_pa
     assert both(out, "stop") and (out / "checkpoints" / "latest").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="under srun the default MASTER_PORT is 10000 + job id % 20000: two "
-                   "steps of one job running at once on a node take the same port (EADDRINUSE, cross-talk)")
 def test_two_concurrent_steps_of_one_job_each_rendezvous(slurm, tmp_path):
     """``srun ... & srun ... & wait`` in one allocation (a sweep inside one job), no MASTER_PORT set."""
     script = tmp_path / "steps.sh"

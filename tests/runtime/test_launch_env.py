@@ -71,7 +71,21 @@ def test_slurm_srun_step():
     assert info.launcher == "slurm"
     assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (5, 8, 1, 4)
     assert (info.node_rank, info.num_nodes, info.master_addr) == (1, 2, "gpu07")
-    assert info.master_port == 10000 + 12345 % 20000
+    assert info.master_port == 10000 + (12345 * 100 + 0) % 20000
+
+
+def test_two_steps_of_one_slurm_job_take_different_default_ports():
+    ports = {detect_launch({**SRUN, "SLURM_STEP_ID": step}).master_port for step in ("0", "1", "2")}
+    assert len(ports) == 3, ports
+
+
+def test_two_mpirun_jobs_take_different_default_ports():
+    env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    ports = {detect_launch({**env, "OMPI_MCA_ess_base_jobid": str(family << 16 | 1)}).master_port
+             for family in (1000, 1001)}
+    assert len(ports) == 2 and all(10000 <= port < 30000 for port in ports), ports
+    assert detect_launch(env).master_port == 29500  # not Open MPI's: the default
 
 
 def test_sbatch_script_without_srun_is_one_process():

@@ -5,13 +5,11 @@ Checked for real: the node rank and counts init_distributed reports, SIGTERM to 
 worker stopping both nodes at the same step, a checkpoint written once per shard and committed
 once on the shared directory, and the resume from it on both nodes.
 
-The pdsh path of DeepSpeed's multinode runner runs at the end, against ``localhost`` with an sshd
-that the test starts on a loopback port (skipped, with the reason, where sshd or pdsh is missing).
+The pdsh path of DeepSpeed's multinode runner runs for real in tests/cluster/test_pdsh.py.
 """
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -167,103 +165,5 @@ def test_the_example_runs_unchanged_on_two_nodes(tmp_path):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_10"
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
 
-
-# ---------------------------------------------------------------- pdsh + ssh on loopback (optional)
-def _sshd_setup(tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
-    """An sshd on a loopback port with a throw-away host key, and a HOME whose ssh config reaches it."""
-    sshd = shutil.which("sshd") or ("/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None)
-    missing = [name for name, path in (("sshd", sshd), ("pdsh", shutil.which("pdsh")),
-                                       ("ssh", shutil.which("ssh")), ("ssh-keygen", shutil.which("ssh-keygen")))
-               if not path]
-    if missing:
-        pytest.skip(f"{', '.join(missing)} not installed: the pdsh/ssh path of DeepSpeed's runner cannot run here "
-                    "(apt-get install openssh-server pdsh to run it)")
-    home = tmp_path / "home"
-    ssh_dir = home / ".ssh"
-    ssh_dir.mkdir(parents=True)
-    for key in ("host_key", "id_ed25519"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(ssh_dir / key)], check=True,
-                       timeout=60)
-    shutil.copy(ssh_dir / "id_ed25519.pub", ssh_dir / "authorized_keys")
-    os.chmod(home, 0o755)
-    port = p.free_port()
-    config = tmp_path / "sshd_config"
-    config.write_text(f"Port {port}\nListenAddress 127.0.0.1\nHostKey {ssh_dir / 'host_key'}\n"
-                      f"AuthorizedKeysFile {ssh_dir / 'authorized_keys'}\nPasswordAuthentication no\n"
-                      "PermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\n"
-                      f"PidFile {tmp_path / 'sshd.pid'}\nPermitUserEnvironment no\n")
-    (ssh_dir / "config").write_text(f"Host localhost 127.0.0.1\n  Port {port}\n  IdentityFile {ssh_dir / 'id_ed25519'}\n"
-                                    "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n")
-    os.makedirs("/run/sshd", exist_ok=True)
-    daemon = subprocess.Popen([sshd, "-D", "-e", "-f", str(config)], stdout=subprocess.DEVNULL,
-                              stderr=open(tmp_path / "sshd.log", "w"), start_new_session=True)
-    # ssh reads ~/.ssh/config from the passwd entry's home, not $HOME, and DeepSpeed's runner,
-    # pdsh and the test all run plain `ssh`: an `ssh` first on PATH adds `-F` with this config.
-    shim = home / "bin"
-    shim.mkdir()
-    (shim / "ssh").write_text(f"#!/bin/sh\nexec {shutil.which('ssh')} -F {ssh_dir / 'config'} \"$@\"\n")
-    (shim / "ssh").chmod(0o755)
-    env = p.child_env(HOME=str(home), PATH=f"{shim}{os.pathsep}{os.environ['PATH']}")
-    for _ in range(50):
-        if daemon.poll() is not None:
-            pytest.skip(f"sshd could not be started: {(tmp_path / 'sshd.log').read_text()[-500:]}")
-        probe = subprocess.run([str(shim / "ssh"), "-o", "BatchMode=yes", "localhost", "true"], env=env, timeout=30,
-                               capture_output=True)
-        if probe.returncode == 0:
-            return daemon, port, home
-        time.sleep(0.2)
-    daemon.kill()
-    pytest.skip(f"ssh to the test sshd failed: {probe.stderr.decode()[-300:]}")
-
-
-@pytest.mark.slow
-def test_dsat_trial_through_pdsh_and_ssh_on_loopback(tmp_path):
-    """A dsat trial on a host that is not taken as local (its name is made remote for the test)
-    runs through DeepSpeed's runner -> pdsh -> ssh -> deepspeed.launcher.launch, with the
-    trial's variables exported, and is stopped on its host on timeout."""
-    daemon, _, home = _sshd_setup(tmp_path)
-    try:
-        _run_pdsh_trials(tmp_path, home)
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=30)
-
-
-def _run_pdsh_trials(tmp_path: Path, home: Path) -> None:
-    from unittest import mock
-
-    from toolkit.dsat.contract import TrialStatus
-    from toolkit.dsat.execution import runner as runner_module
-    from toolkit.dsat.execution.hosts import Host
-    from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner, find_trial_processes
-    from toolkit.dsat.search.types import TrialSpec
-
-    env = p.child_env(HOME=str(home),
-                      PATH=os.pathsep.join([str(home / "bin"), str(Path(sys.executable).parent), os.environ["PATH"]]))
-    out = tmp_path / "out"
-    settings = RunnerSettings(entrypoint=("python3", "dsat_fake_trial.py"), model_dir=p.WORKERS, slots_per_trial=2,
-                              max_slots=2, max_concurrent=1, timeout_s=120, grace_s=3, poll_s=0.1,
-                              hosts=(Host("localhost", 2),), multihost_launcher="pdsh")
-    with mock.patch.dict(os.environ, env, clear=True), \
-            mock.patch.object(runner_module, "is_local_host", lambda name: False):  # take the ssh path
-        with TrialRunner(settings, output_dir=out) as runner:
-            runner.start(TrialSpec(1, 1, {"stage": 1}, line=0), ds_config={}, hparams={"behaviour": "ok"})
-            (ok,) = runner.wait(timeout=200)
-        with TrialRunner(dataclasses_replace(settings, timeout_s=8), output_dir=out) as runner:
-            runner.start(TrialSpec(2, 1, {"stage": 1}, line=0), ds_config={}, hparams={"behaviour": "hang"})
-            wait_for(lambda: len(list((out / "trials" / "trial_2").glob("rank*.json"))) == 2, "both ranks of trial 2")
-            (hung,) = runner.wait(timeout=200)
-    record = read(out / "trials" / "trial_1" / "placement.json")
-    log = (out / "trials" / "trial_1" / "stderr.log").read_text()[-3000:]
-    assert ok.status is TrialStatus.OK, f"{ok.error}\n{log}"
-    assert record["launch"] == "pdsh" and record["argv"][2] == "deepspeed.launcher.runner"
-    ranks = [read(f) for f in sorted((out / "trials" / "trial_1").glob("rank*.json"))]
-    assert len(ranks) == 2
-    assert hung.status is TrialStatus.TIMEOUT
-    assert not find_trial_processes(f"{out / 'trials'}{os.sep}", prefix=True)
-
-
-def dataclasses_replace(obj, **changes):
-    import dataclasses
-
-    return dataclasses.replace(obj, **changes)
+# The real pdsh + ssh trial (through DeepSpeed's pdsh runner, on a loopback sshd) is in
+# tests/cluster/test_pdsh.py.

@@ -143,7 +143,7 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
     this_run, seq = _prepare_tag(ctx, save, mine=run_id or _run_ids.get(key), overwrite=overwrite)
     _run_ids[key] = this_run
     _write_on_every_rank(engine, ctx, save, this_run)
-    deleted = on_chief(ctx, lambda: _commit(engine, save, this_run, seq))
+    deleted = on_chief(ctx, lambda: _commit(engine, save, this_run, seq), slow=True)
     logger.info("checkpoint %r (steps_completed=%d) committed to %s in %.2f s%s", tag, save.steps_completed,
                 root, time.monotonic() - started, f"; deleted {deleted}" if deleted else "")
     return tag

@@ -26,20 +26,34 @@ __all__ = ["agree", "on_chief", "write_failure"]
 T = TypeVar("T")
 
 
-def on_chief(ctx: DistributedContext, fn: Callable[[], T]) -> T:
+def on_chief(ctx: DistributedContext, fn: Callable[[], T], *, slow: bool = False) -> T:
     """Run ``fn`` on the chief and hand its result, or its failure, to every rank. Call on all ranks.
 
     A failing chief must make every rank raise, not leave them waiting in the next collective:
     the chief re-raises its own exception, the other ranks raise a :class:`CheckpointError`
     naming it.
+
+    ``slow=True`` is for work whose length grows with the checkpoint (fsyncing every file,
+    deleting old checkpoints): the other ranks wait for it with the process group's long
+    timeout (``ctx.chief_first()``), not the short collective timeout, which is there to catch a
+    call made on one rank only; the first collectives of a save or load catch that already.
     """
     outcome: Any = None
     failure: BaseException | None = None
-    if ctx.is_chief:
-        try:
-            outcome = ("ok", fn())
-        except Exception as err:  # noqa: BLE001 - re-raised below, after telling the other ranks
-            failure, outcome = err, ("error", f"{type(err).__name__}: {err}")
+
+    def run_on_chief() -> None:
+        nonlocal outcome, failure
+        if ctx.is_chief:
+            try:
+                outcome = ("ok", fn())
+            except Exception as err:  # noqa: BLE001 - re-raised below, after telling the other ranks
+                failure, outcome = err, ("error", f"{type(err).__name__}: {err}")
+
+    if slow:
+        with ctx.chief_first():
+            run_on_chief()
+    else:
+        run_on_chief()
     outcome = ctx.broadcast_object(outcome)
     if failure is not None:
         raise failure

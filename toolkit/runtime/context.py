@@ -330,7 +330,7 @@ def init_distributed(*, backend: str | None = None, timeout: timedelta = DEFAULT
         chosen = _init_process_group(info, _pick_backend(backend), timeout)
         share_with_deepspeed(chosen, timeout, info)
         _context = _make_context(info, chosen, timeout, collective_s)
-        protect_dataloader_workers()  # a preemption signal must not kill the loaders' workers
+        _install_process_hooks()
         from toolkit.runtime.rank_logging import (
             configure_rank_logging,  # local: log imports nothing heavy, no cycle
         )
@@ -338,6 +338,17 @@ def init_distributed(*, backend: str | None = None, timeout: timedelta = DEFAULT
         logger.info("initialised %s: world size %d, %d node(s), backend %s, launcher %s",
                     _context.device, info.world_size, info.num_nodes, chosen, info.launcher)
         return _context
+
+
+def _install_process_hooks() -> None:
+    """What every rank of a toolkit job needs once: DataLoader workers that a preemption signal
+    does not kill, and inside a dsat trial the hook that reports an out-of-memory error raised
+    before the first step (e.g. in ``deepspeed.initialize``) as the trial's "oom". Both are
+    idempotent; the second does nothing outside a trial."""
+    from toolkit.dsat.trial.oom import install_oom_excepthook  # local: the trial code loads lazily
+
+    protect_dataloader_workers()
+    install_oom_excepthook()
 
 
 def _init_process_group(info: LaunchInfo, chosen: str, timeout: timedelta) -> str:

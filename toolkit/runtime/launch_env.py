@@ -308,7 +308,15 @@ def _from_mpi(r: _Reader, rank_var: str, size_var: str, local_rank_var: str,
         local_rank=r.int(local_rank_var), local_world_size=local_size,
         node_rank=None, num_nodes=None,  # OMPI_COMM_WORLD_NODE_RANK is not a node index
         master_addr=r.str("MASTER_ADDR") or _local_master(world, local_size),
-        master_port=r.int("MASTER_PORT", DEFAULT_MASTER_PORT, minimum=1))
+        master_port=r.int("MASTER_PORT", _mpi_default_port(r.environ), minimum=1))
+
+
+def _mpi_default_port(env: Mapping[str, str]) -> int:
+    """Open MPI: a port from the job family in OMPI_MCA_ess_base_jobid (the same on every rank of one
+    ``mpirun``, different between two), so that two mpirun jobs on one machine avoid each other;
+    otherwise (MPICH, Intel MPI) DEFAULT_MASTER_PORT."""
+    jobid = env.get("OMPI_MCA_ess_base_jobid", "").strip()
+    return 10000 + (int(jobid) >> 16) % 20000 if jobid.isdigit() else DEFAULT_MASTER_PORT
 
 
 def _from_slurm(r: _Reader, env: Mapping[str, str]) -> LaunchInfo:
@@ -332,8 +340,11 @@ def _from_slurm(r: _Reader, env: Mapping[str, str]) -> LaunchInfo:
         except LaunchEnvError as err:
             r.problems.append(str(err))
     job_id = r.int("SLURM_JOB_ID", 0)
-    # A port derived from the job id lets concurrent jobs on shared nodes avoid each other.
-    port = r.int("MASTER_PORT", 10000 + (job_id or 0) % 20000, minimum=1)
+    step = env.get("SLURM_STEP_ID", "").strip()
+    # A port derived from the job and step ids lets concurrent jobs on shared nodes, and steps of
+    # one job running at once (``srun ... & srun ... & wait``), avoid each other.
+    step_id = int(step) if step.isdigit() else 0
+    port = r.int("MASTER_PORT", 10000 + ((job_id or 0) * 100 + step_id) % 20000, minimum=1)
     return _finish(
         "slurm", r,
         rank=r.int("SLURM_PROCID"), world_size=world,

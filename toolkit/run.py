@@ -8,8 +8,9 @@ process gets ``TOOLKIT_EXPERIMENT_CONFIG`` (the YAML) and ``TOOLKIT_OUTPUT_DIR``
 TensorBoard, metrics; default ``runs/<name>``), which ``det.get_cluster_info()``,
 ``toolkit.get_hparams()`` and ``toolkit.get_output_dir()`` read. Plain toolkit scripts run too.
 
-* SIGTERM / SIGINT to this process are passed to the ranks, which stop through preemption
-  (``should_preempt()``) and save; after ``--grace`` seconds whatever is left is killed.
+* SIGTERM, SIGINT and SIGUSR1 (Slurm's ``--signal=B:USR1@N``) to this process are passed to the
+  ranks, which stop through preemption (``should_preempt()``) and save; after ``--grace``
+  seconds whatever is left is killed.
 * A run that fails is started again, up to ``max_restarts`` times (Determined's default 5); it
   resumes from ``latest_checkpoint``. A run stopped by a forwarded signal is not restarted.
 * Exit status: the last run's (0 when it succeeded). Bad input exits 2, naming the key or flag,
@@ -58,7 +59,7 @@ logger = logging.getLogger("toolkit.run")
 
 #: Marks every process of one run (Determined's name for one run of a trial), to find them all.
 MARK_ENV = "DET_ALLOCATION_ID"
-_FORWARDED = (signal.SIGTERM, signal.SIGINT)
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # what toolkit.watch_preemption watches
 
 
 class RunPlan:
@@ -152,7 +153,7 @@ def plan_run(
 
 
 class _Forwarder:
-    """Signal handlers that pass SIGTERM/SIGINT to the run's rank processes (or, before they exist,
+    """Signal handlers that pass SIGTERM/SIGINT/SIGUSR1 to the run's rank processes (or, before they exist,
     to the launcher's process group)."""
 
     def __init__(self) -> None:

@@ -159,7 +159,7 @@ def test_deepspeed_wrapper_sharded_checkpoint_preempt_and_resume(tmp_path):
     argv = _run_argv(model_dir / "deepspeed.yaml", model_dir, out)
     proc = _start(argv, DET_TEST_STEP_SLEEP="0.5")
     _wait_committed(proc, out, 1)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGUSR1)  # Slurm's --signal=B:USR1@N: forwarded like SIGTERM
     rc, log = _finish(proc)
     assert rc == 0, log[-4000:]
     first = _committed(out)[-1]

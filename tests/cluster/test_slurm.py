@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 from hostprocs import owner_mark, owner_of, pid_alive
 
@@ -236,8 +235,6 @@ def test_toolkit_run_inside_salloc(slurm, tmp_path):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_5"
 
 
-@pytest.mark.xfail(strict=True, reason="toolkit.run forwards SIGTERM and SIGINT only: SIGUSR1 (what "
-                   "sbatch --signal=B:USR1@N sends the batch script) kills it and orphans its ranks unsaved")
 def test_toolkit_run_as_the_batch_script_stops_on_the_batch_signal(slurm, tmp_path):
     """``exec python -m toolkit.run`` in a batch script, and the signal Slurm sends the batch shell
     (``scancel --signal=USR1 --batch``, as ``--signal=B:USR1@N`` does at the time-limit warning)."""

@@ -240,6 +240,7 @@ def _build_settings(args: argparse.Namespace, inputs: _Inputs, machines: _Machin
                                 start_profile_step=args.start_profile_step,
                                 end_profile_step=args.end_profile_step,
                                 gpus=machines.gpus, hosts=machines.hosts, multihost_launcher=machines.via,
+                                experiment_config=args.config.resolve(),
                                 ssh_port=args.ssh_port)
     except ConfigError as err:
         problems.extend(user_terms(p) for p in err.problems)

@@ -79,11 +79,23 @@ def test_launcher_modes_in_the_entrypoint_are_kept():
     (["python3"], "no script"),
     (["python3", "-O", "train.py"], "'-O'"),
     (["python3", "-m"], "module name"),
-    (["python3", "-m", "determined.launch.deepspeed", "python3", "train.py"], "Determined's launcher"),
+    (["python3", "-m", "determined.launch.deepspeed"], "no command to run"),
+    (["python3", "-m", "determined.launch.deepspeed", "--trial", "model_def:Trial"], "Trial API"),
 ])
 def test_bad_entrypoints_say_what_to_do(entrypoint, words):
     with pytest.raises(ConfigError, match=words):
         tr(entrypoint)
+
+
+@pytest.mark.parametrize("entrypoint", [
+    ["python3", "-m", "determined.launch.deepspeed", "python3", "train.py", "--lr", "1"],
+    ["python3", "-m", "determined.launch.torch_distributed", "--", "python3", "train.py", "--lr", "1"],
+    ["python3", "-m", "determined.launch.torch_distributed", "--nproc_per_node", "1", "--",
+     "python3", "train.py", "--lr", "1"],
+    ["python3", "-m", "determined.launch.wrap_rank", "0", "--", "python3", "train.py", "--lr", "1"],
+])
+def test_determined_wrappers_run_the_command_they_wrap(entrypoint):
+    assert tr(entrypoint) == tr(["python3", "train.py", "--lr", "1"])
 
 
 def test_bad_arguments():

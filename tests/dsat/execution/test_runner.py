@@ -448,3 +448,14 @@ def test_run_to_completion_returns_the_status_and_leaves_nothing(tmp_path, monke
                            "X": "1"}
     assert not alive(seen["child"])  # the grandchild in its own session did not outlive the job
     assert (tmp_path / "logs" / "stdout.log").exists()
+
+
+def test_a_trial_is_told_the_experiment_config(tmp_path):
+    """TOOLKIT_EXPERIMENT_CONFIG reaches every trial (det.get_cluster_info() reads the YAML there)."""
+    config = tmp_path / "deepspeed.yaml"
+    with TrialRunner(make_settings(experiment_config=config), output_dir=tmp_path) as runner:
+        env, _include = runner._trial_env(tmp_path, None)
+    assert env["TOOLKIT_EXPERIMENT_CONFIG"] == str(config)
+    with TrialRunner(make_settings(), output_dir=tmp_path / "b") as runner:
+        env, _include = runner._trial_env(tmp_path, None)
+    assert env.get("TOOLKIT_EXPERIMENT_CONFIG") == os.environ.get("TOOLKIT_EXPERIMENT_CONFIG")

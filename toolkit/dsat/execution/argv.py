@@ -16,7 +16,8 @@ Decisions (documented here because tests compare argv lists exactly):
   torch.distributed.run ...``, ``deepspeed ...``, ``python3 -m deepspeed.launcher.runner ...``)
   is parsed with that launcher's own argument parser; its options (process counts, hosts,
   ports) are replaced by the trial's, and its script, arguments and module / no-python mode
-  are kept. Determined's ``determined.launch.*`` wrappers are an error with a fix.
+  are kept. Determined's ``determined.launch.*`` wrappers are unwrapped: the command they wrap is
+  what the trial runs.
 * ``deepspeed`` runs ``deepspeed.launcher.launch`` directly, the per-node launcher that
   DeepSpeed's ``deepspeed`` command itself runs for a single host: no hostfile lookup, no
   ssh/pdsh, no device count (which is the number of NUMA nodes on CPU). ``--world_info``
@@ -142,9 +143,12 @@ def _unwrap_launcher(mode: str, target: str, args: list[str], entrypoint: Sequen
         inner = "module" if parsed.module else "exec" if parsed.no_python else "script"
         return inner, parsed.user_script, list(parsed.user_args)
     if mode == "module" and target.startswith("determined.launch"):
-        raise ConfigError(f"entrypoint={list(entrypoint)!r}: Determined's launcher {target!r} is "
-                          "not available here; give the script itself, e.g. 'python3 train.py' "
-                          "(dsat launches it)")
+        # Determined's wrappers (deepspeed, torch_distributed, wrap_rank): the command they wrap is
+        # what a trial runs; dsat's own --launcher starts it.
+        from toolkit.compat.determined.launch import unwrap_launcher  # pure, no cycle
+
+        _launcher, _overrides, command = unwrap_launcher(list(entrypoint))
+        return _split_entrypoint(command)
     return mode, target, args
 
 

@@ -46,6 +46,7 @@ from typing import Any, Iterable, Mapping
 
 from toolkit._files import atomic_write_json
 from toolkit.dsat.contract import (
+    EXPERIMENT_CONFIG_ENV,
     OUTPUT_DIR_ENV,
     TRIAL_ENV,
     TRIAL_HPARAMS_ENV,
@@ -227,6 +228,8 @@ class TrialRunner:
         env.update({TRIAL_HPARAMS_ENV: str(directory / "hparams.json"),
                     TRIAL_ENV: str(directory / "trial.json"),
                     "PYTHONUNBUFFERED": "1", OUTPUT_DIR_ENV: str(directory / "output")})
+        if s.experiment_config is not None:
+            env[EXPERIMENT_CONFIG_ENV] = str(s.experiment_config)
         # Trials share the cores: without a limit every rank starts one OpenMP thread per core.
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // s.max_slots)))
         if gpus is None:
@@ -288,7 +291,8 @@ class TrialRunner:
         hostfile = directory / "hostfile"
         hostfile.write_text("".join(f"{h} slots={len(ids)}\n" for h, ids in placement.items()),
                             encoding="utf-8")
-        exported = {k: env[k] for k in (TRIAL_HPARAMS_ENV, TRIAL_ENV, OUTPUT_DIR_ENV, "PYTHONUNBUFFERED",
+        exported = {k: env[k] for k in (TRIAL_HPARAMS_ENV, TRIAL_ENV, OUTPUT_DIR_ENV, EXPERIMENT_CONFIG_ENV,
+                                        "PYTHONUNBUFFERED",
                                         "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "PATH") if k in env}
         env_file = directory / "ds_env"
         env_file.write_text("".join(f"{k}={v}\n" for k, v in exported.items()), encoding="utf-8")

@@ -84,6 +84,8 @@ class RunnerSettings:
             ``multihost_launcher``.
         multihost_launcher: one of :data:`~toolkit.dsat.execution.argv.MULTIHOST_LAUNCHERS`.
         ssh_port: ssh port of the hosts (DeepSpeed's runners), None for ssh's default.
+        experiment_config: the experiment YAML, exported to every trial as
+            ``TOOLKIT_EXPERIMENT_CONFIG`` (``det.get_cluster_info()`` reads it); None: not exported.
     """
 
     entrypoint: tuple[str, ...]
@@ -102,6 +104,7 @@ class RunnerSettings:
     hosts: tuple[Host, ...] | None = None
     multihost_launcher: str = "pdsh"
     ssh_port: int | None = None
+    experiment_config: Path | None = None
 
     def __post_init__(self) -> None:
         # Normalise containers (lists from argparse/YAML) before the checks; frozen, hence object.__setattr__.

@@ -18,6 +18,7 @@ Run it from the repository root (CPU; minutes per example)::
     python scripts/bench_memory.py --memory-per-slot 1GiB
     python scripts/bench_memory.py --examples causal_lm --stages 1 2 3
     python scripts/bench_memory.py --flops 8
+    python scripts/bench_memory.py --examples causal_lm --set d_model=128 seq_len=128   # the issue's GPT-2
 """
 
 from __future__ import annotations
@@ -49,15 +50,18 @@ CASES = {"train": ("deepspeed.yaml", (1, 2, 3)), "pipeline": ("pipeline.yaml", (
          "mlm": ("mlm.yaml", (1, 2, 3)), "causal_lm": ("causal_lm.yaml", (1, 2, 3))}
 
 
-def make_example_plan(example: str, *, out: Path, stages: tuple[int, ...], budget: str) -> Plan:
-    """dsat's plan for ``example`` (as ``python -m toolkit.dsat binary ...`` would build it)."""
+def make_example_plan(example: str, *, out: Path, stages: tuple[int, ...], budget: str,
+                      hparams: dict[str, Any]) -> Plan:
+    """dsat's plan for ``example`` (as ``python -m toolkit.dsat binary ...`` would build it), its
+    experiment YAML copied beside ``out`` with ``hparams`` set in its hyperparameters."""
     yaml_name, _ = CASES[example]
-    config = EXAMPLES / yaml_name
+    experiment = yaml.safe_load((EXAMPLES / yaml_name).read_text())
+    experiment["hyperparameters"].update(hparams)
     if example == "pipeline":  # 2 pipeline stages on 2 ranks: one data-parallel replica
-        experiment = yaml.safe_load(config.read_text())
         experiment["hyperparameters"].setdefault("data_parallel_world_size", 1)
-        config = out.parent / f"{example}.yaml"
-        config.write_text(yaml.safe_dump(experiment))
+    config = out.parent / f"{example}.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(yaml.safe_dump(experiment))
     argv = ["binary", str(config), str(EXAMPLES), "--output-dir", str(out),
             "--memory-per-slot", budget, "--max-concurrent-trials", "1", "--zero-stages",
             *map(str, stages)]
@@ -88,7 +92,8 @@ class Trials:
         while not done:
             done = self.runner.wait(timeout=1.0)
         result = done[0]
-        print(f"    stage {stage} mb {micro_batch}: {result.status.value} ({result.duration_s:.0f} s)",
+        why = f": {result.error[:100]}" if result.error else ""
+        print(f"    stage {stage} mb {micro_batch}: {result.status.value} ({result.duration_s:.0f} s){why}",
               flush=True)
         return result
 
@@ -126,7 +131,8 @@ def find_boundary(trials: Trials, stage: int, predicted: int, *,
 def bench_example(example: str, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     """Profile ``example`` with dsat, then find each stage's boundary; one row per stage."""
     stages = tuple(s for s in (args.stages or CASES[example][1]) if s in CASES[example][1])
-    plan = make_example_plan(example, out=work / example, stages=stages, budget=args.memory_per_slot)
+    plan = make_example_plan(example, out=work / example, stages=stages, budget=args.memory_per_slot,
+                             hparams=args.hparams)
     tuner = Autotuner(plan, say=lambda line: print("  " + line.replace("\n", "\n  "), flush=True))
     started = time.monotonic()
     if tuner.run_profiling() is None:
@@ -147,7 +153,8 @@ def bench_example(example: str, args: argparse.Namespace, work: Path) -> list[di
 def flops_rows(example: str, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     """Model FLOPs per sample at each stage of ``example``, at micro-batch ``args.flops``."""
     stages = tuple(s for s in (args.stages or CASES[example][1]) if s in CASES[example][1])
-    plan = make_example_plan(example, out=work / example, stages=stages, budget=args.memory_per_slot)
+    plan = make_example_plan(example, out=work / example, stages=stages, budget=args.memory_per_slot,
+                             hparams=args.hparams)
     rows = []
     with TrialRunner(plan.runner, output_dir=work / example / "flops") as runner:
         trials = Trials(plan, runner)
@@ -170,11 +177,14 @@ def main() -> int:
                         help="bisect until the bracket is within this fraction of the largest ok (0.05)")
     parser.add_argument("--flops", type=int, default=None, metavar="MB",
                         help="instead: model FLOPs per sample per stage at micro-batch MB")
+    parser.add_argument("--set", dest="hparams", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="hyperparameters to set in every example's YAML, e.g. d_model=128 seq_len=128")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
     parser.add_argument("--work", type=Path, default=None,
                         help="keep the trials' directories here (default: a temporary directory)")
     args = parser.parse_args()
     parse_bytes(args.memory_per_slot)
+    args.hparams = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.hparams)}
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench_memory_") as tmp:

@@ -22,8 +22,8 @@ from typing import Any
 
 from toolkit.dsat.contract import ProfileInfo
 
-__all__ = ["ProfileProbe", "measure_profile", "merge_profiles", "peak_memory_bytes", "rss_bytes",
-           "state_bytes"]
+__all__ = ["ProfileProbe", "measure_profile", "merge_profiles", "peak_memory_bytes", "reset_peak_memory",
+           "rss_bytes", "state_bytes"]
 
 
 def rss_bytes(field: str = "VmRSS") -> int:
@@ -54,6 +54,24 @@ def peak_memory_bytes(device: Any) -> int:
         outside = max(total - free - torch.cuda.memory_reserved(device), 0)
         return int(torch.cuda.max_memory_reserved(device)) + int(outside)
     return rss_bytes("VmHWM")
+
+
+def reset_peak_memory(device: Any) -> None:
+    """Start :func:`peak_memory_bytes` afresh: called before the first training step, so that the
+    peak is the steps' and not the start-up's (imports, model construction, ``deepspeed.initialize``
+    can peak higher than a step at a small micro-batch, which would flatten the measured slope of
+    peak memory per example). CUDA: ``torch.cuda.reset_peak_memory_stats``; Linux: writing 5 to
+    ``/proc/self/clear_refs`` resets ``VmHWM``; elsewhere nothing. Any rank."""
+    import torch
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+    except OSError:
+        pass
 
 
 def _numel(p: Any) -> int:

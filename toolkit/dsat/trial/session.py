@@ -23,7 +23,13 @@ from typing import Any, Callable, Iterator, NoReturn
 from toolkit._files import atomic_write_json
 from toolkit.dsat.contract import TRIAL_ENV, TrialContract
 from toolkit.dsat.trial.oom import exit_on_oom, is_crashing, is_oom
-from toolkit.dsat.trial.profiling import ProfileProbe, merge_profiles, peak_memory_bytes, rss_bytes
+from toolkit.dsat.trial.profiling import (
+    ProfileProbe,
+    merge_profiles,
+    peak_memory_bytes,
+    reset_peak_memory,
+    rss_bytes,
+)
 from toolkit.errors import LaunchEnvError
 
 __all__ = ["TrialSession", "read_contract", "reduce_metrics"]
@@ -97,6 +103,8 @@ class TrialSession:
         self.last_step = -1
         self.finished = False
         self._install_timers()
+        if self.contract.profile:  # the peak of the training steps, not of the start-up
+            reset_peak_memory(getattr(engine, "device", "cpu"))
         if self.ctx.is_chief:
             atexit.register(self._report_early_exit)
 

@@ -148,8 +148,9 @@ class Autotuner:
         profiles, for ``profile.json``."""
         profile, dp = self._measured(first), self.plan.data_parallel_size
         off_opt, off_par = memory.offload_flags(first.spec.zero)
+        latency = first.metrics.get("latency") if self._step_grows_with_micro_batch(first) else None
         k = memory.calibration_micro_batch(profile, first.spec.stage, data_parallel_size=dp,
-                                           latency_ms=first.metrics.get("latency"),
+                                           latency_ms=latency,
                                            offload_optimizer=off_opt, offload_param=off_par)
         measured, why = [profile.to_json()], "the first profile has no peak-memory measurement"
         for trial_id in (-1, -2):
@@ -254,16 +255,24 @@ class Autotuner:
         return dataclasses.replace(self.plan.search, max_micro_batch=self._time_cap(),
                                    max_trials=max(self.plan.search.max_trials - extra, 2))
 
+    def _step_grows_with_micro_batch(self, profiled: TrialResult) -> bool:
+        """Whether a timed step's examples grow with the micro-batch: not when the global batch is
+        kept and the profiling trial's timed step spanned its accumulation steps (more than one
+        micro-batch per step): then every step is ``train_batch_size`` examples."""
+        latency = float(profiled.metrics.get("latency") or 0.0)
+        micro_per_step = (float(profiled.metrics.get("throughput") or 0.0) * latency / 1000.0
+                          / self.plan.data_parallel_size / max(profiled.spec.micro_batch, 1))
+        return self.plan.global_batch.train_batch_size is None or micro_per_step <= 1.5
+
     def _time_cap(self) -> int | None:
         """The largest micro-batch no trial is predicted to run past the trial timeout with (the
         profiling trial's step time, linear in the micro-batch); None: no cap.
 
         With the global batch kept and a timed step that spans the accumulation steps (more than
         one micro-batch per step), a step's examples do not grow with the micro-batch: no cap."""
-        runner, profiled, dp = self.plan.runner, self.results[0], self.plan.data_parallel_size
+        runner, profiled = self.plan.runner, self.results[0]
         latency = float(profiled.metrics.get("latency") or 0.0)
-        micro_per_step = float(profiled.metrics.get("throughput") or 0.0) * latency / 1000.0 / dp
-        if self.plan.global_batch.train_batch_size is not None and micro_per_step > 1.5:
+        if not self._step_grows_with_micro_batch(profiled):
             return None
         steps = runner.end_profile_step
         overhead = profiled.duration_s - steps * latency / 1000.0

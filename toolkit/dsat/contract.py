@@ -106,6 +106,9 @@ class ProfileInfo:
             size (``VmHWM``), on GPU PyTorch's peak reserved memory plus what PyTorch does not
             hold (CUDA context, communication buffers); 0 where not measured.
         calibrated: the per-example and baseline figures come from two trials' peaks.
+        stage_extra_bytes: per ZeRO stage (key: the stage as a string), the peak memory that a
+            profiling trial at that stage measured beyond the calibrated line and the model-state
+            formula (ZeRO-3's gather buffers, a stage's own buckets); the memory model subtracts it.
     """
 
     num_params: int
@@ -118,9 +121,10 @@ class ProfileInfo:
     micro_batch: int = 0
     peak_bytes: int = 0
     calibrated: bool = False
+    stage_extra_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "stage_extra_bytes": dict(self.stage_extra_bytes)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "ProfileInfo":

@@ -164,12 +164,41 @@ class Autotuner:
                 measured.append(second.to_json())
                 model = memory.model_memory_bytes(profile, first.spec.stage, data_parallel_size=dp,
                                                   offload_optimizer=off_opt, offload_param=off_par)
-                return memory.calibrate(profile, second, model_memory=model), measured
+                calibrated = memory.calibrate(profile, second, model_memory=model)
+                return self._stage_extras(runner, events, result.spec, calibrated, measured), measured
             why = f"the calibration trial at micro-batch {k} ended {result.status.value}"
             k = k // 4 if result.status is TrialStatus.OOM and k // 4 >= 2 else None
         self.say(f"memory model not calibrated ({why}): the estimate from the leaf outputs alone may be "
                  "several times too large")
         return profile, measured
+
+    def _stage_extras(self, runner: TrialRunner, events: list[dict[str, Any]], spec: TrialSpec,
+                      profile: ProfileInfo, measured: list[dict[str, Any]]) -> ProfileInfo:
+        """``profile`` with each other searched stage's measured extra: one profiling trial per
+        stage at the calibration trial's micro-batch (ids -10 - stage), the stage's own ZeRO section
+        built on the calibration trial's. A stage that runs out of memory there is predicted to fit
+        one example less; one that fails is left to the formula."""
+        dp, k = self.plan.data_parallel_size, spec.micro_batch
+        for stage in sorted(set(self.plan.search.zero_stages) - {spec.stage}):
+            zero = {key: value for key, value in spec.zero.items()
+                    if not (key == "offload_optimizer" and stage < 2 or key == "offload_param" and stage < 3)}
+            zero["stage"] = stage
+            off_opt, off_par = memory.offload_flags(zero)
+            model = memory.model_memory_bytes(profile, stage, data_parallel_size=dp,
+                                              offload_optimizer=off_opt, offload_param=off_par)
+            result = self._run_profiling_trial(
+                runner, events, dataclasses.replace(spec, trial_id=-10 - stage, zero=zero))
+            if result.status is TrialStatus.OK and result.profile:
+                at_stage = self._measured(result)
+                measured.append({**at_stage.to_json(), "zero_stage": stage})
+                profile = memory.with_stage_extra(profile, stage, micro_batch=k,
+                                                  peak_bytes=at_stage.peak_bytes, model_memory=model)
+            elif result.status is TrialStatus.OOM:  # free for k - 1 examples at most
+                slope = int(profile.activation_bytes_per_example)
+                peak = int(profile.memory_per_slot) + slope   # what makes the prediction k - 1
+                profile = memory.with_stage_extra(profile, stage, micro_batch=k, peak_bytes=peak,
+                                                  model_memory=model)
+        return profile
 
     def _profile(self, runner: TrialRunner, events: list[dict[str, Any]]) -> ProfileInfo | None:
         """Run (or reuse) the profiling trials; the memory model's profile, with its prediction and

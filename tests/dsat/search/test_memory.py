@@ -18,6 +18,7 @@ from toolkit.dsat.search.memory import (
     model_memory_bytes,
     offload_flags,
     predict,
+    with_stage_extra,
 )
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 
@@ -197,3 +198,22 @@ def test_found_boundaries_and_their_lines():
     assert text.splitlines() == [
         "stage 1: predicted largest micro-batch 52; found: largest ok 50, smallest oom 55",
         "stage 3: predicted largest micro-batch 80; found: largest ok 70, smallest oom none"]
+
+
+def test_a_stage_measured_extra_is_subtracted_per_stage():
+    # calibrated at stage 1; a trial at stage 3 and micro-batch 40 peaked 64 MiB above the line
+    dp = 2
+    state = {s: model_memory_bytes(_measured(1, 1), s, data_parallel_size=dp) for s in (1, 3)}
+    first = _measured(1, 300 * MIB + state[1] + 2 * MIB)
+    second = _measured(40, 300 * MIB + state[1] + 80 * MIB)
+    profile = calibrate(first, second, model_memory=state[1])
+    peak3 = 300 * MIB + state[3] + 2 * MIB * 40 + 64 * MIB
+    extra = with_stage_extra(profile, 3, micro_batch=40, peak_bytes=peak3, model_memory=state[3])
+    assert extra.stage_extra_bytes == {"3": 64 * MIB}
+    assert approx_max_micro_batch(extra, 1, data_parallel_size=dp) == approx_max_micro_batch(
+        profile, 1, data_parallel_size=dp)
+    assert approx_max_micro_batch(extra, 3, data_parallel_size=dp) == (1024 * MIB - 300 * MIB - state[3]
+                                                                      - 64 * MIB) // (2 * MIB)
+    assert predict(extra, data_parallel_size=dp, zero_stages=(3,))[3]["free_bytes"] == (
+        1024 * MIB - 300 * MIB - state[3] - 64 * MIB)
+    assert ProfileInfo.from_json(extra.to_json()) == extra

@@ -25,7 +25,9 @@ stage ``s0``, a stage ``s`` is predicted to fit up to
 ``floor((memory_per_slot - peak(1) - (model_memory(s) - model_memory(s0))) / slope) + 1``, the
 stages' model-state differences coming from the formula above. The calibrated profile carries the
 slope as ``activation_bytes_per_example`` and the intercept as ``baseline_bytes``, so the formula
-of :func:`approx_max_micro_batch` computes exactly that.
+of :func:`approx_max_micro_batch` computes exactly that. What the formula misses between stages
+(ZeRO-3's gather buffers, a stage's own buckets) is measured by one more profiling trial per other
+searched stage at micro-batch ``k`` (:func:`with_stage_extra`) and subtracted as well.
 
 Example (rank 0 only, e.g. in the autotuner's orchestrator after the profiling trial)::
 
@@ -53,6 +55,8 @@ __all__ = [
     "calibrate",
     "found_boundaries",
     "format_boundaries",
+    "free_bytes",
+    "with_stage_extra",
 ]
 
 logger = logging.getLogger(__name__)
@@ -142,9 +146,35 @@ def approx_max_micro_batch(profile: ProfileInfo, stage: int, *, data_parallel_si
     """
     model = model_memory_bytes(profile, stage, data_parallel_size=data_parallel_size,
                                offload_optimizer=offload_optimizer, offload_param=offload_param)
-    free = int(profile.memory_per_slot) - int(profile.baseline_bytes) - model
+    free = free_bytes(profile, stage, model)
     activation = max(int(profile.activation_bytes_per_example), 1)
     return max(free // activation, 1)
+
+
+def free_bytes(profile: ProfileInfo, stage: int, model_memory: int) -> int:
+    """What remains per slot for per-example memory at ``stage``: the slot's memory less the
+    baseline, the model state and the stage's measured extra (``stage_extra_bytes``). Pure."""
+    extra = int(profile.stage_extra_bytes.get(str(stage), 0))
+    return int(profile.memory_per_slot) - int(profile.baseline_bytes) - model_memory - extra
+
+
+def with_stage_extra(profile: ProfileInfo, stage: int, *, micro_batch: int, peak_bytes: int,
+                     model_memory: int) -> ProfileInfo:
+    """``profile`` (calibrated) with the extra that a profiling trial at ``stage`` and
+    ``micro_batch`` measured: its peak less what the calibrated line predicts there
+    (``baseline + model_memory + slope x micro_batch``; negative when the stage needs less).
+    Pure; call anywhere.
+
+    Example:
+        >>> p = ProfileInfo(num_params=1000, trainable_params=1000, activation_bytes_per_example=100,
+        ...                 memory_per_slot=10**6, baseline_bytes=5000, calibrated=True)
+        >>> with_stage_extra(p, 3, micro_batch=10, peak_bytes=9000, model_memory=1000).stage_extra_bytes
+        {'3': 2000}
+    """
+    slope = int(profile.activation_bytes_per_example)
+    predicted = int(profile.baseline_bytes) + int(model_memory) + slope * micro_batch
+    extras = {**profile.stage_extra_bytes, str(stage): int(peak_bytes) - predicted}
+    return ProfileInfo.from_json({**profile.to_json(), "stage_extra_bytes": extras})
 
 
 def offload_flags(zero: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -194,7 +224,7 @@ def predict(profile: ProfileInfo, *, data_parallel_size: int, zero_stages: Itera
         off_par = offload_param and stage == 3
         model = model_memory_bytes(profile, stage, data_parallel_size=data_parallel_size,
                                    offload_optimizer=off_opt, offload_param=off_par)
-        free = int(profile.memory_per_slot) - int(profile.baseline_bytes) - model
+        free = free_bytes(profile, stage, model)
         out[stage] = {
             "model_memory_bytes": model,
             "free_bytes": free,

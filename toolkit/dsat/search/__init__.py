@@ -6,7 +6,9 @@ Modules: :mod:`~toolkit.dsat.search.types` (trials, results, settings, the :clas
 protocol), :mod:`~toolkit.dsat.search.space` (ZeRO configurations), :mod:`~toolkit.dsat.search.memory`
 (the memory model), :mod:`~toolkit.dsat.search.lines` (what every method shares),
 :mod:`~toolkit.dsat.search.binary`, :mod:`~toolkit.dsat.search.random_search`,
-:mod:`~toolkit.dsat.search.asha` (one method each) and :mod:`~toolkit.dsat.search.replay`.
+:mod:`~toolkit.dsat.search.asha` (one method each), :mod:`~toolkit.dsat.search.replay`,
+:mod:`~toolkit.dsat.search.batch` (the global batch policy: which micro-batches a trial may use) and
+:mod:`~toolkit.dsat.search.offload` (the offload levels walked when nothing fits).
 
 Trial ids start at 1 (0 is the orchestrator's profiling trial) and follow proposal order; at most
 ``max_trials - 1`` trials are proposed. Each searcher owns a ``random.Random(random_seed)``, and

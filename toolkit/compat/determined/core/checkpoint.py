@@ -71,8 +71,12 @@ class CheckpointContext:
     """Store and restore checkpoints under the trial's checkpoint root. See the module docstring."""
 
     def __init__(
-        self, dist: DistributedContext, *, root: Path, output_dir: Path, save_trial_latest: Any = None
+        self, dist: DistributedContext, *, root: Path, output_dir: Path, save_trial_latest: Any = None,
+        before_store: Callable[[], None] | None = None,
     ) -> None:
+        # before_store: the metrics files' flush, so that every report made before a checkpoint
+        # is on disk once the checkpoint is (a crash loses neither one without the other).
+        self._before_store = before_store
         self._dist = dist
         self._root = Path(root)
         self._output_dir = Path(output_dir)
@@ -137,6 +141,8 @@ class CheckpointContext:
                 "cannot call CheckpointContext.store_path(shard=False) from non-chief worker "
                 f"(rank={self._dist.rank})"
             )
+        if self._dist.rank == 0 and self._before_store is not None:
+            self._before_store()
         storage_id = self._begin() if self._dist.rank == 0 else ""
         if shard:
             storage_id = self._dist.broadcast(storage_id)

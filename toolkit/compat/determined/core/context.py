@@ -178,13 +178,15 @@ def init(
     yaml_storage = config.get("checkpoint_storage")
     save_latest = yaml_storage.get("save_trial_latest") if isinstance(yaml_storage, Mapping) else None
     resume_step = info.trial._steps_completed if info.latest_checkpoint else None
+    train = TrainContext(info.output_dir, tensorboard_mode=tensorboard_mode, resume_step=resume_step)
     return Context(
         checkpoint=CheckpointContext(
-            distributed, root=root, output_dir=info.output_dir, save_trial_latest=save_latest
+            distributed, root=root, output_dir=info.output_dir, save_trial_latest=save_latest,
+            before_store=train.flush,
         ),
         distributed=distributed,
         preempt=PreemptContext(distributed, preempt_mode),
-        train=TrainContext(info.output_dir, tensorboard_mode=tensorboard_mode, resume_step=resume_step),
+        train=train,
         searcher=SearcherContext(distributed, config, info.output_dir),
         info=info,
     )

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from toolkit._checks import is_int
 from toolkit.errors import ConfigError
 
 __all__ = ["TrainContext", "EarlyExitReason", "TensorboardMode"]
@@ -58,6 +59,10 @@ def _jsonable(value: Any) -> Any:
     return value if isinstance(value, (str, bool, int, type(None), list, dict)) else repr(value)
 
 
+#: Seconds between flushes of the training reports (validation and other groups flush at once).
+FLUSH_SECS = 2.0
+
+
 class TrainContext:
     """Metrics and progress of the trial. Chief only by Determined's rule (no collective)."""
 
@@ -71,13 +76,10 @@ class TrainContext:
         self._events: Any = None
         self._jsonl: Any = None
         self._best: float | None = None
+        self._flushed = 0.0
 
     def _write(self, group: str, steps_completed: int, metrics: dict[str, Any]) -> None:
-        if (
-            not isinstance(steps_completed, numbers.Integral)
-            or isinstance(steps_completed, bool)
-            or steps_completed < 0
-        ):
+        if not is_int(steps_completed) or steps_completed < 0:
             raise ConfigError(f"steps_completed={steps_completed!r}: expected an integer >= 0")
         if not isinstance(metrics, dict):
             raise TypeError(f"metrics={metrics!r}: expected a dict of metric names to values")
@@ -94,12 +96,25 @@ class TrainContext:
             "time": now,
         }
         self._jsonl.write(json.dumps(line) + "\n")
-        self._jsonl.flush()
         if self._mode is TensorboardMode.AUTO:
             scalars = {f"{group}/{k}": s for k, v in metrics.items() if (s := _scalar(v)) is not None}
             if scalars:
                 self._event_file().add_scalars(int(steps_completed), scalars, wall_time=now)
-                self._events.flush()
+        # Flushing every report costs a write system call per file and step; a reader (TensorBoard,
+        # a tail of metrics.jsonl) sees the reports within FLUSH_SECS, and close() flushes the rest.
+        if group != "training" or now - self._flushed >= FLUSH_SECS:
+            self._flush(now)
+
+    def flush(self) -> None:
+        """Write what is buffered to ``metrics.jsonl`` and the event file. Chief only."""
+        self._flush(time.time())
+
+    def _flush(self, now: float) -> None:
+        self._flushed = now
+        if self._jsonl is not None:
+            self._jsonl.flush()
+        if self._events is not None:
+            self._events.flush()
 
     def _event_file(self) -> Any:
         if self._events is None:

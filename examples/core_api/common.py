@@ -82,6 +82,14 @@ class RandomTokens(Dataset):
         return (start + steps.cumsum(0)) % (self.vocab_size - 2) + 2
 
 
+def input_dtype(engine) -> torch.dtype:
+    """The dtype of the engine's parameters (bf16 / fp16 when enabled): float inputs are cast to it,
+    since DeepSpeed casts the model, not its inputs (fp16's ``auto_cast`` aside)."""
+    if engine.bfloat16_enabled():
+        return torch.bfloat16
+    return torch.float16 if engine.fp16_enabled() else torch.float32
+
+
 def make_loader(dataset: Dataset, *, num_replicas: int, rank: int, micro_batch: int, seed: int):
     """A DataLoader over this replica's share, resumable at any step (see toolkit.data)."""
     sampler = toolkit.ResumableDistributedSampler(dataset, num_replicas=num_replicas, rank=rank,

@@ -15,7 +15,7 @@ anything else before DeepSpeed starts.
 import logging
 
 import deepspeed
-from common import HERE, RandomImages, make_loader, parse_args, setup
+from common import HERE, RandomImages, input_dtype, make_loader, parse_args, setup
 from deepspeed.pipe import PipelineModule
 from torch import nn
 from torch.utils.data import DataLoader
@@ -61,8 +61,9 @@ def main() -> None:
 
     resumed = toolkit.load_checkpoint(engine, out / "checkpoints")
     steps_completed = resumed[0] if resumed else 0
-    stream = toolkit.micro_batches(loader, sampler, steps_completed=steps_completed,
-                                   gradient_accumulation_steps=grad_acc)
+    dtype = input_dtype(engine)  # bf16/fp16 runs: the pipeline engine does not cast its inputs
+    stream = ((x.to(dtype), y) for x, y in toolkit.micro_batches(loader, sampler, steps_completed=steps_completed,
+                                                                  gradient_accumulation_steps=grad_acc))
     samples_per_step = engine.train_micro_batch_size_per_gpu() * grad_acc
 
     with toolkit.MetricsWriter(ctx, out / "tensorboard", resume_step=steps_completed) as metrics, \
@@ -74,7 +75,7 @@ def main() -> None:
             metrics.report_training_metrics(steps_completed, {"loss": loss}, samples=samples_per_step)
             if steps_completed % hparams["validate_every"] == 0 or steps_completed == max_steps:
                 # eval_batch pulls gradient_accumulation_steps micro-batches from the iterator.
-                val_loss = engine.eval_batch(data_iter=iter(validation))
+                val_loss = engine.eval_batch(data_iter=((x.to(dtype), y) for x, y in validation))
                 metrics.report_validation_metrics(steps_completed, {"loss": val_loss})
             stop = preemption.should_preempt()
             if stop or steps_completed % hparams["checkpoint_every"] == 0 or steps_completed == max_steps:

@@ -22,7 +22,7 @@ import logging
 import deepspeed
 import torch
 import torch.nn.functional as F
-from common import HERE, RandomImages, make_loader, parse_args, setup
+from common import HERE, RandomImages, input_dtype, make_loader, parse_args, setup
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -66,7 +66,7 @@ def evaluate(engine, loader: DataLoader, device) -> dict:
     total_loss, correct, count = 0.0, 0, 0
     with torch.no_grad():
         for x, y in loader:
-            logits = engine(x.to(device))
+            logits = engine(x.to(device, dtype=input_dtype(engine)))
             total_loss += float(F.cross_entropy(logits, y.to(device), reduction="sum"))
             correct += int((logits.argmax(1).cpu() == y).sum())
             count += len(y)
@@ -100,6 +100,7 @@ def main() -> None:
     stream = toolkit.micro_batches(loader, sampler, steps_completed=steps_completed,
                                    gradient_accumulation_steps=grad_acc)
     samples_per_step = engine.train_micro_batch_size_per_gpu() * grad_acc
+    dtype = input_dtype(engine)  # bf16/fp16 runs: the images in the model's dtype
 
     # Optional hyperparameter: seconds between the ranks' preemption checks (toolkit's default is
     # 1 s; a shorter one stops sooner after a signal, for a tight grace period, at a small cost).
@@ -111,7 +112,7 @@ def main() -> None:
             with toolkit.dsat_reporting_context(engine):
                 for _ in range(grad_acc):
                     x, y = next(stream)
-                    loss = F.cross_entropy(engine(x.to(ctx.device)), y.to(ctx.device))
+                    loss = F.cross_entropy(engine(x.to(ctx.device, dtype=dtype)), y.to(ctx.device))
                     engine.backward(loss)
                     engine.step()
             steps_completed += 1

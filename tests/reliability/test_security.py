@@ -96,8 +96,8 @@ def test_every_torch_load_is_weights_only_but_the_documented_one():
                 loose.append(f"{path.relative_to(p.REPO)}:{call.lineno}")
     # consolidate_checkpoint reads DeepSpeed's ZeRO-0 model file, which pickles more than tensors;
     # it is documented as "trusted checkpoints only" in its docstring and in the module's Trust note.
-    assert len(loose) == 1 and loose[0].startswith("toolkit/checkpoint/api.py"), loose
-    source = (p.REPO / "toolkit" / "checkpoint" / "api.py").read_text()
+    assert len(loose) == 1 and loose[0].startswith("toolkit/checkpoint/consolidate.py"), loose
+    source = (p.REPO / "toolkit" / "checkpoint" / "consolidate.py").read_text()
     assert "trusted" in source and "weights_only=False" in source
 
 

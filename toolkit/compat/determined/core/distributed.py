@@ -129,26 +129,8 @@ class DistributedContext:
     @classmethod
     def from_torch_distributed(cls, chief_ip: str | None = None) -> "DistributedContext":
         """From torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_*). All ranks."""
-        v = _env_ints(
-            {
-                "rank": "RANK",
-                "size": "WORLD_SIZE",
-                "local_rank": "LOCAL_RANK",
-                "local_size": "LOCAL_WORLD_SIZE",
-                "cross_rank": "GROUP_RANK",
-                "cross_size": "GROUP_WORLD_SIZE",
-            },
-            "torch_distributed",
-        )
-        return cls(
-            rank=v["rank"],
-            size=v["size"],
-            local_rank=v["local_rank"],
-            local_size=v["local_size"],
-            cross_rank=v["cross_rank"],
-            cross_size=v["cross_size"],
-            chief_ip=chief_ip or os.environ.get("DET_CHIEF_IP") or os.environ.get("MASTER_ADDR"),
-        )
+        return cls._from_env(("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                              "GROUP_WORLD_SIZE"), "torch_distributed", chief_ip)
 
     @classmethod
     def from_deepspeed(cls, chief_ip: str | None = None) -> "DistributedContext":
@@ -156,26 +138,16 @@ class DistributedContext:
 
         Call on all ranks.
         """
-        v = _env_ints(
-            {
-                "rank": "RANK",
-                "size": "WORLD_SIZE",
-                "local_rank": "LOCAL_RANK",
-                "local_size": "LOCAL_SIZE",
-                "cross_rank": "CROSS_RANK",
-                "cross_size": "CROSS_SIZE",
-            },
-            "deepspeed",
-        )
-        return cls(
-            rank=v["rank"],
-            size=v["size"],
-            local_rank=v["local_rank"],
-            local_size=v["local_size"],
-            cross_rank=v["cross_rank"],
-            cross_size=v["cross_size"],
-            chief_ip=chief_ip or os.environ.get("DET_CHIEF_IP") or os.environ.get("MASTER_ADDR"),
-        )
+        return cls._from_env(("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"),
+                             "deepspeed", chief_ip)
+
+    @classmethod
+    def _from_env(cls, variables: tuple[str, ...], launcher: str,
+                  chief_ip: str | None) -> "DistributedContext":
+        """From a launcher's six variables: rank, size, local rank and size, cross rank and size."""
+        fields = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")
+        v = _env_ints(dict(zip(fields, variables, strict=True)), launcher)
+        return cls(**v, chief_ip=chief_ip or os.environ.get("DET_CHIEF_IP") or os.environ.get("MASTER_ADDR"))
 
     @classmethod
     def from_horovod(cls, hvd: Any, chief_ip: str | None = None) -> "DistributedContext":

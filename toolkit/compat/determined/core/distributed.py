@@ -147,7 +147,9 @@ class DistributedContext:
         """From a launcher's six variables: rank, size, local rank and size, cross rank and size."""
         fields = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")
         v = _env_ints(dict(zip(fields, variables, strict=True)), launcher)
-        return cls(**v, chief_ip=chief_ip or os.environ.get("DET_CHIEF_IP") or os.environ.get("MASTER_ADDR"))
+        return cls(rank=v["rank"], size=v["size"], local_rank=v["local_rank"], local_size=v["local_size"],
+                   cross_rank=v["cross_rank"], cross_size=v["cross_size"],
+                   chief_ip=chief_ip or os.environ.get("DET_CHIEF_IP") or os.environ.get("MASTER_ADDR"))
 
     @classmethod
     def from_horovod(cls, hvd: Any, chief_ip: str | None = None) -> "DistributedContext":

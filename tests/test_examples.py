@@ -35,10 +35,10 @@ SMALL = {
 SMALL_BUCKETS = {"reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}
 
 
-def small_config(tmp_path, script):
+def small_config(tmp_path, script, **hparams):
     name, overrides = SMALL[script]
     config = yaml.safe_load((EXAMPLES / name).read_text())
-    config["hyperparameters"].update(overrides)
+    config["hyperparameters"].update(overrides, **hparams)
     ds_overrides = config["hyperparameters"].setdefault("overwrite_deepspeed_args", {})
     ds_overrides["zero_optimization"] = {**ds_overrides.get("zero_optimization", {}), **SMALL_BUCKETS}
     config["hyperparameters"]["deepspeed_config"] = str(EXAMPLES / "ds_config.json")
@@ -84,8 +84,10 @@ def _latest_step(checkpoints):
 
 @pytest.mark.parametrize("script, seed", [("mlm.py", 1), ("train.py", 2), ("causal_lm.py", 3)])
 def test_sigterm_at_a_random_moment_then_resume_is_bitwise_exact(tmp_path, script, seed):
-    config = small_config(tmp_path, script)
-    steps = "100"  # about 60 ms each here: the process start-up (about 15 s) dominates
+    # Steps take 15-60 ms here: a 0.1 s check interval answers within a few steps, so the signal,
+    # sent in the first quarter, stops the run well before its end however fast the machine is.
+    config = small_config(tmp_path, script, preemption_check_interval=0.1)
+    steps = "150"  # the process start-up (about 15 s) dominates
     reference = tmp_path / "reference"
     p.check(p.run(p.torchrun_argv(EXAMPLES / script, "--config", str(config), "--output-dir", str(reference),
                                   "--max-steps", steps)))
@@ -93,9 +95,9 @@ def test_sigterm_at_a_random_moment_then_resume_is_bitwise_exact(tmp_path, scrip
     out, rng = tmp_path / "interrupted", random.Random(seed)
     # The signal follows the run's progress, not the clock, so it lands mid-run however busy the
     # machine is: a random delay after the checkpoint of a random step of the first half (the
-    # examples checkpoint every 5 steps here), a random rank. The first quarter: the watcher
-    # answers within about two check intervals (2 s by default), about 33 steps of 60 ms.
-    after_step, delay = rng.randrange(5, int(steps) // 4 + 1, 5), rng.uniform(0.0, 0.3)
+    # examples checkpoint every 5 steps here), a random rank. The first sixth: the watcher answers
+    # within about two check intervals (0.2 s), a few steps.
+    after_step, delay = rng.randrange(5, int(steps) // 6 + 1, 5), rng.uniform(0.0, 0.3)
     argv = p.torchrun_argv(EXAMPLES / script, "--config", str(config), "--output-dir", str(out), "--max-steps", steps)
     with open(tmp_path / "interrupted.log", "w+") as log:
         proc = subprocess.Popen(argv, env=p.child_env(), stdout=log, stderr=subprocess.STDOUT,

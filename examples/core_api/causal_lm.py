@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a config, never a download
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
-from common import HERE, RandomTokens, make_loader, parse_args, setup  # noqa: E402
+from common import HERE, RandomTokens, make_loader, parse_args, preemption_args, setup  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
@@ -69,7 +69,7 @@ def main() -> None:
     samples_per_step = engine.train_micro_batch_size_per_gpu() * grad_acc
 
     with toolkit.MetricsWriter(ctx, out / "tensorboard", resume_step=steps_completed) as metrics, \
-            toolkit.watch_preemption(ctx) as preemption:
+            toolkit.watch_preemption(ctx, **preemption_args(hparams)) as preemption:
         while steps_completed < max_steps:
             with toolkit.dsat_reporting_context(engine):
                 for _ in range(grad_acc):

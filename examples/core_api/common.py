@@ -82,6 +82,14 @@ class RandomTokens(Dataset):
         return (start + steps.cumsum(0)) % (self.vocab_size - 2) + 2
 
 
+def preemption_args(hparams: dict) -> dict:
+    """``watch_preemption`` keywords from the optional hyperparameter ``preemption_check_interval``:
+    seconds between the ranks' checks (toolkit's default is 1 s; a shorter one stops sooner after
+    a signal, for a tight grace period, at a small cost)."""
+    interval = hparams.get("preemption_check_interval")
+    return {} if interval is None else {"check_interval": interval}
+
+
 def input_dtype(engine) -> torch.dtype:
     """The dtype of the engine's parameters (bf16 / fp16 when enabled): float inputs are cast to it,
     since DeepSpeed casts the model, not its inputs (fp16's ``auto_cast`` aside)."""

@@ -16,7 +16,7 @@ import logging
 import deepspeed
 import torch
 import torch.nn.functional as F
-from common import HERE, RandomTokens, make_loader, parse_args, setup
+from common import HERE, RandomTokens, make_loader, parse_args, preemption_args, setup
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -85,7 +85,7 @@ def main() -> None:
     samples_per_step = engine.train_micro_batch_size_per_gpu() * grad_acc
 
     with toolkit.MetricsWriter(ctx, out / "tensorboard", resume_step=steps_completed) as metrics, \
-            toolkit.watch_preemption(ctx) as preemption:
+            toolkit.watch_preemption(ctx, **preemption_args(hparams)) as preemption:
         while steps_completed < max_steps:
             with toolkit.dsat_reporting_context(engine):
                 for _ in range(grad_acc):

@@ -22,7 +22,7 @@ import logging
 import deepspeed
 import torch
 import torch.nn.functional as F
-from common import HERE, RandomImages, input_dtype, make_loader, parse_args, setup
+from common import HERE, RandomImages, input_dtype, make_loader, parse_args, preemption_args, setup
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -102,11 +102,8 @@ def main() -> None:
     samples_per_step = engine.train_micro_batch_size_per_gpu() * grad_acc
     dtype = input_dtype(engine)  # bf16/fp16 runs: the images in the model's dtype
 
-    # Optional hyperparameter: seconds between the ranks' preemption checks (toolkit's default is
-    # 1 s; a shorter one stops sooner after a signal, for a tight grace period, at a small cost).
-    interval = hparams.get("preemption_check_interval")
     with toolkit.MetricsWriter(ctx, out / "tensorboard", resume_step=steps_completed) as metrics, \
-            toolkit.watch_preemption(ctx, **({} if interval is None else {"check_interval": interval})) as preemption:
+            toolkit.watch_preemption(ctx, **preemption_args(hparams)) as preemption:
         while steps_completed < max_steps:
             # dsat times this step inside an autotuning trial; elsewhere the context does nothing.
             with toolkit.dsat_reporting_context(engine):

@@ -155,27 +155,35 @@ def _entrypoint_problems(config: Mapping[str, Any]) -> list[str]:
     return [f"entrypoint={ep!r}: expected a string or a list of strings, got {type_name(ep)}"]
 
 
+def _section(config: Mapping[str, Any], key: str, expected: str, known: tuple[str, ...] | None = None, *,
+             width: int | None = None) -> tuple[Mapping[str, Any] | None, list[str]]:
+    """The mapping at ``config[key]`` (None when absent or not a mapping) and the problem if it is not
+    one; its unknown keys are warned about when ``known`` is given. Pure but for the warning."""
+    section = config.get(key)
+    if section is None:
+        return None, []
+    if not is_mapping(section):
+        shown = repr(section) if width is None else f"{section!r:.{width}}"
+        return None, [f"{key}={shown}: expected {expected}"]
+    if known is not None:
+        warn_unknown_keys(section, known, where=f"{key}.")
+    return section, []
+
+
 def _resources_problems(config: Mapping[str, Any]) -> list[str]:
     """``resources`` is a mapping; ``slots_per_trial`` an integer >= 1."""
-    resources = config.get("resources")
-    if resources is None:
-        return []
-    if not is_mapping(resources):
-        return [f"resources={resources!r}: expected a mapping such as {{slots_per_trial: 2}}"]
-    warn_unknown_keys(resources, _RESOURCES, where="resources.")
-    if "slots_per_trial" not in resources:
-        return []
+    resources, problems = _section(config, "resources", "a mapping such as {slots_per_trial: 2}", _RESOURCES)
+    if resources is None or "slots_per_trial" not in resources:
+        return problems
     problem = int_problem("resources.slots_per_trial", resources["slots_per_trial"], minimum=1)
     return [problem] if problem else []
 
 
 def _hparams_problems(config: Mapping[str, Any]) -> list[str]:
     """``hyperparameters`` is a mapping of plain values (Determined's search types are refused)."""
-    hparams = config.get("hyperparameters")
+    hparams, problems = _section(config, "hyperparameters", "a mapping of names to values", width=80)
     if hparams is None:
-        return []
-    if not is_mapping(hparams):
-        return [f"hyperparameters={hparams!r:.80}: expected a mapping of names to values"]
+        return problems
     return [f"hyperparameters.{name} has type {value['type']!r}: toolkit runs single trials and does not "
             "search hyperparameters; give a plain value (or {type: const, val: ...})"
             for name, value in hparams.items()
@@ -185,13 +193,10 @@ def _hparams_problems(config: Mapping[str, Any]) -> list[str]:
 
 def _searcher_problems(config: Mapping[str, Any]) -> list[str]:
     """``searcher`` is a mapping; ``metric`` a name, ``smaller_is_better`` a bool, ``max_length`` steps."""
-    searcher = config.get("searcher")
+    searcher, problems = _section(config, "searcher", "a mapping with metric, smaller_is_better, max_length",
+                                  _SEARCHER)
     if searcher is None:
-        return []
-    if not is_mapping(searcher):
-        return [f"searcher={searcher!r}: expected a mapping with metric, smaller_is_better, max_length"]
-    warn_unknown_keys(searcher, _SEARCHER, where="searcher.")
-    problems = []
+        return problems
     if "metric" in searcher and (not isinstance(searcher["metric"], str) or not searcher["metric"]):
         problems.append(f"searcher.metric={searcher['metric']!r}: expected a metric name")
     if "smaller_is_better" in searcher and not isinstance(searcher["smaller_is_better"], bool):
@@ -207,11 +212,10 @@ def _searcher_problems(config: Mapping[str, Any]) -> list[str]:
 
 def _storage_problems(config: Mapping[str, Any]) -> list[str]:
     """``checkpoint_storage`` is a mapping of directory paths and ``save_trial_latest`` >= 0."""
-    storage = config.get("checkpoint_storage")
+    storage, problems = _section(config, "checkpoint_storage",
+                                 "a mapping such as {storage_path: checkpoints}")
     if storage is None:
-        return []
-    if not is_mapping(storage):
-        return [f"checkpoint_storage={storage!r}: expected a mapping such as {{storage_path: checkpoints}}"]
+        return problems
     problems = [f"checkpoint_storage.{key}={storage[key]!r}: expected a directory path"
                 for key in ("storage_path", "host_path")
                 if key in storage and (not isinstance(storage[key], str) or not storage[key])]

@@ -40,15 +40,8 @@ from typing import Any, Generic, Iterable, TypeVar
 
 from toolkit._checks import is_int, is_number
 from toolkit.dsat.contract import ProfileInfo, TrialStatus
-from toolkit.dsat.search import memory
+from toolkit.dsat.search import memory, offload
 from toolkit.dsat.search.memory import approx_max_micro_batch, offload_flags
-from toolkit.dsat.search.offload import (
-    first_level,
-    level_stages,
-    nothing_fits_at_one,
-    offload_levels,
-    offload_zero,
-)
 from toolkit.dsat.search.space import ZeroSpace, zero_config_for_stage
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec, is_better
 
@@ -154,7 +147,7 @@ class LineSearcher(Generic[LineT]):
         self.settings = settings
         self.profile = profile
         self._rng = random.Random(settings.random_seed)
-        self._levels = offload_levels(settings.offload, settings.zero_stages)
+        self._levels = offload.offload_levels(settings.offload, settings.zero_stages)
         self._level = self._start_level()
         self._space = self._space_at(self._level)
         self._lines: list[LineT] = []
@@ -320,13 +313,13 @@ class LineSearcher(Generic[LineT]):
 
     def _space_at(self, index: int) -> ZeroSpace:
         level = self._levels[index]
-        return ZeroSpace(level_stages(self.settings.zero_stages, level),
-                         base_zero=offload_zero(self.settings.base_zero, level))
+        return ZeroSpace(offload.level_stages(self.settings.zero_stages, level),
+                         base_zero=offload.offload_zero(self.settings.base_zero, level))
 
     def _fits_at_one(self, level: str) -> bool:
         """The memory model says some stage of ``level`` fits one example per slot."""
-        base = offload_zero(self.settings.base_zero, level)
-        for stage in level_stages(self.settings.zero_stages, level):
+        base = offload.offload_zero(self.settings.base_zero, level)
+        for stage in offload.level_stages(self.settings.zero_stages, level):
             off_opt, off_par = offload_flags(zero_config_for_stage(base, stage))
             row = memory.predict(self.profile, data_parallel_size=self.settings.data_parallel_size,
                                  zero_stages=(stage,), offload_optimizer=off_opt, offload_param=off_par)
@@ -338,7 +331,7 @@ class LineSearcher(Generic[LineT]):
         """``auto``: the first level the memory model says fits at micro-batch 1; else the first."""
         if self.settings.offload != "auto" or len(self._levels) == 1:
             return 0
-        index = first_level(self._levels, self._fits_at_one)
+        index = offload.first_level(self._levels, self._fits_at_one)
         if index:
             logger.info("memory model: no searched stage fits micro-batch 1 without offload; searching with "
                         "offload level %r", self._levels[index])
@@ -349,7 +342,7 @@ class LineSearcher(Generic[LineT]):
         if self._level + 1 >= len(self._levels):
             return
         here = [r for r in self._results if self._lines[r.spec.line].offload == self.level]
-        if nothing_fits_at_one(here, level_stages(self.settings.zero_stages, self.level)):
+        if offload.nothing_fits_at_one(here, offload.level_stages(self.settings.zero_stages, self.level)):
             self._level += 1
             self._space = self._space_at(self._level)
             logger.info("every stage ran out of memory at micro-batch 1: searching with offload level %r",

@@ -22,14 +22,9 @@ from typing import Any, Callable, Iterator, NoReturn
 
 from toolkit._files import atomic_write_json
 from toolkit.dsat.contract import TRIAL_ENV, TrialContract
+from toolkit.dsat.trial import profiling
 from toolkit.dsat.trial.oom import exit_on_oom, is_crashing, is_oom
-from toolkit.dsat.trial.profiling import (
-    ProfileProbe,
-    merge_profiles,
-    peak_memory_bytes,
-    reset_peak_memory,
-    rss_bytes,
-)
+from toolkit.dsat.trial.profiling import ProfileProbe
 from toolkit.errors import LaunchEnvError
 
 __all__ = ["TrialSession", "read_contract", "reduce_metrics"]
@@ -97,14 +92,14 @@ class TrialSession:
         self.forward_flops: int | None = None   # while the FLOPs step runs: its forwards' FLOPs so far
         self.counting = False                   # a forward is running under the FLOP counter
         self.profile: dict[str, Any] | None = None
-        self.rss_start = rss_bytes()
+        self.rss_start = profiling.rss_bytes()
         self.first_step: int | None = None   # steps are counted from the first one seen (resumed loops)
         self.step_calls = 0                   # calls of step(): the position when no count is given
         self.last_step = -1
         self.finished = False
         self._install_timers()
         if self.contract.profile:  # the peak of the training steps, not of the start-up
-            reset_peak_memory(getattr(engine, "device", "cpu"))
+            profiling.reset_peak_memory(getattr(engine, "device", "cpu"))
         if self.ctx.is_chief:
             atexit.register(self._report_early_exit)
 
@@ -215,7 +210,7 @@ class TrialSession:
     def _local_measurements(self) -> dict[str, Any]:
         steps = max(len(self.step_s), 1)
         if self.profile is not None:  # the peak over every step of the trial, not just the first
-            peak = peak_memory_bytes(getattr(self.engine, "device", "cpu"))
+            peak = profiling.peak_memory_bytes(getattr(self.engine, "device", "cpu"))
             self.profile["peak_bytes"] = max(int(self.profile.get("peak_bytes", 0)), peak)
         # forward/backward seconds only accumulate while a timed step runs
         return {"latency": 1000.0 * sum(self.step_s) / steps,
@@ -231,7 +226,7 @@ class TrialSession:
             micro_per_step = self.micro_steps / max(len(self.step_s), 1) if self.micro_steps else 1.0
             samples = micro_per_step * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size
             metrics = reduce_metrics(everyone, samples_per_step=samples)
-            profile = merge_profiles([r["profile"] for r in everyone]) if c.profile else None
+            profile = profiling.merge_profiles([r["profile"] for r in everyone]) if c.profile else None
             atomic_write_json(c.result_path, {"trial_id": c.trial_id, "status": "ok", "metrics": metrics,
                                               "profile": profile})
             logger.info("dsat trial %d: %s", c.trial_id,

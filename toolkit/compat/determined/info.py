@@ -67,14 +67,9 @@ class TrialInfo:
         debug: bool,
         inter_node_network_interface: str | None,
     ) -> None:
-        self.trial_id = trial_id
-        self.experiment_id = experiment_id
-        self.trial_seed = trial_seed
-        self.hparams = hparams
-        self._config = config
-        self._steps_completed = steps_completed
-        self._trial_run_id = trial_run_id
-        self._debug = debug
+        self.trial_id, self.experiment_id, self.trial_seed = trial_id, experiment_id, trial_seed
+        self.hparams, self._config, self._steps_completed = hparams, config, steps_completed
+        self._trial_run_id, self._debug = trial_run_id, debug
         self._inter_node_network_interface = inter_node_network_interface
 
     @property
@@ -89,8 +84,7 @@ class RendezvousInfo:
     def __init__(
         self, container_addrs: list[str], container_rank: int, container_slot_counts: list[int]
     ) -> None:
-        self.container_addrs = container_addrs
-        self.container_rank = container_rank
+        self.container_addrs, self.container_rank = container_addrs, container_rank
         self.container_slot_counts = container_slot_counts
 
 
@@ -106,33 +100,17 @@ class ClusterInfo:
 
     def __init__(
         self,
-        master_url: str,
-        cluster_id: str,
-        agent_id: str,
-        slot_ids: list[int],
-        task_id: str,
-        allocation_id: str,
-        session_token: str,
-        task_type: str,
-        master_cert_name: str | None = None,
-        master_cert_file: str | None = None,
-        latest_checkpoint: str | None = None,
-        trial_info: TrialInfo | None = None,
-        rendezvous_info: RendezvousInfo | None = None,
-        resources_info: ResourcesInfo | None = None,
+        master_url: str, cluster_id: str, agent_id: str, slot_ids: list[int], task_id: str,
+        allocation_id: str, session_token: str, task_type: str,
+        master_cert_name: str | None = None, master_cert_file: str | None = None,
+        latest_checkpoint: str | None = None, trial_info: TrialInfo | None = None,
+        rendezvous_info: RendezvousInfo | None = None, resources_info: ResourcesInfo | None = None,
     ) -> None:
-        self.master_url = master_url
-        self.cluster_id = cluster_id
-        self.agent_id = agent_id
-        self.slot_ids = slot_ids
-        self.task_id = task_id
-        self.allocation_id = allocation_id
-        self.session_token = session_token
-        self.task_type = task_type
-        self.master_cert_name = master_cert_name
-        self.master_cert_file = master_cert_file
-        self._latest_checkpoint = latest_checkpoint
-        self._trial_info = trial_info
+        self.master_url, self.cluster_id, self.agent_id = master_url, cluster_id, agent_id
+        self.slot_ids, self.task_id, self.allocation_id = slot_ids, task_id, allocation_id
+        self.session_token, self.task_type = session_token, task_type
+        self.master_cert_name, self.master_cert_file = master_cert_name, master_cert_file
+        self._latest_checkpoint, self._trial_info = latest_checkpoint, trial_info
         self._rendezvous_info = rendezvous_info or RendezvousInfo(["127.0.0.1"], 0, [len(slot_ids)])
         self._resources_info = resources_info or ResourcesInfo([])
         # Toolkit's own: where the run writes, and the checkpoint root (used by core.init).

@@ -81,14 +81,9 @@ class Context:
         searcher: SearcherContext,
         info: ClusterInfo,
     ) -> None:
-        self.checkpoint = checkpoint
-        self.distributed = distributed
-        self.preempt = preempt
-        self.train = train
-        self.searcher = searcher
-        self.profiler = ProfilerContext()
-        self.experimental = ExperimentalCoreContext()
-        self.info = info
+        self.checkpoint, self.distributed, self.preempt = checkpoint, distributed, preempt
+        self.train, self.searcher, self.info = train, searcher, info
+        self.profiler, self.experimental = ProfilerContext(), ExperimentalCoreContext()
 
     def start(self) -> None:
         """Install the preemption signal handlers. Call on all ranks (``with`` does it)."""
@@ -106,7 +101,7 @@ class Context:
     ) -> None:
         """Restore the signal handlers, close the metrics files. All ranks (``with`` does it)."""
         try:
-            self.preempt.close(exc_type, exc_val, exc_tb)
+            self.preempt.close(after_error=exc_type is not None)
         finally:
             self.train.close()
             self.distributed.close()

@@ -100,16 +100,15 @@ class PreemptContext:
                 "latest checkpoint"
             )
 
-    def close(
-        self,
-        exc_type: type[BaseException] | None = None,
-        exc: BaseException | None = None,
-        tb: TracebackType | None = None,
-    ) -> None:
-        """Restore the signal handlers. All ranks (``with core.init()`` does it)."""
+    def close(self, *, after_error: bool = False) -> None:
+        """Restore the signal handlers. All ranks (``with core.init()`` does it).
+
+        Determined's ``close()``; ``after_error=True`` (what ``with`` passes when the block raised)
+        skips waiting for a check point in flight, which the other ranks may never reach.
+        """
         if self._watcher is not None:
             watcher, self._watcher = self._watcher, None
-            watcher.__exit__(exc_type, exc, tb)
+            watcher.__exit__(BaseException if after_error else None, None, None)
 
     def __enter__(self) -> "PreemptContext":
         return self.start()
@@ -117,4 +116,4 @@ class PreemptContext:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close(exc_type, exc, tb)
+        self.close(after_error=exc_type is not None)

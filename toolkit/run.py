@@ -37,10 +37,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
-import toolkit
 from toolkit._files import atomic_write_json
-from toolkit.compat.determined import storage
-from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state, output_dir_for, resolve_hparams
+from toolkit.compat.determined import hparams, storage
+from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state, output_dir_for, record_hparams
 from toolkit.compat.determined.launch import torchrun_nproc_override, unwrap_launcher
 from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV
 from toolkit.dsat.execution.argv import build_trial_argv
@@ -79,6 +78,7 @@ class RunPlan:
         self.launcher, self.command, self.nproc = launcher, command, nproc
         self.max_restarts, self.output_dir = max_restarts, output_dir
         self.config_path, self.model_dir = config_path, model_dir
+        self.config: Mapping[str, Any] = {}
 
 
 def _launcher_of(argv: list[str], problems: list[str]) -> tuple[str, list[str], int | None]:
@@ -126,8 +126,8 @@ def plan_run(
     restarts = config.get("max_restarts", 5)
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
         problems.append(f"max_restarts={restarts!r}: expected an integer >= 0")
+    problems.extend(hparams.check_space(config.get("hyperparameters") or {}))
     for check in (
-        lambda: resolve_hparams(config.get("hyperparameters") or {}),
         lambda: storage.storage_root(
             config.get("checkpoint_storage"), output_dir=Path("."), base_dir=Path(".")
         ),
@@ -141,7 +141,7 @@ def plan_run(
         raise ConfigError(problems, source=str(config_path))
     slots = int((config.get("resources") or {}).get("slots_per_trial", 1))
     out = output_dir or output_dir_for(config)
-    return RunPlan(
+    plan = RunPlan(
         launcher=launcher,
         command=command,
         nproc=nproc or slots,
@@ -150,6 +150,8 @@ def plan_run(
         config_path=config_path.resolve(),
         model_dir=model_dir.resolve(),
     )
+    plan.config = config
+    return plan
 
 
 class _Forwarder:
@@ -249,12 +251,19 @@ def _next_attempt(output_dir: Path) -> None:
 def execute(plan: RunPlan, *, grace_s: float = 60.0) -> int:
     """Run the plan, restarting failed runs; return the exit status. This process only."""
     plan.output_dir.mkdir(parents=True, exist_ok=True)
+    _next_attempt(plan.output_dir)
+    try:
+        record_hparams(plan.output_dir, plan.config)  # Determined's master samples every trial's values
+    except ConfigError as err:
+        logger.error("%s", err)
+        return 2
     env = _environment(plan)
     forwarder = _Forwarder()
     try:
         attempt = 0
         while True:
-            _next_attempt(plan.output_dir)
+            if attempt:
+                _next_attempt(plan.output_dir)
             status = _run_once(plan, env, forwarder, grace_s=grace_s)
             if status == 0 or forwarder.received is not None:
                 if forwarder.received is not None:
@@ -300,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.grace <= 0:
         parser.error(f"--grace={args.grace!r}: expected a number of seconds > 0")
     try:
-        config = toolkit.load_experiment_config(config_path)
+        config = hparams.load_config(config_path)
         plan = plan_run(
             config,
             config_path=config_path,

@@ -196,7 +196,7 @@ def test_single_process_core_init_preempts_on_its_own_signal_and_invalid_hp_exit
     [
         ("entrypoint: python3 x.py\nsearcher: {name: grid, metric: x}\n", [], "searcher.name='grid'"),
         (
-            "entrypoint: python3 x.py\nhyperparameters: {lr: {type: double, minval: 0, maxval: 1}}\n",
+            "entrypoint: python3 x.py\nhyperparameters: {lr: {type: double, minval: 1, maxval: 0}}\n",
             [],
             "hyperparameters.lr",
         ),

@@ -6,8 +6,10 @@ trials; set it by hand with torchrun), the output directory ``TOOLKIT_OUTPUT_DIR
 launcher's variables:
 
 * ``trial.hparams``: the YAML's hyperparameters, ``{type: const, val: X}`` resolved to ``X``;
-  inside a dsat trial the trial's own (``toolkit.get_hparams``). A search space (int, double,
-  log, categorical) is a ConfigError naming the key: toolkit runs single trials.
+  inside a dsat trial the trial's own (``toolkit.get_hparams``). Search spaces (int, double,
+  log, categorical) are sampled by ``python -m toolkit.run``, as Determined's master samples them
+  (``searcher: single`` too), once per output directory (:func:`record_hparams`); started any
+  other way, a search space is a ConfigError naming the key.
 * ``trial.trial_id``, ``trial.experiment_id``, ``trial.trial_seed``: derived from the output
   directory and kept in ``<output_dir>/determined_trial.json``: stable across restarts there.
 * ``latest_checkpoint``: this trial's newest committed checkpoint (see
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import re
 import socket
 import zlib
@@ -29,6 +32,7 @@ from typing import Any, Mapping
 
 import toolkit
 from toolkit._files import atomic_write_json
+from toolkit.compat.determined import hparams as hparams_mod
 from toolkit.compat.determined import storage
 from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV
 from toolkit.errors import ConfigError
@@ -43,12 +47,17 @@ __all__ = [
     "TRIAL_FILE",
     "load_trial_state",
     "output_dir_for",
+    "record_hparams",
+    "CONTAINER_PER_RANK_ENV",
 ]
 
 logger = logging.getLogger(__name__)
 
 TRIAL_FILE = "determined_trial.json"
-_SEARCH_TYPES = ("int", "double", "log", "categorical")
+_SAMPLE_KEYS = ("hparams", "hparams_seed", "hparams_space")
+#: Set by ``python -m toolkit.run`` for an entrypoint without a launcher wrapper: each rank process
+#: is one Determined container of one slot (Determined runs such an entrypoint once per container).
+CONTAINER_PER_RANK_ENV = "TOOLKIT_DET_CONTAINER_PER_RANK"
 _cached: "ClusterInfo | None" = None
 
 
@@ -168,11 +177,12 @@ def resolve_hparams(hparams: Mapping[str, Any], prefix: str = "hyperparameters")
         key = f"{prefix}.{name}"
         if isinstance(value, Mapping) and value.get("type") == "const" and "val" in value:
             out[name] = value["val"]
-        elif isinstance(value, Mapping) and value.get("type") in _SEARCH_TYPES:
+        elif isinstance(value, Mapping) and value.get("type") in hparams_mod.SEARCH_TYPES:
             problems.append(
-                f"{key} is a search space (type: {value['type']}); toolkit runs one trial per "
-                "run: give one value, e.g. {type: const, val: ...}, or tune DeepSpeed settings "
-                "with python -m toolkit.dsat"
+                f"{key} is a search space (type: {value['type']}) and no value was sampled for "
+                "this output directory: run the experiment with python -m toolkit.run CONFIG "
+                "MODEL_DIR (which samples it, as Determined's master), or give one value, e.g. "
+                "{type: const, val: ...}"
             )
         elif isinstance(value, Mapping):
             try:
@@ -194,11 +204,13 @@ def output_dir_for(config: Mapping[str, Any]) -> Path:
     return toolkit.get_output_dir(Path("runs") / name)
 
 
-def load_trial_state(output_dir: Path, *, write: bool) -> dict[str, int]:
+def load_trial_state(output_dir: Path, *, write: bool) -> dict[str, Any]:
     """The trial's ids and run count, from ``determined_trial.json`` or derived from the directory.
 
     Derived ids are the same on every rank (a CRC of the absolute path), so ranks need not
-    agree first; ``write=True`` (chief, or the runner) persists them.
+    agree first; ``write=True`` (chief, or the runner) persists them. When the runner sampled
+    the hyperparameters, the file also holds ``hparams`` and ``hparams_seed`` (see
+    :func:`record_hparams`).
     """
     path = output_dir / TRIAL_FILE
     try:
@@ -214,7 +226,44 @@ def load_trial_state(output_dir: Path, *, write: bool) -> dict[str, int]:
         if write:
             output_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(path, state)
-    return {k: int(v) for k, v in state.items()}
+    return {k: (v if k in _SAMPLE_KEYS else int(v)) for k, v in state.items()}
+
+
+def record_hparams(output_dir: Path, config: Mapping[str, Any], *, seed: int | None = None,
+                   values: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """Sample the YAML's search spaces once for this output directory and record them. Runner only.
+
+    What Determined's master does for every trial (``searcher: single`` too): the values and
+    the seed go into ``determined_trial.json``, which every rank's :func:`get_cluster_info`
+    reads, so all ranks, restarts and reruns in this directory see the same values and trial id.
+    ``values`` records given values instead (a search's trial); ``seed`` defaults to
+    ``reproducibility.experiment_seed``, else a random one. Nothing is recorded (None returned)
+    when the section has no search space and no ``values`` are given.
+
+    Raises:
+        ConfigError: the directory holds values sampled from another search space (a changed
+            YAML): use a new output directory.
+    """
+    space = config.get("hyperparameters") or {}
+    if values is None and not hparams_mod.has_search_space(space):
+        return None
+    state = load_trial_state(output_dir, write=True)
+    if "hparams" in state:
+        if state.get("hparams_space") != json.loads(json.dumps(space)):
+            raise ConfigError(
+                f"{output_dir / TRIAL_FILE} holds hyperparameters sampled from another search space "
+                "than the YAML's hyperparameters; use a new --output-dir for a changed search space"
+            )
+        return dict(state["hparams"])
+    if values is None:
+        if seed is None:
+            seed = (config.get("reproducibility") or {}).get("experiment_seed")
+        seed = int(seed) if seed is not None else random.SystemRandom().randrange(2**31)
+        values = hparams_mod.sample_hparams(space, random.Random(seed))
+    state.update(hparams=dict(values), hparams_seed=seed, hparams_space=space)
+    atomic_write_json(output_dir / TRIAL_FILE, state)
+    logger.info("hyperparameters for this trial (seed %s): %s", seed, json.dumps(values))
+    return dict(values)
 
 
 def _experiment_config() -> tuple[dict[str, Any], Path]:
@@ -226,21 +275,24 @@ def _experiment_config() -> tuple[dict[str, Any], Path]:
             EXPERIMENT_CONFIG_ENV,
         )
         return {}, Path.cwd()
-    return toolkit.load_experiment_config(path), Path(path).resolve().parent
+    return hparams_mod.load_config(path), Path(path).resolve().parent
 
 
 def _check_searcher(config: Mapping[str, Any]) -> None:
     name = (config.get("searcher") or {}).get("name")
     if name not in (None, "single"):
         raise ConfigError(
-            f"searcher.name={name!r}: hyperparameter searches run on a Determined master; "
-            "toolkit runs one trial: use 'single' (and python -m toolkit.dsat to tune "
-            "DeepSpeed settings)"
+            f"searcher.name={name!r}: a search's trials are started by python -m toolkit.run "
+            "CONFIG MODEL_DIR (random, grid, adaptive_asha), which records each trial's values; "
+            "started otherwise, use 'single' (and python -m toolkit.dsat to tune DeepSpeed settings)"
         )
 
 
 def _launch_layout(config: Mapping[str, Any]) -> tuple[list[int], int, int]:
+    """(slot ids of this container, containers, this container's rank)."""
     env = os.environ
+    if env.get(CONTAINER_PER_RANK_ENV) and "RANK" in env and "WORLD_SIZE" in env:
+        return [int(env.get("LOCAL_RANK", 0))], int(env["WORLD_SIZE"]), int(env["RANK"])
     local = env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE")
     slots = int(local) if local else int((config.get("resources") or {}).get("slots_per_trial", 1))
     nodes = int(env.get("GROUP_WORLD_SIZE") or env.get("CROSS_SIZE") or 1)
@@ -250,14 +302,15 @@ def _launch_layout(config: Mapping[str, Any]) -> tuple[list[int], int, int]:
 
 def _build() -> ClusterInfo:
     config, config_dir = _experiment_config()
-    in_dsat_trial = bool(os.environ.get(TRIAL_HPARAMS_ENV))
-    if in_dsat_trial:
+    output_dir = output_dir_for(config)
+    state = load_trial_state(output_dir, write=os.environ.get("RANK", "0") == "0")
+    if os.environ.get(TRIAL_HPARAMS_ENV):  # inside a dsat trial
         hparams = toolkit.get_hparams()
+    elif "hparams" in state:  # sampled by python -m toolkit.run
+        hparams = dict(state["hparams"])
     else:
         _check_searcher(config)
         hparams = resolve_hparams(config.get("hyperparameters") or {})
-    output_dir = output_dir_for(config)
-    state = load_trial_state(output_dir, write=os.environ.get("RANK", "0") == "0")
     root = storage.storage_root(config.get("checkpoint_storage"), output_dir=output_dir, base_dir=config_dir)
     registry = storage.read_registry(output_dir)
     written_to = Path(registry["root"]) if registry["root"] else root  # core.init(checkpoint_storage=...)
@@ -297,8 +350,9 @@ def get_cluster_info() -> ClusterInfo:
     """This trial's :class:`ClusterInfo`; never None. Any rank; read once and cached.
 
     Raises:
-        ConfigError: the YAML is malformed, has a search space, a searcher other than
-            ``single``, or a cloud ``checkpoint_storage``; every problem is named.
+        ConfigError: the YAML is malformed, has a search space or a searcher other than
+            ``single`` that toolkit.run did not sample, or a cloud ``checkpoint_storage``; every
+            problem is named.
 
     Example::
 

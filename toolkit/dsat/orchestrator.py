@@ -175,9 +175,11 @@ class Autotuner:
     def _stage_extras(self, runner: TrialRunner, events: list[dict[str, Any]], spec: TrialSpec,
                       profile: ProfileInfo, measured: list[dict[str, Any]]) -> ProfileInfo:
         """``profile`` with each other searched stage's measured extra: one profiling trial per
-        stage at the calibration trial's micro-batch (ids -10 - stage), the stage's own ZeRO section
-        built on the calibration trial's. A stage that runs out of memory there is predicted to fit
-        one example less; one that fails is left to the formula."""
+        stage (id -10 - stage) at half its predicted boundary (``memory.stage_point_micro_batch``;
+        after an out-of-memory there, once more at the calibration point, id -20 - stage), the
+        stage's own ZeRO section built on the calibration trial's. A stage that runs out of memory
+        at the calibration point is predicted to fit one example less; one that fails is left to
+        the formula."""
         dp, k = self.plan.data_parallel_size, spec.micro_batch
         for stage in sorted(set(self.plan.search.zero_stages) - {spec.stage}):
             zero = {key: value for key, value in spec.zero.items()
@@ -186,12 +188,17 @@ class Autotuner:
             off_opt, off_par = memory.offload_flags(zero)
             model = memory.model_memory_bytes(profile, stage, data_parallel_size=dp,
                                               offload_optimizer=off_opt, offload_param=off_par)
-            result = self._run_profiling_trial(
-                runner, events, dataclasses.replace(spec, trial_id=-10 - stage, zero=zero))
+            point = self._allowed_at_most(memory.stage_point_micro_batch(
+                profile, stage, data_parallel_size=dp, offload_optimizer=off_opt, offload_param=off_par))
+            for trial_id, m in ((-10 - stage, max(point or k, k)), (-20 - stage, k)):
+                result = self._run_profiling_trial(
+                    runner, events, dataclasses.replace(spec, trial_id=trial_id, zero=zero, micro_batch=m))
+                if result.status is not TrialStatus.OOM or m == k:
+                    break
             if result.status is TrialStatus.OK and result.profile:
                 at_stage = self._measured(result)
                 measured.append({**at_stage.to_json(), "zero_stage": stage})
-                profile = memory.with_stage_extra(profile, stage, micro_batch=k,
+                profile = memory.with_stage_extra(profile, stage, micro_batch=m,
                                                   peak_bytes=at_stage.peak_bytes, model_memory=model)
             elif result.status is TrialStatus.OOM:  # free for k - 1 examples at most
                 slope = int(profile.activation_bytes_per_example)

@@ -18,6 +18,7 @@ from toolkit.dsat.search.memory import (
     model_memory_bytes,
     offload_flags,
     predict,
+    stage_point_micro_batch,
     with_stage_extra,
 )
 from toolkit.dsat.search.types import TrialResult, TrialSpec
@@ -200,20 +201,109 @@ def test_found_boundaries_and_their_lines():
         "stage 3: predicted largest micro-batch 80; found: largest ok 70, smallest oom none"]
 
 
-def test_a_stage_measured_extra_is_subtracted_per_stage():
-    # calibrated at stage 1; a trial at stage 3 and micro-batch 40 peaked 64 MiB above the line
-    dp = 2
-    state = {s: model_memory_bytes(_measured(1, 1), s, data_parallel_size=dp) for s in (1, 3)}
+def _calibrated_at_stage_1(dp):
+    """Calibrated at stage 1 from micro-batches 1 and 40: 300 MiB + state + 2 MiB per example."""
+    state = {s: model_memory_bytes(_measured(1, 1), s, data_parallel_size=dp) for s in (1, 2, 3)}
     first = _measured(1, 300 * MIB + state[1] + 2 * MIB)
     second = _measured(40, 300 * MIB + state[1] + 80 * MIB)
-    profile = calibrate(first, second, model_memory=state[1])
+    return calibrate(first, second, model_memory=state[1]), state
+
+
+def test_the_calibrated_profile_keeps_its_calibration_point():
+    profile, state = _calibrated_at_stage_1(2)
+    assert profile.micro_batch == 40 and profile.peak_bytes == 300 * MIB + state[1] + 80 * MIB
+    with pytest.raises(ValueError, match="at least the calibration point 40"):
+        with_stage_extra(profile, 3, micro_batch=39, peak_bytes=1, model_memory=state[3])
+
+
+def test_a_stage_is_measured_at_half_its_predicted_boundary_between_k_and_4k():
+    dp = 2
+    profile, state = _calibrated_at_stage_1(dp)
+    approx = approx_max_micro_batch(profile, 3, data_parallel_size=dp)      # ~362 on the line
+    assert stage_point_micro_batch(profile, 3, data_parallel_size=dp) == min(approx // 2, 160)
+    # a tight budget: half the boundary is below k -> k
+    tight = ProfileInfo.from_json({**profile.to_json(), "memory_per_slot": 300 * MIB + state[3] + 100 * MIB})
+    assert stage_point_micro_batch(tight, 3, data_parallel_size=dp) == 40
+    # a roomy one: at most 4 k
+    roomy = ProfileInfo.from_json({**profile.to_json(), "memory_per_slot": 64 * 1024 * MIB})
+    assert stage_point_micro_batch(roomy, 3, data_parallel_size=dp) == 160
+
+
+def test_an_extra_measured_beyond_k_is_the_same_extra_per_example():
+    # stage 3 measured at 120 (> k = 40): 96 MiB over the line = 0.8 MiB per example
+    dp = 2
+    profile, state = _calibrated_at_stage_1(dp)
+    peak3 = 300 * MIB + state[3] + 2 * MIB * 120 + 96 * MIB
+    extra = with_stage_extra(profile, 3, micro_batch=120, peak_bytes=peak3, model_memory=state[3])
+    assert extra.stage_extra_bytes == {"3": 32 * MIB}      # referred to k = 40: 0.8 MiB x 40
+    free = 1024 * MIB - 300 * MIB - state[3]
+    assert approx_max_micro_batch(extra, 3, data_parallel_size=dp) == free // (2 * MIB + 96 * MIB // 120)
+    # a negative extra is not scaled: a fixed saving
+    less = with_stage_extra(profile, 2, micro_batch=120, peak_bytes=300 * MIB + state[2] + 2 * MIB * 120
+                            - 10 * MIB, model_memory=state[2])
+    assert less.stage_extra_bytes == {"2": -10 * MIB}
+
+
+def test_a_positive_stage_extra_grows_per_example_beyond_the_calibration_point():
+    # a trial at stage 3 and micro-batch 40 peaked 64 MiB above the line: 1.6 MiB per example
+    dp = 2
+    profile, state = _calibrated_at_stage_1(dp)
     peak3 = 300 * MIB + state[3] + 2 * MIB * 40 + 64 * MIB
     extra = with_stage_extra(profile, 3, micro_batch=40, peak_bytes=peak3, model_memory=state[3])
     assert extra.stage_extra_bytes == {"3": 64 * MIB}
     assert approx_max_micro_batch(extra, 1, data_parallel_size=dp) == approx_max_micro_batch(
         profile, 1, data_parallel_size=dp)
-    assert approx_max_micro_batch(extra, 3, data_parallel_size=dp) == (1024 * MIB - 300 * MIB - state[3]
-                                                                      - 64 * MIB) // (2 * MIB)
-    assert predict(extra, data_parallel_size=dp, zero_stages=(3,))[3]["free_bytes"] == (
-        1024 * MIB - 300 * MIB - state[3] - 64 * MIB)
+    # the largest m with 300 MiB + state(3) + 2 MiB m + 64 MiB m / 40 <= 1 GiB: m (2 + 1.6) MiB <= free
+    free = 1024 * MIB - 300 * MIB - state[3]
+    m = approx_max_micro_batch(extra, 3, data_parallel_size=dp)
+    assert m == free * 40 // (2 * MIB * 40 + 64 * MIB) == free // (2 * MIB + 64 * MIB // 40)
+    assert 300 * MIB + state[3] + m * 2 * MIB + 64 * MIB * m / 40 <= 1024 * MIB
+    assert 300 * MIB + state[3] + (m + 1) * 2 * MIB + 64 * MIB * (m + 1) / 40 > 1024 * MIB
+    # taken as fixed it would have been larger: (free - 64 MiB) // 2 MiB
+    assert m < (free - 64 * MIB) // (2 * MIB)
+    # predict's free_bytes is what remains at the measured point (the extra as measured at k)
+    assert predict(extra, data_parallel_size=dp, zero_stages=(3,))[3]["free_bytes"] == free - 64 * MIB
     assert ProfileInfo.from_json(extra.to_json()) == extra
+
+
+def test_a_negative_stage_extra_stays_fixed_and_a_boundary_below_k_uses_the_measured_extra():
+    dp = 2
+    profile, state = _calibrated_at_stage_1(dp)
+    # stage 2 held 30 MiB less than the line at 40: a fixed saving, not 0.75 MiB less per example
+    peak2 = 300 * MIB + state[2] + 2 * MIB * 40 - 30 * MIB
+    less = with_stage_extra(profile, 2, micro_batch=40, peak_bytes=peak2, model_memory=state[2])
+    assert approx_max_micro_batch(less, 2, data_parallel_size=dp) == (
+        1024 * MIB - 300 * MIB - state[2] + 30 * MIB) // (2 * MIB)
+    # a stage extra so large that the fixed reading ends below k: up to k the extra is E as measured
+    peak3 = 300 * MIB + state[3] + 2 * MIB * 40 + 660 * MIB
+    big = with_stage_extra(profile, 3, micro_batch=40, peak_bytes=peak3, model_memory=state[3])
+    fixed = (1024 * MIB - 300 * MIB - state[3] - 660 * MIB) // (2 * MIB)
+    assert fixed <= 40 and approx_max_micro_batch(big, 3, data_parallel_size=dp) == fixed
+
+
+def test_a_stage_out_of_memory_at_the_calibration_point_is_predicted_k_minus_1():
+    # what the orchestrator records for a stage whose trial at k ran out of memory
+    dp = 2
+    profile, state = _calibrated_at_stage_1(dp)
+    oom = with_stage_extra(profile, 3, micro_batch=40, peak_bytes=1024 * MIB + 2 * MIB, model_memory=state[3])
+    assert approx_max_micro_batch(oom, 3, data_parallel_size=dp) == 39
+
+
+@given(extra_mib=st.integers(-200, 400), k=st.integers(2, 200), slope_kib=st.integers(64, 8192))
+@settings(max_examples=200, deadline=None)
+def test_the_prediction_is_the_largest_micro_batch_under_the_larger_reading(extra_mib, k, slope_kib):
+    # m fits iff baseline + state + slope m + extra(m) <= budget, extra(m) = E up to k and
+    # max(E, E m / k) beyond; the model returns the largest such m (at least 1).
+    slope, extra, budget, base = slope_kib * 1024, extra_mib * MIB, 1024 * MIB, 300 * MIB
+    profile = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=slope,
+                          memory_per_slot=budget, baseline_bytes=base, micro_batch=k, calibrated=True,
+                          stage_extra_bytes={"3": extra})
+
+    def fits(m):
+        return base + slope * m + (extra if m <= k else max(extra, extra * m / k)) <= budget
+
+    m = approx_max_micro_batch(profile, 3, data_parallel_size=2)
+    if fits(1):
+        assert fits(m) and not fits(m + 1)
+    else:
+        assert m == 1

@@ -13,9 +13,6 @@ stage 3 ``(P + G + O)/S``. An offloaded part leaves the device: ``offload_optimi
 ``O``, ``offload_param`` removes ``P``. Divisions round up, so the model never promises a byte
 the device does not have.
 
-The approximate largest micro-batch of a stage is
-``max((memory_per_slot - baseline_bytes - model_memory) // activation_bytes_per_example, 1)``.
-
 Calibrated (:func:`calibrate`): the profiling trial at micro-batch 1 sees only the outputs of the
 leaf modules, not the backward's temporaries, the allocator's slack, the communication buckets or
 the optimizer's first-step allocations, so the orchestrator runs a second profiling trial at a
@@ -24,10 +21,19 @@ measured peak memory (``peak_bytes``) between the two: with ``peak(1)`` measured
 stage ``s0``, a stage ``s`` is predicted to fit up to
 ``floor((memory_per_slot - peak(1) - (model_memory(s) - model_memory(s0))) / slope) + 1``, the
 stages' model-state differences coming from the formula above. The calibrated profile carries the
-slope as ``activation_bytes_per_example`` and the intercept as ``baseline_bytes``, so the formula
-of :func:`approx_max_micro_batch` computes exactly that. What the formula misses between stages
-(ZeRO-3's gather buffers, a stage's own buckets) is measured by one more profiling trial per other
-searched stage at micro-batch ``k`` (:func:`with_stage_extra`) and subtracted as well.
+slope as ``activation_bytes_per_example``, the intercept as ``baseline_bytes`` and the calibration
+point ``k`` as ``micro_batch``, so :func:`approx_max_micro_batch` computes exactly that.
+
+What the formula misses between stages (ZeRO-3's gather and prefetch buffers, a stage's own
+buckets) is measured by one more profiling trial per other searched stage, at half the stage's
+predicted boundary (:func:`stage_point_micro_batch`, at least ``k``, at most ``4 k``), and
+:func:`with_stage_extra` keeps its extra ``E`` over the line. One point cannot tell a fixed extra
+from one that grows with the micro-batch, so the model takes the larger of the two readings
+beyond the point, ``extra(m) = max(E, E * m / point)``: a positive extra grows in proportion
+(ZeRO-3's buffers can grow with the batch), a negative one (a stage that holds less) is not
+extrapolated into a saving per example. Both err on the side of a smaller prediction, and the
+point near the boundary keeps the extrapolation short. A positive extra is stored referred to
+``k`` (``E * k / point``), so one calibration point serves every stage.
 
 Example (rank 0 only, e.g. in the autotuner's orchestrator after the profiling trial)::
 
@@ -46,17 +52,9 @@ from toolkit._checks import is_int, is_mapping
 from toolkit.dsat.contract import ProfileInfo
 
 __all__ = [
-    "model_memory_bytes",
-    "approx_max_micro_batch",
-    "offload_flags",
-    "predict",
-    "format_prediction",
-    "calibration_micro_batch",
-    "calibrate",
-    "found_boundaries",
-    "format_boundaries",
-    "free_bytes",
-    "with_stage_extra",
+    "model_memory_bytes", "approx_max_micro_batch", "offload_flags", "predict", "format_prediction",
+    "calibration_micro_batch", "calibrate", "found_boundaries", "format_boundaries", "free_bytes",
+    "with_stage_extra", "stage_point_micro_batch",
 ]
 
 logger = logging.getLogger(__name__)
@@ -82,10 +80,7 @@ def _state_bytes(profile: ProfileInfo) -> tuple[int, int, int]:
     if n < 0 or n_t < 0:
         raise ValueError(f"num_params={n}, trainable_params={n_t}: expected counts >= 0")
     half = bool(profile.half_precision)
-    params = n * (2 if half else 4)
-    grads = n_t * 4
-    optim = n_t * ((4 if half else 0) + 8)
-    return params, grads, optim
+    return n * (2 if half else 4), n_t * 4, n_t * ((4 if half else 0) + 8)
 
 
 def model_memory_bytes(profile: ProfileInfo, stage: int, *, data_parallel_size: int,
@@ -115,28 +110,21 @@ def model_memory_bytes(profile: ProfileInfo, stage: int, *, data_parallel_size: 
     """
     _check_stage_and_size(stage, data_parallel_size)
     params, grads, optim = _state_bytes(profile)
-    if offload_param:
-        params = 0
-    if offload_optimizer:
-        optim = 0
-    s = data_parallel_size
-    if stage == 0:
-        return params + grads + optim
-    if stage == 1:
-        return params + grads + _ceil_div(optim, s)
-    if stage == 2:
-        return params + _ceil_div(grads + optim, s)
-    return _ceil_div(params + grads + optim, s)
+    params, optim = (0 if offload_param else params), (0 if offload_optimizer else optim)
+    # (held whole, partitioned over the slots) per stage: nothing, O, G + O, P + G + O partitioned
+    kept, split = ((params + grads + optim, 0), (params + grads, optim), (params, grads + optim),
+                   (0, params + grads + optim))[stage]
+    return kept + _ceil_div(split, data_parallel_size)
 
 
 def approx_max_micro_batch(profile: ProfileInfo, stage: int, *, data_parallel_size: int,
                            offload_optimizer: bool = False, offload_param: bool = False) -> int:
     """The approximate largest micro-batch per slot at ``stage``; at least 1.
 
-    ``max((memory_per_slot - baseline_bytes - model_memory) // activation_bytes_per_example, 1)``.
-    An activation size of 0 (a model whose activations the profiler could not see) is taken as
-    1 byte, so the bound stays finite; the bisection of the search then corrects it with real
-    out-of-memory results. Pure; call anywhere.
+    ``max(free_bytes // activation_bytes_per_example, 1)``; beyond the calibration point ``k`` a
+    positive stage extra ``E`` grows as ``E * m / k`` (module docstring). An activation size of 0
+    (activations the profiler could not see) is taken as 1 byte, so the bound stays finite; the
+    search's bisection corrects it with real out-of-memory results. Pure; call anywhere.
 
     Example:
         >>> p = ProfileInfo(num_params=1000, trainable_params=1000,
@@ -146,14 +134,19 @@ def approx_max_micro_batch(profile: ProfileInfo, stage: int, *, data_parallel_si
     """
     model = model_memory_bytes(profile, stage, data_parallel_size=data_parallel_size,
                                offload_optimizer=offload_optimizer, offload_param=offload_param)
-    free = free_bytes(profile, stage, model)
     activation = max(int(profile.activation_bytes_per_example), 1)
-    return max(free // activation, 1)
+    fixed = free_bytes(profile, stage, model) // activation   # the stage's extra taken as fixed
+    extra, k = int(profile.stage_extra_bytes.get(str(stage), 0)), int(profile.micro_batch)
+    if extra <= 0 or k < 1 or fixed <= k:
+        return max(fixed, 1)
+    # beyond k the extra grows as extra * m / k: slope + extra / k per example, from micro-batch 0
+    before_extra = int(profile.memory_per_slot) - int(profile.baseline_bytes) - model
+    return max(before_extra * k // (activation * k + extra), 1)
 
 
 def free_bytes(profile: ProfileInfo, stage: int, model_memory: int) -> int:
     """What remains per slot for per-example memory at ``stage``: the slot's memory less the
-    baseline, the model state and the stage's measured extra (``stage_extra_bytes``). Pure."""
+    baseline, the model state and the stage's extra as measured at ``k`` (``stage_extra_bytes``). Pure."""
     extra = int(profile.stage_extra_bytes.get(str(stage), 0))
     return int(profile.memory_per_slot) - int(profile.baseline_bytes) - model_memory - extra
 
@@ -163,17 +156,27 @@ def with_stage_extra(profile: ProfileInfo, stage: int, *, micro_batch: int, peak
     """``profile`` (calibrated) with the extra that a profiling trial at ``stage`` and
     ``micro_batch`` measured: its peak less what the calibrated line predicts there
     (``baseline + model_memory + slope x micro_batch``; negative when the stage needs less).
-    Pure; call anywhere.
+    ``micro_batch``, the stage's point, is at least the calibration point ``k`` (the profile's
+    ``micro_batch``); a positive extra is kept referred to ``k`` (``E * k / micro_batch``, the
+    same extra per example). Pure; call anywhere.
+
+    Raises:
+        ValueError: ``micro_batch`` is below the calibrated profile's.
 
     Example:
         >>> p = ProfileInfo(num_params=1000, trainable_params=1000, activation_bytes_per_example=100,
-        ...                 memory_per_slot=10**6, baseline_bytes=5000, calibrated=True)
+        ...                 memory_per_slot=10**6, baseline_bytes=5000, micro_batch=10, calibrated=True)
         >>> with_stage_extra(p, 3, micro_batch=10, peak_bytes=9000, model_memory=1000).stage_extra_bytes
         {'3': 2000}
     """
+    k = int(profile.micro_batch)
+    if profile.calibrated and int(micro_batch) < k:
+        raise ValueError(f"micro_batch={micro_batch}: expected at least the calibration point {k}")
     slope = int(profile.activation_bytes_per_example)
-    predicted = int(profile.baseline_bytes) + int(model_memory) + slope * micro_batch
-    extras = {**profile.stage_extra_bytes, str(stage): int(peak_bytes) - predicted}
+    extra = int(peak_bytes) - (int(profile.baseline_bytes) + int(model_memory) + slope * micro_batch)
+    if extra > 0 and profile.calibrated:
+        extra = _ceil_div(extra * k, int(micro_batch))
+    extras = {**profile.stage_extra_bytes, str(stage): extra}
     return ProfileInfo.from_json({**profile.to_json(), "stage_extra_bytes": extras})
 
 
@@ -191,9 +194,7 @@ def offload_flags(zero: Mapping[str, Any]) -> tuple[bool, bool]:
     stage = int(zero.get("stage", 0))
 
     def _on(section: Any) -> bool:
-        if not is_mapping(section):
-            return False
-        return str(section.get("device", "none")).lower() not in ("none", "")
+        return is_mapping(section) and str(section.get("device", "none")).lower() not in ("none", "")
 
     return (stage >= 2 and _on(zero.get("offload_optimizer")),
             stage == 3 and _on(zero.get("offload_param")))
@@ -217,33 +218,26 @@ def predict(profile: ProfileInfo, *, data_parallel_size: int, zero_stages: Itera
         >>> predict(p, data_parallel_size=1, zero_stages=(0,))[0]["approx_max_micro_batch"]
         10
     """
-    stages = sorted(set(zero_stages))
     out: dict[int, dict[str, Any]] = {}
-    for stage in stages:
-        off_opt = offload_optimizer and stage >= 1
-        off_par = offload_param and stage == 3
+    for stage in sorted(set(zero_stages)):
+        off_opt, off_par = offload_optimizer and stage >= 1, offload_param and stage == 3
         model = model_memory_bytes(profile, stage, data_parallel_size=data_parallel_size,
                                    offload_optimizer=off_opt, offload_param=off_par)
         free = free_bytes(profile, stage, model)
-        out[stage] = {
-            "model_memory_bytes": model,
-            "free_bytes": free,
-            "approx_max_micro_batch": approx_max_micro_batch(
-                profile, stage, data_parallel_size=data_parallel_size,
-                offload_optimizer=off_opt, offload_param=off_par),
-            "fits": free >= int(profile.activation_bytes_per_example),
-        }
+        approx = approx_max_micro_batch(profile, stage, data_parallel_size=data_parallel_size,
+                                        offload_optimizer=off_opt, offload_param=off_par)
+        out[stage] = {"model_memory_bytes": model, "free_bytes": free, "approx_max_micro_batch": approx,
+                      "fits": free >= int(profile.activation_bytes_per_example)}
     return out
 
 
 def _human(n: int) -> str:
-    sign = "-" if n < 0 else ""
-    value = float(abs(n))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
+    sign, value, units = "-" if n < 0 else "", float(abs(n)), ("B", "KiB", "MiB", "GiB", "TiB")
+    for unit in units[:-1]:
+        if value < 1024:
             return f"{sign}{value:.0f} {unit}" if unit == "B" else f"{sign}{value:.2f} {unit}"
         value /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
+    return f"{sign}{value:.2f} TiB"
 
 
 def format_prediction(prediction: Mapping[int, Mapping[str, Any]], *,
@@ -279,9 +273,8 @@ def format_prediction(prediction: Mapping[int, Mapping[str, Any]], *,
     return "\n".join(lines)
 
 
-#: The calibration trial's micro-batch: this fraction of the uncalibrated estimate (the leaf outputs
-#: miss backward temporaries and allocator slack, so that estimate can be several times too large),
-#: at most CALIBRATION_MAX examples and at most CALIBRATION_STEP_MS of predicted step time.
+#: The calibration trial's micro-batch: this fraction of the uncalibrated estimate (which can be
+#: several times too large), at most CALIBRATION_MAX examples and CALIBRATION_STEP_MS of step time.
 CALIBRATION_FRACTION = 0.1
 CALIBRATION_MAX = 256
 CALIBRATION_STEP_MS = 3000.0
@@ -314,6 +307,24 @@ def calibration_micro_batch(profile: ProfileInfo, stage: int, *, data_parallel_s
     return max(k, 2)
 
 
+def stage_point_micro_batch(profile: ProfileInfo, stage: int, *, data_parallel_size: int,
+                            offload_optimizer: bool = False, offload_param: bool = False) -> int:
+    """Where to measure ``stage``'s extra: half its predicted boundary on the calibrated line
+    (before its own extra), at least the calibration point ``k`` and at most ``4 k`` (the step
+    time stays within 4x the calibration trial's). Pure.
+
+    Example:
+        >>> p = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=100,
+        ...                 memory_per_slot=100_000, micro_batch=20, calibrated=True)
+        >>> stage_point_micro_batch(p, 3, data_parallel_size=2)    # half of 1000, at most 4 x 20
+        80
+    """
+    k = int(profile.micro_batch)
+    approx = approx_max_micro_batch(profile, stage, data_parallel_size=data_parallel_size,
+                                    offload_optimizer=offload_optimizer, offload_param=offload_param)
+    return max(k, min(approx // 2, 4 * k))
+
+
 def calibrate(first: ProfileInfo, second: ProfileInfo, *, model_memory: int) -> ProfileInfo:
     """The profile the memory model uses after two profiling trials of the same configuration.
 
@@ -321,7 +332,8 @@ def calibrate(first: ProfileInfo, second: ProfileInfo, *, model_memory: int) -> 
     ``model_memory`` is :func:`model_memory_bytes` of that section. The slope of the peak memory
     per example, ``(peak(m2) - peak(m1)) / (m2 - m1)``, becomes ``activation_bytes_per_example``
     (never less than the leaf outputs that the first trial saw), and the intercept at micro-batch
-    0 less the model state, ``baseline_bytes``. Pure; call anywhere.
+    0 less the model state, ``baseline_bytes``; ``micro_batch`` and ``peak_bytes`` become the
+    second trial's (the calibration point, where :func:`with_stage_extra` measures). Pure.
 
     Raises:
         ValueError: the micro-batches are not increasing, or a profile lacks its peak.
@@ -345,7 +357,7 @@ def calibrate(first: ProfileInfo, second: ProfileInfo, *, model_memory: int) -> 
     slope = max(slope, int(first.activation_bytes_per_example), 1)
     baseline = max(int(first.peak_bytes) - slope * m1 - int(model_memory), 0)
     fields = {**first.to_json(), "activation_bytes_per_example": slope, "baseline_bytes": baseline,
-              "peak_bytes": int(first.peak_bytes), "calibrated": True}
+              "micro_batch": m2, "peak_bytes": int(second.peak_bytes), "calibrated": True}
     return ProfileInfo.from_json(fields)
 
 

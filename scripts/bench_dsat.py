@@ -21,19 +21,21 @@ trial needs), one after the other in this process:
    (default ``throughput``, samples/s over both ranks) is read
    from best_ds_metrics.json; its trial-seconds are the ``duration_s`` of every trial in
    trials.jsonl, the profiling trial included.
-2. **grid**: the same real trials (:class:`toolkit.dsat.execution.runner.TrialRunner`, configs from
+2. **grid**: what a user without dsat would run, through the same real trials
+   (:class:`toolkit.dsat.execution.runner.TrialRunner`, configs from
    :func:`~toolkit.dsat.orchestrator.trial_ds_config` and
    :func:`~toolkit.dsat.contract.trial_hparams`, with the plan that dsat's own CLI builds from
-   the same flags: same entrypoint, launcher, budget, profile steps and timeout) over every
-   searched ZeRO stage x every micro-batch of ``{1, 2, 4, ..., 2^k <= hi} + {hi}``, where ``hi =
-   ceil(search_range_factor x approx_max_micro_batch(stage))`` is the top of the range dsat
-   bisects for that stage (from the profile.json dsat wrote), plus dsat's best config itself
-   (its exact ZeRO section and micro-batch), so that the grid contains the best config dsat found.
-   Grid points use the user's ZeRO section at each stage (dsat also draws bucket sizes and
-   overlap flags; a grid over those as well would be ~100x larger) and the grid gets no profiling
-   trial (it borrows dsat's range): both make the grid cheaper than a real exhaustive search,
-   i.e. they favour the grid. ``--grid-prune-after-oom`` skips each stage's micro-batches above
-   its first out-of-memory one; either way the table shows what that pruned grid costs.
+   the same flags: same entrypoint, launcher, budget, profile steps and timeout): every searched
+   ZeRO stage x the micro-batches ``1, 2, 4, ...`` up to ``--grid-max`` (default: what the data
+   allows, ``--dataset-size / 2``), ascending, each stage stopped at its first out-of-memory (or
+   failed) trial, since every larger micro-batch would fail too. Nothing of it comes from dsat's
+   memory model: the user does not know the boundary before trying (until 2026-11-23 the grid's
+   top was dsat's own predicted boundary, which made the baseline depend on dsat). Then, outside
+   the grid's trial-seconds, dsat's best config itself when the grid lacks it (its exact ZeRO
+   section and micro-batch), so that the grid's best is at least dsat's. Grid points use the
+   user's ZeRO section at each stage (dsat also draws bucket sizes and overlap flags; a grid over
+   those as well would be ~100x larger) and stop at the first failure: both make the grid cheaper
+   than a real exhaustive search, i.e. they favour the grid.
 3. **DeepSpeed's autotuner**: ``deepspeed --autotuning tune`` (``"fast": true``) on
    scripts/ds_autotune_entry.py (the same ResNet and data), stopped with all its processes after
    ``--ds-timeout`` seconds. It cannot see a CPU memory budget (it takes the host's total memory
@@ -47,8 +49,9 @@ trial needs), one after the other in this process:
    noisy trials is biased upwards and the grid draws many more than dsat.
 
 With ``--train-batch-size N`` the experiment fixes the global batch (``overwrite_deepspeed_args``):
-dsat keeps it (its default policy) and the grid runs every micro-batch dividing ``N / 2`` up to
-the range tops, with the accumulation derived, through the same ``trial_ds_config``.
+dsat keeps it (its default policy) and the grid runs every micro-batch dividing ``N / 2`` (up to
+``--grid-max``, each stage until its first failure), with the accumulation derived, through the
+same ``trial_ds_config``.
 
 Printed at the end: a table with absolute numbers and the ratios ``dsat_best / grid_best``
 (target >= 0.95) and ``dsat_trial_seconds / grid_trial_seconds`` (target <= 0.25); DeepSpeed's
@@ -62,7 +65,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import shutil
 import statistics
@@ -111,11 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=16)
     p.add_argument("--dataset-size", type=int, default=131072,
                    help="random images, made lazily (size costs nothing); >= 2 x the largest micro-batch")
-    p.add_argument("--grid-prune-after-oom", action="store_true",
-                   help="skip a stage's micro-batches above its first out-of-memory one")
-    p.add_argument("--grid-limit", type=int, default=None, metavar="MB",
-                   help="quick checks only: leave grid micro-batches above MB out (the grid then no longer "
-                        "covers dsat's range)")
+    p.add_argument("--grid-max", type=int, default=None, metavar="MB",
+                   help="the largest micro-batch the user's grid may try (default: --dataset-size / 2, what "
+                        "the data allows); each stage stops earlier at its first out-of-memory trial")
     p.add_argument("--confirm", type=int, default=1, help="re-measurements of each arm's best config")
     p.add_argument("--ds-timeout", type=float, default=600.0,
                    help="wall-clock limit of DeepSpeed's autotuner")
@@ -133,6 +133,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-trials {args.max_trials}: expected >= 2 (it counts the profiling trial)")
     if args.confirm < 0:
         p.error(f"--confirm {args.confirm}: expected >= 0")
+    if args.grid_max is None:
+        args.grid_max = args.dataset_size // 2
+    if not 1 <= args.grid_max <= args.dataset_size // 2:
+        p.error(f"--grid-max {args.grid_max}: expected 1 .. --dataset-size / 2 ({args.dataset_size // 2})")
     return args
 
 
@@ -284,25 +288,14 @@ class TrialArm:
         return results
 
 
-def grid_micro_batches(hi: int) -> list[int]:
-    """``{1, 2, 4, ..., 2^k <= hi} + {hi}``: dsat's range [1, hi] on a doubling grid."""
-    return sorted({2 ** k for k in range(hi.bit_length()) if 2 ** k <= hi} | {hi})
-
-
-def search_range(args: argparse.Namespace, profile: dict[str, Any],
-                 allowed: tuple[int, ...] | None = None) -> dict[int, int]:
-    """Per stage, the top of the micro-batch range dsat bisects (see ``toolkit.dsat.search.lines``):
-    with the global batch kept, the largest allowed micro-batch not above it."""
-    prediction = profile["prediction"]
-    factor = args.search_range_factor
-    tops = {s: max(1, math.ceil(factor * int(prediction[str(s)]["approx_max_micro_batch"])))
-            for s in args.zero_stages}
-    return tops if allowed is None else {s: max(m for m in allowed if m <= top) for s, top in tops.items()}
-
-
-def grid_points(top: int, allowed: tuple[int, ...] | None) -> list[int]:
-    """The grid's micro-batches up to ``top``: the doubling grid, or every allowed micro-batch."""
-    return grid_micro_batches(top) if allowed is None else [m for m in allowed if m <= top]
+def user_candidates(top: int, allowed: tuple[int, ...] | None) -> list[int]:
+    """The micro-batches a user without dsat would try at each stage, ascending: the powers of two
+    ``1, 2, 4, ... <= top`` (global batch free), or every micro-batch that keeps the global batch
+    (``allowed``, those dividing ``train_batch_size / ranks``) up to ``top``. Independent of dsat's
+    memory model: the user does not know the boundary before trying."""
+    if allowed is None:
+        return [2 ** k for k in range(top.bit_length()) if 2 ** k <= top]
+    return [m for m in allowed if m <= top]
 
 
 def first_failure(results: list[TrialResult], stage: int) -> int | None:
@@ -310,42 +303,39 @@ def first_failure(results: list[TrialResult], stage: int) -> int | None:
                 if r.spec.stage == stage and r.status is not TrialStatus.OK), default=None)
 
 
-def run_grid(args: argparse.Namespace, arm: TrialArm, dsat: dict[str, Any],
-             profile: dict[str, Any]) -> dict[str, Any]:
+def run_grid(args: argparse.Namespace, arm: TrialArm, dsat: dict[str, Any]) -> dict[str, Any]:
+    """The user's grid: each stage x :func:`user_candidates` up to ``--grid-max``, ascending, a
+    stage stopped at its first failure (out of memory: every larger micro-batch would fail too).
+    Then, outside the grid's cost, dsat's best config when the grid lacks it (so that the grid's
+    best is at least as good as dsat's: a bias in the grid's favour)."""
     from toolkit.dsat.search import best_result
 
     allowed = arm.plan.search.micro_batches
-    tops = search_range(args, profile, allowed)
-    specs: list[TrialSpec] = []
-    for stage in args.zero_stages:
-        stage_specs = [arm.spec(stage, mb) for mb in grid_points(tops[stage], allowed)
-                       if args.grid_limit is None or mb <= args.grid_limit]
-        if dsat["best_stage"] == stage and dsat["best_zero"] is not None:
-            keys = {config_key(s.micro_batch, dict(s.zero)) for s in stage_specs}
-            if config_key(dsat["best_micro_batch"], dsat["best_zero"]) not in keys:
-                stage_specs.append(arm.spec(stage, dsat["best_micro_batch"], dsat["best_zero"]))
-        specs += sorted(stage_specs, key=lambda s: s.micro_batch)
+    candidates = user_candidates(args.grid_max, allowed)
+    specs = [arm.spec(stage, mb) for stage in args.zero_stages for mb in candidates]
     say(f"== grid: ZeRO stages {args.zero_stages} x micro-batches "
-        f"{'1, 2, 4, ...' if allowed is None else 'dividing the kept batch'} up to the range tops {tops}, "
-        f"plus dsat's best config: {len(specs)} trials ({arm.plan.global_batch.describe()})")
+        f"{'1, 2, 4, ...' if allowed is None else 'dividing the kept batch'} up to {args.grid_max}, each "
+        f"stage stopped at its first failure: at most {len(specs)} trials "
+        f"({arm.plan.global_batch.describe()})")
 
     def skip(spec: TrialSpec, done: list[TrialResult]) -> bool:
         failed_at = first_failure(done, spec.stage)
-        return args.grid_prune_after_oom and failed_at is not None and spec.micro_batch > failed_at
+        return failed_at is not None and spec.micro_batch > failed_at
 
     start = time.monotonic()
     results = arm.run(specs, label="grid", skip=skip)
     wall = time.monotonic() - start
-    best = best_result(results, args.metric)
-    # Memory grows with the micro-batch: a grid stopping each stage at its first failure would
-    # skip only trials that fail too. What it would have spent:
-    limits = {r.spec.stage: first_failure(results, r.spec.stage) for r in results}
-    pruned = [r for r in results if (limit := limits[r.spec.stage]) is None or r.spec.micro_batch <= limit]
+    extra: list[TrialResult] = []
+    if dsat["best_stage"] is not None and dsat["best_zero"] is not None:
+        keys = {config_key(r.spec.micro_batch, dict(r.spec.zero)) for r in results}
+        if config_key(dsat["best_micro_batch"], dsat["best_zero"]) not in keys:
+            extra = arm.run([arm.spec(dsat["best_stage"], dsat["best_micro_batch"], dsat["best_zero"])],
+                            label="dsat's best, not counted in the grid's cost")
+    best = best_result([*results, *extra], args.metric)
     return {
-        "search_range_top": {str(k): v for k, v in tops.items()},
+        "grid_max": args.grid_max,
         "trials": len(results), "wall_s": round(wall, 1),
         "trial_seconds": round(sum(r.duration_s for r in results), 1),
-        "trials_pruned": len(pruned), "trial_seconds_pruned": round(sum(r.duration_s for r in pruned), 1),
         "statuses": {s.value: sum(r.status is s for r in results) for s in TrialStatus},
         "best_metric": best.metrics[args.metric] if best else None,
         "best_stage": best.spec.stage if best else None,
@@ -355,7 +345,7 @@ def run_grid(args: argparse.Namespace, arm: TrialArm, dsat: dict[str, Any],
                                       default=None),
         "points": [{"stage": r.spec.stage, "micro_batch": r.spec.micro_batch, "status": r.status.value,
                     args.metric: r.metrics.get(args.metric), "duration_s": round(r.duration_s, 2),
-                    "zero": dict(r.spec.zero)} for r in results],
+                    "zero": dict(r.spec.zero), "in_grid": r in results} for r in [*results, *extra]],
         "output_dir": str(arm.output_dir),
     }
 
@@ -510,9 +500,6 @@ def table(s: dict[str, Any]) -> str:
                      verdict(r["best_confirmed"], 0.95, True)))
     rows += [("trial-seconds", num(d["trial_seconds"], ".1f"), num(g["trial_seconds"], ".1f"),
               num(r["trial_seconds"], ".3f"), "<= 0.25", verdict(r["trial_seconds"], 0.25, False)),
-             ("trial-seconds, grid pruned at 1st OOM", num(d["trial_seconds"], ".1f"),
-              num(g["trial_seconds_pruned"], ".1f"), num(r["trial_seconds_pruned"], ".3f"), "<= 0.25",
-              verdict(r["trial_seconds_pruned"], 0.25, False)),
              ("trials (ok/oom/failed/timeout)", f"{d['trials']} ({statuses(d)})",
               f"{g['trials']} ({statuses(g)})", "", "", ""),
              ("wall time (s)", num(d["wall_s"], ".0f"), num(g["wall_s"], ".0f"), "", "", ""),
@@ -579,10 +566,7 @@ def main(argv: list[str] | None = None) -> int:
             "no grid to run")
         return 1
     arm = TrialArm(args, experiment, work / "grid")
-    grid = run_grid(args, arm, dsat, json.loads((work / "dsat" / "profile.json").read_text()))
-    if args.dataset_size < 2 * max(int(v) for v in grid["search_range_top"].values()):
-        say(f"warning: --dataset-size {args.dataset_size} < 2 x the range top: trials above half of it fail "
-            "for want of data, not memory")
+    grid = run_grid(args, arm, dsat)
 
     ds = None
     if not args.skip_ds_autotuner:
@@ -609,8 +593,7 @@ def main(argv: list[str] | None = None) -> int:
             "best": ratio(dsat["best_metric"], grid["best_metric"], metric=True),
             "best_confirmed": ratio(confirmed.get("dsat", {}).get("median"),
                                     confirmed.get("grid", {}).get("median"), metric=True),
-            "trial_seconds": ratio(dsat["trial_seconds"], grid["trial_seconds"]),
-            "trial_seconds_pruned": ratio(dsat["trial_seconds"], grid["trial_seconds_pruned"])},
+            "trial_seconds": ratio(dsat["trial_seconds"], grid["trial_seconds"])},
         "total_wall_s": round(time.monotonic() - started, 1),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)

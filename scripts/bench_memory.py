@@ -2,13 +2,14 @@
 ZeRO stage under a CPU budget, and the model FLOPs per sample per stage.
 
 For each example of ``examples/core_api`` (train.py data parallel, pipeline.py, mlm.py,
-causal_lm.py) it runs dsat's own profiling step (the micro-batch-1 profiling trial and the
-calibration trial, :meth:`toolkit.dsat.orchestrator.Autotuner.run_profiling`), reads the
-predicted largest micro-batch of each stage from ``profile.json``, then finds the real boundary
-with 2-rank trials of that stage under the same budget (``--memory-per-slot``, enforced on each
-rank's resident size by dsat's runner): it probes the prediction, walks by 10% steps until the
-outcome flips, and bisects the bracket to ``--tolerance``. ``found`` = the largest micro-batch
-that ran; ``ratio`` = predicted / found (target: within 0.8-1.2).
+causal_lm.py) it runs dsat's own profiling step (the micro-batch-1 profiling trial, the
+calibration trial and one trial per other stage,
+:meth:`toolkit.dsat.orchestrator.Autotuner.run_profiling`), reads the predicted largest
+micro-batch of each stage from ``profile.json``, then finds the real boundary with 2-rank trials
+of that stage under the same budget (``--memory-per-slot``, enforced on each rank's resident
+size by dsat's runner): it probes the prediction, walks by 10% steps until the outcome flips,
+and bisects the bracket to ``--tolerance``. ``found`` = the largest micro-batch that ran;
+``ratio`` = predicted / found (target: within 0.8-1.2).
 
 ``--flops MB`` instead runs every example at micro-batch ``MB`` at each stage and prints the model
 FLOPs per sample (``FLOPS_per_gpu x ranks / throughput``), which must not depend on the stage.

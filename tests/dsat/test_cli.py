@@ -508,3 +508,43 @@ def test_the_trial_timeout_caps_the_micro_batch(tmp_path, ds, throughput, cap):
     assert settings.max_micro_batch == cap
     assert settings.micro_batches == plan.search.micro_batches
     assert settings.max_trials == plan.search.max_trials - 1  # --max-trials counts every trial
+
+
+@pytest.mark.parametrize("oom_at_point", [False, True])
+def test_each_other_stage_is_measured_near_its_boundary(tmp_path, oom_at_point):
+    # The orchestrator's per-stage profiling trials, with simulated results (no processes): calibrated
+    # at stage 1 and micro-batch 10 (20 MiB + 1 MiB per example, 100 MiB budget), stage 3 is measured
+    # at half its predicted boundary (40); after an out-of-memory there, once more at 10 (id -23).
+    from toolkit.dsat.contract import ProfileInfo, TrialStatus
+    from toolkit.dsat.orchestrator import Autotuner
+    from toolkit.dsat.search import memory
+    from toolkit.dsat.search.types import TrialResult
+
+    mib = 2 ** 20
+    plan = _plan(tmp_path, make_model_dir(tmp_path, slots=2), "--zero-stages", "1", "3")
+    tuner = object.__new__(Autotuner)
+    tuner.plan, tuner.say = plan, lambda line: None
+    profile = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=mib,
+                          memory_per_slot=100 * mib, baseline_bytes=20 * mib, micro_batch=10,
+                          peak_bytes=30 * mib, calibrated=True)
+    ran = []
+
+    def trial(runner, events, spec):  # stage 3 holds 0.1 MiB more per example than the line
+        ran.append((spec.trial_id, spec.stage, spec.micro_batch))
+        if oom_at_point and spec.micro_batch == 40:
+            return TrialResult(spec, TrialStatus.OOM)
+        peak = 20 * mib + spec.micro_batch * mib + spec.micro_batch * mib // 10
+        return TrialResult(spec, TrialStatus.OK, profile={**profile.to_json(), "peak_bytes": peak})
+
+    tuner._run_profiling_trial = trial
+    calibration = TrialSpec(-1, 10, {"stage": 1}, line=-1, profile=True)
+    measured: list = []
+    out = tuner._stage_extras(None, [], calibration, profile, measured)
+    predicted = memory.approx_max_micro_batch(out, 3, data_parallel_size=2)
+    if oom_at_point:
+        assert ran == [(-13, 3, 40), (-23, 3, 10)]
+        assert predicted == 39           # the per-example reading at 10 says 72; 40 ran out of memory
+    else:
+        assert ran == [(-13, 3, 40)] and len(measured) == 1
+        assert out.stage_extra_bytes == {"3": mib}      # 4 MiB at 40, referred to k = 10
+        assert predicted == 80 * mib * 10 // (11 * mib) == 72   # 1.1 MiB per example: the true boundary

@@ -178,7 +178,7 @@ class Autotuner:
         stage (id -10 - stage) at half its predicted boundary (``memory.stage_point_micro_batch``;
         after an out-of-memory there, once more at the calibration point, id -20 - stage), the
         stage's own ZeRO section built on the calibration trial's. A stage that runs out of memory
-        at the calibration point is predicted to fit one example less; one that fails is left to
+        at a micro-batch is predicted to fit one example less at most; one that fails is left to
         the formula."""
         dp, k = self.plan.data_parallel_size, spec.micro_batch
         for stage in sorted(set(self.plan.search.zero_stages) - {spec.stage}):
@@ -190,21 +190,25 @@ class Autotuner:
                                               offload_optimizer=off_opt, offload_param=off_par)
             point = self._allowed_at_most(memory.stage_point_micro_batch(
                 profile, stage, data_parallel_size=dp, offload_optimizer=off_opt, offload_param=off_par))
+            readings = []
             for trial_id, m in ((-10 - stage, max(point or k, k)), (-20 - stage, k)):
                 result = self._run_profiling_trial(
                     runner, events, dataclasses.replace(spec, trial_id=trial_id, zero=zero, micro_batch=m))
+                if result.status is TrialStatus.OK and result.profile:
+                    at_stage = self._measured(result)
+                    measured.append({**at_stage.to_json(), "zero_stage": stage})
+                    peak = at_stage.peak_bytes
+                elif result.status is TrialStatus.OOM:  # a peak that makes the prediction m - 1 at most
+                    peak = int(profile.memory_per_slot) + int(profile.activation_bytes_per_example)
+                else:
+                    break
+                readings.append(memory.with_stage_extra(profile, stage, micro_batch=m, peak_bytes=peak,
+                                                        model_memory=model))
                 if result.status is not TrialStatus.OOM or m == k:
                     break
-            if result.status is TrialStatus.OK and result.profile:
-                at_stage = self._measured(result)
-                measured.append({**at_stage.to_json(), "zero_stage": stage})
-                profile = memory.with_stage_extra(profile, stage, micro_batch=m,
-                                                  peak_bytes=at_stage.peak_bytes, model_memory=model)
-            elif result.status is TrialStatus.OOM:  # free for k - 1 examples at most
-                slope = int(profile.activation_bytes_per_example)
-                peak = int(profile.memory_per_slot) + slope   # what makes the prediction k - 1
-                profile = memory.with_stage_extra(profile, stage, micro_batch=k, peak_bytes=peak,
-                                                  model_memory=model)
+            if readings:  # after an out-of-memory at the point and a success at k: the smaller prediction
+                profile = min(readings, key=lambda p: memory.approx_max_micro_batch(
+                    p, stage, data_parallel_size=dp, offload_optimizer=off_opt, offload_param=off_par))
         return profile
 
     def _profile(self, runner: TrialRunner, events: list[dict[str, Any]]) -> ProfileInfo | None:

@@ -1,6 +1,6 @@
 """The package layout's rules, read from the sources with ``ast`` (no import, no process).
 
-* The core library (everything but ``toolkit/dsat`` and the launcher CLI ``toolkit/run.py``, which
+* The core library (everything but ``toolkit/dsat`` and the launcher CLI ``toolkit/run/``, which
   spawns ranks with dsat's argv builders and process bookkeeping) imports of dsat only
   ``toolkit.dsat.contract`` and ``toolkit.dsat.trial``: a training script never loads the tuner.
 * No private name (``_name``) is imported from another package.
@@ -50,7 +50,7 @@ def test_the_core_library_never_imports_the_tuner():
     allowed = ("toolkit.dsat.contract", "toolkit.dsat.trial")
     bad = []
     for path in SOURCES:
-        if _module(path).startswith("toolkit.dsat") or _module(path) == "toolkit.run":
+        if _module(path).startswith(("toolkit.dsat", "toolkit.run")):
             continue
         for module, name, line in _imports(path):
             target = f"{module}.{name}" if module == "toolkit.dsat" and name else module

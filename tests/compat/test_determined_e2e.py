@@ -194,7 +194,8 @@ def test_single_process_core_init_preempts_on_its_own_signal_and_invalid_hp_exit
 @pytest.mark.parametrize(
     "yaml_text,args,match",
     [
-        ("entrypoint: python3 x.py\nsearcher: {name: grid, metric: x}\n", [], "searcher.name='grid'"),
+        ("entrypoint: python3 x.py\nsearcher: {name: custom, metric: x}\n", [], "searcher.name='custom'"),
+        ("entrypoint: python3 x.py\nsearcher: {name: adaptive_asha, metric: x}\n", [], "searcher.max_trials"),
         (
             "entrypoint: python3 x.py\nhyperparameters: {lr: {type: double, minval: 1, maxval: 0}}\n",
             [],

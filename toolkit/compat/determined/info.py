@@ -262,7 +262,8 @@ def record_hparams(output_dir: Path, config: Mapping[str, Any], *, seed: int | N
         values = hparams_mod.sample_hparams(space, random.Random(seed))
     state.update(hparams=dict(values), hparams_seed=seed, hparams_space=space)
     atomic_write_json(output_dir / TRIAL_FILE, state)
-    logger.info("hyperparameters for this trial (seed %s): %s", seed, json.dumps(values))
+    logger.info("hyperparameters for this trial (%s): %s",
+                "given by the searcher" if seed is None else f"seed {seed}", json.dumps(values))
     return dict(values)
 
 

@@ -1,0 +1,143 @@
+"""``python3 -m determined.launch.wrap_rank RANK [--] CMD...``: run a worker, its output prefixed by its rank.
+
+Determined's tutorial launcher (``4_distributed.py``) starts each worker through this module of
+the real ``determined`` package, a module path that no import swap reaches. ``python -m
+toolkit.run`` therefore puts a shim directory on the entrypoint's ``PYTHONPATH`` (only when no
+real ``determined`` package is importable) whose ``determined.launch.wrap_rank`` is this
+:func:`main`; see :func:`shim_pythonpath`. As Determined's:
+
+* ``RANK`` is an integer, or comma-separated names of environment variables tried in order;
+* every line the command writes (split on ``\\n`` or ``\\r``) is written with ``[rank=N] ``
+  in front, stdout to stdout and stderr to stderr (``--no-redirect-stdio`` is accepted: there
+  is no container log file to redirect to here);
+* SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2 and SIGWINCH are passed to the command;
+* the exit status is the command's.
+
+The command also gets ``TOOLKIT_DET_WRAPPED_RANK=<rank>``, by which ``toolkit.run`` tells a
+wrapped worker (which should hear a preemption signal) from the script that launched it (which
+must not: Determined never signals it, and it would die instead of waiting for its workers).
+
+Any process (the wrapper itself is not a rank). Example::
+
+    python3 -m determined.launch.wrap_rank 0 -- python3 4_distributed.py worker 0 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import IO, Any, Iterator, Mapping
+
+__all__ = ["WRAPPED_ENV", "SHIM_DIR", "main", "parse_rank", "shim_pythonpath", "split_lines"]
+
+#: Set for the wrapped command: its rank. Marks wrapped workers for toolkit.run's signal forwarding.
+WRAPPED_ENV = "TOOLKIT_DET_WRAPPED_RANK"
+#: The directory holding the ``determined.launch.wrap_rank`` shim package.
+SHIM_DIR = Path(__file__).resolve().parent / "shim"
+_LINE_END = re.compile(rb"[\r\n]")
+_CHUNK = 8191
+_FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGWINCH")
+
+
+def parse_rank(spec: str, environ: Mapping[str, str]) -> int | None:
+    """``"3"`` -> 3; ``"RANK,OMPI_COMM_WORLD_RANK"`` -> the first of those variables set; else None. Pure."""
+    if spec.isdigit():
+        return int(spec)
+    for name in spec.split(","):
+        if name in environ:
+            return int(environ[name])
+    return None
+
+
+def split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """Lines of a byte stream, ended by ``\\n`` or ``\\r`` (each yielded with ``\\n``). Pure.
+
+    A line longer than 8 KiB is cut, as Determined's log shipper does, so a progress bar
+    that never ends its line cannot hold the output back.
+
+    Example:
+        >>> list(split_lines(iter([b"a\\rb", b"c\\nd"])))
+        [b'a\\n', b'bc\\n', b'd\\n']
+    """
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        while True:
+            match = _LINE_END.search(pending)
+            if match is None:
+                break
+            yield pending[: match.start()] + b"\n"
+            pending = pending[match.end():]
+        while len(pending) >= _CHUNK:
+            yield pending[:_CHUNK] + b"\n"
+            pending = pending[_CHUNK:]
+    if pending:
+        yield pending + b"\n"
+
+
+def _forward(source: IO[bytes], fd: int, prefix: bytes) -> None:
+    chunks = iter(lambda: os.read(source.fileno(), _CHUNK), b"")
+    for line in split_lines(chunks):
+        os.write(fd, prefix + line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the command's exit status (1: RANK names no set variable)."""
+    parser = argparse.ArgumentParser(
+        prog="python3 -m determined.launch.wrap_rank",
+        usage="wrap_rank [-h] [--no-redirect-stdio] RANK SCRIPT...",
+        description="Run SCRIPT with every output line prefixed by [rank=RANK] (toolkit's wrap_rank).",
+    )
+    parser.add_argument("--no-redirect-stdio", action="store_true")
+    parser.add_argument("rank", metavar="RANK", help="an integer, or names of variables holding it")
+    parser.add_argument("script", nargs=argparse.REMAINDER, metavar="SCRIPT...")
+    args = parser.parse_args(argv)
+    script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    if not script:
+        parser.error("empty script is not allowed")
+    rank = parse_rank(args.rank, os.environ)
+    if rank is None:
+        sys.stderr.write(f"rank environment variable is set to {args.rank}, but it is not in os.environ\n")
+        return 1
+    proc = subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
+                            env={**os.environ, WRAPPED_ENV: str(rank)})
+
+    def passthru(signum: int, frame: Any) -> None:
+        proc.send_signal(signum)
+
+    for name in _FORWARDED:
+        signal.signal(getattr(signal, name), passthru)
+    prefix = f"[rank={rank}] ".encode()
+    threads = [threading.Thread(target=_forward, args=(stream, fd, prefix), daemon=True)
+               for stream, fd in ((proc.stdout, sys.stdout.fileno()), (proc.stderr, sys.stderr.fileno()))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return proc.wait()
+
+
+def shim_pythonpath(environ: Mapping[str, str]) -> str | None:
+    """``PYTHONPATH`` with the shim directory in front, or None when a real ``determined`` is importable.
+
+    Only the runner calls it (for the entrypoint's environment). The shim package provides
+    ``determined.launch.wrap_rank`` alone; any other ``determined`` name raises an error saying
+    to swap the import.
+    """
+    if importlib.util.find_spec("determined") is not None and not _is_shim(environ):
+        return None
+    rest = environ.get("PYTHONPATH", "")
+    parts = [p for p in rest.split(os.pathsep) if p and p != str(SHIM_DIR)]
+    return os.pathsep.join([str(SHIM_DIR), *parts])
+
+
+def _is_shim(environ: Mapping[str, str]) -> bool:
+    spec = importlib.util.find_spec("determined")
+    return spec is not None and spec.origin is not None and Path(spec.origin).is_relative_to(SHIM_DIR)

@@ -1,0 +1,54 @@
+"""``python -m toolkit.run``'s command line and its restart loop. Runner process only."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from toolkit.compat.determined import hparams
+from toolkit.errors import ConfigError
+from toolkit.run.plan import plan_run
+from toolkit.run.search import run_search
+from toolkit.run.trial import execute
+
+__all__ = ["main"]
+
+logger = logging.getLogger("toolkit.run")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit status (2: bad input, nothing started)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m toolkit.run", description="Run a Determined experiment YAML on this machine."
+    )
+    parser.add_argument("config", help="the experiment YAML (Determined's format)")
+    parser.add_argument(
+        "model_dir", help="the directory the entrypoint runs in (Determined's context directory)"
+    )
+    parser.add_argument("--output-dir", help="checkpoints, TensorBoard and metrics (default: runs/<name>)")
+    parser.add_argument(
+        "--grace", type=float, default=60.0, help="seconds the ranks get to stop after a signal"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: [toolkit.run] %(message)s")
+    config_path, model_dir = Path(args.config), Path(args.model_dir)
+    if not model_dir.is_dir():
+        parser.error(f"MODEL_DIR={args.model_dir!r}: not a directory")
+    if args.grace <= 0:
+        parser.error(f"--grace={args.grace!r}: expected a number of seconds > 0")
+    try:
+        config = hparams.load_config(config_path)
+        plan = plan_run(
+            config,
+            config_path=config_path,
+            model_dir=model_dir,
+            output_dir=Path(args.output_dir) if args.output_dir else None,
+        )
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"python -m toolkit.run: error: {err}", file=sys.stderr)
+        return 2
+    if (plan.config.get("searcher") or {}).get("name", "single") != "single":
+        return run_search(plan, grace_s=args.grace)
+    return execute(plan, grace_s=args.grace)

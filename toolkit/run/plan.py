@@ -1,0 +1,115 @@
+"""What to launch, decided from the experiment config and the flags alone (pure).
+
+``plan_run`` checks the whole config (every problem named, nothing started) and picks the
+launcher: torchrun for a plain entrypoint or ``determined.launch.torch_distributed`` (its
+``--nproc_per_node N --`` honoured), DeepSpeed's launcher for ``determined.launch.deepspeed``.
+Runner process only.
+
+Example::
+
+    plan = plan_run(config, config_path=Path("exp.yaml"), model_dir=Path("."), output_dir=None)
+    plan.launcher, plan.nproc      # ('torchrun', 2)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+from pathlib import Path
+from typing import Any, Mapping
+
+from toolkit.compat.determined import hparams, search, storage
+from toolkit.compat.determined.info import output_dir_for
+from toolkit.compat.determined.launch import torchrun_nproc_override, unwrap_launcher
+from toolkit.errors import ConfigError
+
+__all__ = ["plan_run", "RunPlan"]
+
+logger = logging.getLogger("toolkit.run")
+
+
+class RunPlan:
+    """What to launch, decided from the config and flags alone (pure; see :func:`plan_run`)."""
+
+    def __init__(
+        self,
+        *,
+        launcher: str,
+        command: list[str],
+        nproc: int,
+        max_restarts: int,
+        output_dir: Path,
+        config_path: Path,
+        model_dir: Path,
+    ) -> None:
+        self.launcher, self.command, self.nproc = launcher, command, nproc
+        self.max_restarts, self.output_dir = max_restarts, output_dir
+        self.config_path, self.model_dir = config_path, model_dir
+        self.config: Mapping[str, Any] = {}
+        #: The entrypoint named a Determined launcher wrapper (torch_distributed, deepspeed);
+        #: without one, each rank process plays one Determined container (see ``toolkit.run``).
+        self.wrapped = False
+
+
+def _launcher_of(argv: list[str], problems: list[str]) -> tuple[str, list[str], int | None, bool]:
+    """(launcher, user command, process count from the wrapper or None, wrapped); problems appended."""
+    if not argv:
+        return "torchrun", argv, None, False
+    try:
+        found, wrapper_args, command = unwrap_launcher(argv)
+        nproc, ignored = torchrun_nproc_override(wrapper_args)
+    except ConfigError as err:
+        problems.extend(err.problems)
+        return "torchrun", argv, None, False
+    if ignored:
+        logger.warning(
+            "entrypoint: torchrun arguments %s are ignored; toolkit.run sets processes, "
+            "address and port itself",
+            ignored,
+        )
+    launcher = found or ("deepspeed" if os.path.basename(command[0]) == "deepspeed" else "torchrun")
+    return launcher, command, nproc, found is not None
+
+
+def plan_run(
+    config: Mapping[str, Any], *, config_path: Path, model_dir: Path, output_dir: Path | None
+) -> RunPlan:
+    """Check the experiment and decide the launch. Pure, but reads ``$TOOLKIT_OUTPUT_DIR`` (the default).
+
+    Raises:
+        ConfigError: every problem, each naming its key (entrypoint, searcher.name, a search
+            space, checkpoint_storage, max_restarts, the wrapper's arguments).
+    """
+    problems: list[str] = []
+    entry = config.get("entrypoint")
+    argv: list[str] = []
+    if entry is None:
+        problems.append("entrypoint is missing: expected e.g. 'entrypoint: python3 train.py'")
+    else:
+        argv = list(entry) if isinstance(entry, list) else shlex.split(entry)
+    problems.extend(search.check_searcher(config))
+    restarts = config.get("max_restarts", 5)
+    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+        problems.append(f"max_restarts={restarts!r}: expected an integer >= 0")
+    problems.extend(hparams.check_space(config.get("hyperparameters") or {}))
+    try:
+        storage.storage_root(config.get("checkpoint_storage"), output_dir=Path("."), base_dir=Path("."))
+    except ConfigError as err:
+        problems.extend(err.problems)
+    launcher, command, nproc, wrapped = _launcher_of(argv, problems)
+    if problems:  # a grid's range problems come from both space checks: each named once
+        raise ConfigError(list(dict.fromkeys(problems)), source=str(config_path))
+    slots = int((config.get("resources") or {}).get("slots_per_trial", 1))
+    out = output_dir or output_dir_for(config)
+    plan = RunPlan(
+        launcher=launcher,
+        command=command,
+        nproc=nproc or slots,
+        max_restarts=int(restarts),
+        output_dir=out.resolve(),
+        config_path=config_path.resolve(),
+        model_dir=model_dir.resolve(),
+    )
+    plan.config, plan.wrapped = config, wrapped
+    return plan

@@ -1,0 +1,87 @@
+"""One trial of ``python -m toolkit.run``: its ids and values recorded, its runs and restarts. Runner only."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from toolkit._files import atomic_write_json
+from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state, record_hparams
+from toolkit.errors import ConfigError
+from toolkit.run.plan import RunPlan
+from toolkit.run.process import Forwarder, environment, run_once
+
+__all__ = ["execute"]
+
+logger = logging.getLogger("toolkit.run")
+
+
+def _next_attempt(output_dir: Path, experiment_id: int | None = None) -> None:
+    """Count this run in ``determined_trial.json`` (``trial_run_id``), creating the ids on the first."""
+    existed = (output_dir / TRIAL_FILE).exists()
+    state = load_trial_state(output_dir, write=True)
+    if existed:
+        state["trial_run_id"] = state.get("trial_run_id", 1) + 1
+    elif experiment_id is not None:
+        state["experiment_id"] = experiment_id  # a search's trials share their experiment's id
+    if existed or experiment_id is not None:
+        atomic_write_json(output_dir / TRIAL_FILE, state)
+
+
+def execute(
+    plan: RunPlan,
+    *,
+    grace_s: float = 60.0,
+    forwarder: Forwarder | None = None,
+    watch: Callable[[], bool] | None = None,
+    hparams: Mapping[str, Any] | None = None,
+    experiment_id: int | None = None,
+) -> int:
+    """Run the plan, restarting failed runs; return the exit status. This process only.
+
+    A search's shell (:mod:`toolkit.run.search`) passes its own ``forwarder`` (to see who
+    stopped the run), ``watch`` (the searcher's early stop), the trial's ``hparams`` and the
+    experiment's id.
+    """
+    plan.output_dir.mkdir(parents=True, exist_ok=True)
+    _next_attempt(plan.output_dir, experiment_id)
+    try:
+        record_hparams(plan.output_dir, plan.config, values=hparams)  # as Determined's master samples
+    except ConfigError as err:
+        logger.error("%s", err)
+        return 2
+    env = environment(plan)
+    own = forwarder is None
+    forwarder = forwarder or Forwarder()
+    try:
+        attempt = 0
+        while True:
+            if attempt:
+                _next_attempt(plan.output_dir)
+            status = run_once(plan, env, forwarder, grace_s=grace_s, watch=watch)
+            if status == 0 or forwarder.stopping:
+                if forwarder.received is not None:
+                    logger.info(
+                        "stopped by %s (exit status %d); run the same command again to continue from "
+                        "the latest checkpoint",
+                        signal.Signals(forwarder.received).name,
+                        status,
+                    )
+                return status
+            if attempt >= plan.max_restarts:
+                logger.error(
+                    "the run failed with exit status %d; max_restarts=%d reached", status, plan.max_restarts
+                )
+                return status
+            attempt += 1
+            logger.warning(
+                "the run failed with exit status %d; restart %d of %d, from the latest checkpoint",
+                status,
+                attempt,
+                plan.max_restarts,
+            )
+    finally:
+        if own:
+            forwarder.restore()

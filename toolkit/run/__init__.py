@@ -22,7 +22,6 @@ TensorBoard, metrics; default ``runs/<name>``), which ``det.get_cluster_info()``
   Determined container of one slot, so a script that launches its own workers
   (``python3 -m determined.launch.wrap_rank``, provided by a shim directory on ``PYTHONPATH``
   when the real package is absent) starts one worker per rank (:mod:`toolkit.run.process`).
-
 * ``searcher: random / grid / adaptive_asha`` runs the search's trials one after another, each
   in ``<output_dir>/trial-NNNN`` with its own trial id; ``<output_dir>/search.json`` holds each
   trial's values, state and metric and the best; the same command again continues the search.

@@ -15,9 +15,15 @@ The timeout is chosen, in this order, by ``init_distributed(collective_timeout=.
 environment variable ``TOOLKIT_COLLECTIVE_TIMEOUT_S`` (seconds), or :data:`DEFAULT_COLLECTIVE_TIMEOUT_S`.
 Raise it when a legitimate wait can be longer (ranks reaching a metrics report minutes apart).
 
-How the missing ranks are found: before each bounded collective, every rank records the number
-of toolkit collectives it has started (one key per rank in the launcher's key-value store, one
-small write, overwritten each time). When a collective fails, the rank compares the numbers.
+How the missing ranks are found: every rank counts the toolkit collectives it has started. A rank
+whose wait in one of them lasts longer than a moment (:data:`RECORD_AFTER_S`, or an eighth of the
+timeout if shorter) writes its count to the launcher's key-value store (one key per rank and
+group, overwritten), from a helper thread, while it keeps waiting. When a collective fails, the
+rank writes its own count, gives the others that moment to write theirs, and compares: a rank
+whose recorded count is below the failed collective's number never reached it (a rank that did
+reach it is waiting too, so it has written). A collective that completes at once (the usual
+case, and the preemption check's pipelined all-reduce) writes nothing: a store write is a round
+trip to the launcher's process, which would cost every check point more than the check itself.
 
 DeepSpeed's own collectives (``engine.backward``, ``engine.step``, ``deepspeed.comm``) run on
 DeepSpeed's groups, with the timeout given to ``init_distributed(timeout=...)``: toolkit does not
@@ -29,6 +35,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable, Mapping, TypeVar
 
@@ -37,13 +45,15 @@ import torch.distributed as dist
 from toolkit._checks import is_number
 from toolkit.errors import ConfigError
 
-__all__ = ["COLLECTIVE_TIMEOUT_ENV", "DEFAULT_COLLECTIVE_TIMEOUT_S", "BoundedGroup",
+__all__ = ["COLLECTIVE_TIMEOUT_ENV", "DEFAULT_COLLECTIVE_TIMEOUT_S", "RECORD_AFTER_S", "BoundedGroup",
            "CollectiveTimeoutError", "new_bounded_group", "resolve_collective_timeout"]
 
 logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_ENV = "TOOLKIT_COLLECTIVE_TIMEOUT_S"
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+#: A rank waiting longer than this in a toolkit collective records its arrival in the store.
+RECORD_AFTER_S = 0.5
 
 T = TypeVar("T")
 
@@ -116,15 +126,16 @@ class BoundedGroup:
         self._store = store
         self._prefix = prefix
         self._count = 0
+        self._call = ""
+        self.record_after_s = min(RECORD_AFTER_S, timeout_s / 8)
 
     def arrive(self, call: str) -> int:
-        """Record that this rank reached its next toolkit collective; returns its number. Any rank."""
+        """Count this rank's next toolkit collective (``call``); returns its number. Any rank.
+
+        No I/O: the count reaches the store only if the wait for it is slow (module docstring).
+        """
         self._count += 1
-        if self._store is not None:
-            try:
-                self._store.set(f"{self._prefix}/{self.rank}", f"{self._count} {call}")
-            except RuntimeError as err:  # the store is a diagnosis aid, never a reason to fail
-                logger.debug("could not record arrival at %s: %s", call, err)
+        self._call = call
         return self._count
 
     def run(self, call: str, fn: Callable[[Any], T]) -> T:
@@ -135,20 +146,46 @@ class BoundedGroup:
                 that did not reach it.
         """
         number = self.arrive(call)
+        token = _RECORDER.watch(self)
         try:
             return fn(self.group)
         except RuntimeError as err:
             raise self.failure(call, number, err) from err
+        finally:
+            _RECORDER.unwatch(token)
 
     def wait(self, call: str, number: int, work: Any) -> None:
         """Wait for the async collective launched after ``arrive(call)`` gave ``number``. All ranks."""
         try:
-            work.wait()
+            if work.is_completed():  # launched long enough ago (the pipelined check): no bookkeeping
+                work.wait()
+                return
+            token = _RECORDER.watch(self)
+            try:
+                work.wait()
+            finally:
+                _RECORDER.unwatch(token)
         except RuntimeError as err:
             raise self.failure(call, number, err) from err
 
+    def record(self) -> None:
+        """Write this rank's count of toolkit collectives to the store. Any rank, any thread."""
+        if self._store is None:
+            return
+        try:
+            self._store.set(f"{self._prefix}/{self.rank}", f"{self._count} {self._call}")
+        except RuntimeError as err:  # the store is a diagnosis aid, never a reason to fail
+            logger.debug("could not record arrival at %s: %s", self._call, err)
+
     def failure(self, call: str, number: int, err: BaseException) -> CollectiveTimeoutError:
-        """The error to raise for collective ``number`` (``call``) that failed with ``err``. Any rank."""
+        """The error to raise for collective ``number`` (``call``) that failed with ``err``. Any rank.
+
+        Writes this rank's count, then waits ``record_after_s`` (and a little more) so that a rank
+        that reached the collective late has written its own before the counts are compared.
+        """
+        if self._store is not None:
+            self.record()
+            time.sleep(self.record_after_s + 0.2)
         arrived = self._arrivals()
         missing = [r for r, (n, _) in arrived.items() if r != self.rank and n < number]
         elsewhere = [f"rank {r} is at #{n} ({c})" for r, (n, c) in arrived.items()
@@ -185,6 +222,68 @@ class BoundedGroup:
             logger.debug("could not read the ranks' arrivals: %s", err)
             return {}
         return out
+
+
+class _Recorder:
+    """One daemon thread per process that records, in the store, the arrival of a rank whose wait
+    in a toolkit collective has lasted ``record_after_s``. Started at the first watched wait.
+
+    The waiting thread only registers its group (a lock, a dict entry and, when the thread sleeps
+    past the new deadline, a notify) and removes it afterwards; the thread sleeps until the
+    earliest deadline, so it costs nothing while no collective is slow. Any rank."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._due: dict[int, tuple[float, BoundedGroup]] = {}
+        self._next_token = 0
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def watch(self, group: BoundedGroup) -> int:
+        """Record ``group``'s arrival unless :meth:`unwatch` comes first; returns the token (0: none).
+        Any rank, from the thread about to wait."""
+        if group._store is None:
+            return 0
+        with self._cond:
+            if self._thread is None or self._pid != os.getpid():  # first use, or a forked child
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._loop, name="toolkit-collective-recorder",
+                                                daemon=True)
+                self._thread.start()
+            self._next_token += 1
+            at = time.monotonic() + group.record_after_s
+            if not self._due or at < min(due for due, _ in self._due.values()):
+                self._cond.notify()  # the thread sleeps without a deadline, or past this one
+            self._due[self._next_token] = (at, group)
+            return self._next_token
+
+    def unwatch(self, token: int) -> None:
+        """The wait of ``token`` (from :meth:`watch`) is over: nothing to record. Any rank."""
+        if token:
+            with self._cond:
+                self._due.pop(token, None)
+
+    def _loop(self) -> None:
+        with self._cond:
+            while True:
+                if not self._due:
+                    self._cond.wait()
+                    continue
+                now = time.monotonic()
+                ready = [token for token, (at, _) in self._due.items() if at <= now]
+                if not ready:
+                    self._cond.wait(min(at for at, _ in self._due.values()) - now)
+                    continue
+                groups = [self._due.pop(token)[1] for token in ready]
+                self._cond.release()
+                try:
+                    for group in groups:
+                        group.record()
+                finally:
+                    self._cond.acquire()
+
+
+_RECORDER = _Recorder()
 
 
 def new_bounded_group(*, rank: int, world_size: int, timeout_s: float, prefix: str) -> BoundedGroup:

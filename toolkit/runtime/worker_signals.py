@@ -15,25 +15,34 @@ handler re-raises the default action), the worker sets these signals to SIG_IGN.
 :func:`toolkit.init_distributed` and :func:`toolkit.watch_preemption` call it, so a
 user has nothing to do: every loader's workers start after ``init_distributed`` (they need the
 rank). Workers still stop when they should: the DataLoader shuts them down through its queues,
-a worker whose rank has exited notices within 5 s (torch's watchdog) and exits too, and the
-workers of a loader still alive when the rank exits are killed at exit (multiprocessing would
-otherwise wait for them forever, having sent them a SIGTERM they ignore).
+the workers of a loader still alive when the rank exits are killed at exit (multiprocessing would
+otherwise wait for them forever, having sent them a SIGTERM they ignore), and a forked worker is
+killed by the kernel the moment its rank ends in any other way (``PR_SET_PDEATHSIG`` on Linux,
+see :func:`die_with_parent`), so that no worker that ignores SIGTERM outlives its rank.
 
 What this does not cover: workers started before ``init_distributed`` (a ``persistent_workers``
-loader iterated before it), and a ``SIGKILL``, which nothing can catch.
+loader iterated before it); a signal that reaches a worker in the first moments after its fork,
+before it ignores the signals, while the rank itself still has the default action (a loader
+iterated before ``watch_preemption``): that worker dies and the rank reports it; and a
+``SIGKILL``, which nothing can catch.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import functools
 import logging
+import multiprocessing
+import os
 import signal
+import sys
 import threading
 import time
 from typing import Any, Iterable
 
-__all__ = ["PROTECTED_SIGNALS", "protect_dataloader_workers", "protected_signals", "stop_signals"]
+__all__ = ["PROTECTED_SIGNALS", "die_with_parent", "protect_dataloader_workers", "protected_signals",
+           "stop_signals"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +53,8 @@ _EXIT_GRACE_S = 1.0
 
 _original: Any = None         # torch's own _worker_loop, once wrapped
 _signals: tuple[int, ...] = ()
+_parent_main_ident = 0        # the rank's main thread; a forked worker compares its own thread with it
+_PR_SET_PDEATHSIG = 1         # <linux/prctl.h>
 
 
 def worker_loop_ignoring(signals: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -63,6 +74,8 @@ def worker_loop_ignoring(signals: tuple[int, ...], *args: Any, **kwargs: Any) ->
         torch_handlers(*a, **kw)
         for sig in signals:
             signal.signal(sig, signal.SIG_IGN)
+        if _original is not None:  # forked: tie this worker's life to its rank's
+            die_with_parent()
 
     signal_handling._set_worker_signal_handlers = set_handlers
 
@@ -70,6 +83,29 @@ def worker_loop_ignoring(signals: tuple[int, ...], *args: Any, **kwargs: Any) ->
     # were imported afresh in the child, where torch's attribute is still its own loop.
     loop = _original if _original is not None else worker._worker_loop
     loop(*args, **kwargs)
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this forked DataLoader worker when its rank exits. Any rank's worker.
+
+    A worker that ignores SIGTERM must never outlive its rank: an orphan keeps the job's output
+    pipe open, so a launcher or a test waiting for it waits forever, and torchrun, seeing the rank
+    itself gone, never signals its process group again. Torch's own watchdog ends an orphan only
+    from its fetch loop, within 5 s, and not at all when the worker is stuck elsewhere. Linux's
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the worker ends, so it is set only for
+    workers forked by the rank's main thread (whose end is the rank's end). Elsewhere: nothing.
+    """
+    if not sys.platform.startswith("linux") or threading.get_ident() != _parent_main_ident:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):  # pragma: no cover - no prctl: torch's watchdog remains
+        return
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # the rank ended before prctl
+        os._exit(0)
 
 
 def protect_dataloader_workers(signals: Iterable[int] = PROTECTED_SIGNALS) -> tuple[int, ...]:
@@ -84,7 +120,7 @@ def protect_dataloader_workers(signals: Iterable[int] = PROTECTED_SIGNALS) -> tu
         toolkit.runtime.worker_signals.protect_dataloader_workers()
         loader = DataLoader(dataset, batch_size=8, num_workers=2)
     """
-    global _original, _signals
+    global _original, _signals, _parent_main_ident
     try:
         from torch.utils.data._utils import worker
     except ImportError:  # pragma: no cover - torch moved its worker loop: say so, do not fail
@@ -95,6 +131,7 @@ def protect_dataloader_workers(signals: Iterable[int] = PROTECTED_SIGNALS) -> tu
     if _original is None:
         atexit.register(_kill_protected_workers)  # after this, runs before multiprocessing's own
         _original = worker._worker_loop
+        _parent_main_ident = threading.main_thread().ident or 0
     if wanted != _signals or not _is_ours(worker._worker_loop):
         _signals = wanted
         worker._worker_loop = functools.partial(worker_loop_ignoring, _signals)
@@ -117,8 +154,6 @@ def _kill_protected_workers() -> None:
     gets the same SIGTERM, one second in all to exit, then SIGKILL. (Which children are workers
     cannot be told: multiprocessing drops a process's target once it has started.)
     """
-    import multiprocessing
-
     children = [child for child in multiprocessing.active_children() if child.daemon]
     if not children:
         return

@@ -34,7 +34,12 @@ steps for every one a real loop of the same step time pays. By default (``--cade
 intervals are therefore fixed, in calls, to what those rules give a loop of this step time
 alone (step time measured after warm-up; printed), for the "compat" arm's watcher too (which
 ``det.core.init`` creates; the benchmark gives it the same ``check_every``); ``--cadence
-adaptive`` shows the inflated figure.
+adaptive`` shows the inflated figure. The same holds for the watcher's switch to synchronous
+checks (made when check points fall more than ``check_interval`` apart, as calls made rarely
+do): interleaved, the "helpers" arm's check points fall about N times further apart than a loop
+alone's, so under ``--cadence loop`` its watchers get ``check_interval`` times 1.5 N, and
+switch, or not, as a loop of this step time alone does (not, when the step is shorter than the
+check interval). The "rare" arm keeps toolkit's defaults: its calls are rare in a loop alone too.
 
 Printed: the ratio of the loops' total times (a cost paid every few hundred steps, such as the
 metrics writer's batched collective, counts in full); the mean over rounds of the per-round
@@ -145,7 +150,11 @@ def worker(args: argparse.Namespace) -> None:
         from toolkit.metrics.writer import MetricsSettings
 
         reduce_secs = MetricsSettings().reduce_secs
-        watch_kw = {"check_every": max(1, round(check_interval / step_s))}
+        # The adaptive rule's interval (floor: check points at most check_interval apart), and a
+        # check interval that keeps the synchronous switch where a loop alone has it (docstring).
+        arms = 2 + len([a for a in ("helpers", "compat", "rare") if a in args.arms.split(",")])
+        watch_kw = {"check_every": max(1, int(check_interval // step_s)),
+                    "check_interval": 1.5 * arms * check_interval}
         metrics_kw = {"reduce_every": max(1, round(reduce_secs / step_s))}
         cadence = (f"cadence of a loop of {step_s * 1e3:.1f} ms steps alone: a preemption check point every "
                    f"{watch_kw['check_every']} calls ({check_interval:g} s), a metrics collective every "
@@ -347,8 +356,8 @@ def _report(ctx, args, names, times, cpu, inside, parts, *, cadence: str, rare_l
                       "(mean, slowest rank)")
     print("--- should_preempt(), cost per call at both cadences")
     if "helpers" in arms:
-        every = (f"a check point every {check_every} calls, synchronous: interleaved, they fall over the "
-                 "check interval apart, unlike a loop alone's" if check_every else "adaptive check points")
+        every = (f"a check point every {check_every} calls, pipelined or synchronous as in a loop alone"
+                 if check_every else "adaptive check points, synchronous when interleaving spaces them out")
         frequent = per_call[len(PARTS) * arms.index("helpers") + 1]
         print(f"  every step ({every}; 'helpers' arm): {frequent * 1e6:8.1f} us per call (mean, slowest)")
     if rare_line:

@@ -11,10 +11,13 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 import procutil
 from toolkit.compat.determined import storage, wrap_rank
 from toolkit.compat.determined.wrap_rank import SHIM_DIR, WRAPPED_ENV, shim_pythonpath
 from toolkit.dsat.execution.procs import find_trial_processes
+from toolkit.errors import ConfigError, LaunchEnvError
 from toolkit.run.process import signal_targets
 
 YAML = """name: det-launcher
@@ -32,6 +35,10 @@ hyperparameters:
 def test_wrap_rank_rules():
     assert wrap_rank.parse_rank("3", {}) == 3 and wrap_rank.parse_rank("A,RANK", {"RANK": "2"}) == 2
     assert wrap_rank.parse_rank("A", {}) is None
+    with pytest.raises(ConfigError, match="RANK='-1'"):
+        wrap_rank.parse_rank("-1", {})  # a negative number, not a variable name
+    with pytest.raises(LaunchEnvError, match="RANK='x'.*'A,RANK'"):
+        wrap_rank.parse_rank("A,RANK", {"RANK": "x"})
     assert list(wrap_rank.split_lines(iter([b"a\rb", b"c\n\nd"]))) == [b"a\n", b"bc\n", b"\n", b"d\n"]
     assert [len(x) for x in wrap_rank.split_lines(iter([b"x" * 9000]))] == [8192, 810]
     path = shim_pythonpath({"PYTHONPATH": "/a"})
@@ -44,9 +51,13 @@ def test_wrap_rank_through_the_shim_prefixes_lines_passes_the_status_and_marks_t
     argv = [sys.executable, "-m", "determined.launch.wrap_rank", "R", "--", sys.executable, "-c", code]
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stdout, result.stderr) == (3, "[rank=4] out\n", "[rank=4] 4\n")
-    forgot = [sys.executable, "-c", "import determined as det; det.get_cluster_info()"]
-    result = subprocess.run(forgot, env=env, capture_output=True, text=True, timeout=60)
-    assert "from toolkit.compat import determined as det" in result.stderr
+    for forgot in ("import determined as det; det.get_cluster_info()", "from determined import core"):
+        result = subprocess.run([sys.executable, "-c", forgot], env=env, capture_output=True, text=True,
+                                timeout=60)
+        assert "ImportError" in result.stderr, result.stderr
+        assert "from toolkit.compat import determined as det" in result.stderr
+    bad = subprocess.run([*argv[:3], "-1", "--", "true"], env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "RANK='-1'" in bad.stderr
 
 
 def test_signals_reach_the_wrapped_workers_not_their_launcher():

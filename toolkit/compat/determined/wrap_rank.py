@@ -35,6 +35,8 @@ import threading
 from pathlib import Path
 from typing import IO, Any, Iterator, Mapping
 
+from toolkit.errors import ConfigError, LaunchEnvError
+
 __all__ = ["WRAPPED_ENV", "SHIM_DIR", "main", "parse_rank", "shim_pythonpath", "split_lines"]
 
 #: Set for the wrapped command: its rank. Marks wrapped workers for toolkit.run's signal forwarding.
@@ -47,17 +49,31 @@ _FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGWINCH")
 
 
 def parse_rank(spec: str, environ: Mapping[str, str]) -> int | None:
-    """``"3"`` -> 3; ``"RANK,OMPI_COMM_WORLD_RANK"`` -> the first of those variables set; else None. Pure."""
-    if spec.isdigit():
+    """``"3"`` -> 3; ``"RANK,OMPI_COMM_WORLD_RANK"`` -> the first of those variables set; else None.
+
+    Pure; any process.
+
+    Raises:
+        ConfigError: ``spec`` is a negative number (RANK is an integer >= 0 or variable names).
+        LaunchEnvError: the variable found does not hold an integer >= 0 (the launcher set it).
+    """
+    if re.fullmatch(r"\s*[+-]?\d+\s*", spec):
+        if int(spec) < 0:
+            raise ConfigError(f"RANK={spec!r}: expected an integer >= 0, or comma-separated names of "
+                              "environment variables holding it (e.g. RANK,OMPI_COMM_WORLD_RANK)")
         return int(spec)
     for name in spec.split(","):
         if name in environ:
-            return int(environ[name])
+            value = environ[name]
+            if not re.fullmatch(r"\s*\+?\d+\s*", value):
+                raise LaunchEnvError(f"{name}={value!r} (named by wrap_rank's RANK argument {spec!r}) is not "
+                                     "an integer >= 0; set it to this worker's rank")
+            return int(value)
     return None
 
 
 def split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
-    """Lines of a byte stream, ended by ``\\n`` or ``\\r`` (each yielded with ``\\n``). Pure.
+    """Lines of a byte stream, ended by ``\\n`` or ``\\r`` (each yielded with ``\\n``). Pure; any process.
 
     A line longer than 8 KiB is cut, as Determined's log shipper does, so a progress bar
     that never ends its line cannot hold the output back.
@@ -82,14 +98,45 @@ def split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
         yield pending + b"\n"
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte is written (a pipe may take part of a line)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def _forward(source: IO[bytes], fd: int, prefix: bytes) -> None:
     chunks = iter(lambda: os.read(source.fileno(), _CHUNK), b"")
     for line in split_lines(chunks):
-        os.write(fd, prefix + line)
+        _write_all(fd, prefix + line)
+
+
+class _Passthru:
+    """Signal handlers passing the signals on to the command; those received before it exists are kept."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.pending: list[int] = []
+        for name in _FORWARDED:
+            signal.signal(getattr(signal, name), self)
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.proc is None:
+            self.pending.append(signum)
+        else:
+            self.proc.send_signal(signum)
+
+    def attach(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        for signum in self.pending:
+            proc.send_signal(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line; returns the command's exit status (1: RANK names no set variable)."""
+    """The command line; returns the command's exit status (1: RANK names no set variable; 2: bad RANK).
+
+    Any process: the wrapper of one worker.
+    """
     parser = argparse.ArgumentParser(
         prog="python3 -m determined.launch.wrap_rank",
         usage="wrap_rank [-h] [--no-redirect-stdio] RANK SCRIPT...",
@@ -102,32 +149,32 @@ def main(argv: list[str] | None = None) -> int:
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     if not script:
         parser.error("empty script is not allowed")
-    rank = parse_rank(args.rank, os.environ)
+    try:
+        rank = parse_rank(args.rank, os.environ)
+    except (ConfigError, LaunchEnvError) as err:
+        parser.error(str(err))
     if rank is None:
         sys.stderr.write(f"rank environment variable is set to {args.rank}, but it is not in os.environ\n")
         return 1
+    passthru = _Passthru()  # before the command starts: no signal is lost in between
     proc = subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
                             env={**os.environ, WRAPPED_ENV: str(rank)})
-
-    def passthru(signum: int, frame: Any) -> None:
-        proc.send_signal(signum)
-
-    for name in _FORWARDED:
-        signal.signal(getattr(signal, name), passthru)
+    passthru.attach(proc)
     prefix = f"[rank={rank}] ".encode()
     threads = [threading.Thread(target=_forward, args=(stream, fd, prefix), daemon=True)
                for stream, fd in ((proc.stdout, sys.stdout.fileno()), (proc.stderr, sys.stderr.fileno()))]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
-    return proc.wait()
+    status = proc.wait()
+    for thread in threads:  # a process the command left behind may hold its pipes open
+        thread.join(timeout=5)
+    return status
 
 
 def shim_pythonpath(environ: Mapping[str, str]) -> str | None:
     """``PYTHONPATH`` with the shim directory in front, or None when a real ``determined`` is importable.
 
-    Only the runner calls it (for the entrypoint's environment). The shim package provides
+    Runner only: only the runner calls it (for the entrypoint's environment). The shim package provides
     ``determined.launch.wrap_rank`` alone; any other ``determined`` name raises an error saying
     to swap the import.
     """

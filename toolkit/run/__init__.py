@@ -24,8 +24,11 @@ TensorBoard, metrics; default ``runs/<name>``), which ``det.get_cluster_info()``
   when the real package is absent) starts one worker per rank (:mod:`toolkit.run.process`).
 * ``searcher: random / grid / adaptive_asha`` runs the search's trials one after another, each
   in ``<output_dir>/trial-NNNN`` with its own trial id; ``<output_dir>/search.json`` holds each
-  trial's values, state and metric and the best; the same command again continues the search.
-  ASHA stops a trial through the preemption signal (:mod:`toolkit.compat.determined.search`).
+  trial's values, seed, state and metric and the best; the same command again continues the
+  search (a changed searcher section, search space or experiment seed exits 2: use a new
+  ``--output-dir``). ASHA stops a trial through the preemption signal
+  (:mod:`toolkit.compat.determined.search`). A signal received between two trials, or before a
+  run has started, starts nothing more.
 
 Modules: :mod:`~toolkit.run.plan` (pure decisions), :mod:`~toolkit.run.process` (one run's
 processes and signals), :mod:`~toolkit.run.trial` (one trial's runs and restarts),

@@ -1,4 +1,4 @@
-"""``python -m toolkit.run``'s command line and its restart loop. Runner process only."""
+"""``python -m toolkit.run``'s command line. Runner process only."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from toolkit.compat.determined import hparams
-from toolkit.errors import ConfigError
+from toolkit.errors import CheckpointError, ConfigError
 from toolkit.run.plan import plan_run
 from toolkit.run.search import run_search
 from toolkit.run.trial import execute
@@ -19,7 +19,10 @@ logger = logging.getLogger("toolkit.run")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line; returns the exit status (2: bad input, nothing started)."""
+    """The command line; returns the exit status (2: bad input, nothing started). Runner only.
+
+    Example: ``python -m toolkit.run exp.yaml . --output-dir runs/exp``.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m toolkit.run", description="Run a Determined experiment YAML on this machine."
     )
@@ -50,5 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m toolkit.run: error: {err}", file=sys.stderr)
         return 2
     if (plan.config.get("searcher") or {}).get("name", "single") != "single":
-        return run_search(plan, grace_s=args.grace)
+        try:
+            return run_search(plan, grace_s=args.grace)
+        except (ConfigError, CheckpointError) as err:  # search.json: another search, or not one
+            print(f"python -m toolkit.run: error: {err}", file=sys.stderr)
+            return 2
     return execute(plan, grace_s=args.grace)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -29,27 +30,28 @@ __all__ = ["plan_run", "RunPlan"]
 logger = logging.getLogger("toolkit.run")
 
 
+@dataclass(frozen=True, kw_only=True)
 class RunPlan:
-    """What to launch, decided from the config and flags alone (pure; see :func:`plan_run`)."""
+    """What to launch, decided from the config and flags alone (pure; any process; see :func:`plan_run`).
 
-    def __init__(
-        self,
-        *,
-        launcher: str,
-        command: list[str],
-        nproc: int,
-        max_restarts: int,
-        output_dir: Path,
-        config_path: Path,
-        model_dir: Path,
-    ) -> None:
-        self.launcher, self.command, self.nproc = launcher, command, nproc
-        self.max_restarts, self.output_dir = max_restarts, output_dir
-        self.config_path, self.model_dir = config_path, model_dir
-        self.config: Mapping[str, Any] = {}
-        #: The entrypoint named a Determined launcher wrapper (torch_distributed, deepspeed);
-        #: without one, each rank process plays one Determined container (see ``toolkit.run``).
-        self.wrapped = False
+    Frozen: a search's trial gets its own copy through :meth:`with_output_dir`.
+    """
+
+    launcher: str
+    command: list[str]
+    nproc: int
+    max_restarts: int
+    output_dir: Path
+    config_path: Path
+    model_dir: Path
+    config: Mapping[str, Any] = field(default_factory=dict)
+    #: The entrypoint named a Determined launcher wrapper (torch_distributed, deepspeed);
+    #: without one, each rank process plays one Determined container (see ``toolkit.run``).
+    wrapped: bool = False
+
+    def with_output_dir(self, output_dir: Path) -> RunPlan:
+        """This plan with another output directory (a search's trial)."""
+        return replace(self, output_dir=output_dir)
 
 
 def _launcher_of(argv: list[str], problems: list[str]) -> tuple[str, list[str], int | None, bool]:
@@ -75,7 +77,9 @@ def _launcher_of(argv: list[str], problems: list[str]) -> tuple[str, list[str], 
 def plan_run(
     config: Mapping[str, Any], *, config_path: Path, model_dir: Path, output_dir: Path | None
 ) -> RunPlan:
-    """Check the experiment and decide the launch. Pure, but reads ``$TOOLKIT_OUTPUT_DIR`` (the default).
+    """Check the experiment and decide the launch. Runner only.
+
+    Pure, but reads ``$TOOLKIT_OUTPUT_DIR`` (the default output directory).
 
     Raises:
         ConfigError: every problem, each naming its key (entrypoint, searcher.name, a search
@@ -102,7 +106,7 @@ def plan_run(
         raise ConfigError(list(dict.fromkeys(problems)), source=str(config_path))
     slots = int((config.get("resources") or {}).get("slots_per_trial", 1))
     out = output_dir or output_dir_for(config)
-    plan = RunPlan(
+    return RunPlan(
         launcher=launcher,
         command=command,
         nproc=nproc or slots,
@@ -110,6 +114,6 @@ def plan_run(
         output_dir=out.resolve(),
         config_path=config_path.resolve(),
         model_dir=model_dir.resolve(),
+        config=config,
+        wrapped=wrapped,
     )
-    plan.config, plan.wrapped = config, wrapped
-    return plan

@@ -51,10 +51,10 @@ _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # what toolkit.wat
 
 
 def signal_targets(table: Mapping[int, tuple[int, bytes]], pids: set[int]) -> list[int]:
-    """The processes of ``pids`` a forwarded signal goes to. Pure (``table``: pid -> (ppid, environ)).
+    """The processes of ``pids`` a forwarded signal goes to (``table``: pid -> (ppid, environ)).
 
-    The rank processes (and what they started), except the processes between a wrapped worker
-    (``TOOLKIT_DET_WRAPPED_RANK`` set) and its launcher: the ``wrap_rank`` process and the
+    Pure; any process. The rank processes (and what they started), except the processes between
+    a wrapped worker (``TOOLKIT_DET_WRAPPED_RANK`` set) and its launcher: the ``wrap_rank`` process and the
     script that launched it, which waits for its workers to stop and then exits with them.
     """
     ranks = {pid for pid in pids if pid in table and is_rank_process(table[pid][1])}
@@ -71,14 +71,21 @@ def signal_targets(table: Mapping[int, tuple[int, bytes]], pids: set[int]) -> li
 
 class Forwarder:
     """Signal handlers that pass SIGTERM/SIGINT/SIGUSR1 to the run's rank processes (or, before they exist,
-    to the launcher's process group); :meth:`searcher_stop` sends the same stop for the searcher."""
+    to the launcher's process group); :meth:`searcher_stop` sends the same stop for the searcher.
+
+    Runner only (it installs this process's signal handlers; :meth:`restore` puts them back). A
+    signal that arrives before a run has started is remembered: :func:`run_once` then starts
+    nothing, or passes it on as soon as the run's process exists (:meth:`attach`).
+    """
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.mark = ""
         self.received: int | None = None
-        #: The searcher (ASHA) stopped the current run through the preemption signal.
+        #: The searcher (ASHA) asked to stop the current run through the preemption signal.
         self.searcher_stopped = False
+        #: ... and the signal was sent to a live run (False: the run had already ended).
+        self.searcher_sent = False
         self._previous = {sig: signal.signal(sig, self._handle) for sig in _FORWARDED}
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -89,18 +96,29 @@ class Forwarder:
         self.received = self.received or signum
         self._send(signum)
 
+    def attach(self, proc: subprocess.Popen, mark: str) -> None:
+        """The run's launcher process from now on; a signal received before it existed is sent now."""
+        self.proc, self.mark = proc, mark
+        if self.received is not None:
+            self._send(self.received)
+
     def searcher_stop(self) -> None:
         """Stop the current run as a preemption does (SIGTERM to its ranks), for the searcher."""
         self.searcher_stopped = True
-        self._send(signal.SIGTERM)
+        self.searcher_sent = self._send(signal.SIGTERM)
+
+    def new_trial(self) -> None:
+        """Forget the searcher's stop of the previous trial (a search's next trial)."""
+        self.searcher_stopped = self.searcher_sent = False
 
     @property
     def stopping(self) -> bool:
         return self.received is not None or self.searcher_stopped
 
-    def _send(self, signum: int) -> None:
+    def _send(self, signum: int) -> bool:
+        """Pass ``signum`` on; False when there is no live run to send it to."""
         if self.proc is None or self.proc.poll() is not None:
-            return
+            return False
         # To the ranks themselves: the launcher then sees them exit 0 after saving, and exits 0.
         table = scan_processes()
         ranks = signal_targets(
@@ -110,10 +128,14 @@ class Forwarder:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
         if not ranks:  # not started yet: the launcher stops what it started
-            with contextlib.suppress(ProcessLookupError):
+            try:
                 os.killpg(self.proc.pid, signum)
+            except ProcessLookupError:
+                return False
+        return True
 
     def restore(self) -> None:
+        """Put back the signal handlers this forwarder replaced."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
 
@@ -125,14 +147,22 @@ def _launch_argv(plan: RunPlan) -> list[str]:
     return argv
 
 
-def run_once(plan: RunPlan, env: dict[str, str], forwarder: Forwarder, *, grace_s: float,
+def run_once(plan: RunPlan, env: dict[str, str], *, forwarder: Forwarder, grace_s: float,
              watch: Callable[[], bool] | None = None) -> int:
-    """Start the run, wait for it, kill what is left; its exit status. ``watch()`` True: searcher stop."""
+    """Start the run, wait for it, kill what is left; its exit status. Runner only.
+
+    ``watch()`` True: the searcher stops the run (preemption signal). When ``forwarder`` has
+    already received a signal, nothing is started and 0 is returned (a stop before the start).
+    """
+    if forwarder.received is not None:
+        logger.info("%s received before the run started: not starting it",
+                    signal.Signals(forwarder.received).name)
+        return 0
     mark = f"toolkit-run-{uuid.uuid4().hex[:12]}"
     argv = _launch_argv(plan)
     logger.info("starting %s", shlex.join(argv))
     proc = subprocess.Popen(argv, cwd=plan.model_dir, env={**env, MARK_ENV: mark}, start_new_session=True)
-    forwarder.proc, forwarder.mark = proc, mark
+    forwarder.attach(proc, mark)
     deadline: float | None = None
     try:
         while True:
@@ -158,7 +188,7 @@ def run_once(plan: RunPlan, env: dict[str, str], forwarder: Forwarder, *, grace_
 
 
 def environment(plan: RunPlan, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The entrypoint's environment: this one's, plus the experiment, the output directory, and
+    """The entrypoint's environment (runner only): this one's, plus the experiment, the output directory, and
 
     * ``TOOLKIT_DET_CONTAINER_PER_RANK=1`` for an entrypoint without a launcher wrapper (each
       rank one Determined container of one slot; see the module docstring);

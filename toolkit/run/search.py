@@ -5,11 +5,18 @@ The decisions are :mod:`toolkit.compat.determined.search`'s; this shell runs eac
 experiment's id, its values recorded for every rank), and keeps ``<output_dir>/search.json``::
 
     {"searcher": "adaptive_asha", "seed": 123, "metric": "x", "smaller_is_better": true,
+     "searcher_config": {...}, "hyperparameters": {...}, "experiment_seed": 123,
      "trials": [{"index": 0, "dir": "trial-0000", "trial_id": 5123, "hparams": {...},
-                 "state": "COMPLETED", "metric": 700, "time": 100, "stopped_early": false}, ...],
+                 "seed": 123000369, "state": "COMPLETED", "metric": 700, "time": 100,
+                 "stopped_early": false}, ...],
      "asha": {"rungs": [25, 100], ...}, "best": {...}}
 
-``metric`` is the trial's last reported validation value of ``searcher.metric``. Under ASHA the
+``metric`` is the trial's last reported validation value of ``searcher.metric`` (a report whose
+metric or ``time_metric`` is not a number is skipped, with a warning); ``seed`` the one its
+values were drawn with (also ``hparams_seed`` in the trial's ``determined_trial.json``);
+``stopped_early`` that the searcher's stop reached the trial before it ended by itself. A rerun
+refuses (exit 2) a YAML whose searcher section, hyperparameters or experiment seed differ from
+those recorded. The file is rewritten when something in it changed. Under ASHA the
 shell reads each validation line of the running trial's ``metrics.jsonl`` (written at once by
 ``report_validation_metrics``) and, when the searcher says so, stops the trial through the
 preemption signal: the script saves and exits 0 as on a preemption. A SIGTERM/SIGINT/SIGUSR1 to
@@ -24,16 +31,17 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import random
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+from toolkit._checks import is_number
 from toolkit._files import atomic_write_json
 from toolkit.compat.determined import search
 from toolkit.compat.determined.info import load_trial_state
+from toolkit.errors import CheckpointError, ConfigError
 from toolkit.run.plan import RunPlan
 from toolkit.run.process import Forwarder
 from toolkit.run.trial import execute
@@ -45,67 +53,103 @@ logger = logging.getLogger("toolkit.run")
 SUMMARY = "search.json"
 
 
-def _validations(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
-    """Complete validation lines of ``metrics.jsonl`` after ``offset``, and the new offset."""
+def _validations(path: Path, offset: int) -> list[tuple[dict[str, Any], int]]:
+    """Complete validation lines of ``metrics.jsonl`` after ``offset``: (metrics, offset after the line)."""
     try:
         with open(path, "rb") as fh:
             fh.seek(offset)
             data = fh.read()
     except FileNotFoundError:
-        return [], offset
-    end = data.rfind(b"\n") + 1
-    lines = []
-    for raw in data[:end].splitlines():
+        return []
+    lines, end = [], offset
+    for raw in data[: data.rfind(b"\n") + 1].splitlines(keepends=True):
+        end += len(raw)
         try:
             line = json.loads(raw)
         except ValueError:
             continue
-        if line.get("group") == "validation":
-            lines.append(line.get("metrics") or {})
-    return lines, offset + end
+        if isinstance(line, dict) and line.get("group") == "validation":
+            lines.append((line.get("metrics") or {}, end))
+    return lines
 
 
 class _Watcher:
-    """Feeds the running trial's validation reports to the searcher; True: stop the trial (ASHA)."""
+    """Feeds the running trial's validation reports to the searcher; True: stop the trial (ASHA).
+
+    Every report sets the trial's ``metric`` and ``time`` (the last reported values). While the
+    trial runs, a report that ASHA stops the trial at ends the poll (True); the reports after it
+    are read later. :meth:`finish` reads the rest after the trial ended: they reach ASHA only
+    when no stop was sent (the trial ran on), and a rung decision there is no stop.
+    """
 
     def __init__(self, state: dict[str, Any], trial: dict[str, Any], config: Mapping[str, Any],
-                 trial_dir: Path, save: Any) -> None:
+                 trial_dir: Path, save: Callable[[], None]) -> None:
         self.state, self.trial, self.config, self.save = state, trial, config, save
         self.path, self.offset = trial_dir / "metrics.jsonl", 0
         s = config.get("searcher") or {}
-        self.metric, self.time_metric = s.get("metric"), s.get("time_metric")
+        self.metric, self.time_metric = str(s.get("metric")), str(s.get("time_metric"))
         self.asha = state["searcher"] == "adaptive_asha"
-        self.stopped = False
+        self.stop = False
 
     def __call__(self) -> bool:
-        lines, self.offset = _validations(self.path, self.offset)
-        for metrics in lines:
-            if self.stopped or self.metric not in metrics:
+        if not self.stop:
+            self._read(feed=True, final=False)
+        return self.stop
+
+    def finish(self, *, stop_sent: bool) -> None:
+        """Read the reports written since the last poll (``stop_sent``: the searcher's stop reached it)."""
+        self._read(feed=not stop_sent, final=True)
+
+    def _read(self, *, feed: bool, final: bool) -> None:
+        changed = False
+        for metrics, end in _validations(self.path, self.offset):
+            self.offset, changed = end, True
+            if self.metric not in metrics:
                 continue
-            self.trial["metric"] = metrics[self.metric]
+            value, step = metrics[self.metric], metrics.get(self.time_metric)
+            if not is_number(value) or (self.asha and not is_number(step)):
+                logger.warning("%s: validation report skipped: searcher.metric %r=%r, time_metric %r=%r "
+                               "(expected numbers)", self.trial["dir"], self.metric, value, self.time_metric,
+                               step)
+                continue
+            self.trial["metric"] = value
             if not self.asha:
                 continue
-            if self.time_metric not in metrics:
-                logger.warning("validation metrics %s have no time_metric %r: ASHA cannot rank this report",
-                               sorted(metrics), self.time_metric)
-                continue
-            self.trial["time"] = metrics[self.time_metric]
-            if search.asha_report(self.state, self.trial["index"], time_step=float(metrics[self.time_metric]),
-                                  metric=float(metrics[self.metric]), config=self.config):
-                self.stopped = self.trial["stopped_early"] = True
+            self.trial["time"] = step
+            if feed and search.asha_report(self.state, self.trial["index"], time_step=float(step or 0),
+                                           metric=float(value), config=self.config) and not final:
+                self.stop = True
                 logger.info("searcher: stopping %s at %s=%s: below the top of its rung", self.trial["dir"],
-                            self.time_metric, metrics[self.time_metric])
-        self.save()
-        return self.stopped
+                            self.time_metric, step)
+                break
+        if changed:
+            self.save()
 
 
 def _load(out: Path, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The search state of ``out/search.json`` (a fresh one when absent).
+
+    Raises:
+        ConfigError: the YAML's searcher section, hyperparameters or experiment seed changed.
+        CheckpointError: the file is not a search state.
+    """
+    path = out / SUMMARY
     try:
-        state = json.loads((out / SUMMARY).read_text(encoding="utf-8"))
+        state = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         seed = (config.get("reproducibility") or {}).get("experiment_seed")
         seed = int(seed) if seed is not None else random.SystemRandom().randrange(2**31)
         return search.new_state(config, seed=seed)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}); delete it to start the search over, or "
+                              "use a new --output-dir") from None
+    if not (isinstance(state, dict) and isinstance(state.get("trials"), list) and "seed" in state):
+        raise CheckpointError(f"{path} is not a search state (expected an object with 'seed' and 'trials'); "
+                              "delete it to start the search over, or use a new --output-dir")
+    changes = search.config_changes(state, config)
+    if changes:
+        raise ConfigError([f"{c} (recorded in {path}); continuing would mix two searches: use a new "
+                           "--output-dir for a changed search" for c in changes])
     for trial in state["trials"]:
         if trial["state"] == "RUNNING":  # the runner itself was killed: resume the trial
             trial["state"] = "PAUSED"
@@ -119,24 +163,33 @@ def _save(out: Path, state: dict[str, Any], config: Mapping[str, Any]) -> None:
     atomic_write_json(out / SUMMARY, summary)
 
 
+def _stopped_early(state: Mapping[str, Any], trial: Mapping[str, Any], forwarder: Forwarder) -> bool:
+    """The searcher's stop reached the run before it ended by itself (not at max_time)."""
+    if not forwarder.searcher_sent:
+        return False
+    rungs = (state.get("asha") or {}).get("rungs") or []
+    return not (rungs and trial["time"] is not None and trial["time"] >= rungs[-1])
+
+
 def _run_trial(plan: RunPlan, state: dict[str, Any], trial: dict[str, Any], forwarder: Forwarder,
                *, grace_s: float, experiment_id: int) -> int:
     out = plan.output_dir
-    sub = copy.copy(plan)
-    sub.output_dir = out / trial["dir"]
+    sub = plan.with_output_dir(out / trial["dir"])
     trial["state"] = "RUNNING"
+    trial.setdefault("seed", search.trial_seed(state, trial["index"]))
     _save(out, state, plan.config)
     watcher = _Watcher(state, trial, plan.config, sub.output_dir, lambda: _save(out, state, plan.config))
     logger.info("searcher: %s (trial %d) with %s", trial["dir"], trial["index"], json.dumps(trial["hparams"]))
-    forwarder.searcher_stopped = False
+    forwarder.new_trial()
     status = execute(sub, grace_s=grace_s, forwarder=forwarder, watch=watcher, hparams=trial["hparams"],
-                     experiment_id=experiment_id)
-    watcher()  # the reports written since the last poll
+                     hparams_seed=trial["seed"], experiment_id=experiment_id)
+    watcher.finish(stop_sent=forwarder.searcher_sent)  # the reports written since the last poll
+    trial["stopped_early"] = _stopped_early(state, trial, forwarder)
     trial["trial_id"] = load_trial_state(sub.output_dir, write=False)["trial_id"]
     trial["exit_status"] = status
     if forwarder.received is not None:
         trial["state"] = "PAUSED"
-    elif status != 0 and forwarder.searcher_stopped:
+    elif status != 0 and trial["stopped_early"]:
         logger.warning("%s exited with status %d after the searcher's stop; counted as stopped early",
                        trial["dir"], status)
         trial["state"] = "COMPLETED"
@@ -147,7 +200,13 @@ def _run_trial(plan: RunPlan, state: dict[str, Any], trial: dict[str, Any], forw
 
 
 def run_search(plan: RunPlan, *, grace_s: float = 60.0) -> int:
-    """Run (or continue) the search of ``plan.config``; the exit status. This process only."""
+    """Run (or continue) the search of ``plan.config``; the exit status. Runner only.
+
+    Raises:
+        ConfigError: ``search.json`` holds a search started from another searcher section,
+            search space or experiment seed (nothing is started).
+        CheckpointError: ``search.json`` is not a search state (nothing is started).
+    """
     out = plan.output_dir
     out.mkdir(parents=True, exist_ok=True)
     state = _load(out, plan.config)

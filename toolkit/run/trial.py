@@ -37,18 +37,23 @@ def execute(
     forwarder: Forwarder | None = None,
     watch: Callable[[], bool] | None = None,
     hparams: Mapping[str, Any] | None = None,
+    hparams_seed: int | None = None,
     experiment_id: int | None = None,
 ) -> int:
-    """Run the plan, restarting failed runs; return the exit status. This process only.
+    """Run the plan, restarting failed runs; return the exit status. Runner only.
 
     A search's shell (:mod:`toolkit.run.search`) passes its own ``forwarder`` (to see who
-    stopped the run), ``watch`` (the searcher's early stop), the trial's ``hparams`` and the
-    experiment's id.
+    stopped the run), ``watch`` (the searcher's early stop), the trial's ``hparams`` and the seed
+    they were drawn with (``hparams_seed``, recorded in ``determined_trial.json``), and the
+    experiment's id. A signal received before a run starts starts nothing (exit 0, as a stop).
     """
+    if forwarder is not None and forwarder.received is not None:
+        return 0  # stopped before it started (a search's next trial): nothing counted, nothing run
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     _next_attempt(plan.output_dir, experiment_id)
     try:
-        record_hparams(plan.output_dir, plan.config, values=hparams)  # as Determined's master samples
+        # as Determined's master samples
+        record_hparams(plan.output_dir, plan.config, values=hparams, seed=hparams_seed)
     except ConfigError as err:
         logger.error("%s", err)
         return 2
@@ -60,7 +65,7 @@ def execute(
         while True:
             if attempt:
                 _next_attempt(plan.output_dir)
-            status = run_once(plan, env, forwarder, grace_s=grace_s, watch=watch)
+            status = run_once(plan, env, forwarder=forwarder, grace_s=grace_s, watch=watch)
             if status == 0 or forwarder.stopping:
                 if forwarder.received is not None:
                     logger.info(

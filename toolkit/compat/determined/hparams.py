@@ -141,7 +141,7 @@ def _sample_one(value: Any, rng: random.Random) -> Any:
 
 
 def sample_hparams(hparams: Mapping[str, Any], rng: random.Random) -> dict[str, Any]:
-    """One trial's values: every range sampled, constants kept, groups nested. Pure given ``rng``.
+    """One trial's values: every range sampled, constants kept, groups nested. Pure given ``rng``; any rank.
 
     Keys are visited in sorted order (as Determined's ``Each``), so one seed gives one sample.
 

@@ -236,9 +236,11 @@ def record_hparams(output_dir: Path, config: Mapping[str, Any], *, seed: int | N
     What Determined's master does for every trial (``searcher: single`` too): the values and
     the seed go into ``determined_trial.json``, which every rank's :func:`get_cluster_info`
     reads, so all ranks, restarts and reruns in this directory see the same values and trial id.
-    ``values`` records given values instead (a search's trial); ``seed`` defaults to
-    ``reproducibility.experiment_seed``, else a random one. Nothing is recorded (None returned)
-    when the section has no search space and no ``values`` are given.
+    ``values`` records given values instead (a search's trial), with ``seed`` as the seed the
+    searcher drew them with (``hparams_seed``); without ``values``, ``seed`` defaults to
+    ``reproducibility.experiment_seed``, else a random one. ``trial_seed`` is not this seed: it
+    is derived from the output directory as before (:func:`load_trial_state`). Nothing is
+    recorded (None returned) when the section has no search space and no ``values`` are given.
 
     Raises:
         ConfigError: the directory holds values sampled from another search space (a changed
@@ -255,6 +257,7 @@ def record_hparams(output_dir: Path, config: Mapping[str, Any], *, seed: int | N
                 "than the YAML's hyperparameters; use a new --output-dir for a changed search space"
             )
         return dict(state["hparams"])
+    given = values is not None
     if values is None:
         if seed is None:
             seed = (config.get("reproducibility") or {}).get("experiment_seed")
@@ -262,8 +265,8 @@ def record_hparams(output_dir: Path, config: Mapping[str, Any], *, seed: int | N
         values = hparams_mod.sample_hparams(space, random.Random(seed))
     state.update(hparams=dict(values), hparams_seed=seed, hparams_space=space)
     atomic_write_json(output_dir / TRIAL_FILE, state)
-    logger.info("hyperparameters for this trial (%s): %s",
-                "given by the searcher" if seed is None else f"seed {seed}", json.dumps(values))
+    logger.info("hyperparameters for this trial (%sseed %s): %s", "given by the searcher, " if given else "",
+                seed, json.dumps(values))
     return dict(values)
 
 

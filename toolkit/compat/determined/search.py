@@ -29,6 +29,7 @@ Any process; no file, no process. Example::
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import random
 from typing import Any, Mapping
@@ -42,8 +43,10 @@ __all__ = [
     "asha_rungs",
     "best_trial",
     "check_searcher",
+    "config_changes",
     "new_state",
     "next_trial",
+    "trial_seed",
 ]
 
 SEARCHERS = ("single", "random", "grid", "adaptive_asha")
@@ -55,7 +58,7 @@ def _searcher(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_searcher(config: Mapping[str, Any]) -> list[str]:
-    """Every problem of the ``searcher`` section for a local search, each naming its key. Pure."""
+    """Every problem of the ``searcher`` section for a local search, each naming its key. Pure; any rank."""
     s = _searcher(config)
     name = s.get("name", "single")
     if name not in SEARCHERS:
@@ -83,7 +86,7 @@ def check_searcher(config: Mapping[str, Any]) -> list[str]:
 
 
 def asha_rungs(*, max_time: int, max_trials: int, divisor: float = 4, max_rungs: int = 5) -> list[int]:
-    """The time_metric values of ASHA's rungs, as Determined's makeRungs. Pure.
+    """The time_metric values of ASHA's rungs, as Determined's makeRungs. Pure; any rank.
 
     Example:
         >>> asha_rungs(max_time=100, max_trials=10)
@@ -94,16 +97,55 @@ def asha_rungs(*, max_time: int, max_trials: int, divisor: float = 4, max_rungs:
     return [max(int(max_time / divisor ** (n - i - 1)), 1) for i in range(n)]
 
 
+def _recorded(config: Mapping[str, Any]) -> dict[str, Any]:
+    """What a search's state records of its config, to refuse a changed YAML on a rerun (JSON values)."""
+    return json.loads(json.dumps({
+        "searcher_config": _searcher(config),
+        "hyperparameters": config.get("hyperparameters") or {},
+        "experiment_seed": (config.get("reproducibility") or {}).get("experiment_seed"),
+    }))
+
+
 def new_state(config: Mapping[str, Any], *, seed: int) -> dict[str, Any]:
-    """A fresh search state (JSON-able). Pure."""
+    """A fresh search state (JSON-able), recording the searcher section, the space and the seed.
+
+    Pure; any rank. A rerun compares them with the YAML (:func:`config_changes`).
+    """
     s = _searcher(config)
-    state: dict[str, Any] = {"searcher": s.get("name", "single"), "seed": int(seed), "trials": []}
+    state: dict[str, Any] = {"searcher": s.get("name", "single"), "seed": int(seed), **_recorded(config),
+                             "trials": []}
     if state["searcher"] == "adaptive_asha":
         divisor = s.get("divisor", _ASHA_DEFAULTS["divisor"])
         rungs = asha_rungs(max_time=s["max_time"], max_trials=s["max_trials"], divisor=divisor,
                            max_rungs=s.get("max_rungs", _ASHA_DEFAULTS["max_rungs"]))
         state["asha"] = {"rungs": rungs, "metrics": [[] for _ in rungs], "trial_rung": {}}
     return state
+
+
+def config_changes(state: Mapping[str, Any], config: Mapping[str, Any]) -> list[str]:
+    """What differs between the config a search state was started with and ``config``. Pure; any rank.
+
+    Each entry names the key and both values; empty when the search can continue. Example::
+
+        config_changes(state, config)   # ["searcher.max_trials: 2 when the search started, now 3"]
+    """
+    now = _recorded(config)
+    before = state.get("searcher_config", {"name": state.get("searcher")})  # older files: the name only
+    keys = set(before) | set(now["searcher_config"]) if "searcher_config" in state else {"name"}
+    after = now["searcher_config"]
+    changes = [f"searcher.{key}: {before.get(key)!r} when the search started, now {after.get(key)!r}"
+               for key in sorted(keys) if before.get(key) != after.get(key)]
+    for key, label in (("hyperparameters", "hyperparameters"),
+                       ("experiment_seed", "reproducibility.experiment_seed")):
+        if key in state and state[key] != now[key]:
+            changes.append(f"{label}: {json.dumps(state[key])} when the search started, "
+                           f"now {json.dumps(now[key])}")
+    return changes
+
+
+def trial_seed(state: Mapping[str, Any], index: int) -> int:
+    """The seed of the search's trial ``index``: its values are sampled with it. Pure; any rank."""
+    return int(state["seed"]) * 1_000_003 + index
 
 
 def _planned(state: Mapping[str, Any], config: Mapping[str, Any]) -> int:
@@ -116,10 +158,12 @@ def _planned(state: Mapping[str, Any], config: Mapping[str, Any]) -> int:
 
 
 def next_trial(state: dict[str, Any], config: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The trial to run next: a PENDING or PAUSED one, else a new one, else None (search done). Pure.
+    """The trial to run next: a PENDING or PAUSED one, else a new one, else None (search done).
 
-    A new trial is appended to ``state["trials"]``; its values come from the grid or from a
-    sample seeded by the search seed and the trial's index (so a rerun draws the same).
+    Pure; any rank. A new trial is appended to ``state["trials"]``; its values come from the grid or
+    from a sample seeded by :func:`trial_seed` (the search seed and the trial's index, so a rerun
+    draws the same), which the trial records as ``seed`` (also for a grid point, where nothing is
+    sampled).
     """
     for trial in state["trials"]:
         if trial["state"] in ("PENDING", "PAUSED"):
@@ -128,11 +172,12 @@ def next_trial(state: dict[str, Any], config: Mapping[str, Any]) -> dict[str, An
     if index >= _planned(state, config):
         return None
     space = config.get("hyperparameters") or {}
+    seed = trial_seed(state, index)
     if state["searcher"] == "grid":
         values = grid_points(space)[index]
     else:
-        values = sample_hparams(space, random.Random(state["seed"] * 1_000_003 + index))
-    trial = {"index": index, "dir": f"trial-{index:04d}", "hparams": values, "state": "PENDING",
+        values = sample_hparams(space, random.Random(seed))
+    trial = {"index": index, "dir": f"trial-{index:04d}", "hparams": values, "seed": seed, "state": "PENDING",
              "metric": None, "time": None, "stopped_early": False}
     state["trials"].append(trial)
     return trial
@@ -140,14 +185,14 @@ def next_trial(state: dict[str, Any], config: Mapping[str, Any]) -> dict[str, An
 
 def asha_report(state: dict[str, Any], index: int, *, time_step: float, metric: float,
                 config: Mapping[str, Any]) -> bool:
-    """Record one validation report of trial ``index``; True: stop the trial now. Pure (updates ``state``).
+    """Record one validation report of trial ``index``; True: stop the trial now.
 
-    Determined's doEarlyStopping: from the trial's current rung upwards, each rung whose time the
-    report reached takes the metric (negated when ``smaller_is_better`` is false); the trial stops
-    where it ranks outside the top ``max(1, len(rung) // divisor)``. At the last rung
-    (``max_time``) Determined stops the trial as finished; here it is left to end by itself
-    (0.38 scripts set their own length), so no stop races the script's own exit. Reprocessing a
-    report already seen changes nothing.
+    Pure (updates ``state``); any rank. Determined's doEarlyStopping: from the trial's current rung
+    upwards, each rung whose time the report reached takes the metric (negated when
+    ``smaller_is_better`` is false); the trial stops where it ranks outside the top ``max(1,
+    len(rung) // divisor)``. At the last rung (``max_time``) Determined stops the trial as finished;
+    here it is left to end by itself (0.38 scripts set their own length), so no stop races the
+    script's own exit. Reprocessing a report already seen changes nothing.
     """
     s = _searcher(config)
     asha = state["asha"]
@@ -172,10 +217,10 @@ def asha_report(state: dict[str, Any], index: int, *, time_step: float, metric: 
 
 
 def best_trial(state: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The completed trial with the best ``metric`` (``smaller_is_better``, default true), or None. Pure.
+    """The completed trial with the best ``metric`` (``smaller_is_better``, default true), or None.
 
-    Trials that ASHA stopped early count only when no trial ran to its end: their last metric
-    was taken earlier in training than the others'.
+    Pure; any rank. Trials that ASHA stopped early count only when no trial ran to its end:
+    their last metric was taken earlier in training than the others'.
     """
     sign = 1.0 if _searcher(config).get("smaller_is_better", True) else -1.0
     done = [t for t in state["trials"] if t["state"] == "COMPLETED" and t["metric"] is not None]

@@ -109,6 +109,9 @@ class ProfileInfo:
         stage_extra_bytes: per ZeRO stage (key: the stage as a string), the peak memory that a
             profiling trial at that stage measured beyond the calibrated line and the model-state
             formula (ZeRO-3's gather buffers, a stage's own buckets); the memory model subtracts it.
+            A positive extra is stored referred to the calibration micro-batch (the calibrated
+            profile's ``micro_batch`` and ``peak_bytes`` are that trial's) and grows in proportion
+            beyond the point where it was measured; a negative one is fixed.
     """
 
     num_params: int

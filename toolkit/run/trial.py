@@ -51,8 +51,7 @@ def execute(
         return 0  # stopped before it started (a search's next trial): nothing counted, nothing run
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     _next_attempt(plan.output_dir, experiment_id)
-    try:
-        # as Determined's master samples
+    try:  # as Determined's master samples
         record_hparams(plan.output_dir, plan.config, values=hparams, seed=hparams_seed)
     except ConfigError as err:
         logger.error("%s", err)
@@ -68,12 +67,8 @@ def execute(
             status = run_once(plan, env, forwarder=forwarder, grace_s=grace_s, watch=watch)
             if status == 0 or forwarder.stopping:
                 if forwarder.received is not None:
-                    logger.info(
-                        "stopped by %s (exit status %d); run the same command again to continue from "
-                        "the latest checkpoint",
-                        signal.Signals(forwarder.received).name,
-                        status,
-                    )
+                    logger.info("stopped by %s (exit status %d); run the same command again to continue from "
+                                "the latest checkpoint", signal.Signals(forwarder.received).name, status)
                 return status
             if attempt >= plan.max_restarts:
                 logger.error(
@@ -81,12 +76,8 @@ def execute(
                 )
                 return status
             attempt += 1
-            logger.warning(
-                "the run failed with exit status %d; restart %d of %d, from the latest checkpoint",
-                status,
-                attempt,
-                plan.max_restarts,
-            )
+            logger.warning("the run failed with exit status %d; restart %d of %d, from the latest checkpoint",
+                           status, attempt, plan.max_restarts)
     finally:
         if own:
             forwarder.restore()

@@ -33,6 +33,15 @@ __all__ = ["TrainContext", "EarlyExitReason", "TensorboardMode"]
 logger = logging.getLogger(__name__)
 
 
+def _captured(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The values as they are now (tensors as numbers); a list or dict that JSON cannot hold fails here."""
+    values = {k: _jsonable(v) for k, v in metrics.items()}
+    for v in values.values():
+        if isinstance(v, (list, dict)):
+            json.dumps(v)
+    return values
+
+
 class TensorboardMode(enum.Enum):
     AUTO = "AUTO"
     MANUAL = "MANUAL"
@@ -77,6 +86,8 @@ class TrainContext:
         self._jsonl: Any = None
         self._best: float | None = None
         self._flushed = 0.0
+        # Reports not yet serialized: (group, steps_completed, values, wall time).
+        self._pending: list[tuple[str, int, dict[str, Any], float]] = []
 
     def _write(self, group: str, steps_completed: int, metrics: dict[str, Any]) -> None:
         if not is_int(steps_completed) or steps_completed < 0:
@@ -86,23 +97,13 @@ class TrainContext:
         if not group or "." in group:
             raise ConfigError(f"group={group!r}: expected a non-empty name without '.'")
         now = time.time()
-        if self._jsonl is None:
-            self._dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(self._dir / "metrics.jsonl", "a", encoding="utf-8")
-        line = {
-            "group": group,
-            "steps_completed": int(steps_completed),
-            "metrics": {k: _jsonable(v) for k, v in metrics.items()},
-            "time": now,
-        }
-        self._jsonl.write(json.dumps(line) + "\n")
-        if self._mode is TensorboardMode.AUTO:
-            scalars = {f"{group}/{k}": s for k, v in metrics.items() if (s := _scalar(v)) is not None}
-            if scalars:
-                self._event_file().add_scalars(int(steps_completed), scalars, wall_time=now)
-        # Flushing every report costs a write system call per file and step; a reader (TensorBoard,
-        # a tail of metrics.jsonl) sees the reports within FLUSH_SECS, and close() flushes the rest.
-        if group != "training" or now - self._flushed >= FLUSH_SECS:
+        self._pending.append((group, int(steps_completed), _captured(metrics), now))
+        # Serializing a report costs a JSON dump, a protobuf event and two pure-Python CRCs, slow
+        # right after a training step (cold caches): training reports are kept as values and
+        # written together at least every FLUSH_SECS, which is also how late a reader (TensorBoard,
+        # a tail of metrics.jsonl) may see them; close() writes the rest. Other groups (validation,
+        # which toolkit.run's ASHA reads) are written at once, after the training reports before them.
+        if group not in ("training", "training_batch") or now - self._flushed >= FLUSH_SECS:
             self._flush(now)
 
     def flush(self) -> None:
@@ -111,10 +112,27 @@ class TrainContext:
 
     def _flush(self, now: float) -> None:
         self._flushed = now
+        pending, self._pending = self._pending, []
+        if pending:
+            self._serialize(pending)
         if self._jsonl is not None:
             self._jsonl.flush()
         if self._events is not None:
             self._events.flush()
+
+    def _serialize(self, pending: list[tuple[str, int, dict[str, Any], float]]) -> None:
+        if self._jsonl is None:
+            self._dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(self._dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._jsonl.write("".join(
+            json.dumps({"group": group, "steps_completed": steps, "metrics": values, "time": now}) + "\n"
+            for group, steps, values, now in pending
+        ))
+        if self._mode is TensorboardMode.AUTO:
+            for group, steps, values, now in pending:
+                scalars = {f"{group}/{k}": s for k, v in values.items() if (s := _scalar(v)) is not None}
+                if scalars:
+                    self._event_file().add_scalars(steps, scalars, wall_time=now)
 
     def _event_file(self) -> Any:
         if self._events is None:
@@ -215,6 +233,7 @@ class TrainContext:
 
     def close(self) -> None:
         """Flush and close the files (Context.close). Any rank."""
+        self._flush(time.time())
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

@@ -1,7 +1,8 @@
 """``core_context.train``: metrics to TensorBoard and a JSON-lines file, written by the chief alone.
 
 In Determined these are chief-only calls (tutorials guard them with ``if rank == 0``), so they
-must not need the other ranks: no collective here. The calling rank writes, at once:
+must not need the other ranks: no collective here. The calling rank writes (validation and other
+groups at once; training reports together, at least every ``FLUSH_SECS`` and at ``close()``):
 
 * TensorBoard event files in :meth:`TrainContext.get_tensorboard_path`
   (``<output_dir>/tensorboard``), tags ``training/<name>``, ``validation/<name>`` and

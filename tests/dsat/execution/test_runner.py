@@ -365,7 +365,10 @@ def test_deepspeed_launcher_runs_the_trial_on_two_processes(tmp_path):
 
 
 CTRL_C_SCRIPT = """
-import sys, time
+import signal, sys, time
+# As in a terminal: a suite started in the background (``cmd &``, nohup) passes SIGINT ignored to
+# its children, and Python then installs no KeyboardInterrupt handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from pathlib import Path
 from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
 from toolkit.dsat.search.types import TrialSpec

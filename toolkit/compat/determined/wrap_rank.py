@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                for stream, fd in ((proc.stdout, sys.stdout.fileno()), (proc.stderr, sys.stderr.fileno()))]
     for thread in threads:
         thread.start()
-    status = proc.wait()
+    status = proc.wait()  # as long as the command runs, by design: its launcher bounds the run
     for thread in threads:  # a process the command left behind may hold its pipes open
         thread.join(timeout=5)
     return status

@@ -7,6 +7,9 @@
   environment; after each test module any of them still alive is killed. torchrun starts its
   workers in sessions of their own, so killing a launcher's process group does not reach them,
   and an orphaned rank can hold DeepSpeed's op-build lock or a port for the rest of the run.
+* ``tests/site`` on ``PYTHONPATH``: py-cpuinfo's answer, which DeepSpeed asks for twice in every
+  process that loads a CPU op and which takes a second each time, is cached in a file for the run
+  (``tests/site/sitecustomize.py`` says why; it changes no value, only the wait).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import signal
 import sys
 import threading
 
+import tempfile
+
 import pytest
 
 import procutil
@@ -27,6 +32,15 @@ from toolkit.dsat.execution.procs import find_trial_processes, kill_until_gone
 _LIMIT_S = float(os.environ.get("TOOLKIT_TEST_LIMIT_S", "900"))
 # Every descendant of this pytest, in-process launches included, inherits the mark.
 os.environ[procutil.SESSION_ENV] = procutil.SESSION_ID
+
+_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SITE, os.environ.get("PYTHONPATH")) if p)
+_CPUINFO_DIR = tempfile.TemporaryDirectory(prefix="toolkit-tests-cpuinfo-")
+os.environ["PYTEST_CPUINFO_CACHE"] = os.path.join(_CPUINFO_DIR.name, "cpuinfo.json")
+sys.path.insert(0, _SITE)
+import sitecustomize  # noqa: E402  (this process: cpuinfo may already be imported, or come later)
+
+sitecustomize.install()
 
 
 def _hung(item) -> None:

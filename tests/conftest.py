@@ -20,9 +20,8 @@ import logging
 import os
 import signal
 import sys
-import threading
-
 import tempfile
+import threading
 
 import pytest
 

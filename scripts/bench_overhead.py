@@ -60,6 +60,7 @@ import contextlib
 import functools
 import gc
 import inspect
+import json
 import math
 import os
 import random
@@ -92,7 +93,8 @@ def launch(args: argparse.Namespace) -> int:
              "--master_port", str(port), __file__, "--worker", "--blocks", str(args.blocks), "--steps",
              str(args.steps), "--width", str(args.width), "--only", args.only, "--cadence", args.cadence,
              "--arms", args.arms, "--rare-every", str(args.rare_every)]
-            + (["--gc-freeze"] if args.gc_freeze else []))
+            + (["--gc-freeze"] if args.gc_freeze else [])
+            + (["--dump", str(Path(args.dump).resolve())] if args.dump else []))
     with tempfile.TemporaryDirectory() as tmp:  # the compat arm's experiment (toolkit.compat's info.py)
         experiment = Path(tmp) / "experiment.yaml"
         experiment.write_text("name: bench-overhead\nhyperparameters: {lr: 0.001}\nsearcher: {name: single, "
@@ -304,28 +306,32 @@ def _report(ctx, args, names, times, cpu, inside, parts, *, cadence: str, rare_l
             check_every: int | None) -> None:
     """Agree the figures across ranks (call on all ranks) and print them. Long: a line per figure."""
     arms = [a for a in names if a not in ("plain", "control")]
-    plain = statistics.median(times["plain"])
-    totals = ctx.all_reduce([sum(times[a]) for a in names], op="max")
-    total = dict(zip(names, totals, strict=True))
+    # Each block's time on the slowest rank: the loop's time (the ranks meet in every step's
+    # gradient all-reduce, so a block ends when the slower one ends it). Every statistic below is
+    # computed from these, once, on the chief (not the maximum over ranks of per-rank statistics,
+    # which would be biased upwards).
+    times = {a: ctx.all_reduce(times[a], op="max") for a in names}
     calls = args.blocks * args.steps
+    cpu_totals = dict(zip(names, ctx.all_reduce([sum(cpu[a]) for a in names], op="sum"), strict=True))
+    per_call = ctx.all_reduce([parts[a][p] / calls for a in arms for p in PARTS], op="max")
+    own = ctx.all_reduce([statistics.median(inside[a]) for a in arms], op="max")
+    if args.dump and ctx.is_chief:  # every block's time, slowest rank, per arm in run order
+        Path(args.dump).write_text(json.dumps({"steps": args.steps, "times": times}))
+    if not ctx.is_chief:
+        return
+    total = {a: sum(times[a]) for a in names}
+    plain = statistics.median(times["plain"])
+    step_med = [statistics.median(times[a]) for a in arms]
     # Paired per round: a ratio within a round (the arms back to back) cancels the machine's slow
     # drift; the mean of those ratios keeps the rounds in which a helper paid its periodic costs; a
     # bootstrap over rounds gives its 95% interval. mean("plain", "control"): half the noise of either.
-    summary = []
+    paired = []
     for arm in arms:
         rounds = list(zip(times[arm], times["plain"], times["control"], strict=True))
         for pairs in ([a / ((p + c) / 2) for a, p, c in rounds], [a / p for a, p, _ in rounds]):
-            summary += [*_mean_ci(pairs), statistics.median(pairs)]
+            paired += [*_mean_ci(pairs), statistics.median(pairs)]
     control = [c / p for c, p in zip(times["control"], times["plain"], strict=True)]
-    summary += [*_mean_ci(control), statistics.median(control)]
-    paired = ctx.all_reduce(summary, op="max")
-    cpu_totals = dict(zip(names, ctx.all_reduce([sum(cpu[a]) for a in names], op="sum"), strict=True))
-    per_call = ctx.all_reduce([parts[a][p] / calls for a in arms for p in PARTS], op="max")
-    medians = ctx.all_reduce([plain] + [statistics.median(times[a]) for a in arms]
-                             + [statistics.median(inside[a]) for a in arms], op="max")
-    if not ctx.is_chief:
-        return
-    plain, step_med, own = medians[0], medians[1:1 + len(arms)], medians[1 + len(arms):]
+    paired += [*_mean_ci(control), statistics.median(control)]
     label = {"helpers": "helpers", "compat": "compat (Determined's Core API, toolkit.compat)", "rare": "rare"}
     print(f"ranks: {ctx.world_size}, blocks: {args.blocks} x {args.steps} steps each, model: example ResNet "
           f"width {args.width}, micro-batch 8, ZeRO 1; arms: {', '.join(names)}; helpers: {args.only}"
@@ -396,6 +402,8 @@ def main() -> int:
                              "and 1.5 check intervals of the measured step time: the synchronous path)")
     parser.add_argument("--gc-freeze", action="store_true",
                         help="diagnosis: gc.freeze() after warm-up, in every arm")
+    parser.add_argument("--dump", default="",
+                        help="diagnosis: write every block's time (slowest rank), per arm, to this JSON file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -7,6 +7,7 @@ numbers, not as one object each: see :class:`PendingReports` for why.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 __all__ = ["PendingReports", "Report", "describe_signature", "signature_size"]  # for the writer
 
@@ -82,8 +83,11 @@ class PendingReports:
         return reports
 
 
+@functools.lru_cache(maxsize=256)
 def signature_size(signature: tuple) -> int:
-    """How many floats a report with this signature sends: values, samples and batch values."""
+    """How many floats a report with this signature sends: values, samples and batch values.
+
+    Cached: a writer sees a handful of signatures, and every report of a batch asks three times."""
     keys, has_samples, batch_keys = signature
     return len(keys) + (2 if has_samples else 0) + sum(len(k) for k in batch_keys)
 

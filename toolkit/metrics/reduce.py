@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from toolkit.metrics.pending import Report, describe_signature, signature_size
@@ -91,7 +92,7 @@ def reduce_reports(ctx: DistributedContext, reports: list[Report], agreed: dict[
         ValueError: on every rank, when the ranks passed different names or steps.
     """
     sizes = [HEADER + signature_size(agreed[r.group]) if r.group in agreed else HEADER for r in reports]
-    offsets = [1 + sum(sizes[:i]) for i in range(len(reports))]
+    offsets = list(itertools.accumulate(sizes[:-1], initial=1))
     sums: Any = ctx.all_reduce(_vector(reports, agreed, elapsed, real=False), op="sum")
     if any(sums[o] > 0 for o in offsets):
         _agree_on_names(ctx, reports, agreed, where)

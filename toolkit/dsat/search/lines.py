@@ -22,7 +22,7 @@ first level the memory model says fits at micro-batch 1, and moves one level dow
 stage of its level ran out of memory at micro-batch 1.
 
 :class:`Line` holds only what every method uses; a method with state of its own per line
-subclasses it (``binary``'s ladder: :class:`~toolkit.dsat.search.binary.BinaryLine`, ``asha``'s
+subclasses it (``binary``'s values: :class:`~toolkit.dsat.search.binary.BinaryLine`, ``asha``'s
 rungs: :class:`~toolkit.dsat.search.asha.AshaLine`). Pure logic, rank 0 only by use (the
 orchestrator).
 """
@@ -36,7 +36,7 @@ import json
 import logging
 import math
 import random
-from typing import Any, Generic, Iterable, TypeVar
+from typing import Any, Generic, Iterable, Sequence, TypeVar
 
 from toolkit._checks import is_int, is_number
 from toolkit.dsat.contract import ProfileInfo, TrialStatus
@@ -206,6 +206,13 @@ class LineSearcher(Generic[LineT]):
         logger.debug("trial %d (line %d, stage %d, micro-batch %d): %s; line range [%d, %d]%s",
                      spec.trial_id, line.line_id, line.stage, m, result.status.value, line.lo, line.hi,
                      f", stopped: {line.stopped}" if line.stopped else "")
+
+    def observe_profiling(self, results: Sequence[TrialResult]) -> list[TrialResult]:
+        """Take profiling trials that ran configurations of the search as results; returns those
+        taken. None here (``random`` and ``asha`` start from the memory model alone); ``binary``
+        takes them (:meth:`~toolkit.dsat.search.binary.BinarySearcher.observe_profiling`).
+        Call once, before the first :meth:`propose`. Rank 0 only."""
+        return []
 
     @property
     def done(self) -> bool:

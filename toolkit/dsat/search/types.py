@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping, Protocol, Sequence
 
 from toolkit._checks import int_problem, is_int, is_number
 from toolkit.dsat.contract import METRICS, TrialStatus
@@ -136,7 +136,9 @@ class SearchSettings:
             within this fraction of its largest fitting micro-batch ``f``
             (``hi - f <= bisect_tolerance * f``), in ``[0, 1)``; 0 bisects to the last unit.
             Default 0.25: the last trials at the memory boundary (the largest micro-batches,
-            often out of memory) buy little; the downward ladder explores below it instead.
+            often out of memory) buy little. For ``throughput`` and ``FLOPS_per_gpu`` it applies
+            only when the best is the largest success below an out-of-memory
+            (:mod:`~toolkit.dsat.search.peak`).
         max_rungs, min_binary_search_trials, asha_early_stopping, divisor: ``asha`` method.
         micro_batches: the only micro-batches a trial may use, ascending (the global batch kept:
             the divisors of ``train_batch_size / data_parallel_size``, see
@@ -231,6 +233,11 @@ class Searcher(Protocol):
 
     def observe(self, result: TrialResult) -> None:
         """Take a finished trial's result into account."""
+        ...
+
+    def observe_profiling(self, results: Sequence[TrialResult]) -> list[TrialResult]:
+        """Before the first :meth:`propose`: take the profiling trials that ran configurations of
+        the search as results (they may be the best); returns those taken."""
         ...
 
     @property

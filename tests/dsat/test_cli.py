@@ -548,3 +548,36 @@ def test_each_other_stage_is_measured_near_its_boundary(tmp_path, oom_at_point):
         assert ran == [(-13, 3, 40)] and len(measured) == 1
         assert out.stage_extra_bytes == {"3": mib}      # 4 MiB at 40, referred to k = 10
         assert predicted == 80 * mib * 10 // (11 * mib) == 72   # 1.1 MiB per example: the true boundary
+
+
+def test_profiling_trials_at_configurations_of_the_search_count_as_results(tmp_path):
+    # The orchestrator hands the profiling trials to the searcher (no processes): those at the
+    # user's ZeRO section of a searched stage are results of the search and may be its best.
+    from toolkit.dsat.contract import ProfileInfo, TrialStatus
+    from toolkit.dsat.orchestrator import Autotuner
+    from toolkit.dsat.search import make_searcher
+    from toolkit.dsat.search.types import TrialResult
+
+    plan = _plan(tmp_path, make_model_dir(tmp_path, slots=2), "--zero-stages", "1", "2",
+                 "--metric", "throughput")
+    said: list[str] = []
+    tuner = object.__new__(Autotuner)
+    tuner.plan, tuner.say = plan, said.append
+
+    def result(trial_id, stage, mb, value, zero=None):
+        return TrialResult(TrialSpec(trial_id, mb, zero or {"stage": stage}, profile=True), TrialStatus.OK,
+                           {"throughput": value, "FLOPS_per_gpu": value, "latency": 1.0, "forward": 1.0,
+                            "backward": 1.0})
+
+    tuner.results = {0: result(0, 1, 1, 10.0), -1: result(-1, 1, 8, 80.0), -12: result(-12, 2, 8, 90.0),
+                     -13: result(-13, 3, 8, 99.0, {"stage": 3})}  # stage 3 is not searched
+    profile = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=1,
+                          memory_per_slot=64)
+    searcher = make_searcher(plan.search, profile)
+    tuner._take_profiling(searcher)
+    assert tuner.taken == {0, -1, -12} and searcher.best is tuner.results[-12]
+    assert said == ["profiling trials taken as results of the search: 0 (stage 1, mb 1), -1 (stage 1, mb 8), "
+                    "-12 (stage 2, mb 8)"]
+    assert [r.spec.trial_id for r in tuner._candidates()] == [0, -1, -12]
+    (spec,) = searcher.propose(1)  # the best's line goes on: 4x its micro-batch, up to the top
+    assert spec.stage == 2 and spec.micro_batch > 8

@@ -150,15 +150,15 @@ def _add_methods(parser: argparse.ArgumentParser, common: argparse.ArgumentParse
     range_help = ("bisect the micro-batch on [1, FACTOR x the memory model's largest micro-batch] "
                   "(default: %(default)s)")
     binary = methods.add_parser("binary", parents=[common],
-                                help="bisect the micro-batch of random ZeRO configs")
+                                help="each ZeRO config's best micro-batch: the throughput peak "
+                                     "bracketed on a log scale, the memory boundary bisected")
     binary.add_argument("--search-range-factor", type=_number, default=1.0, metavar="FACTOR", help=range_help)
     binary.add_argument("--bisect-tolerance", type=_number, default=0.25, metavar="FRACTION",
-                        help="stop bisecting a config's micro-batch once the open range is within this "
-                             "fraction of its largest fitting micro-batch f; for throughput/FLOPS_per_gpu "
-                             "then probe down a ladder of powers of two (the largest below f, then /4 each "
-                             "time) while each probe is within half of the config's best, and end with up "
-                             "to two probes at the powers of two next to the ladder's best (twice and half "
-                             "it) (0: bisect to the last unit; default: %(default)s)")
+                        help="stop bisecting the memory boundary once the open range above the largest "
+                             "fitting micro-batch f is within this fraction of f (for throughput and "
+                             "FLOPS_per_gpu only when f is the config's best so far: else the search "
+                             "brackets the throughput peak below it) (0: bisect to the last unit; "
+                             "default: %(default)s)")
     rand = methods.add_parser("random", parents=[common], help="random ZeRO configs with early stopping")
     rand.add_argument("--trials-per-random-config", type=_integer, default=5, metavar="N",
                       help="trials per ZeRO config (default: %(default)s)")

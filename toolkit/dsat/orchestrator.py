@@ -60,6 +60,7 @@ class Autotuner:
         self.log = EventLog(self.out / "events.jsonl")
         self.tensorboard = TensorBoardTrials(self.out / "tensorboard")
         self.results: dict[int, TrialResult] = {}
+        self.taken: set[int] = set()  # profiling trials the searcher took as results
         self.started_at = time.monotonic()
 
     # ---------------------------------------------------------------- helpers
@@ -101,9 +102,14 @@ class Autotuner:
             self.tensorboard.add(result)
         write_trial_tables(self.out, self.results.values(), overrides=self._overrides)
 
+    def _candidates(self) -> list[TrialResult]:
+        """The results the best is chosen from: the tuning trials and the profiling trials the
+        searcher took as results (configurations of the search, timed like any trial)."""
+        return [r for r in self.results.values() if not r.spec.profile or r.spec.trial_id in self.taken]
+
     def _progress(self, result: TrialResult, running: int) -> None:
         metric = self.plan.search.metric
-        best = search.best_result([r for r in self.results.values() if not r.spec.profile], metric)
+        best = search.best_result(self._candidates(), metric)
         value = result.metrics.get(metric)
         shown = f"{metric}={value:.4g}" if value is not None else (result.error or "")[:120]
         best_text = f"best {best.metrics[metric]:.4g} (trial {best.spec.trial_id})" if best else "no best yet"
@@ -274,6 +280,7 @@ class Autotuner:
                                      f"the profiling trial failed ({failed.status.value}): {failed.error}; "
                                      f"its logs are in {self.out / 'trials' / 'trial_0'}")
             searcher: search.Searcher = search.make_searcher(self._search_settings(), profile)
+            self._take_profiling(searcher)
             observed = self._replay(searcher, runner, events)
             while not searcher.done:
                 for spec in searcher.propose(runner.capacity()):
@@ -286,6 +293,15 @@ class Autotuner:
                     observed += 1
                     self._progress(result, runner.running())
         return self._conclude()
+
+    def _take_profiling(self, searcher: search.Searcher) -> None:
+        """Give the profiling trials to the searcher (in the order they ran, also on --resume):
+        those at configurations of the search count as its results, not as trials lost."""
+        taken = searcher.observe_profiling([r for r in self.results.values() if r.spec.profile])
+        self.taken = {r.spec.trial_id for r in taken}
+        if taken:
+            self.say("profiling trials taken as results of the search: " + ", ".join(
+                f"{r.spec.trial_id} (stage {r.spec.stage}, mb {r.spec.micro_batch})" for r in taken))
 
     def _search_settings(self) -> SearchSettings:
         """The plan's search settings for the searcher: the micro-batch capped by the trial timeout
@@ -352,7 +368,8 @@ class Autotuner:
     def _conclude(self) -> SearchOutcome:
         results = list(self.results.values())
         tuning = [r for r in results if not r.spec.profile]
-        best = search.best_result(tuning, self.plan.search.metric)
+        best = search.best_result(self._candidates(), self.plan.search.metric) \
+            if any(r.status is TrialStatus.OK for r in tuning) else None  # else the tuning trials fail
         table = summary_table(results, metric=self.plan.search.metric,
                               best_id=best.spec.trial_id if best else None)
         self.say(table)

@@ -848,7 +848,9 @@ def test_random_stops_stage3_once_stage_1_or_2_fits(seed, concurrency, stages):
         assert not (fitted and any(spec.stage == 3 for spec in call))
         r = next(observed)
         fitted = fitted or (r.status is OK and r.spec.stage in (1, 2))
-    assert fitted
+    # Not vacuous: a lower stage fitted, unless every line drawn was stage 3 (with stages (1, 3)
+    # about 2**-10 for ten lines; hypothesis found seed 11587 on 2026-11-24, failing before as well).
+    assert fitted or all(spec.stage == 3 for spec in all_specs(calls))
 
 
 def test_random_stops_a_line_that_fails_at_its_lower_bound():
@@ -1002,3 +1004,11 @@ def test_binary_starts_each_stage_with_the_users_own_zero_section():
         later += [spec for spec in pending[-1:] if spec.line >= 3]
     assert [spec.line for spec in later] == [3, 4]
     assert all(spec.zero["reduce_bucket_size"] in (50_000_000, 200_000_000, 500_000_000) for spec in later)
+
+
+@pytest.mark.parametrize("metric", sorted(SMALLER_IS_BETTER))
+def test_smaller_is_better_metrics_take_no_profiling_trial(metric):
+    run = peaked(10**6, 64)
+    searcher = make_searcher(settings_for("binary", zero_stages=(1,), metric=metric), profile_with_range(64))
+    assert searcher.observe_profiling([profiling(1, 1, 0, run), profiling(1, 8, -1, run)]) == []
+    assert searcher.best is None and searcher.propose(1)[0].micro_batch == (1 + 64) // 2

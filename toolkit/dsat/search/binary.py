@@ -87,15 +87,19 @@ class BinarySearcher(LineSearcher[BinaryLine]):
     def observe_profiling(self, results: Sequence[TrialResult]) -> list[TrialResult]:
         """Take the profiling trials that ran a configuration of this search as its first results.
 
-        A profiling trial counts when its ZeRO section is the user's own at a searched stage of
-        the first offload level and its micro-batch is one a trial may use (the global batch
-        policy): its throughput is timed over the same steps as any trial's (the profiling
-        probes run in the first step only). It starts (or extends) that stage's line and may be
-        the search's best. Call once, before the first :meth:`propose`; returns those taken.
+        For ``throughput`` and ``FLOPS_per_gpu`` (the peak search), a profiling trial counts when
+        its ZeRO section is the user's own at a searched stage of the first offload level and its
+        micro-batch is one a trial may use (the global batch policy): its throughput is timed
+        over the same steps as any trial's (the profiling probes run in the first step only). It
+        starts (or extends) that stage's line and may be the search's best. Forward, backward
+        and latency take none (Determined's upward bisection; micro-batch 1 would win
+        trivially). Call once, before the first :meth:`propose`; returns those taken.
         Rank 0 only.
         """
         if self._proposed or self._lines:
             raise ValueError("observe_profiling: call it once, before the first propose")
+        if self.settings.metric in SMALLER_IS_BETTER:
+            return []
         base = offload.offload_zero(self.settings.base_zero, self.level)
         allowed = self.settings.micro_batches
         taken: list[TrialResult] = []

@@ -114,6 +114,7 @@ class BinarySearcher(LineSearcher[BinaryLine]):
             for result in mine:
                 self._take(line, result)
                 taken.append(result)
+        self._settle()
         return taken
 
     def _take(self, line: BinaryLine, result: TrialResult) -> None:
@@ -151,17 +152,22 @@ class BinarySearcher(LineSearcher[BinaryLine]):
         if line.values and line.hi < max(line.values):
             line.stopped = (f"{result.status.value} at micro-batch {m}, below micro-batch "
                             f"{max(line.values)} that succeeded on the line")
-        elif self._due(line)[0] is None:  # said now; other lines are settled when proposing
-            line.stopped = self._due(line)[1]
-            logger.debug("line %d (stage %d) stops: %s", line.line_id, line.stage, line.stopped)
+        self._settle()
 
-    def _next_line(self) -> BinaryLine | None:
-        for line in self._by_priority(self._idle_lines()):
+    def _settle(self) -> None:
+        """Stop every idle line that has no trial due, after each result: which lines stop then
+        depends on the results alone, not on when ``propose`` is called (a replay proposes less
+        often than the search it rebuilds)."""
+        for line in self._idle_lines():
             m, why = self._due(line)
             if m is None:
                 line.stopped = why
                 logger.debug("line %d (stage %d) stops: %s", line.line_id, line.stage, why)
-                continue
+
+    def _next_line(self) -> BinaryLine | None:
+        for line in self._by_priority(self._idle_lines()):  # settled: each has a trial due
+            m, why = self._due(line)
+            assert m is not None, why
             line.next_mb = m
             logger.debug("line %d (stage %d): micro-batch %d (%s)", line.line_id, line.stage, m, why)
             return line
@@ -173,7 +179,7 @@ class BinarySearcher(LineSearcher[BinaryLine]):
         return new
 
     def _has_work(self) -> bool:
-        if any(self._due(line)[0] is not None for line in self._idle_lines()):
+        if self._idle_lines():  # settled: each has a trial due
             return True
         started = {line.stage for line in self._lines if line.offload == self.level}
         return bool(set(self._space.stages) - started) or self._space.remaining(self._open_stages()) > 0
@@ -191,8 +197,8 @@ class BinarySearcher(LineSearcher[BinaryLine]):
 
     def _open_stages(self) -> list[int]:
         """Stages whose lines are not dominated: random configurations are drawn from these."""
-        dominated = {line.stage for line in self._lines if line.offload == self.level and (
-            line.stopped or (self._due(line)[1] if line.idle_open else "")).startswith("dominated")}
+        dominated = {line.stage for line in self._lines
+                     if line.offload == self.level and (line.stopped or "").startswith("dominated")}
         return [st for st in self._space.stages if st not in dominated]
 
     def _first(self, line: BinaryLine) -> int:

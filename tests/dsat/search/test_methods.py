@@ -358,6 +358,22 @@ def _run_to_end(searcher, run, in_flight, observed_before, concurrency):
     return proposed
 
 
+def _run_until(searcher, run, cut):
+    """Run ``cut`` results (lowest trial id first, 2 at a time), as a search cut off there would
+    have; returns (results, trials in flight sorted by id, observed_before)."""
+    observed_before: dict[int, int] = {}
+    results: list[TrialResult] = []
+    in_flight: list[TrialSpec] = []
+    while len(results) < cut:
+        for spec in searcher.propose(2 - len(in_flight)):
+            observed_before[spec.trial_id] = searcher.observed_count
+            in_flight.append(spec)
+        in_flight.sort(key=lambda spec: spec.trial_id)
+        results.append(run(in_flight.pop(0)))
+        searcher.observe(results[-1])
+    return results, sorted(in_flight, key=lambda spec: spec.trial_id), observed_before
+
+
 def test_replay_rebuilds_a_search_interrupted_during_a_refinement():
     s = settings_for("binary", zero_stages=(1, 2), max_trials=40, metric="throughput", random_seed=3)
     run = peaked({1: 900, 2: 1000}, {1: 40, 2: 60})
@@ -366,15 +382,7 @@ def test_replay_rebuilds_a_search_interrupted_during_a_refinement():
     cut_during_refinement = 0
     for cut in range(len(full)):
         original = make_searcher(s, profile_with_range(1024))
-        observed_before: dict[int, int] = {}
-        in_flight, results = [], []
-        while len(results) < cut:
-            for spec in original.propose(2 - len(in_flight)):
-                observed_before[spec.trial_id] = original.observed_count
-                in_flight.append(spec)
-            in_flight.sort(key=lambda spec: spec.trial_id)
-            results.append(run(in_flight.pop(0)))
-            original.observe(results[-1])
+        results, in_flight, observed_before = _run_until(original, run, cut)
         known_fit = defaultdict(int)
         for r in results:
             if r.status is OK:
@@ -557,16 +565,7 @@ def test_replay_rebuilds_a_search_that_took_profiling_trials():
     for cut in range(1, len(full)):
         original = make_searcher(s, profile_with_range(1024))
         original.observe_profiling(priors)
-        observed_before: dict[int, int] = {}
-        results: list[TrialResult] = []
-        in_flight: list[TrialSpec] = []
-        while len(results) < cut:
-            for spec in original.propose(2 - len(in_flight)):
-                observed_before[spec.trial_id] = original.observed_count
-                in_flight.append(spec)
-            in_flight.sort(key=lambda spec: spec.trial_id)
-            results.append(run(in_flight.pop(0)))
-            original.observe(results[-1])
+        results, in_flight, observed_before = _run_until(original, run, cut)
         resumed = make_searcher(s, profile_with_range(1024))
         resumed.observe_profiling([TrialResult.from_json(r.to_json()) for r in priors])
         rerun = replay(resumed, results=[TrialResult.from_json(r.to_json()) for r in results],

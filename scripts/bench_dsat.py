@@ -43,7 +43,7 @@ trial needs), one after the other in this process:
    micro-batch that fitted the budget in the grid. Its throughput is its own stopwatch
    (forward + backward + optimizer step timers; data loading excluded). When it fails, its exit
    status, the error it printed and its wall time until then are reported.
-4. **confirm** (``--confirm N``, default 1): dsat's, the grid's and DeepSpeed's best configs are
+4. **confirm** (``--confirm N``, default 3): dsat's, the grid's and DeepSpeed's best configs are
    measured N more times through the same trial runner, interleaved; every measurement of a
    config (search, grid, confirm) is pooled and the medians compared, because the best of many
    noisy trials is biased upwards and the grid draws many more than dsat.
@@ -113,7 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # 4 timed steps per trial: with 1-2 the metric of one config varies by +-10% between trials
     # here, and the best of many noisy trials (the grid's) is biased upwards.
     p.add_argument("--start-profile-step", type=int, default=3)
-    p.add_argument("--end-profile-step", type=int, default=6)
+    p.add_argument("--end-profile-step", type=int, default=12,
+                   help="dsat's and the grid's last timed step (default 12: 9 timed steps; with 3, one "
+                        "config's throughput varied 2620-4046 between trials here)")
     p.add_argument("--trial-timeout", type=float, default=300.0)
     p.add_argument("--width", type=int, default=8, help="ResNet width of the example model")
     p.add_argument("--image-size", type=int, default=16)
@@ -122,7 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grid-max", type=int, default=None, metavar="MB",
                    help="the largest micro-batch the user's grid may try (default: --dataset-size / 2, what "
                         "the data allows); each stage stops earlier at its first out-of-memory trial")
-    p.add_argument("--confirm", type=int, default=1, help="re-measurements of each arm's best config")
+    p.add_argument("--confirm", type=int, default=3,
+                   help="re-measurements of each arm's best config (default 3)")
     p.add_argument("--ds-timeout", type=float, default=600.0,
                    help="wall-clock limit of DeepSpeed's autotuner")
     p.add_argument("--ds-pythonpath", default="",

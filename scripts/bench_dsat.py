@@ -110,8 +110,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the user's global batch, written in the experiment's overwrite_deepspeed_args (with "
                         "the micro-batch and accumulation 'auto'): dsat keeps it and so does the grid, over "
                         "the micro-batches dividing N / 2 (default: none, the global batch is free)")
-    # 4 timed steps per trial: with 1-2 the metric of one config varies by +-10% between trials
-    # here, and the best of many noisy trials (the grid's) is biased upwards.
+    # 9 timed steps per trial (--end-profile-step's help says why): with few, the metric of one
+    # config varies by 10-20% between trials here, and the best of many noisy trials (the grid's)
+    # is biased upwards.
     p.add_argument("--start-profile-step", type=int, default=3)
     p.add_argument("--end-profile-step", type=int, default=12,
                    help="dsat's and the grid's last timed step (default 12: 9 timed steps; with 3, one "

@@ -11,7 +11,8 @@ dsat_fake_trial.py``; what it does comes from the trial's hyperparameters
     corrupt     the chief writes a truncated JSON file; exit 0
     bad_metric  the chief writes a result that lacks a metric; exit 0
     oom         the chief writes status "oom" (as dsat_reporting_context does on CUDA OOM); exit 75
-    memory      allocate and touch ``alloc_mib`` MiB, then hang
+    memory      allocate and touch ``alloc_mib`` MiB, then hang; with ``free: true`` free them
+                first (a peak the resident size no longer shows)
     orphan      start a grandchild in a new session (it sleeps 600 s), then as ok
     hang        hang forever; with ``orphan: true`` start such a grandchild first
     ignore_term ignore SIGTERM and hang
@@ -106,6 +107,8 @@ elif behaviour == "memory":
     block = bytearray(int(hparams["alloc_mib"]) * 1024 * 1024)
     for i in range(0, len(block), 4096):  # touch every page so it counts in RSS
         block[i] = 1
+    if hparams.get("free"):
+        del block  # an mmap'd block: back to the system at once, VmRSS drops, VmHWM keeps the peak
     time.sleep(600)
 elif behaviour == "hang":
     if hparams.get("orphan"):

@@ -138,7 +138,8 @@ def _add_limit_flags(g: argparse._ArgumentGroup) -> None:
                         "exceeds it (default: %(default)s seconds)")
     g.add_argument("--memory-per-slot", type=parse_bytes, default=None, metavar="SIZE",
                    help="CPU only: memory budget per slot in bytes, or e.g. 4GiB, 512MiB; a trial process "
-                        "above it is killed and recorded as out-of-memory (default: (80%% of the memory "
+                        "whose peak resident size (VmHWM) goes above it is killed and recorded as "
+                        "out-of-memory (default: (80%% of the memory "
                         "available now - 2 GiB reserved for the system and the autotuner) / --max-slots)")
     g.add_argument("--launcher", choices=("torchrun", "deepspeed"), default="torchrun",
                    help="starts a trial whose slots are all on this machine (default: %(default)s)")

@@ -222,11 +222,25 @@ def test_memory_budget_is_enforced_per_worker(tmp_path):
                                       (spec(2), {"behaviour": "sleep", "sleep_s": 1.0})])
     big = results[1]
     assert big.status is TrialStatus.OOM
-    assert big.error.startswith("RSS ") and big.error.endswith(
+    assert big.error.startswith("peak RSS ") and big.error.endswith(
         "MiB exceeded the memory budget 150 MiB per slot"
     )
-    assert int(big.error.split()[1]) > 150
+    assert int(big.error.split()[2]) > 150
     assert results[2].status is TrialStatus.OK
+    assert marked_processes(out) == []
+
+
+def test_memory_budget_holds_a_peak_that_falls_between_polls(tmp_path):
+    # The worker touches 400 MiB and frees them within a fraction of a second, then hangs: polls
+    # 2 s apart almost never see that resident size (a budget on VmRSS lets the trial run into its
+    # timeout), but the peak (VmHWM) stays, as a GPU's allocator would have failed at the peak.
+    out = tmp_path / "out"
+    settings = make_settings(memory_per_slot=150 * MIB, poll_s=2.0, timeout_s=60.0)
+    with TrialRunner(settings, output_dir=out) as runner:
+        results, _ = run_all(runner, [(spec(1), {"behaviour": "memory", "alloc_mib": 400, "free": True})])
+    assert results[1].status is TrialStatus.OOM, results[1].error
+    assert results[1].error.startswith("peak RSS ")
+    assert int(results[1].error.split()[2]) > 400
     assert marked_processes(out) == []
 
 

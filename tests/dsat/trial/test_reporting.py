@@ -8,6 +8,8 @@ module fixture; each test checks one of them.
 
 import json
 import os
+import subprocess
+import sys
 import timeit
 
 import pytest
@@ -252,3 +254,26 @@ def test_the_environment_is_read_once_per_process(monkeypatch, tmp_path):
 def test_instrumentation_overrides_only_switch_off_competing_profilers():
     overrides = instrumentation_overrides(TrialContract(1, "r.json", START, END, profile=True))
     assert overrides == {"flops_profiler": {"enabled": False}, "autotuning": {"enabled": False}}
+
+
+def test_a_peak_over_the_cpu_budget_is_reported_by_the_trial_itself(tmp_path, monkeypatch):
+    # No runner here (nothing polls the process): one rank under plain `python`, whose contract
+    # holds a 64 MiB budget that any torch process exceeds. The trial checks its own peak (VmHWM)
+    # before it reports, so a trial that ends between two of the runner's polls is still an OOM.
+    procutil.clean_launch_env(monkeypatch)
+    from toolkit.dsat.contract import TRIAL_ENV, TRIAL_HPARAMS_ENV
+    config_path = tmp_path / "ds_config.json"
+    config_path.write_text(json.dumps(ds_config(micro_batch=2, stage=1, trial_id=7)))
+    hparams = {"deepspeed_config": str(config_path), "steps": END + 2}
+    (tmp_path / "hparams.json").write_text(json.dumps(hparams))
+    TrialContract(7, str(tmp_path / "result.json"), START, END,
+                  memory_per_slot=64 * 2**20).write(tmp_path / "trial.json")
+    env = {**os.environ, TRIAL_ENV: str(tmp_path / "trial.json"),
+           TRIAL_HPARAMS_ENV: str(tmp_path / "hparams.json")}
+    done = subprocess.run([sys.executable, "dsat_train.py"], cwd=WORKERS, env=env, timeout=240,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    written = json.loads((tmp_path / "result.json").read_text())
+    assert written["status"] == "oom" and written["trial_id"] == 7, written
+    assert written["error"].startswith("peak RSS ") and written["error"].endswith(
+        "MiB on rank 0 exceeded the memory budget 64 MiB per slot"), written["error"]

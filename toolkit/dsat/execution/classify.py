@@ -2,8 +2,9 @@
 
 =========================================  ==============================================
 ran past ``timeout_s``                     TIMEOUT (all its processes killed)
-a worker's RSS above ``memory_per_slot``   OOM "RSS X MiB exceeded the memory budget ..."
-result ``"oom"``                           OOM (CUDA out of memory inside the trial)
+a worker's peak RSS > ``memory_per_slot``  OOM "peak RSS X MiB exceeded the memory budget ..."
+result ``"oom"``                           OOM (out of memory inside the trial, or its own
+                                           peak RSS above ``memory_per_slot`` on CPU)
 result ``"ok"`` with the 5 metrics, exit 0 OK (the profiling trial also needs its profile)
 unreadable or malformed result             FAILED "corrupt result file: ..."
 result ``"failed"``, exit 0                FAILED with the trial's own reason

@@ -94,11 +94,13 @@ def is_rank_process(environ: bytes) -> bool:
     return b"\0LOCAL_RANK=" in b"\0" + environ
 
 
-def rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int, *, field: str = "VmRSS") -> int:
+    """A process's resident size (``VmRSS``) or its peak so far (``VmHWM``) in bytes; 0 when
+    unreadable (the process ended, or it is not ours)."""
     try:
         with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
             for line in fh:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         pass

@@ -21,7 +21,11 @@ killed with SIGKILL leaves them orphaned. A trial's processes are those whose
 How a trial ended is decided by :func:`toolkit.dsat.execution.classify.classify` (its table), from the exit
 status and the result file, never from the logs. A trial's workers (the processes with
 ``LOCAL_RANK`` set, and their children; not the launcher, nor a fork of it before its exec) are
-held to ``memory_per_slot`` by polling their RSS in :meth:`TrialRunner.wait`.
+held to ``memory_per_slot`` by polling their peak resident size (``VmHWM``) in
+:meth:`TrialRunner.wait`: a peak over the budget is an out-of-memory even when it falls between two
+polls, as a GPU's allocator fails at the peak, and the trial checks its own peak once more before
+it reports (:class:`toolkit.dsat.trial.session.TrialSession`), so that a short trial cannot slip
+between polls either.
 :func:`run_to_completion` runs a job that is not a trial (the full experiment) with the same care.
 
 Example::
@@ -380,10 +384,10 @@ class TrialRunner:
                     for pid in self._members(trial, table) - {trial.process.pid}:
                         if not is_rank_process(table[pid][1]):  # the launcher's fork before its exec
                             continue
-                        rss = rss_bytes(pid)
-                        if rss > s.memory_per_slot:
-                            trial.verdict = (TrialStatus.OOM, f"RSS {rss / _MIB:.0f} MiB exceeded the memory "
-                                             f"budget {s.memory_per_slot / _MIB:.0f} MiB per slot")
+                        peak = rss_bytes(pid, field="VmHWM")
+                        if peak > s.memory_per_slot:
+                            trial.verdict = (TrialStatus.OOM, f"peak RSS {peak / _MIB:.0f} MiB exceeded the "
+                                             f"memory budget {s.memory_per_slot / _MIB:.0f} MiB per slot")
                             break
                 if trial.verdict is None:
                     continue

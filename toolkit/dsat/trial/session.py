@@ -93,6 +93,7 @@ class TrialSession:
         self.counting = False                   # a forward is running under the FLOP counter
         self.profile: dict[str, Any] | None = None
         self.rss_start = profiling.rss_bytes()
+        self.startup_peak = profiling.rss_bytes("VmHWM")  # before a profiling trial resets the peak
         self.first_step: int | None = None   # steps are counted from the first one seen (resumed loops)
         self.step_calls = 0                   # calls of step(): the position when no count is given
         self.last_step = -1
@@ -216,13 +217,31 @@ class TrialSession:
         return {"latency": 1000.0 * sum(self.step_s) / steps,
                 "forward": 1000.0 * self.seconds["forward"] / steps,
                 "backward": 1000.0 * self.seconds["backward"] / steps,
-                "flops": self.flops_per_step, "profile": self.profile}
+                "flops": self.flops_per_step, "profile": self.profile, "over_budget": self._over_budget()}
+
+    def _over_budget(self) -> str | None:
+        """On CPU with a budget: why this rank's peak resident size exceeded it, else None. The
+        runner polls the same peak; this check catches a trial that ends between two polls."""
+        budget = self.contract.memory_per_slot
+        import torch
+        if budget is None or torch.device(getattr(self.engine, "device", "cpu")).type != "cpu":
+            return None
+        peak = max(profiling.rss_bytes("VmHWM"), self.startup_peak)
+        if peak <= budget:
+            return None
+        return (f"peak RSS {peak / 2**20:.0f} MiB on rank {self.ctx.rank} exceeded the memory budget "
+                f"{budget / 2**20:.0f} MiB per slot")
 
     def report_and_exit(self) -> NoReturn:
         """Gather the measurements, write the result (chief), end every rank. Call on all ranks."""
         engine, c = self.engine, self.contract
         everyone = self.ctx.all_gather_object(self._local_measurements())
-        if self.ctx.is_chief:
+        over = [r["over_budget"] for r in everyone if r["over_budget"]]
+        if self.ctx.is_chief and over:
+            atomic_write_json(c.result_path, {"trial_id": c.trial_id, "status": "oom", "metrics": {},
+                                              "profile": None, "error": over[0]})
+            logger.error("dsat trial %d: %s", c.trial_id, over[0])
+        elif self.ctx.is_chief:
             micro_per_step = self.micro_steps / max(len(self.step_s), 1) if self.micro_steps else 1.0
             samples = micro_per_step * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size
             metrics = reduce_metrics(everyone, samples_per_step=samples)

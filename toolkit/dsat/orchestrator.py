@@ -180,14 +180,17 @@ class Autotuner:
 
     def _stage_extras(self, runner: TrialRunner, events: list[dict[str, Any]], spec: TrialSpec,
                       profile: ProfileInfo, measured: list[dict[str, Any]]) -> ProfileInfo:
-        """``profile`` with each other searched stage's measured extra: one profiling trial per
-        stage (id -10 - stage) at half its predicted boundary (``memory.stage_point_micro_batch``;
+        """``profile`` with each searched stage's measured extra: one profiling trial per stage
+        (id -10 - stage) at half its predicted boundary (``memory.stage_point_micro_batch``;
         after an out-of-memory there, once more at the calibration point, id -20 - stage), the
-        stage's own ZeRO section built on the calibration trial's. A stage that runs out of memory
-        at a micro-batch is predicted to fit one example less at most; one that fails is left to
-        the formula."""
+        stage's own ZeRO section built on the calibration trial's. The calibrated stage is
+        measured too, when its point lies above the calibration point: the peak does not grow
+        linearly (the C allocator's heap, buffers that grow with the batch), and a point nearer
+        the boundary keeps the extrapolation short. A stage that runs out of memory at a
+        micro-batch is predicted to fit one example less at most; one that fails is left to the
+        formula."""
         dp, k = self.plan.data_parallel_size, spec.micro_batch
-        for stage in sorted(set(self.plan.search.zero_stages) - {spec.stage}):
+        for stage in sorted(set(self.plan.search.zero_stages)):
             zero = {key: value for key, value in spec.zero.items()
                     if not (key == "offload_optimizer" and stage < 2 or key == "offload_param" and stage < 3)}
             zero["stage"] = stage
@@ -197,7 +200,12 @@ class Autotuner:
             point = self._allowed_at_most(memory.stage_point_micro_batch(
                 profile, stage, data_parallel_size=dp, offload_optimizer=off_opt, offload_param=off_par))
             readings = []
-            for trial_id, m in ((-10 - stage, max(point or k, k)), (-20 - stage, k)):
+            points: tuple[tuple[int, int], ...] = ((-10 - stage, max(point or k, k)), (-20 - stage, k))
+            if stage == spec.stage:  # measured at k already: only a point above it says more
+                if (point or k) <= k:
+                    continue
+                points = points[:1]
+            for trial_id, m in points:
                 result = self._run_profiling_trial(
                     runner, events, dataclasses.replace(spec, trial_id=trial_id, zero=zero, micro_batch=m))
                 if result.status is TrialStatus.OK and result.profile:

@@ -25,7 +25,7 @@ slope as ``activation_bytes_per_example``, the intercept as ``baseline_bytes`` a
 point ``k`` as ``micro_batch``, so :func:`approx_max_micro_batch` computes exactly that.
 
 What the formula misses between stages (ZeRO-3's gather and prefetch buffers, a stage's own
-buckets) is measured by one more profiling trial per other searched stage, at half the stage's
+buckets) is measured by one more profiling trial per searched stage, at half the stage's
 predicted boundary (:func:`stage_point_micro_batch`, at least ``k``, at most ``4 k``), and
 :func:`with_stage_extra` keeps its extra ``E`` over the line. One point cannot tell a fixed extra
 from one that grows with the micro-batch, so the model takes the larger of the two readings
@@ -33,7 +33,9 @@ beyond the point, ``extra(m) = max(E, E * m / point)``: a positive extra grows i
 (ZeRO-3's buffers can grow with the batch), a negative one (a stage that holds less) is not
 extrapolated into a saving per example. Both err on the side of a smaller prediction, and the
 point near the boundary keeps the extrapolation short. A positive extra is stored referred to
-``k`` (``E * k / point``), so one calibration point serves every stage.
+``k`` (``E * k / point``), so one calibration point serves every stage. The profiled stage is
+measured the same way when its point lies above ``k``: its extra is the peak's departure from the
+line through ``peak(1)`` and ``peak(k)`` (on CPU the C allocator's heap bends the curve either way).
 
 Example (rank 0 only, e.g. in the autotuner's orchestrator after the profiling trial)::
 

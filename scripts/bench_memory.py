@@ -2,7 +2,7 @@
 ZeRO stage under a CPU budget, and the model FLOPs per sample per stage.
 
 For each example of ``examples/core_api`` (train.py data parallel, pipeline.py, mlm.py,
-causal_lm.py) it runs dsat's own profiling step (the micro-batch-1 profiling trial, the
+causal_lm.py) and the MLP client ``scripts/clients/mlp.py`` (a user's plain loop) it runs dsat's own profiling step (the micro-batch-1 profiling trial, the
 calibration trial and one trial per other stage,
 :meth:`toolkit.dsat.orchestrator.Autotuner.run_profiling`), reads the predicted largest
 micro-batch of each stage from ``profile.json``, then finds the real boundary with 2-rank trials
@@ -46,24 +46,26 @@ from toolkit.dsat.trial.reporting import instrumentation_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "core_api"
-#: example -> (experiment YAML, the ZeRO stages it supports)
-CASES = {"train": ("deepspeed.yaml", (1, 2, 3)), "pipeline": ("pipeline.yaml", (0, 1)),
-         "mlm": ("mlm.yaml", (1, 2, 3)), "causal_lm": ("causal_lm.yaml", (1, 2, 3))}
+CLIENTS = ROOT / "scripts" / "clients"
+#: example -> (model directory, experiment YAML, the ZeRO stages it supports)
+CASES = {"train": (EXAMPLES, "deepspeed.yaml", (1, 2, 3)), "pipeline": (EXAMPLES, "pipeline.yaml", (0, 1)),
+         "mlm": (EXAMPLES, "mlm.yaml", (1, 2, 3)), "causal_lm": (EXAMPLES, "causal_lm.yaml", (1, 2, 3)),
+         "mlp": (CLIENTS, "mlp.yaml", (1, 2, 3))}
 
 
 def make_example_plan(example: str, *, out: Path, stages: tuple[int, ...], budget: str,
                       hparams: dict[str, Any]) -> Plan:
     """dsat's plan for ``example`` (as ``python -m toolkit.dsat binary ...`` would build it), its
     experiment YAML copied beside ``out`` with ``hparams`` set in its hyperparameters."""
-    yaml_name, _ = CASES[example]
-    experiment = yaml.safe_load((EXAMPLES / yaml_name).read_text())
+    model_dir, yaml_name, _ = CASES[example]
+    experiment = yaml.safe_load((model_dir / yaml_name).read_text())
     experiment["hyperparameters"].update(hparams)
     if example == "pipeline":  # 2 pipeline stages on 2 ranks: one data-parallel replica
         experiment["hyperparameters"].setdefault("data_parallel_world_size", 1)
     config = out.parent / f"{example}.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(yaml.safe_dump(experiment))
-    argv = ["binary", str(config), str(EXAMPLES), "--output-dir", str(out),
+    argv = ["binary", str(config), str(model_dir), "--output-dir", str(out),
             "--memory-per-slot", budget, "--max-concurrent-trials", "1", "--zero-stages",
             *map(str, stages)]
     return make_plan(build_parser().parse_args(argv))
@@ -131,7 +133,7 @@ def find_boundary(trials: Trials, stage: int, predicted: int, *,
 
 def bench_example(example: str, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     """Profile ``example`` with dsat, then find each stage's boundary; one row per stage."""
-    stages = tuple(s for s in (args.stages or CASES[example][1]) if s in CASES[example][1])
+    stages = tuple(s for s in (args.stages or CASES[example][2]) if s in CASES[example][2])
     plan = make_example_plan(example, out=work / example, stages=stages, budget=args.memory_per_slot,
                              hparams=args.hparams)
     tuner = Autotuner(plan, say=lambda line: print("  " + line.replace("\n", "\n  "), flush=True))
@@ -153,7 +155,7 @@ def bench_example(example: str, args: argparse.Namespace, work: Path) -> list[di
 
 def flops_rows(example: str, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     """Model FLOPs per sample at each stage of ``example``, at micro-batch ``args.flops``."""
-    stages = tuple(s for s in (args.stages or CASES[example][1]) if s in CASES[example][1])
+    stages = tuple(s for s in (args.stages or CASES[example][2]) if s in CASES[example][2])
     plan = make_example_plan(example, out=work / example, stages=stages, budget=args.memory_per_slot,
                              hparams=args.hparams)
     rows = []

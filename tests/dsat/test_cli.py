@@ -523,7 +523,7 @@ def test_each_other_stage_is_measured_near_its_boundary(tmp_path, oom_at_point):
     mib = 2 ** 20
     plan = _plan(tmp_path, make_model_dir(tmp_path, slots=2), "--zero-stages", "1", "3")
     tuner = object.__new__(Autotuner)
-    tuner.plan, tuner.say = plan, lambda line: None
+    tuner.plan, tuner.say, tuner.results = plan, lambda line: None, {}   # no timings: points at most 4 k
     profile = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=mib,
                           memory_per_slot=100 * mib, baseline_bytes=20 * mib, micro_batch=10,
                           peak_bytes=30 * mib, calibrated=True)
@@ -565,7 +565,7 @@ def test_the_profiled_stage_is_measured_again_where_its_peak_bends(tmp_path):
     mib = 2 ** 20
     plan = _plan(tmp_path, make_model_dir(tmp_path, slots=2), "--zero-stages", "1")
     tuner = object.__new__(Autotuner)
-    tuner.plan, tuner.say = plan, lambda line: None
+    tuner.plan, tuner.say, tuner.results = plan, lambda line: None, {}   # no timings: points at most 4 k
     ran = []
 
     def trial(runner, events, spec):
@@ -583,6 +583,40 @@ def test_the_profiled_stage_is_measured_again_where_its_peak_bends(tmp_path):
         out = tuner._stage_extras(None, [], calibration, profile, [])
         assert ran == expected_runs
         assert memory.approx_max_micro_batch(out, 1, data_parallel_size=2) == expected
+
+
+def test_a_cheap_step_lets_the_point_come_near_the_boundary(tmp_path):
+    # Simulated results (no processes), the same bending peak as above with a 1000 MiB budget: the
+    # line says 980, whose half is 490. The profiling trials' steps cost 20 ms at micro-batch 1 and
+    # 21 ms at 10 (a step's fixed cost dominates), so the point is not held to 4 k = 40: measured
+    # at 490, the prediction is 440 against a true boundary of 457 (at 40 it would be 890).
+    from toolkit.dsat.contract import ProfileInfo, TrialStatus
+    from toolkit.dsat.orchestrator import Autotuner
+    from toolkit.dsat.search import memory
+    from toolkit.dsat.search.types import TrialResult
+
+    mib = 2 ** 20
+    plan = _plan(tmp_path, make_model_dir(tmp_path, slots=2), "--zero-stages", "1")
+    tuner = object.__new__(Autotuner)
+    calibration = TrialSpec(-1, 10, {"stage": 1}, line=-1, profile=True)
+    timed = {0: (TrialSpec(0, 1, {"stage": 1}, line=-1, profile=True), 20.0), -1: (calibration, 21.0)}
+    tuner.plan, tuner.say = plan, lambda line: None
+    tuner.results = {i: TrialResult(spec, TrialStatus.OK, {"throughput": spec.micro_batch * 2 * 1000 / ms})
+                     for i, (spec, ms) in timed.items()}
+    profile = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=mib,
+                          memory_per_slot=1000 * mib, baseline_bytes=20 * mib, micro_batch=10,
+                          peak_bytes=30 * mib, calibrated=True)
+    ran = []
+
+    def trial(runner, events, spec):
+        ran.append((spec.trial_id, spec.stage, spec.micro_batch))
+        peak = 20 * mib + spec.micro_batch * mib + spec.micro_batch ** 2 * mib // 400
+        return TrialResult(spec, TrialStatus.OK, profile={**profile.to_json(), "peak_bytes": peak})
+
+    tuner._run_profiling_trial = trial
+    out = tuner._stage_extras(None, [], calibration, profile, [])
+    assert ran == [(-11, 1, 490)]
+    assert memory.approx_max_micro_batch(out, 1, data_parallel_size=2) == 440
 
 
 def test_profiling_trials_at_configurations_of_the_search_count_as_results(tmp_path):

@@ -1,4 +1,5 @@
-"""The search loop: profiling trial, memory model, search method, trials, outputs, resume.
+"""The search loop: profiling trial, memory model, search method, trials, outputs, resume (the
+profiling trials themselves in :mod:`toolkit.dsat.profiling_phase`).
 
 Rank 0 only: this runs in the autotuner's own process (``python -m toolkit.dsat ...``); the
 trials are separate launches of the user's entrypoint (see :mod:`toolkit.dsat.execution.runner`).
@@ -7,7 +8,6 @@ trials are separate launches of the user's entrypoint (see :mod:`toolkit.dsat.ex
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from typing import Any, Callable
@@ -18,13 +18,13 @@ from toolkit.dsat import search
 from toolkit.dsat.contract import ProfileInfo, TrialContract, TrialStatus
 from toolkit.dsat.execution.runner import TrialRunner
 from toolkit.dsat.plan import Plan, profile_spec, trial_ds_config
+from toolkit.dsat.profiling_phase import ProfilingPhase
 from toolkit.dsat.records import (
     EventLog,
     TensorBoardTrials,
     summary_table,
     write_trial_tables,
 )
-from toolkit.dsat.search import memory
 from toolkit.dsat.search.batch import time_capped_micro_batch
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
 from toolkit.dsat.trial.reporting import instrumentation_overrides
@@ -45,7 +45,7 @@ class SearchOutcome:
     message: str
 
 
-class Autotuner:
+class Autotuner(ProfilingPhase):
     """Runs a :class:`Plan`. Rank 0 only.
 
     Args:
@@ -118,135 +118,6 @@ class Autotuner:
                  f"{best_text} | running {running} | {time.monotonic() - self.started_at:.0f}s")
 
     # ---------------------------------------------------------------- phases
-    def _run_profiling_trial(self, runner: TrialRunner, events: list[dict[str, Any]],
-                             spec: TrialSpec) -> TrialResult:
-        """A profiling trial's result: the recorded one (--resume) when it succeeded, or for the
-        calibration trial (id < 0) when it ran out of memory at the same micro-batch; else a new run."""
-        recorded = [TrialResult.from_json(e["result"]) for e in events
-                    if e["event"] == "result" and e["trial_id"] == spec.trial_id]
-        reusable = (TrialStatus.OK,) if spec.trial_id == 0 else (TrialStatus.OK, TrialStatus.OOM)
-        if recorded and recorded[-1].status in reusable and recorded[-1].spec.micro_batch == spec.micro_batch:
-            self._record(recorded[-1], replayed=True)
-            self.say(f"profiling trial {spec.trial_id}: reusing the recorded result")
-            return recorded[-1]
-        self.say(f"profiling trial {spec.trial_id} (micro-batch {spec.micro_batch}) ...")
-        self._start(runner, spec, observed_before=0)
-        done: list[TrialResult] = []
-        while not done:
-            done = runner.wait(timeout=1.0)
-        self._record(done[0])
-        self._progress(done[0], 0)
-        return done[0]
-
-    def _measured(self, result: TrialResult) -> ProfileInfo:
-        """A profiling trial's profile with the CPU budget of the plan and the trial's micro-batch."""
-        fields = dict(result.profile or {})
-        if self.plan.memory_per_slot is not None and fields.get("device", "cpu") == "cpu":
-            fields["memory_per_slot"] = self.plan.memory_per_slot
-        fields["micro_batch"] = result.spec.micro_batch
-        return ProfileInfo.from_json(fields)
-
-    def _calibrate(self, runner: TrialRunner, events: list[dict[str, Any]],
-                   first: TrialResult) -> tuple[ProfileInfo, list[dict[str, Any]]]:
-        """The memory model's profile: calibrated by a second profiling trial of the same ZeRO
-        section at a larger micro-batch (trial -1; after an out-of-memory, once more at a quarter
-        of it, trial -2), or the first profile alone when that is impossible. Also the measured
-        profiles, for ``profile.json``."""
-        profile, dp = self._measured(first), self.plan.data_parallel_size
-        off_opt, off_par = memory.offload_flags(first.spec.zero)
-        latency = first.metrics.get("latency") if self._step_grows_with_micro_batch(first) else None
-        k = memory.calibration_micro_batch(profile, first.spec.stage, data_parallel_size=dp,
-                                           latency_ms=latency,
-                                           offload_optimizer=off_opt, offload_param=off_par)
-        measured, why = [profile.to_json()], "the first profile has no peak-memory measurement"
-        for trial_id in (-1, -2):
-            k = self._allowed_at_most(k)  # the global batch policy: a micro-batch that keeps it
-            if k is None or k <= profile.micro_batch:
-                break
-            result = self._run_profiling_trial(
-                runner, events, dataclasses.replace(first.spec, trial_id=trial_id, micro_batch=k))
-            if result.status is TrialStatus.OK and result.profile:
-                second = self._measured(result)
-                measured.append(second.to_json())
-                model = memory.model_memory_bytes(profile, first.spec.stage, data_parallel_size=dp,
-                                                  offload_optimizer=off_opt, offload_param=off_par)
-                calibrated = memory.calibrate(profile, second, model_memory=model)
-                return self._stage_extras(runner, events, result.spec, calibrated, measured), measured
-            why = f"the calibration trial at micro-batch {k} ended {result.status.value}"
-            k = k // 4 if result.status is TrialStatus.OOM and k // 4 >= 2 else None
-        self.say(f"memory model not calibrated ({why}): the estimate from the leaf outputs alone may be "
-                 "several times too large")
-        return profile, measured
-
-    def _stage_extras(self, runner: TrialRunner, events: list[dict[str, Any]], spec: TrialSpec,
-                      profile: ProfileInfo, measured: list[dict[str, Any]]) -> ProfileInfo:
-        """``profile`` with each searched stage's measured extra: one profiling trial per stage
-        (id -10 - stage) at half its predicted boundary (``memory.stage_point_micro_batch``;
-        after an out-of-memory there, once more at the calibration point, id -20 - stage), the
-        stage's own ZeRO section built on the calibration trial's. The calibrated stage is
-        measured too, when its point lies above the calibration point: the peak does not grow
-        linearly (the C allocator's heap, buffers that grow with the batch), and a point nearer
-        the boundary keeps the extrapolation short. A stage that runs out of memory at a
-        micro-batch is predicted to fit one example less at most; one that fails is left to the
-        formula."""
-        dp, k = self.plan.data_parallel_size, spec.micro_batch
-        for stage in sorted(set(self.plan.search.zero_stages)):
-            zero = {key: value for key, value in spec.zero.items()
-                    if not (key == "offload_optimizer" and stage < 2 or key == "offload_param" and stage < 3)}
-            zero["stage"] = stage
-            off_opt, off_par = memory.offload_flags(zero)
-            model = memory.model_memory_bytes(profile, stage, data_parallel_size=dp,
-                                              offload_optimizer=off_opt, offload_param=off_par)
-            point = self._allowed_at_most(memory.stage_point_micro_batch(
-                profile, stage, data_parallel_size=dp, offload_optimizer=off_opt, offload_param=off_par))
-            readings = []
-            points: tuple[tuple[int, int], ...] = ((-10 - stage, max(point or k, k)), (-20 - stage, k))
-            if stage == spec.stage:  # measured at k already: only a point above it says more
-                if (point or k) <= k:
-                    continue
-                points = points[:1]
-            for trial_id, m in points:
-                result = self._run_profiling_trial(
-                    runner, events, dataclasses.replace(spec, trial_id=trial_id, zero=zero, micro_batch=m))
-                if result.status is TrialStatus.OK and result.profile:
-                    at_stage = self._measured(result)
-                    measured.append({**at_stage.to_json(), "zero_stage": stage})
-                    peak = at_stage.peak_bytes
-                elif result.status is TrialStatus.OOM:  # a peak that makes the prediction m - 1 at most
-                    peak = int(profile.memory_per_slot) + int(profile.activation_bytes_per_example)
-                else:
-                    break
-                readings.append(memory.with_stage_extra(profile, stage, micro_batch=m, peak_bytes=peak,
-                                                        model_memory=model))
-                if result.status is not TrialStatus.OOM or m == k:
-                    break
-            if readings:  # after an out-of-memory at the point and a success at k: the smaller prediction
-                profile = min(readings, key=lambda p: memory.approx_max_micro_batch(
-                    p, stage, data_parallel_size=dp, offload_optimizer=off_opt, offload_param=off_par))
-        return profile
-
-    def _profile(self, runner: TrialRunner, events: list[dict[str, Any]]) -> ProfileInfo | None:
-        """Run (or reuse) the profiling trials; the memory model's profile, with its prediction and
-        the measured profiles written to ``profile.json``. None when the profiling trial failed."""
-        result = self._run_profiling_trial(runner, events, profile_spec(self.plan.base_ds_config))
-        if result.status is not TrialStatus.OK or not result.profile:
-            return None
-        profile, measured = self._calibrate(runner, events, result)
-        # The user's offload intent, as if at stage 3; predict applies what each stage allows.
-        offload_optimizer, offload_param = memory.offload_flags({**self.plan.search.base_zero, "stage": 3})
-        prediction = memory.predict(profile, data_parallel_size=self.plan.data_parallel_size,
-                                    zero_stages=self.plan.search.zero_stages,
-                                    offload_optimizer=offload_optimizer, offload_param=offload_param)
-        atomic_write_json(self.out / "profile.json",
-                          {"profile": profile.to_json(), "measured": measured,
-                           "prediction": {str(k): v for k, v in prediction.items()}})
-        kind = "peak memory" if profile.calibrated else "activations"
-        self.say(f"model: {profile.num_params:,} parameters ({profile.trainable_params:,} trainable), "
-                 f"{kind} {profile.activation_bytes_per_example:,} bytes/example, "
-                 f"{profile.memory_per_slot:,} bytes per slot ({profile.device})")
-        self.say(memory.format_prediction(prediction, profile=profile))
-        return profile
-
     def run_profiling(self) -> ProfileInfo | None:
         """Only the profiling trials and the memory model (``profile.json``), no search: for
         benchmarks of the memory model (``scripts/bench_memory.py``). Rank 0 only.
@@ -259,19 +130,6 @@ class Autotuner:
         (self.out / "trials").mkdir(exist_ok=True)
         with TrialRunner(self.plan.runner, output_dir=self.out) as runner:
             return self._profile(runner, self.log.read())
-
-    def _record_boundaries(self, results: list[TrialResult]) -> None:
-        """Add the boundary the trials found per stage beside the prediction in ``profile.json``; say it."""
-        path = self.out / "profile.json"
-        if not path.exists():
-            return
-        recorded = json.loads(path.read_text(encoding="utf-8"))
-        found = memory.found_boundaries(results)
-        recorded["found"] = {str(stage): row for stage, row in found.items()}
-        atomic_write_json(path, recorded)
-        if found:
-            self.say("memory model, predicted vs found:\n"
-                     + memory.format_boundaries(recorded.get("prediction", {}), found))
 
     def run(self) -> SearchOutcome:
         """Run (or resume) the search. Interrupting it (Ctrl-C) kills every trial; the record stays."""

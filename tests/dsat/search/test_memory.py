@@ -6,22 +6,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from toolkit.dsat.contract import ProfileInfo, TrialStatus
+from toolkit.dsat.contract import ProfileInfo
 from toolkit.dsat.search.memory import (
     CALIBRATION_MAX,
     approx_max_micro_batch,
     calibrate,
     calibration_micro_batch,
-    format_boundaries,
     format_prediction,
-    found_boundaries,
     model_memory_bytes,
     offload_flags,
     predict,
     stage_point_micro_batch,
+    time_capped_point,
     with_stage_extra,
 )
-from toolkit.dsat.search.types import TrialResult, TrialSpec
 
 
 def _profile(n=1000, n_t=1000, *, act=100, mem=17_000, base=0, half=False):
@@ -184,23 +182,6 @@ def test_calibration_micro_batch_is_a_fraction_of_the_estimate_capped():
     assert calibration_micro_batch(calibrated, 1, data_parallel_size=2) is None
 
 
-def _result(tid, stage, mb, status, profile=False):
-    return TrialResult(TrialSpec(tid, mb, {"stage": stage}, profile=profile), TrialStatus(status))
-
-
-def test_found_boundaries_and_their_lines():
-    results = [_result(0, 1, 1, "ok", profile=True), _result(-1, 1, 90, "oom", profile=True),
-               _result(1, 1, 40, "ok"), _result(2, 1, 60, "oom"), _result(3, 1, 50, "ok"),
-               _result(4, 1, 55, "oom"), _result(5, 3, 70, "ok"), _result(6, 2, 10, "failed")]
-    found = found_boundaries(results)
-    assert found == {1: {"largest_ok": 50, "smallest_oom": 55}, 3: {"largest_ok": 70, "smallest_oom": None}}
-    prediction = {"1": {"approx_max_micro_batch": 52}, "3": {"approx_max_micro_batch": 80}}
-    text = format_boundaries(prediction, found)
-    assert text.splitlines() == [
-        "stage 1: predicted largest micro-batch 52; found: largest ok 50, smallest oom 55",
-        "stage 3: predicted largest micro-batch 80; found: largest ok 70, smallest oom none"]
-
-
 def _calibrated_at_stage_1(dp):
     """Calibrated at stage 1 from micro-batches 1 and 40: 300 MiB + state + 2 MiB per example."""
     state = {s: model_memory_bytes(_measured(1, 1), s, data_parallel_size=dp) for s in (1, 2, 3)}
@@ -307,3 +288,14 @@ def test_the_prediction_is_the_largest_micro_batch_under_the_larger_reading(extr
         assert fits(m) and not fits(m + 1)
     else:
         assert m == 1
+
+
+def test_the_points_time_cap_follows_the_step_times_line():
+    # 20 ms at 1, 25 ms at 100: 3000 ms (CALIBRATION_STEP_MS) at 100 + 2975 / (5 / 99)
+    assert time_capped_point((1, 20.0), (100, 25.0)) == 59005
+    # a step already at 2 s: 4x its time, 8 s, at 100 + 6000 / (1990 / 99) = 398; at least 4 x 100
+    assert time_capped_point((1, 10.0), (100, 2000.0)) == 400
+    assert time_capped_point((1, 10.0), (100, 300.0)) == 100 + int(2700 / (290 / 99)) == 1021
+    # no growth, or points out of order: nothing to extrapolate (the caller keeps 4 k)
+    assert time_capped_point((1, 30.0), (100, 25.0)) is None
+    assert time_capped_point((100, 20.0), (1, 25.0)) is None

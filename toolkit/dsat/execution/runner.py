@@ -21,11 +21,9 @@ killed with SIGKILL leaves them orphaned. A trial's processes are those whose
 How a trial ended is decided by :func:`toolkit.dsat.execution.classify.classify` (its table), from the exit
 status and the result file, never from the logs. A trial's workers (the processes with
 ``LOCAL_RANK`` set, and their children; not the launcher, nor a fork of it before its exec) are
-held to ``memory_per_slot`` by polling their peak resident size (``VmHWM``) in
-:meth:`TrialRunner.wait`: a peak over the budget is an out-of-memory even when it falls between two
-polls, as a GPU's allocator fails at the peak, and the trial checks its own peak once more before
-it reports (:class:`toolkit.dsat.trial.session.TrialSession`), so that a short trial cannot slip
-between polls either.
+held to ``memory_per_slot`` by polling their peak resident size (``VmHWM``, so that a peak between
+two polls counts, as a GPU's allocator fails at its peak; the trial checks its own peak before it
+reports, :class:`toolkit.dsat.trial.session.TrialSession`) in :meth:`TrialRunner.wait`.
 :func:`run_to_completion` runs a job that is not a trial (the full experiment) with the same care.
 
 Example::

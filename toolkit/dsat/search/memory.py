@@ -26,7 +26,8 @@ point ``k`` as ``micro_batch``, so :func:`approx_max_micro_batch` computes exact
 
 What the formula misses between stages (ZeRO-3's gather and prefetch buffers, a stage's own
 buckets) is measured by one more profiling trial per searched stage, at half the stage's
-predicted boundary (:func:`stage_point_micro_batch`, at least ``k``, at most ``4 k``), and
+predicted boundary (:func:`stage_point_micro_batch`, at least ``k``, at most where the step time
+reaches 4x the calibration trial's or 3 s, :func:`time_capped_point`), and
 :func:`with_stage_extra` keeps its extra ``E`` over the line. One point cannot tell a fixed extra
 from one that grows with the micro-batch, so the model takes the larger of the two readings
 beyond the point, ``extra(m) = max(E, E * m / point)``: a positive extra grows in proportion
@@ -55,8 +56,8 @@ from toolkit.dsat.contract import ProfileInfo
 
 __all__ = [
     "model_memory_bytes", "approx_max_micro_batch", "offload_flags", "predict", "format_prediction",
-    "calibration_micro_batch", "calibrate", "found_boundaries", "format_boundaries", "free_bytes",
-    "with_stage_extra", "stage_point_micro_batch",
+    "calibration_micro_batch", "calibrate", "free_bytes",
+    "with_stage_extra", "stage_point_micro_batch", "time_capped_point",
 ]
 
 logger = logging.getLogger(__name__)
@@ -310,10 +311,12 @@ def calibration_micro_batch(profile: ProfileInfo, stage: int, *, data_parallel_s
 
 
 def stage_point_micro_batch(profile: ProfileInfo, stage: int, *, data_parallel_size: int,
-                            offload_optimizer: bool = False, offload_param: bool = False) -> int:
+                            offload_optimizer: bool = False, offload_param: bool = False,
+                            at_most: int | None = None) -> int:
     """Where to measure ``stage``'s extra: half its predicted boundary on the calibrated line
-    (before its own extra), at least the calibration point ``k`` and at most ``4 k`` (the step
-    time stays within 4x the calibration trial's). Pure.
+    (before its own extra), at least the calibration point ``k`` and at most ``at_most``
+    (:func:`time_capped_point`), or ``4 k`` when None (the step time within 4x the calibration
+    trial's when it grows in proportion). Pure.
 
     Example:
         >>> p = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=100,
@@ -324,7 +327,27 @@ def stage_point_micro_batch(profile: ProfileInfo, stage: int, *, data_parallel_s
     k = int(profile.micro_batch)
     approx = approx_max_micro_batch(profile, stage, data_parallel_size=data_parallel_size,
                                     offload_optimizer=offload_optimizer, offload_param=offload_param)
-    return max(k, min(approx // 2, 4 * k))
+    return max(k, min(approx // 2, 4 * k if at_most is None else at_most))
+
+
+def time_capped_point(first: tuple[int, float], second: tuple[int, float]) -> int | None:
+    """The largest micro-batch a stage's point may have: where the time per micro-batch, on the
+    line through two profiling trials' ``(micro_batch, ms per micro-batch)``, reaches the larger
+    of 4x the second's and :data:`CALIBRATION_STEP_MS`; at least ``4 m2``. A step's fixed cost
+    (launch, communication, the optimizer) makes small steps cost far more than their share, so
+    the line lets a cheap model's point come near its boundary, where the memory curve is
+    measured, not extrapolated over a hundredfold. None when the time does not grow. Pure.
+
+    Example:
+        >>> time_capped_point((1, 20.0), (100, 25.0))    # 3000 ms at 100 + 2975 / (5 / 99)
+        59005
+    """
+    (m1, t1), (m2, t2) = first, second
+    if not 1 <= m1 < m2 or t2 <= t1:
+        return None
+    per_example = (t2 - t1) / (m2 - m1)
+    limit = max(4 * t2, CALIBRATION_STEP_MS)
+    return max(int(m2 + (limit - t2) / per_example), 4 * m2)
 
 
 def calibrate(first: ProfileInfo, second: ProfileInfo, *, model_memory: int) -> ProfileInfo:
@@ -361,39 +384,3 @@ def calibrate(first: ProfileInfo, second: ProfileInfo, *, model_memory: int) -> 
     fields = {**first.to_json(), "activation_bytes_per_example": slope, "baseline_bytes": baseline,
               "micro_batch": m2, "peak_bytes": int(second.peak_bytes), "calibrated": True}
     return ProfileInfo.from_json(fields)
-
-
-def found_boundaries(results: Iterable[Any]) -> dict[int, dict[str, int | None]]:
-    """Per ZeRO stage, the boundary the tuning trials found: the largest micro-batch that ran
-    (``largest_ok``) and the smallest that ran out of memory (``smallest_oom``), None where no
-    trial says. ``results``: :class:`~toolkit.dsat.search.types.TrialResult` objects (profiling
-    trials are left out). Pure; rank 0 by convention.
-    """
-    out: dict[int, dict[str, int | None]] = {}
-    for r in results:
-        if r.spec.profile or r.status.value not in ("ok", "oom"):
-            continue
-        row = out.setdefault(r.spec.stage, {"largest_ok": None, "smallest_oom": None})
-        key, pick = ("largest_ok", max) if r.status.value == "ok" else ("smallest_oom", min)
-        row[key] = r.spec.micro_batch if row[key] is None else pick(row[key], r.spec.micro_batch)
-    return dict(sorted(out.items()))
-
-
-def format_boundaries(prediction: Mapping[Any, Mapping[str, Any]],
-                      found: Mapping[int, Mapping[str, int | None]]) -> str:
-    """Lines ``stage S: predicted largest micro-batch P; found: largest ok A, smallest oom B``,
-    for the stages the trials ran. ``prediction``: :func:`predict`'s (keys int or str). Pure.
-
-    Example:
-        >>> print(format_boundaries({"1": {"approx_max_micro_batch": 40}},
-        ...                         {1: {"largest_ok": 38, "smallest_oom": 41}}))
-        stage 1: predicted largest micro-batch 40; found: largest ok 38, smallest oom 41
-    """
-    lines = []
-    for stage, row in sorted(found.items()):
-        predicted = prediction.get(stage) or prediction.get(str(stage)) or {}
-        shown = predicted.get("approx_max_micro_batch", "?")
-        lines.append(f"stage {stage}: predicted largest micro-batch {shown}; found: largest ok "
-                     f"{row['largest_ok'] if row['largest_ok'] is not None else 'none'}, smallest oom "
-                     f"{row['smallest_oom'] if row['smallest_oom'] is not None else 'none'}")
-    return "\n".join(lines)

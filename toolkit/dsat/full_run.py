@@ -6,6 +6,7 @@ Rank 0 only: runs in the autotuner's process and launches the entrypoint once.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -13,6 +14,7 @@ from toolkit._files import atomic_write_json
 from toolkit.config.experiment import max_length_steps
 from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV, trial_hparams
 from toolkit.dsat.execution.argv import LOOPBACK, build_trial_argv
+from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV
 from toolkit.runtime.ds_shm import remove_buffers
 
 if TYPE_CHECKING:  # the orchestrator imports this module's callers; no cycle at run time
@@ -46,6 +48,8 @@ def run_full_experiment(plan: Plan, outcome: SearchOutcome, *, say: Callable[[st
     argv = build_trial_argv(list(plan.runner.entrypoint), launcher=plan.runner.launcher,
                             nproc=plan.runner.slots_per_trial, master_port=port)
     env = {TRIAL_HPARAMS_ENV: str(directory / "hparams.json"), EXPERIMENT_CONFIG_ENV: str(plan.config_path)}
+    if plan.runner.memory_per_slot is not None:  # on CPU, the allocator the trials measured with
+        env.update({key: os.environ.get(key, value) for key, value in CPU_ALLOCATOR_ENV})
     say(f"full experiment: {' '.join(argv)} ({steps or 'script-defined'} steps, train_batch_size "
         f"{best_config.get('train_batch_size')} ({plan.global_batch.policy}); logs in {directory})")
     code = run_to_completion(argv, cwd=Path(plan.runner.model_dir), env=env, log_dir=directory,

@@ -17,6 +17,7 @@ from toolkit.config.deepspeed import BATCH_KEYS, overwrite_deepspeed_config
 from toolkit.dsat import search
 from toolkit.dsat.contract import ProfileInfo, TrialContract, TrialStatus
 from toolkit.dsat.execution.runner import TrialRunner
+from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV
 from toolkit.dsat.plan import Plan, profile_spec, trial_ds_config
 from toolkit.dsat.profiling_phase import ProfilingPhase
 from toolkit.dsat.records import (
@@ -138,6 +139,10 @@ class Autotuner(ProfilingPhase):
         events = self.log.read()
         atomic_write_json(self.out / "search.json", self.plan.fingerprint())
         self.say(self.plan.global_batch.describe())
+        if self.plan.runner.memory_per_slot is not None:
+            self.say("CPU budget: trials run with " + " ".join(f"{k}={v}" for k, v in CPU_ALLOCATOR_ENV)
+                     + " unless set (glibc's heap otherwise makes the peak memory jump with the "
+                     "micro-batch); set it in your own launches of the tuned config for the same memory")
         with TrialRunner(self.plan.runner, output_dir=self.out) as runner:
             profile = self._profile(runner, events)
             if profile is None:

@@ -21,9 +21,8 @@ killed with SIGKILL leaves them orphaned. A trial's processes are those whose
 How a trial ended is decided by :func:`toolkit.dsat.execution.classify.classify` (its table), from the exit
 status and the result file, never from the logs. A trial's workers (the processes with
 ``LOCAL_RANK`` set, and their children; not the launcher, nor a fork of it before its exec) are
-held to ``memory_per_slot`` by polling their peak resident size (``VmHWM``, so that a peak between
-two polls counts, as a GPU's allocator fails at its peak; the trial checks its own peak before it
-reports, :class:`toolkit.dsat.trial.session.TrialSession`) in :meth:`TrialRunner.wait`.
+held to ``memory_per_slot`` by polling their peak resident size (``VmHWM``: a peak between two polls
+counts, as a GPU fails at its peak; the trial also checks its own) in :meth:`TrialRunner.wait`.
 :func:`run_to_completion` runs a job that is not a trial (the full experiment) with the same care.
 
 Example::
@@ -76,7 +75,7 @@ from toolkit.dsat.execution.procs import (
     scan_processes,
     unblock_interrupts,
 )
-from toolkit.dsat.execution.settings import RunnerSettings
+from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV, RunnerSettings
 from toolkit.dsat.execution.slots import SlotPool, Slots, device_ids
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.runtime.ds_shm import remove_buffers
@@ -234,6 +233,8 @@ class TrialRunner:
             env[EXPERIMENT_CONFIG_ENV] = str(s.experiment_config)
         # Trials share the cores: without a limit every rank starts one OpenMP thread per core.
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // s.max_slots)))
+        for key, value in CPU_ALLOCATOR_ENV if s.memory_per_slot is not None else ():
+            env.setdefault(key, value)  # a peak resident size linear in the micro-batch (see there)
         if gpus is None:
             return env, None
         env["CUDA_VISIBLE_DEVICES"] = ",".join(self._device_ids.get(g, str(g)) for g in gpus)

@@ -40,7 +40,8 @@ record = {"pid": os.getpid(), "start": time.time(), "cwd": os.getcwd(),
           "hparams": hparams, "argv": sys.argv,
           "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "MASTER_PORT",
                                                  "WORLD_SIZE", "LOCAL_RANK", "TOOLKIT_DSAT_TRIAL",
-                                                 "TOOLKIT_TRIAL_HPARAMS", "TOOLKIT_OUTPUT_DIR")}}
+                                                 "TOOLKIT_TRIAL_HPARAMS", "TOOLKIT_OUTPUT_DIR",
+                                                 "MALLOC_MMAP_THRESHOLD_")}}
 if hparams.get("shm"):  # before the marker: a test that saw the marker finds the segment
     segment = Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_"
                                   f"{os.environ['MASTER_PORT']}_{rank}")

@@ -179,6 +179,7 @@ def test_outcomes_are_classified_from_exit_status_and_result_file(tmp_path):
     assert seen["env"]["TOOLKIT_DSAT_TRIAL"] == str(trial0 / "trial.json")
     assert seen["env"]["CUDA_VISIBLE_DEVICES"] is None  # no gpus given: left alone
     assert seen["env"]["TOOLKIT_OUTPUT_DIR"] == str(trial0 / "output")  # toolkit.get_output_dir: per trial
+    assert seen["env"]["MALLOC_MMAP_THRESHOLD_"] == "131072"  # a CPU budget: glibc's threshold fixed
     ports = {rank_record(out, i)["env"]["MASTER_PORT"] for i in results}
     assert len(ports) == len(results)  # a port per trial
 
@@ -205,6 +206,7 @@ def test_timeout_kills_the_trial_and_its_orphans(tmp_path):
         elapsed = time.monotonic() - started
     assert [r.status for r in results.values()] == [TrialStatus.TIMEOUT] * 2
     assert results[1].error == "ran past the timeout of 10 s"
+    assert rank_record(out, 1, 0)["env"]["MALLOC_MMAP_THRESHOLD_"] is None  # no CPU budget: left alone
     assert 10.0 <= elapsed < 2 * (10.0 + 1.0 + 10.0)
     for rank in (0, 1):
         assert not alive(rank_record(out, 1, rank)["pid"])

@@ -552,69 +552,68 @@ def test_each_other_stage_is_measured_near_its_boundary(tmp_path, oom_at_point):
     assert memory.approx_max_micro_batch(out, 1, data_parallel_size=2) == 80
 
 
-def test_the_profiled_stage_is_measured_again_where_its_peak_bends(tmp_path):
-    # Simulated results (no processes): the peak grows as 20 + m + m^2/400 MiB, as a CPU rank's does
-    # when the C allocator keeps freed activations in its heap. Calibrated at 1 and 10, the line
-    # says 80 (100 MiB budget); the point at 40 sees 4 MiB more than the line and brings the
-    # prediction to 72, against a true boundary of 68. A point not above k measures nothing.
+def _tuner_on_a_bending_peak(tmp_path, results):
+    """An Autotuner searching stage 1 (no processes: simulated profiling trials, whose peak grows as
+    20 + m + m^2/400 MiB, as a CPU rank's does when the C allocator keeps freed activations in its
+    heap), and the (id, stage, micro-batch) list of the trials it ran."""
     from toolkit.dsat.contract import ProfileInfo, TrialStatus
     from toolkit.dsat.orchestrator import Autotuner
-    from toolkit.dsat.search import memory
     from toolkit.dsat.search.types import TrialResult
 
     mib = 2 ** 20
-    plan = _plan(tmp_path, make_model_dir(tmp_path, slots=2), "--zero-stages", "1")
     tuner = object.__new__(Autotuner)
-    tuner.plan, tuner.say, tuner.results = plan, lambda line: None, {}   # no timings: points at most 4 k
-    ran = []
+    tuner.plan = _plan(tmp_path, make_model_dir(tmp_path, slots=2), "--zero-stages", "1")
+    tuner.say, tuner.results, ran = (lambda line: None), results, []
+    measured = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=mib,
+                           memory_per_slot=mib, micro_batch=1)
 
     def trial(runner, events, spec):
         ran.append((spec.trial_id, spec.stage, spec.micro_batch))
         peak = 20 * mib + spec.micro_batch * mib + spec.micro_batch ** 2 * mib // 400
-        return TrialResult(spec, TrialStatus.OK, profile={**profile.to_json(), "peak_bytes": peak})
+        return TrialResult(spec, TrialStatus.OK, profile={**measured.to_json(), "peak_bytes": peak})
 
     tuner._run_profiling_trial = trial
+    return tuner, ran
+
+
+def _calibrated_at_10(budget_mib):
+    from toolkit.dsat.contract import ProfileInfo
+    mib = 2 ** 20
+    return ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=mib,
+                       memory_per_slot=budget_mib * mib, baseline_bytes=20 * mib, micro_batch=10,
+                       peak_bytes=30 * mib, calibrated=True)
+
+
+def test_the_profiled_stage_is_measured_again_where_its_peak_bends(tmp_path):
+    # Calibrated at 1 and 10, the line says 80 (100 MiB budget); the point at 40 sees 4 MiB more
+    # than the line and brings the prediction to 72, against a true boundary of 68. No timings: the
+    # point is at most 4 k. A point not above k measures nothing.
+    from toolkit.dsat.search import memory
+
     calibration = TrialSpec(-1, 10, {"stage": 1}, line=-1, profile=True)
     for budget, expected_runs, expected in ((100, [(-11, 1, 40)], 72), (30, [], 10)):
-        ran.clear()
-        profile = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=mib,
-                              memory_per_slot=budget * mib, baseline_bytes=20 * mib, micro_batch=10,
-                              peak_bytes=30 * mib, calibrated=True)
-        out = tuner._stage_extras(None, [], calibration, profile, [])
+        (tmp_path / str(budget)).mkdir()
+        tuner, ran = _tuner_on_a_bending_peak(tmp_path / str(budget), {})
+        out = tuner._stage_extras(None, [], calibration, _calibrated_at_10(budget), [])
         assert ran == expected_runs
         assert memory.approx_max_micro_batch(out, 1, data_parallel_size=2) == expected
 
 
 def test_a_cheap_step_lets_the_point_come_near_the_boundary(tmp_path):
-    # Simulated results (no processes), the same bending peak as above with a 1000 MiB budget: the
-    # line says 980, whose half is 490. The profiling trials' steps cost 20 ms at micro-batch 1 and
-    # 21 ms at 10 (a step's fixed cost dominates), so the point is not held to 4 k = 40: measured
-    # at 490, the prediction is 440 against a true boundary of 457 (at 40 it would be 890).
-    from toolkit.dsat.contract import ProfileInfo, TrialStatus
-    from toolkit.dsat.orchestrator import Autotuner
+    # The same bending peak with a 1000 MiB budget: the line says 980, whose half is 490. The
+    # profiling trials' steps cost 20 ms at micro-batch 1 and 21 ms at 10 (a step's fixed cost
+    # dominates), so the point is not held to 4 k = 40: measured at 490, the prediction is 440
+    # against a true boundary of 457 (at 40 it would be 890).
+    from toolkit.dsat.contract import TrialStatus
     from toolkit.dsat.search import memory
     from toolkit.dsat.search.types import TrialResult
 
-    mib = 2 ** 20
-    plan = _plan(tmp_path, make_model_dir(tmp_path, slots=2), "--zero-stages", "1")
-    tuner = object.__new__(Autotuner)
     calibration = TrialSpec(-1, 10, {"stage": 1}, line=-1, profile=True)
     timed = {0: (TrialSpec(0, 1, {"stage": 1}, line=-1, profile=True), 20.0), -1: (calibration, 21.0)}
-    tuner.plan, tuner.say = plan, lambda line: None
-    tuner.results = {i: TrialResult(spec, TrialStatus.OK, {"throughput": spec.micro_batch * 2 * 1000 / ms})
-                     for i, (spec, ms) in timed.items()}
-    profile = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=mib,
-                          memory_per_slot=1000 * mib, baseline_bytes=20 * mib, micro_batch=10,
-                          peak_bytes=30 * mib, calibrated=True)
-    ran = []
-
-    def trial(runner, events, spec):
-        ran.append((spec.trial_id, spec.stage, spec.micro_batch))
-        peak = 20 * mib + spec.micro_batch * mib + spec.micro_batch ** 2 * mib // 400
-        return TrialResult(spec, TrialStatus.OK, profile={**profile.to_json(), "peak_bytes": peak})
-
-    tuner._run_profiling_trial = trial
-    out = tuner._stage_extras(None, [], calibration, profile, [])
+    results = {i: TrialResult(spec, TrialStatus.OK, {"throughput": spec.micro_batch * 2 * 1000 / ms})
+               for i, (spec, ms) in timed.items()}
+    tuner, ran = _tuner_on_a_bending_peak(tmp_path, results)
+    out = tuner._stage_extras(None, [], calibration, _calibrated_at_10(1000), [])
     assert ran == [(-11, 1, 490)]
     assert memory.approx_max_micro_batch(out, 1, data_parallel_size=2) == 440
 

@@ -19,7 +19,7 @@ from toolkit._files import atomic_write_json
 from toolkit.dsat.contract import ProfileInfo, TrialStatus
 from toolkit.dsat.execution.runner import TrialRunner
 from toolkit.dsat.plan import Plan, profile_spec
-from toolkit.dsat.search import boundaries, memory
+from toolkit.dsat.search import boundaries, calibration, memory
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 
 __all__ = ["ProfilingPhase"]
@@ -88,7 +88,7 @@ class ProfilingPhase:
         profile, dp = self._measured(first), self.plan.data_parallel_size
         off_opt, off_par = memory.offload_flags(first.spec.zero)
         latency = first.metrics.get("latency") if self._step_grows_with_micro_batch(first) else None
-        k = memory.calibration_micro_batch(profile, first.spec.stage, data_parallel_size=dp,
+        k = calibration.calibration_micro_batch(profile, first.spec.stage, data_parallel_size=dp,
                                            latency_ms=latency,
                                            offload_optimizer=off_opt, offload_param=off_par)
         measured, why = [profile.to_json()], "the first profile has no peak-memory measurement"
@@ -103,7 +103,7 @@ class ProfilingPhase:
                 measured.append(second.to_json())
                 model = memory.model_memory_bytes(profile, first.spec.stage, data_parallel_size=dp,
                                                   offload_optimizer=off_opt, offload_param=off_par)
-                calibrated = memory.calibrate(profile, second, model_memory=model)
+                calibrated = calibration.calibrate(profile, second, model_memory=model)
                 return self._stage_extras(runner, events, result.spec, calibrated, measured), measured
             why = f"the calibration trial at micro-batch {k} ended {result.status.value}"
             k = k // 4 if result.status is TrialStatus.OOM and k // 4 >= 2 else None
@@ -114,30 +114,30 @@ class ProfilingPhase:
     def _stage_extras(self, runner: TrialRunner, events: list[dict[str, Any]], spec: TrialSpec,
                       profile: ProfileInfo, measured: list[dict[str, Any]]) -> ProfileInfo:
         """``profile`` with each searched stage's measured extra: one profiling trial per stage
-        (id -10 - stage) at half its predicted boundary (``memory.stage_point_micro_batch``;
+        (id -10 - stage) at half its predicted boundary (``calibration.stage_point_micro_batch``;
         after an out-of-memory there, once more at the calibration point, id -20 - stage), the
-        stage's own ZeRO section built on the calibration trial's. The calibrated stage is
-        measured too, when its point lies above the calibration point: the peak does not grow
-        linearly (the C allocator's heap, buffers that grow with the batch), and a point nearer
-        the boundary keeps the extrapolation short. A stage that runs out of memory at a
+        stage's own ZeRO section built on the calibration trial's. The calibrated stage comes
+        first, when its point lies above the calibration point: the line is refitted through k
+        and that point (``calibration.refit``), which becomes k for the others. A stage that
+        runs out of memory at a
         micro-batch is predicted to fit one example less at most; one that fails is left to the
         formula."""
-        dp, k = self.plan.data_parallel_size, spec.micro_batch
-        at_most = self._point_cap(spec)
-        for stage in sorted(set(self.plan.search.zero_stages)):
+        dp, at_most = self.plan.data_parallel_size, self._point_cap(spec)
+        for stage in sorted(set(self.plan.search.zero_stages), key=lambda s: s != spec.stage):  # profiled 1st
+            k = int(profile.micro_batch)  # the calibration point (the profiled stage's point once refitted)
             zero = {key: value for key, value in spec.zero.items()
                     if not (key == "offload_optimizer" and stage < 2 or key == "offload_param" and stage < 3)}
             zero["stage"] = stage
             off_opt, off_par = memory.offload_flags(zero)
             model = memory.model_memory_bytes(profile, stage, data_parallel_size=dp,
                                               offload_optimizer=off_opt, offload_param=off_par)
-            point = self._allowed_at_most(memory.stage_point_micro_batch(
+            point = self._allowed_at_most(calibration.stage_point_micro_batch(
                 profile, stage, data_parallel_size=dp, offload_optimizer=off_opt, offload_param=off_par,
-                at_most=at_most))
-            readings = []
-            points: tuple[tuple[int, int], ...] = ((-10 - stage, max(point or k, k)), (-20 - stage, k))
+                at_most=at_most)) or k
+            readings: list[ProfileInfo] = []
+            points: tuple[tuple[int, int], ...] = ((-10 - stage, max(point, k)), (-20 - stage, k))
             if stage == spec.stage:  # measured at k already: only a point above it says more
-                if (point or k) <= k:
+                if point <= k:
                     continue
                 points = points[:1]
             for trial_id, m in points:
@@ -146,6 +146,10 @@ class ProfilingPhase:
                 if result.status is TrialStatus.OK and result.profile:
                     at_stage = self._measured(result)
                     measured.append({**at_stage.to_json(), "zero_stage": stage})
+                    if stage == spec.stage:  # the line through k and this point
+                        readings.append(calibration.refit(profile, at_stage, model_memory=model,
+                                                          first=ProfileInfo.from_json(measured[0])))
+                        break
                     peak = at_stage.peak_bytes
                 elif result.status is TrialStatus.OOM:  # a peak that makes the prediction m - 1 at most
                     peak = int(profile.memory_per_slot) + int(profile.activation_bytes_per_example)
@@ -160,19 +164,19 @@ class ProfilingPhase:
                     p, stage, data_parallel_size=dp, offload_optimizer=off_opt, offload_param=off_par))
         return profile
 
-    def _point_cap(self, calibration: TrialSpec) -> int | None:
-        """The stages' points at most (``memory.time_capped_point``), from the time per
+    def _point_cap(self, spec: TrialSpec) -> int | None:
+        """The stages' points at most (``calibration.time_capped_point``), from the time per
         micro-batch of the first profiling trial and the calibration trial; None (4 k) when
         either lacks its throughput."""
         points = []
-        for trial_id in (0, calibration.trial_id):
+        for trial_id in (0, spec.trial_id):
             result = self.results.get(trial_id)
             throughput = float(result.metrics.get("throughput") or 0.0) if result else 0.0
             if result is None or throughput <= 0:
                 return None
             ms = 1000.0 * result.spec.micro_batch * self.plan.data_parallel_size / throughput
             points.append((result.spec.micro_batch, ms))
-        return memory.time_capped_point(points[0], points[1])
+        return calibration.time_capped_point(points[0], points[1])
 
     def _profile(self, runner: TrialRunner, events: list[dict[str, Any]]) -> ProfileInfo | None:
         """Run (or reuse) the profiling trials; the memory model's profile, with its prediction and

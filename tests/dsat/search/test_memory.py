@@ -7,17 +7,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from toolkit.dsat.contract import ProfileInfo
-from toolkit.dsat.search.memory import (
+from toolkit.dsat.search.calibration import (
     CALIBRATION_MAX,
-    approx_max_micro_batch,
     calibrate,
     calibration_micro_batch,
+    refit,
+    stage_point_micro_batch,
+    time_capped_point,
+)
+from toolkit.dsat.search.memory import (
+    approx_max_micro_batch,
     format_prediction,
     model_memory_bytes,
     offload_flags,
     predict,
-    stage_point_micro_batch,
-    time_capped_point,
     with_stage_extra,
 )
 
@@ -299,3 +302,23 @@ def test_the_points_time_cap_follows_the_step_times_line():
     # no growth, or points out of order: nothing to extrapolate (the caller keeps 4 k)
     assert time_capped_point((1, 30.0), (100, 25.0)) is None
     assert time_capped_point((100, 20.0), (1, 25.0)) is None
+
+
+def test_refit_takes_the_slope_between_k_and_the_point():
+    # peak(1) = 20 kB; peak(11) = 40 kB (the small step's one-off 18 kB makes 2000 B per example);
+    # peak(111) = 90 kB: 500 B per example from k on, the line through (11, 40 kB)
+    first = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=100,
+                        memory_per_slot=100_000, micro_batch=1, peak_bytes=20_000)
+    at_k = calibrate(first, ProfileInfo.from_json({**first.to_json(), "micro_batch": 11, "peak_bytes": 40_000}),
+                     model_memory=0)
+    assert approx_max_micro_batch(at_k, 0, data_parallel_size=1) == (100_000 - 18_000) // 2000
+    at_p = ProfileInfo.from_json({**first.to_json(), "micro_batch": 111, "peak_bytes": 90_000})
+    refitted = refit(at_k, at_p, first=first, model_memory=0)
+    assert (refitted.activation_bytes_per_example, refitted.baseline_bytes, refitted.micro_batch) == (500, 34_500, 111)
+    assert approx_max_micro_batch(refitted, 0, data_parallel_size=1) == (100_000 - 34_500) // 500 == 131
+    # a point that measured less than k (noise): the slope is floored at the leaf outputs (100 B),
+    # or at the chord from peak(1) when that is smaller
+    flat = ProfileInfo.from_json({**first.to_json(), "micro_batch": 111, "peak_bytes": 39_000})
+    assert refit(at_k, flat, first=first, model_memory=0).activation_bytes_per_example == 100
+    low = ProfileInfo.from_json({**first.to_json(), "micro_batch": 111, "peak_bytes": 25_500})
+    assert refit(at_k, low, first=first, model_memory=0).activation_bytes_per_example == 50

@@ -13,30 +13,31 @@ stage 3 ``(P + G + O)/S``. An offloaded part leaves the device: ``offload_optimi
 ``O``, ``offload_param`` removes ``P``. Divisions round up, so the model never promises a byte
 the device does not have.
 
-Calibrated (:func:`calibrate`): the profiling trial at micro-batch 1 sees only the outputs of the
-leaf modules, not the backward's temporaries, the allocator's slack, the communication buckets or
-the optimizer's first-step allocations, so the orchestrator runs a second profiling trial at a
-larger micro-batch ``k`` (:func:`calibration_micro_batch`) and the model uses the slope of the
-measured peak memory (``peak_bytes``) between the two: with ``peak(1)`` measured at the profiled
-stage ``s0``, a stage ``s`` is predicted to fit up to
+Calibrated (:mod:`toolkit.dsat.search.calibration`, which picks the points and fits the line):
+the profiling trial at micro-batch 1 sees only the outputs of the leaf modules, not the
+backward's temporaries, the allocator's slack, the communication buckets or the optimizer's
+first-step allocations, so the orchestrator runs a second profiling trial at a larger
+micro-batch ``k`` and the model uses the slope of the measured peak memory (``peak_bytes``)
+between the two: with ``peak(1)`` measured at the profiled stage ``s0``, a stage ``s`` is
+predicted to fit up to
 ``floor((memory_per_slot - peak(1) - (model_memory(s) - model_memory(s0))) / slope) + 1``, the
 stages' model-state differences coming from the formula above. The calibrated profile carries the
 slope as ``activation_bytes_per_example``, the intercept as ``baseline_bytes`` and the calibration
-point ``k`` as ``micro_batch``, so :func:`approx_max_micro_batch` computes exactly that.
+point ``k`` as ``micro_batch``, so :func:`approx_max_micro_batch` computes exactly that. The
+profiled stage is then measured once more at its point near the boundary (below), and the line
+refitted through ``peak(k)`` and that point, which becomes ``k``: the peak does not grow
+linearly (small steps carry one-off buffers; on CPU the C allocator bends the curve).
 
 What the formula misses between stages (ZeRO-3's gather and prefetch buffers, a stage's own
-buckets) is measured by one more profiling trial per searched stage, at half the stage's
-predicted boundary (:func:`stage_point_micro_batch`, at least ``k``, at most where the step time
-reaches 4x the calibration trial's or 3 s, :func:`time_capped_point`), and
-:func:`with_stage_extra` keeps its extra ``E`` over the line. One point cannot tell a fixed extra
-from one that grows with the micro-batch, so the model takes the larger of the two readings
-beyond the point, ``extra(m) = max(E, E * m / point)``: a positive extra grows in proportion
-(ZeRO-3's buffers can grow with the batch), a negative one (a stage that holds less) is not
-extrapolated into a saving per example. Both err on the side of a smaller prediction, and the
-point near the boundary keeps the extrapolation short. A positive extra is stored referred to
-``k`` (``E * k / point``), so one calibration point serves every stage. The profiled stage is
-measured the same way when its point lies above ``k``: its extra is the peak's departure from the
-line through ``peak(1)`` and ``peak(k)`` (on CPU the C allocator's heap bends the curve either way).
+buckets) is measured by one more profiling trial per other searched stage, at half the stage's
+predicted boundary (at least ``k``; at most where the step time reaches 4x the calibration
+trial's or 3 s), and :func:`with_stage_extra` keeps its extra ``E`` over the line. One point
+cannot tell a fixed extra from one that grows with the micro-batch, so the model takes the larger
+of the two readings beyond the point, ``extra(m) = max(E, E * m / point)``: a positive extra
+grows in proportion (ZeRO-3's buffers can grow with the batch), a negative one (a stage that
+holds less) is not extrapolated into a saving per example. Both err on the side of a smaller
+prediction, and the point near the boundary keeps the extrapolation short. A positive extra is
+stored referred to ``k`` (``E * k / point``), so one calibration point serves every stage.
 
 Example (rank 0 only, e.g. in the autotuner's orchestrator after the profiling trial)::
 
@@ -56,8 +57,7 @@ from toolkit.dsat.contract import ProfileInfo
 
 __all__ = [
     "model_memory_bytes", "approx_max_micro_batch", "offload_flags", "predict", "format_prediction",
-    "calibration_micro_batch", "calibrate", "free_bytes",
-    "with_stage_extra", "stage_point_micro_batch", "time_capped_point",
+    "free_bytes", "with_stage_extra",
 ]
 
 logger = logging.getLogger(__name__)
@@ -274,113 +274,3 @@ def format_prediction(prediction: Mapping[int, Mapping[str, Any]], *,
         lines.append(f"{stage:>5}  {_human(int(row['model_memory_bytes'])):>12}  "
                      f"{_human(int(row['free_bytes'])):>20}  {int(row['approx_max_micro_batch']):>22}{mark}")
     return "\n".join(lines)
-
-
-#: The calibration trial's micro-batch: this fraction of the uncalibrated estimate (which can be
-#: several times too large), at most CALIBRATION_MAX examples and CALIBRATION_STEP_MS of step time.
-CALIBRATION_FRACTION = 0.1
-CALIBRATION_MAX = 256
-CALIBRATION_STEP_MS = 3000.0
-
-
-def calibration_micro_batch(profile: ProfileInfo, stage: int, *, data_parallel_size: int,
-                            latency_ms: float | None = None, offload_optimizer: bool = False,
-                            offload_param: bool = False) -> int | None:
-    """The micro-batch of the second profiling trial, or None when there is nothing to calibrate.
-
-    :data:`CALIBRATION_FRACTION` of the uncalibrated largest micro-batch at the profiled
-    ``stage``, at most :data:`CALIBRATION_MAX`, and at most what keeps the step under
-    :data:`CALIBRATION_STEP_MS` when steps grow linearly from ``latency_ms`` (the first
-    profile's step time at its micro-batch); at least 2. None when the profile has no peak
-    measurement (``peak_bytes`` 0) or is calibrated already. Pure; call anywhere.
-
-    Example:
-        >>> p = ProfileInfo(num_params=1000, trainable_params=1000, activation_bytes_per_example=100,
-        ...                 memory_per_slot=10**6, micro_batch=1, peak_bytes=50_000)
-        >>> calibration_micro_batch(p, 1, data_parallel_size=2)    # 10% of 9880, at most 256
-        256
-    """
-    if int(profile.peak_bytes) <= 0 or profile.calibrated:
-        return None
-    estimate = approx_max_micro_batch(profile, stage, data_parallel_size=data_parallel_size,
-                                      offload_optimizer=offload_optimizer, offload_param=offload_param)
-    k = min(int(estimate * CALIBRATION_FRACTION), CALIBRATION_MAX)
-    if latency_ms is not None and latency_ms > 0:
-        k = min(k, int(CALIBRATION_STEP_MS / latency_ms * max(int(profile.micro_batch), 1)))
-    return max(k, 2)
-
-
-def stage_point_micro_batch(profile: ProfileInfo, stage: int, *, data_parallel_size: int,
-                            offload_optimizer: bool = False, offload_param: bool = False,
-                            at_most: int | None = None) -> int:
-    """Where to measure ``stage``'s extra: half its predicted boundary on the calibrated line
-    (before its own extra), at least the calibration point ``k`` and at most ``at_most``
-    (:func:`time_capped_point`), or ``4 k`` when None (the step time within 4x the calibration
-    trial's when it grows in proportion). Pure.
-
-    Example:
-        >>> p = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=100,
-        ...                 memory_per_slot=100_000, micro_batch=20, calibrated=True)
-        >>> stage_point_micro_batch(p, 3, data_parallel_size=2)    # half of 1000, at most 4 x 20
-        80
-    """
-    k = int(profile.micro_batch)
-    approx = approx_max_micro_batch(profile, stage, data_parallel_size=data_parallel_size,
-                                    offload_optimizer=offload_optimizer, offload_param=offload_param)
-    return max(k, min(approx // 2, 4 * k if at_most is None else at_most))
-
-
-def time_capped_point(first: tuple[int, float], second: tuple[int, float]) -> int | None:
-    """The largest micro-batch a stage's point may have: where the time per micro-batch, on the
-    line through two profiling trials' ``(micro_batch, ms per micro-batch)``, reaches the larger
-    of 4x the second's and :data:`CALIBRATION_STEP_MS`; at least ``4 m2``. A step's fixed cost
-    (launch, communication, the optimizer) makes small steps cost far more than their share, so
-    the line lets a cheap model's point come near its boundary, where the memory curve is
-    measured, not extrapolated over a hundredfold. None when the time does not grow. Pure.
-
-    Example:
-        >>> time_capped_point((1, 20.0), (100, 25.0))    # 3000 ms at 100 + 2975 / (5 / 99)
-        59005
-    """
-    (m1, t1), (m2, t2) = first, second
-    if not 1 <= m1 < m2 or t2 <= t1:
-        return None
-    per_example = (t2 - t1) / (m2 - m1)
-    limit = max(4 * t2, CALIBRATION_STEP_MS)
-    return max(int(m2 + (limit - t2) / per_example), 4 * m2)
-
-
-def calibrate(first: ProfileInfo, second: ProfileInfo, *, model_memory: int) -> ProfileInfo:
-    """The profile the memory model uses after two profiling trials of the same configuration.
-
-    ``first`` and ``second`` ran the same ZeRO section at micro-batches ``m1 < m2``;
-    ``model_memory`` is :func:`model_memory_bytes` of that section. The slope of the peak memory
-    per example, ``(peak(m2) - peak(m1)) / (m2 - m1)``, becomes ``activation_bytes_per_example``
-    (never less than the leaf outputs that the first trial saw), and the intercept at micro-batch
-    0 less the model state, ``baseline_bytes``; ``micro_batch`` and ``peak_bytes`` become the
-    second trial's (the calibration point, where :func:`with_stage_extra` measures). Pure.
-
-    Raises:
-        ValueError: the micro-batches are not increasing, or a profile lacks its peak.
-
-    Example:
-        >>> a = ProfileInfo(num_params=1000, trainable_params=1000, activation_bytes_per_example=10,
-        ...                 memory_per_slot=10**6, micro_batch=1, peak_bytes=30_000)
-        >>> b = ProfileInfo(num_params=1000, trainable_params=1000, activation_bytes_per_example=10,
-        ...                 memory_per_slot=10**6, micro_batch=11, peak_bytes=31_000)
-        >>> c = calibrate(a, b, model_memory=16_000)
-        >>> (c.activation_bytes_per_example, c.baseline_bytes)   # 1000 / 10; 30000 - 100 - 16000
-        (100, 13900)
-    """
-    m1, m2 = int(first.micro_batch), int(second.micro_batch)
-    if not 1 <= m1 < m2:
-        raise ValueError(f"micro_batch {m1} then {m2}: expected two profiling trials at increasing "
-                         "micro-batches >= 1")
-    if int(first.peak_bytes) <= 0 or int(second.peak_bytes) <= 0:
-        raise ValueError(f"peak_bytes {first.peak_bytes}, {second.peak_bytes}: expected both measured (> 0)")
-    slope = _ceil_div(max(int(second.peak_bytes) - int(first.peak_bytes), 0), m2 - m1)
-    slope = max(slope, int(first.activation_bytes_per_example), 1)
-    baseline = max(int(first.peak_bytes) - slope * m1 - int(model_memory), 0)
-    fields = {**first.to_json(), "activation_bytes_per_example": slope, "baseline_bytes": baseline,
-              "micro_batch": m2, "peak_bytes": int(second.peak_bytes), "calibrated": True}
-    return ProfileInfo.from_json(fields)

@@ -86,7 +86,7 @@ class TrialStatus(str, enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class ProfileInfo:
     """What a profiling trial measured (the first at micro-batch 1), or the memory model's
-    calibrated view of two of them (:func:`toolkit.dsat.search.memory.calibrate`).
+    calibrated view of two of them (:func:`toolkit.dsat.search.calibration.calibrate`).
 
     Attributes:
         num_params: all parameters of the model.

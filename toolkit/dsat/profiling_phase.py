@@ -4,7 +4,8 @@ A mixin of :class:`toolkit.dsat.orchestrator.Autotuner`, apart because it is one
 micro-batch-1 profiling trial, the calibration trial at ``k``, one trial per searched stage at
 half its predicted boundary, ``profile.json`` with the prediction, and at the end the boundary
 the trials found beside it. The decisions (where to measure, how a measurement changes the
-model) are the pure functions of :mod:`toolkit.dsat.search.memory`; this runs the trials.
+model) are the pure functions of :mod:`toolkit.dsat.search.calibration` and
+:mod:`toolkit.dsat.search.memory`; this runs the trials.
 Rank 0 only (the autotuner's own process).
 """
 

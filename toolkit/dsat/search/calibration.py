@@ -9,15 +9,11 @@ autotuner calls these on rank 0 only (:mod:`toolkit.dsat.profiling_phase`).
 from __future__ import annotations
 
 from toolkit.dsat.contract import ProfileInfo
+from toolkit.dsat.search.memory import _ceil_div as ceil_div
 from toolkit.dsat.search.memory import approx_max_micro_batch
 
 __all__ = ["CALIBRATION_FRACTION", "CALIBRATION_MAX", "CALIBRATION_STEP_MS", "calibration_micro_batch",
            "stage_point_micro_batch", "time_capped_point", "calibrate", "refit"]
-
-
-def ceil_div(a: int, b: int) -> int:
-    """``a / b`` rounded up (``b > 0``)."""
-    return -(-a // b)
 
 
 #: The calibration trial's micro-batch: this fraction of the uncalibrated estimate (which can be

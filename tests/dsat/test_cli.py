@@ -510,6 +510,31 @@ def test_the_trial_timeout_caps_the_micro_batch(tmp_path, ds, throughput, cap):
     assert settings.max_trials == plan.search.max_trials - 1  # --max-trials counts every trial
 
 
+def test_the_trial_timeout_follows_the_profiling_trials_step_line(tmp_path):
+    # Micro-batch 1 takes 100 ms a step, micro-batch 101 200 ms, a stage-3 point at 201 350 ms: the
+    # fixed cost is most of the first step, so scaling it alone would cap at 1180. The steepest line
+    # from micro-batch 1, 1.25 ms per example: 10 s start-up + 5 x (100 + 1.25 (m - 1)) ms <= 600 s.
+    import dataclasses
+
+    from toolkit.dsat.contract import TrialStatus
+    from toolkit.dsat.orchestrator import Autotuner
+    from toolkit.dsat.search.types import TrialResult
+
+    plan = _plan(tmp_path, make_model_dir(tmp_path, slots=2))
+    tuner = object.__new__(Autotuner)
+    tuner.plan, tuner.say = plan, lambda line: None
+    first = profile_spec(plan.base_ds_config)
+
+    def measured(trial_id, micro_batch, stage, latency, status=TrialStatus.OK):
+        spec = dataclasses.replace(first, trial_id=trial_id, micro_batch=micro_batch, zero={"stage": stage})
+        return TrialResult(spec, status, {"latency": latency, "throughput": 20.0}, duration_s=10.5)
+
+    tuner.results = {0: measured(0, 1, 1, 100.0), -1: measured(-1, 101, 1, 200.0),
+                     -13: measured(-13, 201, 3, 350.0),
+                     -12: measured(-12, 5000, 2, 0.0, TrialStatus.OOM)}   # no time: left out
+    assert tuner._search_settings().max_micro_batch == 1 + int((118_000 - 100) // 1.25) == 94321
+
+
 @pytest.mark.parametrize("oom_at_point", [False, True])
 def test_each_other_stage_is_measured_near_its_boundary(tmp_path, oom_at_point):
     # The orchestrator's per-stage profiling trials, with simulated results (no processes): calibrated

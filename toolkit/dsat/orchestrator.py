@@ -26,7 +26,7 @@ from toolkit.dsat.records import (
     summary_table,
     write_trial_tables,
 )
-from toolkit.dsat.search.batch import time_capped_micro_batch
+from toolkit.dsat.search.batch import step_time_line, time_capped_micro_batch
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
 from toolkit.dsat.trial.reporting import instrumentation_overrides
 
@@ -192,8 +192,10 @@ class Autotuner(ProfilingPhase):
         return self.plan.global_batch.train_batch_size is None or micro_per_step <= 1.5
 
     def _time_cap(self) -> int | None:
-        """The largest micro-batch no trial is predicted to run past the trial timeout with (the
-        profiling trial's step time, linear in the micro-batch); None: no cap.
+        """The largest micro-batch no trial is predicted to run past the trial timeout with: the
+        step time on the line through the profiling trials' (:func:`step_time_line`; the first
+        alone, scaled in proportion, when it is the only one), and the first one's start-up.
+        None: no cap.
 
         With the global batch kept and a timed step that spans the accumulation steps (more than
         one micro-batch per step), a step's examples do not grow with the micro-batch: no cap."""
@@ -203,15 +205,22 @@ class Autotuner(ProfilingPhase):
             return None
         steps = runner.end_profile_step
         overhead = profiled.duration_s - steps * latency / 1000.0
-        cap = time_capped_micro_batch(latency, steps=steps, timeout_s=runner.timeout_s, overhead_s=overhead)
+        line = step_time_line([(r.spec.micro_batch, float(r.metrics.get("latency") or 0.0))
+                               for r in self.results.values()
+                               if r.spec.profile and r.status is TrialStatus.OK])
+        if line is None:
+            return None
+        m0, t0, per_example = line
+        cap = time_capped_micro_batch(t0, steps=steps, timeout_s=runner.timeout_s, overhead_s=overhead,
+                                      micro_batch=m0, per_example_ms=per_example)
         if cap is None:
             return None
-        logger.info("trial timeout %gs: no micro-batch above %d (predicted %.0fs start-up + %d steps x %.4g "
-                    "ms x micro-batch)", runner.timeout_s, cap, overhead, steps, latency)
+        how = (f"predicted {overhead:.0f}s start-up + {steps} steps x ({t0:.4g} ms at micro-batch {m0} "
+               f"+ {per_example:.4g} ms per example above it)")
+        logger.info("trial timeout %gs: no micro-batch above %d (%s)", runner.timeout_s, cap, how)
         top = self.plan.search.micro_batches[-1] if self.plan.search.micro_batches else None
         if top is None or cap < top:
-            self.say(f"trial timeout {runner.timeout_s:g}s: micro-batches above {cap} are not tried "
-                     f"(predicted {overhead:.0f}s start-up + {steps} steps x {latency:.4g} ms x micro-batch)")
+            self.say(f"trial timeout {runner.timeout_s:g}s: micro-batches above {cap} are not tried ({how})")
         return cap
 
     def _replay(self, searcher: search.Searcher, runner: TrialRunner, events: list[dict[str, Any]]) -> int:

@@ -12,6 +12,7 @@ from toolkit.dsat.search.batch import (
     GlobalBatch,
     allowed_micro_batches,
     global_batch_policy,
+    step_time_line,
     time_capped_micro_batch,
 )
 from toolkit.dsat.search.offload import (
@@ -84,6 +85,28 @@ def test_time_cap_is_linear_in_the_micro_batch():
     assert time_capped_micro_batch(100.0, steps=5, timeout_s=5.0, overhead_s=10.0) == 1
     assert time_capped_micro_batch(0.0, steps=5, timeout_s=60.0) is None
 
+
+
+def test_time_cap_follows_the_step_times_line():
+    # 10 s start-up, 5 steps of 100 ms at micro-batch 1 + 1 ms per example above it, within 60 s:
+    # 100 + (m - 1) <= 10000 ms a step, so m = 9901 (not 100, the fixed cost scaled with the batch).
+    assert time_capped_micro_batch(100.0, steps=5, timeout_s=60.0, overhead_s=10.0,
+                                   per_example_ms=1.0) == 9901
+    # Anchored at a larger micro-batch that already runs past the room: that micro-batch, not less.
+    assert time_capped_micro_batch(20_000.0, steps=5, timeout_s=60.0, overhead_s=10.0, micro_batch=64,
+                                   per_example_ms=1.0) == 64
+    assert time_capped_micro_batch(100.0, steps=5, timeout_s=60.0, per_example_ms=0.0) is None
+
+
+def test_the_step_line_takes_the_steepest_slope_from_the_smallest_micro_batch():
+    # Stage 1 at 101 (1 ms per example beyond 1), stage 3 at 201 (1.5 ms): the slower bounds both.
+    assert step_time_line([(101, 200.0), (1, 100.0), (201, 400.0)]) == (1, 100.0, 1.5)
+    # One micro-batch, or only noise below the first: through the origin from it.
+    assert step_time_line([(4, 100.0)]) == (4, 100.0, 25.0)
+    assert step_time_line([(1, 100.0), (50, 90.0)]) == (1, 100.0, 100.0)
+    # Unmeasured trials (no latency) are left out; nothing measured is no line.
+    assert step_time_line([(1, 100.0), (300, 0.0)]) == (1, 100.0, 100.0)
+    assert step_time_line([(1, 0.0)]) is None
 
 def test_default_zero_autos_fill_only_the_model_size_values():
     zero = {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",

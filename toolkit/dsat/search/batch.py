@@ -11,8 +11,8 @@ by default dsat keeps the user's: it searches the micro-batches ``m`` that divid
 * ``free``: Determined's behaviour, ``train_batch_size = micro-batch x accumulation x
   data_parallel_size`` with the user's accumulation (the default when the config sets none).
 
-Also here: the largest micro-batch whose predicted step time (the profiling trial's latency,
-scaled linearly in the micro-batch) keeps a trial within ``--trial-timeout``.
+Also here: the largest micro-batch whose predicted step time (on the line through the profiling
+trials' step times) keeps a trial within ``--trial-timeout``.
 
 Pure; any rank (the autotuner uses it on rank 0). Example::
 
@@ -30,7 +30,7 @@ from toolkit._checks import int_problem, is_int, is_number
 from toolkit.errors import ConfigError
 
 __all__ = ["GLOBAL_BATCH_POLICIES", "GlobalBatch", "allowed_micro_batches", "global_batch_policy",
-           "time_capped_micro_batch"]
+           "step_time_line", "time_capped_micro_batch"]
 
 GLOBAL_BATCH_POLICIES = ("keep", "fixed", "free")
 TBS = "train_batch_size"
@@ -125,20 +125,51 @@ def allowed_micro_batches(train_batch_size: int, *, data_parallel_size: int) -> 
     return tuple(sorted(set(small + [per_rank // d for d in small])))
 
 
+def step_time_line(measured: list[tuple[int, float]]) -> tuple[int, float, float] | None:
+    """The step time's line for :func:`time_capped_micro_batch`, from profiling trials'
+    ``(micro_batch, step ms)``: ``(m0, t0, ms per example)`` anchored at the smallest micro-batch
+    measured, with the steepest slope from it to any larger one (stages differ: the slowest
+    bounds them all). Through the origin, ``t0 / m0`` per example, when only one micro-batch was
+    measured or no slope is positive. A step's fixed cost (launch, communication, the optimizer)
+    makes micro-batch 1 cost several times its share, so scaling it alone caps the micro-batch far
+    below what the timeout allows. None when nothing usable was measured. Pure; any rank.
+
+    Example:
+        >>> step_time_line([(1, 24.0), (125, 148.0), (1397, 1420.0)])   # 1 ms per example beyond 1
+        (1, 24.0, 1.0)
+        >>> step_time_line([(1, 24.0)])
+        (1, 24.0, 24.0)
+    """
+    usable = sorted((int(m), float(t)) for m, t in measured
+                    if is_int(m) and int(m) >= 1 and is_number(t) and math.isfinite(t) and t > 0)
+    if not usable:
+        return None
+    m0, t0 = usable[0]
+    slopes = [(t - t0) / (m - m0) for m, t in usable[1:] if m > m0 and t > t0]
+    return m0, t0, max(slopes) if slopes else t0 / m0
+
+
 def time_capped_micro_batch(latency_ms: float, *, steps: int, timeout_s: float,
-                            overhead_s: float = 0.0) -> int | None:
+                            overhead_s: float = 0.0, micro_batch: int = 1,
+                            per_example_ms: float | None = None) -> int | None:
     """The largest micro-batch whose trial is predicted to end within ``timeout_s``; None: no cap.
 
-    A trial at micro-batch ``m`` is predicted to take ``overhead_s + steps x m x latency_ms /
-    1000`` (the profiling trial ran micro-batch 1: its latency scales linearly in the micro-batch,
-    an upper bound when the global batch is kept). At least 1 (the profiling trial ran it).
-    Pure; any rank.
+    A trial at micro-batch ``m`` is predicted to take ``overhead_s + steps x step(m) / 1000``,
+    where ``step(m) = latency_ms + per_example_ms x (m - micro_batch)``: the line through the
+    profiling trials' step times (:func:`step_time_line`). Without ``per_example_ms`` the
+    latency scales in proportion to the micro-batch (an upper bound when the global batch is
+    kept). At least ``micro_batch`` (a profiling trial ran it). Pure; any rank.
 
     Example:
         >>> time_capped_micro_batch(100.0, steps=5, timeout_s=60.0, overhead_s=10.0)
         100
+        >>> time_capped_micro_batch(100.0, steps=5, timeout_s=60.0, overhead_s=10.0, per_example_ms=1.0)
+        9901
     """
     if not is_number(latency_ms) or latency_ms <= 0 or not math.isfinite(latency_ms):
         return None
-    room = timeout_s - max(overhead_s, 0.0)
-    return max(int(room * 1000.0 // (max(steps, 1) * latency_ms)), 1)
+    slope = latency_ms / max(micro_batch, 1) if per_example_ms is None else per_example_ms
+    if not is_number(slope) or slope <= 0 or not math.isfinite(slope):
+        return None
+    room_ms = (timeout_s - max(overhead_s, 0.0)) * 1000.0 / max(steps, 1)
+    return max(micro_batch + int((room_ms - latency_ms) // slope), micro_batch, 1)

@@ -134,8 +134,8 @@ def _add_limit_flags(g: argparse._ArgumentGroup) -> None:
                         "the GPUs of this machine, else its CPU cores)")
     g.add_argument("--trial-timeout", type=_number, default=600.0, metavar="SECONDS",
                    help="a trial running longer is killed with all its processes; no trial is launched whose "
-                        "predicted time (the profiling trials' start-up, and their step times' line in the micro-batch) "
-                        "exceeds it (default: %(default)s seconds)")
+                        "predicted time (the profiling trials' start-up, and their step times' line in the "
+                        "micro-batch) exceeds it (default: %(default)s seconds)")
     g.add_argument("--memory-per-slot", type=parse_bytes, default=None, metavar="SIZE",
                    help="CPU only: memory budget per slot in bytes, or e.g. 4GiB, 512MiB; a trial process "
                         "whose peak resident size (VmHWM) goes above it is killed and recorded as "

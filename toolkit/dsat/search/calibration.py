@@ -9,8 +9,7 @@ autotuner calls these on rank 0 only (:mod:`toolkit.dsat.profiling_phase`).
 from __future__ import annotations
 
 from toolkit.dsat.contract import ProfileInfo
-from toolkit.dsat.search.memory import _ceil_div as ceil_div
-from toolkit.dsat.search.memory import approx_max_micro_batch
+from toolkit.dsat.search.memory import approx_max_micro_batch, ceil_div
 
 __all__ = ["CALIBRATION_FRACTION", "CALIBRATION_MAX", "CALIBRATION_STEP_MS", "calibration_micro_batch",
            "stage_point_micro_batch", "time_capped_point", "calibrate", "refit"]

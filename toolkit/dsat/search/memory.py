@@ -57,7 +57,7 @@ from toolkit.dsat.contract import ProfileInfo
 
 __all__ = [
     "model_memory_bytes", "approx_max_micro_batch", "offload_flags", "predict", "format_prediction",
-    "free_bytes", "with_stage_extra",
+    "free_bytes", "with_stage_extra", "ceil_div",
 ]
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,8 @@ logger = logging.getLogger(__name__)
 _STAGES = (0, 1, 2, 3)
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
+    """``a / b`` rounded up (``b > 0``). Pure; any rank."""
     return -(-a // b)
 
 
@@ -117,7 +118,7 @@ def model_memory_bytes(profile: ProfileInfo, stage: int, *, data_parallel_size: 
     # (held whole, partitioned over the slots) per stage: nothing, O, G + O, P + G + O partitioned
     kept, split = ((params + grads + optim, 0), (params + grads, optim), (params, grads + optim),
                    (0, params + grads + optim))[stage]
-    return kept + _ceil_div(split, data_parallel_size)
+    return kept + ceil_div(split, data_parallel_size)
 
 
 def approx_max_micro_batch(profile: ProfileInfo, stage: int, *, data_parallel_size: int,
@@ -178,7 +179,7 @@ def with_stage_extra(profile: ProfileInfo, stage: int, *, micro_batch: int, peak
     slope = int(profile.activation_bytes_per_example)
     extra = int(peak_bytes) - (int(profile.baseline_bytes) + int(model_memory) + slope * micro_batch)
     if extra > 0 and profile.calibrated:
-        extra = _ceil_div(extra * k, int(micro_batch))
+        extra = ceil_div(extra * k, int(micro_batch))
     extras = {**profile.stage_extra_bytes, str(stage): extra}
     return ProfileInfo.from_json({**profile.to_json(), "stage_extra_bytes": extras})
 

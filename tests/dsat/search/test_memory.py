@@ -294,11 +294,11 @@ def test_the_prediction_is_the_largest_micro_batch_under_the_larger_reading(extr
 
 
 def test_the_points_time_cap_follows_the_step_times_line():
-    # 20 ms at 1, 25 ms at 100: 3000 ms (CALIBRATION_STEP_MS) at 100 + 2975 / (5 / 99)
-    assert time_capped_point((1, 20.0), (100, 25.0)) == 59005
+    # 20 ms at 1, 25 ms at 100: 1000 ms (POINT_STEP_MS) at 100 + 975 / (5 / 99)
+    assert time_capped_point((1, 20.0), (100, 25.0)) == 19405
     # a step already at 2 s: 4x its time, 8 s, at 100 + 6000 / (1990 / 99) = 398; at least 4 x 100
     assert time_capped_point((1, 10.0), (100, 2000.0)) == 400
-    assert time_capped_point((1, 10.0), (100, 300.0)) == 100 + int(2700 / (290 / 99)) == 1021
+    assert time_capped_point((1, 10.0), (100, 300.0)) == 100 + int(900 / (290 / 99)) == 407  # 4 x 300 ms
     # no growth, or points out of order: nothing to extrapolate (the caller keeps 4 k)
     assert time_capped_point((1, 30.0), (100, 25.0)) is None
     assert time_capped_point((100, 20.0), (1, 25.0)) is None

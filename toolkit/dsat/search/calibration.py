@@ -11,8 +11,8 @@ from __future__ import annotations
 from toolkit.dsat.contract import ProfileInfo
 from toolkit.dsat.search.memory import approx_max_micro_batch, ceil_div
 
-__all__ = ["CALIBRATION_FRACTION", "CALIBRATION_MAX", "CALIBRATION_STEP_MS", "calibration_micro_batch",
-           "stage_point_micro_batch", "time_capped_point", "calibrate", "refit"]
+__all__ = ["CALIBRATION_FRACTION", "CALIBRATION_MAX", "CALIBRATION_STEP_MS", "POINT_STEP_MS",
+           "calibration_micro_batch", "stage_point_micro_batch", "time_capped_point", "calibrate", "refit"]
 
 
 #: The calibration trial's micro-batch: this fraction of the uncalibrated estimate (which can be
@@ -20,6 +20,11 @@ __all__ = ["CALIBRATION_FRACTION", "CALIBRATION_MAX", "CALIBRATION_STEP_MS", "ca
 CALIBRATION_FRACTION = 0.1
 CALIBRATION_MAX = 256
 CALIBRATION_STEP_MS = 3000.0
+#: A stage's point may have a step this long (or 4x the calibration trial's, when longer). Each
+#: searched stage pays one trial there; near the memory boundary a step is the longest of the
+#: search, and a trial of 12 steps at 3 s costs as much as three at the small micro-batches.
+#: ``scripts/bench_memory.py`` measures how far the slope from such a point carries.
+POINT_STEP_MS = 1000.0
 
 
 def calibration_micro_batch(profile: ProfileInfo, stage: int, *, data_parallel_size: int,
@@ -72,20 +77,20 @@ def stage_point_micro_batch(profile: ProfileInfo, stage: int, *, data_parallel_s
 def time_capped_point(first: tuple[int, float], second: tuple[int, float]) -> int | None:
     """The largest micro-batch a stage's point may have: where the time per micro-batch, on the
     line through two profiling trials' ``(micro_batch, ms per micro-batch)``, reaches the larger
-    of 4x the second's and :data:`CALIBRATION_STEP_MS`; at least ``4 m2``. A step's fixed cost
+    of 4x the second's and :data:`POINT_STEP_MS`; at least ``4 m2``. A step's fixed cost
     (launch, communication, the optimizer) makes small steps cost far more than their share, so
     the line lets a cheap model's point come near its boundary, where the memory curve is
     measured, not extrapolated over a hundredfold. None when the time does not grow. Pure.
 
     Example:
-        >>> time_capped_point((1, 20.0), (100, 25.0))    # 3000 ms at 100 + 2975 / (5 / 99)
-        59005
+        >>> time_capped_point((1, 20.0), (100, 25.0))    # 1000 ms at 100 + 975 / (5 / 99)
+        19405
     """
     (m1, t1), (m2, t2) = first, second
     if not 1 <= m1 < m2 or t2 <= t1:
         return None
     per_example = (t2 - t1) / (m2 - m1)
-    limit = max(4 * t2, CALIBRATION_STEP_MS)
+    limit = max(4 * t2, POINT_STEP_MS)
     return max(int(m2 + (limit - t2) / per_example), 4 * m2)
 
 

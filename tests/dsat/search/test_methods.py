@@ -605,6 +605,36 @@ def test_eight_trials_find_the_grid_best_of_the_cpu_benchmark():
     assert searcher.best.spec.stage == 1 and searcher.best.spec.micro_batch == 512
 
 
+
+# Samples/s measured by bench_dsat's grid on 2026-11-26 (free run 2): stage 1 peaks at 512-4096,
+# stage 3 is below it from 512 up. The profiling points at 851 measured all three within 1.2%,
+# stage 3 highest: a tie the measurements cannot break.
+TIED_GRID = {1: {1: 84, 64: 1660, 128: 1454, 256: 1715, 512: 2203, 1024: 2105, 2048: 1914, 4096: 2196},
+             2: {1: 100, 64: 1492, 128: 1515, 256: 1643, 512: 1891, 1024: 1783, 2048: 1993, 4096: 1844},
+             3: {1: 20, 64: 660, 128: 852, 256: 1257, 512: 1500, 1024: 1739, 2048: 1697, 4096: 1767}}
+
+
+def test_a_tie_between_stages_goes_to_the_lowest_stage_first():
+    runs = {stage: measured(curve, 4096) for stage, curve in TIED_GRID.items()}
+
+    def run(spec):
+        return runs[spec.stage](spec)
+
+    def at(result, value):
+        return dataclasses.replace(result, metrics={**result.metrics, "throughput": value})
+    # bench_dsat's --max-trials 8: micro-batch 1 counts, the 4 other profiling trials do not
+    s = settings_for("binary", zero_stages=(1, 2, 3), max_trials=8 - 4, metric="throughput")
+    searcher = make_searcher(s, profile_with_range(6478))
+    searcher.observe_profiling([profiling(1, 1, 0, run), at(profiling(1, 138, -1, run), 1540),
+                                at(profiling(1, 851, -11, run), 1828), at(profiling(2, 851, -12, run), 1824),
+                                at(profiling(3, 851, -13, run), 1846)])
+    assert searcher.best.spec.stage == 3  # 1846: within NOISE of stage 1's 1828 and stage 2's 1824
+    _, results = drive(searcher, run)
+    # stage 1's line goes first (stage 3 holds the best, stage 2 ties too): 4x its best, between, the top
+    assert [(r.spec.stage, r.spec.micro_batch) for r in results] == [(1, 4096), (1, 2048), (1, 6478)]
+    assert searcher.best.spec.stage == 1 and searcher.best.spec.micro_batch == 4096
+
+
 # -- caps, ids, termination: all methods ---------------------------------------------------------
 METHOD = st.sampled_from(["binary", "random", "asha"])
 STAGES = st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True).map(tuple)

@@ -70,8 +70,9 @@ class BinarySearcher(LineSearcher[BinaryLine]):
     the search, a line that does not hold it is first tried at the best's micro-batch (snapped
     into its range): a line more than :data:`~toolkit.dsat.search.peak.NOISE` below the best
     there (its best anywhere) is *dominated* and stops, and its stage gets no random
-    configurations. Idle lines get trials in this order: the best's line, then by their own
-    best, then the oldest. The search ends early once no line has a trial due and no
+    configurations. Idle lines get trials in this order: those within ``NOISE`` of the best,
+    lowest stage first (a tie goes to less communication), then the best's line, then by their
+    own best, then the oldest. The search ends early once no line has a trial due and no
     configuration is left to start. Pure; rank 0 only by use.
 
     Example (rank 0 only)::
@@ -186,13 +187,21 @@ class BinarySearcher(LineSearcher[BinaryLine]):
 
     # -- the rules -------------------------------------------------------------------------------
     def _by_priority(self, lines: list[BinaryLine]) -> list[BinaryLine]:
-        """The best's line first, then by their own best (larger is better or not), then the oldest."""
-        sign = 1.0 if self.settings.metric in SMALLER_IS_BETTER else -1.0
+        """The lines within :data:`~toolkit.dsat.search.peak.NOISE` of the search's best first,
+        lowest ZeRO stage first among them (a tie the measurements cannot break goes to the stage
+        that communicates less: DeepSpeed's advice, the lowest stage that fits), then the best's
+        line, then by their own best (larger is better or not), then the oldest."""
+        metric = self.settings.metric
+        sign = 1.0 if metric in SMALLER_IS_BETTER else -1.0
+        best = self._best_value()
 
-        def key(line: BinaryLine) -> tuple[int, float, int]:
-            own = None if line.best is None else metric_value(line.best, self.settings.metric)
+        def key(line: BinaryLine) -> tuple[int, int, int, float, int]:
+            own = None if line.best is None else metric_value(line.best, metric)
             holds = self._best is not None and line.best is self._best
-            return (0 if holds else 1, sign * own if own is not None else float("inf"), line.line_id)
+            near = own is not None and best is not None and (
+                own <= best * (1 + NOISE) if metric in SMALLER_IS_BETTER else own * (1 + NOISE) >= best)
+            return (0 if near else 1, line.stage if near else 0, 0 if holds else 1,
+                    sign * own if own is not None else float("inf"), line.line_id)
         return sorted(lines, key=key)
 
     def _open_stages(self) -> list[int]:

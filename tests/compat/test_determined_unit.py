@@ -372,3 +372,8 @@ def test_searcher_length_inside_a_dsat_trial_is_the_last_profiled_step(tmp_path,
     monkeypatch.setenv("TOOLKIT_DSAT_TRIAL", str(contract))
     searcher = SearcherContext(det.core.DummyDistributedContext(), {}, tmp_path)
     assert next(searcher.operations()).length == 6
+    # with a timed window (--timed-window): up to the last step the trial may time, and one more
+    contract.write_text(json.dumps({**json.loads(contract.read_text()), "timed_window_s": 3.0,
+                                    "last_profile_step": 17}))
+    searcher = SearcherContext(det.core.DummyDistributedContext(), {}, tmp_path / "other")
+    assert next(searcher.operations()).length == 18

@@ -84,6 +84,8 @@ def trial_rows(out):
             ["--start-profile-step", "5", "--end-profile-step", "4"],
             "--end-profile-step 4 < --start-profile-step 5",
         ),
+        (["--timed-window", "-1"], "--timed-window -1.0: expected a number of seconds >= 0"),
+        (["--timed-window", "inf"], "argument --timed-window: 'inf' is not a finite number"),
         (["--search-range-factor", "-1"], "--search-range-factor -1.0: expected a number > 0"),
         (["--bisect-tolerance", "1"], "--bisect-tolerance 1.0: expected a number >= 0 and < 1"),
         (["--bisect-tolerance", "-0.1"], "--bisect-tolerance -0.1: expected a number >= 0 and < 1"),

@@ -158,6 +158,7 @@ ROWS = [
     C({"method": "grid"}, ["invalid choice: 'grid'"], id="search-method-unknown"),
     C({"flags": ["--start-profile-step", "5", "--end-profile-step", "2"]},
       ["--end-profile-step 2", "--start-profile-step 5"], id="profile-steps-reversed"),
+    C({"flags": ["--timed-window", "-3"]}, ["--timed-window", "-3"], id="timed-window-negative"),
     C({"flags": ["--max-slots", "1"], "slots": 2}, ["resources.slots_per_trial=2", "--max-slots 1"],
       id="slots-above-max-slots"),
     C({"flags": ["--resume"]}, ["--resume", "holds no search"], id="resume-nothing"),

@@ -49,6 +49,7 @@ _FLAGS = ("max_trials", "max_slots", "zero_stages", "start_profile_step", "end_p
           "asha_early_stopping", "divisor", "offload")
 USER_NAMES = {**{field: "--" + field.replace("_", "-") for field in _FLAGS},
               "max_concurrent": "--max-concurrent-trials", "timeout_s": "--trial-timeout",
+              "timed_window_s": "--timed-window",
               "slots_per_trial": "resources.slots_per_trial",
               "data_parallel_size": "hyperparameters.data_parallel_world_size"}
 _FIELD = re.compile(r"(?<![\w.-])(" + "|".join(sorted(USER_NAMES, key=len, reverse=True)) + r")(=?)")
@@ -239,6 +240,7 @@ def _build_settings(args: argparse.Namespace, inputs: _Inputs, machines: _Machin
                                 launcher=args.launcher, memory_per_slot=machines.memory_per_slot,
                                 start_profile_step=args.start_profile_step,
                                 end_profile_step=args.end_profile_step,
+                                timed_window_s=args.timed_window,
                                 gpus=machines.gpus, hosts=machines.hosts, multihost_launcher=machines.via,
                                 experiment_config=args.config.resolve(),
                                 ssh_port=args.ssh_port)

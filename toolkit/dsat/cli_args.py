@@ -122,7 +122,13 @@ def _add_search_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--start-profile-step", type=_integer, default=3, metavar="STEP",
                    help="first timed step of a trial, as steps_completed (default: %(default)s)")
     g.add_argument("--end-profile-step", type=_integer, default=5, metavar="STEP",
-                   help="last timed step; the trial ends after it (default: %(default)s)")
+                   help="last timed step; the trial ends after it unless --timed-window needs more "
+                        "(default: %(default)s)")
+    g.add_argument("--timed-window", type=_number, default=3.0, metavar="SECONDS",
+                   help="seconds the timed steps span at least: a trial whose profile steps are shorter "
+                        "times more of them, up to 4x as many more (the loop must run them; a loop that "
+                        "ends earlier reports those it timed); 0: the profile steps only "
+                        "(default: %(default)s s)")
 
 
 def _add_limit_flags(g: argparse._ArgumentGroup) -> None:

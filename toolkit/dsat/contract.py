@@ -24,7 +24,8 @@ The result file (JSON, written atomically by the trial's chief, or by a rank tha
 memory)::
 
     {"trial_id": 3, "status": "ok" | "oom" | "failed", "metrics": {...METRICS...},
-     "profile": {...ProfileInfo...} | null, "error": "..." (oom / failed only)}
+     "profile": {...ProfileInfo...} | null, "timed_steps": 10 (ok only),
+     "error": "..." (oom / failed only)}
 """
 
 from __future__ import annotations
@@ -137,7 +138,14 @@ class ProfileInfo:
 
 @dataclasses.dataclass(frozen=True)
 class TrialContract:
-    """The JSON file named by :data:`TRIAL_ENV`, read inside the trial's processes."""
+    """The JSON file named by :data:`TRIAL_ENV`, read inside the trial's processes.
+
+    Steps ``start_profile_step`` to ``end_profile_step`` are always timed. When they span less
+    than ``timed_window_s`` seconds (short steps: one measurement over a second or two of a
+    shared machine is noisy), the trial times more steps, as many as the steps so far predict
+    the window needs, up to ``last_profile_step`` (None: ``end_profile_step``, no more). A loop
+    that ends after ``end_profile_step`` reports the steps it timed.
+    """
 
     trial_id: int
     result_path: str
@@ -145,6 +153,13 @@ class TrialContract:
     end_profile_step: int
     profile: bool = False
     memory_per_slot: int | None = None
+    timed_window_s: float = 0.0
+    last_profile_step: int | None = None
+
+    @property
+    def final_step_bound(self) -> int:
+        """The last step a trial may run: ``last_profile_step``, at least ``end_profile_step``."""
+        return max(self.end_profile_step, self.last_profile_step or 0)
 
     def write(self, path: Path) -> None:
         """Write the contract to ``path`` (atomically: a trial never reads half of it)."""

@@ -74,6 +74,7 @@ class Plan:
                 "entrypoint": list(self.runner.entrypoint),
                 "start_profile_step": self.runner.start_profile_step,
                 "end_profile_step": self.runner.end_profile_step,
+                "timed_window_s": self.runner.timed_window_s,
                 "global_batch": self.global_batch.to_json(), "hidden_size": self.hidden_size}
 
     def resume_problem(self) -> str | None:

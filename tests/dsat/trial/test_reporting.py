@@ -20,6 +20,7 @@ from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
 from toolkit.dsat.search.types import TrialSpec
 from toolkit.dsat.trial import reporting
 from toolkit.dsat.trial.reporting import dsat_reporting_context, instrumentation_overrides
+from toolkit.dsat.trial.session import extra_timed_steps
 from toolkit.errors import LaunchEnvError
 
 WORKERS = procutil.WORKERS
@@ -67,6 +68,15 @@ TRIALS = {
     ),
     6: (TrialSpec(6, 2, {"stage": 2}, line=0), ds_config(micro_batch=2, stage=2), {}),
 }
+#: Trials under a timed window (--timed-window) longer than any of them: they time steps up to the
+#: contract's last_profile_step, END + 4 x 3 = 17, or as far as the loop goes.
+WINDOW_S, LAST = 100.0, END + 4 * (END - START + 1)
+WINDOW_TRIALS = {
+    7: (TrialSpec(7, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1), {"sleep_step_ms": 10}),
+    # the loop ends after step 9, inside the window's steps: the chief reports steps 3..9
+    8: (TrialSpec(8, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1),
+        {"sleep_step_ms": 10, "steps": 10}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -78,26 +88,30 @@ def trials(tmp_path_factory):
                                                      "MASTER_PORT", "LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
                 mp.delenv(key)
         mp.setenv("OMP_NUM_THREADS", "1")
-        settings = RunnerSettings(
-            entrypoint=("python3", "dsat_train.py"),
-            model_dir=WORKERS,
-            slots_per_trial=2,
-            max_slots=4,
-            max_concurrent=2,
-            timeout_s=280,
-            memory_per_slot=8 * GIB,
-            start_profile_step=START,
-            end_profile_step=END,
-        )
-        pending, results = sorted(TRIALS), {}
-        with TrialRunner(settings, output_dir=out) as runner:
-            while pending or runner.running():
-                while pending and runner.capacity():
-                    spec, config, extra = TRIALS[pending.pop(0)]
-                    runner.start(
-                        spec, ds_config=config, hparams={"deepspeed_config": "ignored.json", **extra}
-                    )
-                results.update({r.spec.trial_id: r for r in runner.wait(timeout=300)})
+        results = {}
+        for window, trials in ((0.0, TRIALS), (WINDOW_S, WINDOW_TRIALS)):
+            settings = RunnerSettings(
+                entrypoint=("python3", "dsat_train.py"),
+                model_dir=WORKERS,
+                slots_per_trial=2,
+                max_slots=4,
+                max_concurrent=2,
+                timeout_s=280,
+                memory_per_slot=8 * GIB,
+                start_profile_step=START,
+                end_profile_step=END,
+                timed_window_s=window,   # 0: exactly the steps START..END
+            )
+            assert settings.last_profile_step == (LAST if window else END)
+            pending = sorted(trials)
+            with TrialRunner(settings, output_dir=out) as runner:
+                while pending or runner.running():
+                    while pending and runner.capacity():
+                        spec, config, extra = trials[pending.pop(0)]
+                        runner.start(
+                            spec, ds_config=config, hparams={"deepspeed_config": "ignored.json", **extra}
+                        )
+                    results.update({r.spec.trial_id: r for r in runner.wait(timeout=300)})
     return out / "trials", results
 
 
@@ -208,6 +222,40 @@ def test_a_loop_too_short_for_the_profile_window_fails_with_its_reason(trials):
     r = results[4]
     assert r.status is TrialStatus.FAILED
     assert "stopped after 4 step(s)" in r.error and "end_profile_step=5" in r.error
+
+
+def timed_steps(trials_dir, trial_id):
+    return json.loads((trials_dir / f"trial_{trial_id}" / "result.json").read_text())["timed_steps"]
+
+
+def test_short_steps_are_timed_until_the_window_or_its_last_step(trials):
+    trials_dir, results = trials
+    m = ok(results[7])
+    watches = [stopwatch(trials_dir, 7, rank) for rank in (0, 1)]
+    assert all(len(w) == LAST + 1 for w in watches)   # ended after the last step the window allows
+    assert timed_steps(trials_dir, 7) == LAST - START + 1
+    # the metric is the mean of every timed step, within the slowest rank's stopwatch
+    assert m["latency"] <= max(sum(w[START:LAST + 1]) / (LAST - START + 1) for w in watches) * 1.0001
+    assert m["latency"] >= 10   # the sleep in each step
+    assert timed_steps(trials_dir, 1) == END - START + 1   # no window: the profile steps alone
+
+
+def test_a_loop_ending_inside_the_window_reports_the_steps_it_timed(trials):
+    trials_dir, results = trials
+    m = ok(results[8])
+    assert timed_steps(trials_dir, 8) == 10 - START   # steps 3..9, the loop's last
+    chief = stopwatch(trials_dir, 8, 0)
+    assert len(chief) == 10 and 10 <= m["latency"] <= sum(chief[START:]) / (10 - START) * 1.0001
+    assert m["throughput"] == pytest.approx(2 * 2 / (m["latency"] / 1000), rel=1e-9)
+
+
+def test_the_extra_timed_steps_fill_the_window_from_the_mean_step():
+    assert extra_timed_steps([0.1] * 3, window_s=1.0, room=20) == 7
+    assert extra_timed_steps([0.1] * 3, window_s=1.0, room=4) == 4      # bounded by last_profile_step
+    assert extra_timed_steps([0.4, 0.3], window_s=0.7, room=20) == 0    # already spans it
+    assert extra_timed_steps([0.2, 0.1], window_s=1.0, room=20) == 5    # (1.0 - 0.3) / 0.15 = 4.67
+    assert extra_timed_steps([0.1] * 3, window_s=0.0, room=20) == 0
+    assert extra_timed_steps([], window_s=1.0, room=20) == 0
 
 
 class Untouchable:

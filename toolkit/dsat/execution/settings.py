@@ -22,12 +22,16 @@ from toolkit.dsat.execution.hosts import Host, place_trial
 from toolkit.errors import ConfigError
 
 __all__ = ["CPU_ALLOCATOR_ENV", "CPU_MEMORY_FRACTION", "CPU_MEMORY_RESERVE", "RunnerSettings",
-           "available_memory_bytes", "default_memory_per_slot"]
+           "WINDOW_STEPS_FACTOR", "available_memory_bytes", "default_memory_per_slot"]
 
 #: The CPU default of ``--memory-per-slot``: this fraction of the memory available when dsat
 #: starts, less this reserve for the system, the autotuner and the launchers, shared by the slots.
 CPU_MEMORY_FRACTION = 0.8
 CPU_MEMORY_RESERVE = 2 * 2**30
+
+#: A trial filling ``--timed-window`` times at most this many times the profile steps more: a
+#: bound on its length (and on the steps the training loop must provide), whatever the window.
+WINDOW_STEPS_FACTOR = 4
 
 #: Set (unless already set) for the trials and the full run under a CPU budget. glibc's malloc
 #: serves a block below its mmap threshold from its heap, which keeps freed blocks resident, and
@@ -79,6 +83,8 @@ class RunnerSettings:
         memory_per_slot: CPU budget in bytes per worker process, enforced on its RSS; None: none.
         start_profile_step, end_profile_step: the timed steps (``steps_completed`` values, both
             included; FLOPs are counted on the step before, so start >= 1).
+        timed_window_s: seconds the timed steps should span at least: when the profile steps
+            are shorter, a trial times more, up to :attr:`last_profile_step` (0: none more).
         gpus: the GPUs to hand out, numbered as this process sees them (``torch.cuda``
             numbering): under an inherited ``CUDA_VISIBLE_DEVICES`` (Slurm sets one) index i
             means its i-th entry. Each trial gets its share through ``CUDA_VISIBLE_DEVICES``.
@@ -107,6 +113,7 @@ class RunnerSettings:
     memory_per_slot: int | None = None
     start_profile_step: int = 3
     end_profile_step: int = 5
+    timed_window_s: float = 3.0
     gpus: tuple[int, ...] | None = None
     grace_s: float = 5.0
     poll_s: float = 0.25
@@ -154,6 +161,9 @@ class RunnerSettings:
         if self.memory_per_slot is not None:
             p.append(int_problem("memory_per_slot", self.memory_per_slot, minimum=1,
                                  hint=" (bytes), or None"))
+        if not is_number(self.timed_window_s) or not math.isfinite(self.timed_window_s) \
+                or self.timed_window_s < 0:
+            p.append(f"timed_window_s={self.timed_window_s!r}: expected a number of seconds >= 0")
         s, e = self.start_profile_step, self.end_profile_step
         p += [int_problem("start_profile_step", s, minimum=1, hint=" (step start-1 counts the FLOPs)"),
               int_problem("end_profile_step", e, minimum=1)]
@@ -165,6 +175,16 @@ class RunnerSettings:
         if self.ssh_port is not None:
             p.append(int_problem("ssh_port", self.ssh_port, minimum=1, maximum=65535, hint=", or None"))
         return [problem for problem in p if problem]
+
+    @property
+    def last_profile_step(self) -> int:
+        """The last step a trial may time to fill :attr:`timed_window_s`: ``end_profile_step``
+        plus :data:`WINDOW_STEPS_FACTOR` times the profile steps (``end_profile_step`` without a
+        window). The trial's loop should run one step more."""
+        if self.timed_window_s <= 0:
+            return self.end_profile_step
+        profiled = self.end_profile_step - self.start_profile_step + 1
+        return self.end_profile_step + WINDOW_STEPS_FACTOR * profiled
 
     def _slot_problems(self) -> list[str]:
         """The GPU ids, and the slot counts against each other and against the GPUs given."""

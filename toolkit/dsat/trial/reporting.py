@@ -19,10 +19,13 @@ Outside a trial (:data:`~toolkit.dsat.contract.TRIAL_ENV` unset) it returns one 
   counted from the first value seen in the process. Either way a loop resumed from a checkpoint
   still gets its warm-up steps: the FLOPs are counted on step ``start_profile_step - 1`` and steps
   ``start_profile_step`` to ``end_profile_step`` (both included) are timed, the device
-  synchronised around each one; after the last of them the chief writes the result file and
-  every rank exits with status 0. Forward and backward are timed by wrapping this engine's
-  ``forward``/``backward`` (pipeline engines: their ForwardPass/BackwardPass instructions) with
-  instance attributes, set only inside a trial; DeepSpeed's own timers stay as configured.
+  synchronised around each one. When they span less than the contract's ``timed_window_s``
+  (dsat's ``--timed-window``), more steps are timed, as many as the mean step predicts the window
+  needs, up to ``last_profile_step`` (all ranks agree on the number at ``end_profile_step``).
+  After the last timed step the chief writes the result file and every rank exits with status
+  0. Forward and backward are timed by wrapping this engine's ``forward``/``backward``
+  (pipeline engines: their ForwardPass/BackwardPass instructions) with instance attributes, set
+  only inside a trial; DeepSpeed's own timers stay as configured.
 * Metrics (:data:`~toolkit.dsat.contract.METRICS`), slowest rank for the times:
   ``latency`` = milliseconds per wrapped step (the whole body: forward, backward, optimizer
   and whatever else it does); ``forward`` and ``backward`` = milliseconds per step inside the
@@ -52,10 +55,13 @@ Outside a trial (:data:`~toolkit.dsat.contract.TRIAL_ENV` unset) it returns one 
 The result file (JSON, written atomically by the chief, or by the rank that ran out of memory)::
 
     {"trial_id": 3, "status": "ok" | "oom" | "failed", "metrics": {...5 metrics...},
-     "profile": {...ProfileInfo...} | null, "error": "..." (oom / failed only)}
+     "profile": {...ProfileInfo...} | null, "timed_steps": 10 (ok only),
+     "error": "..." (oom / failed only)}
 
 ``"failed"`` is written only at a clean exit of a loop that stopped before
-``end_profile_step`` (too few steps); the runner reports it as the trial's error.
+``end_profile_step`` (too few steps); the runner reports it as the trial's error. A loop that
+stops cleanly after ``end_profile_step`` but before the window's last step reports the steps it
+timed (the chief's own measurements: the other ranks have left).
 """
 
 from __future__ import annotations

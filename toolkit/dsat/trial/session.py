@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import math
 import os
 import time
 from typing import Any, Callable, Iterator, NoReturn
@@ -27,7 +28,7 @@ from toolkit.dsat.trial.oom import exit_on_oom, is_crashing, is_oom
 from toolkit.dsat.trial.profiling import ProfileProbe
 from toolkit.errors import LaunchEnvError
 
-__all__ = ["TrialSession", "read_contract", "reduce_metrics"]
+__all__ = ["TrialSession", "extra_timed_steps", "read_contract", "reduce_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,30 @@ def read_contract(contract_file: str) -> TrialContract:
     if not 1 <= start <= end:
         raise LaunchEnvError(f"trial contract {contract_file}: start_profile_step={start}, "
                              f"end_profile_step={end}; expected 1 <= start <= end")
+    window, last = contract.timed_window_s, contract.last_profile_step
+    if not math.isfinite(window) or window < 0 or (last is not None and last < end):
+        raise LaunchEnvError(f"trial contract {contract_file}: timed_window_s={window}, last_profile_step="
+                             f"{last}; expected a window >= 0 s and None or a last step >= {end}")
     return contract
+
+
+def extra_timed_steps(step_s: list[float], *, window_s: float, room: int) -> int:
+    """How many more steps to time after ``end_profile_step`` so that the timed steps span about
+    ``window_s`` seconds, predicted from the mean of those timed so far (``step_s``, seconds,
+    the slowest rank's); at most ``room`` (the steps up to ``last_profile_step``). Pure; any rank.
+
+    >>> extra_timed_steps([0.1, 0.1, 0.1], window_s=1.0, room=20)
+    7
+    >>> extra_timed_steps([0.5, 0.5, 0.5], window_s=1.0, room=20)
+    0
+    >>> extra_timed_steps([0.01], window_s=1.0, room=20)
+    20
+    """
+    total = sum(step_s)
+    if not step_s or total >= window_s or room <= 0:
+        return 0
+    mean = total / len(step_s)
+    return room if mean <= 0 else min(room, math.ceil((window_s - total) / mean - 1e-9))
 
 
 def reduce_metrics(everyone: list[dict[str, Any]], *, samples_per_step: float) -> dict[str, float]:
@@ -97,6 +121,7 @@ class TrialSession:
         self.first_step: int | None = None   # steps are counted from the first one seen (resumed loops)
         self.step_calls = 0                   # calls of step(): the position when no count is given
         self.last_step = -1
+        self.final_step: int | None = None   # the last timed step, decided at end_profile_step
         self.finished = False
         self._install_timers()
         if self.contract.profile:  # the peak of the training steps, not of the start-up
@@ -171,7 +196,8 @@ class TrialSession:
         flops = k == c.start_profile_step - 1     # this step's forwards go through the FLOP counter
         if flops:
             self.forward_flops = 0
-        timed = c.start_profile_step <= k <= c.end_profile_step
+        last_timed = c.end_profile_step if self.final_step is None else self.final_step
+        timed = c.start_profile_step <= k <= last_timed
         forwards = self.calls["forward"]
         if timed:
             self._sync()
@@ -194,8 +220,21 @@ class TrialSession:
         if flops:
             self.flops_per_step = 3.0 * float(self.forward_flops or 0)
             self.forward_flops = None
-        if k >= c.end_profile_step:
+        if k >= c.end_profile_step and self.final_step is None:
+            self.final_step = self._final_step(k)
+        if self.final_step is not None and k >= self.final_step:
             self.report_and_exit()
+
+    def _final_step(self, k: int) -> int:
+        """The last timed step, from step ``k`` (``end_profile_step``): every rank decides the
+        same from the slowest rank's step times (a collective when a window is set)."""
+        c = self.contract
+        room = c.final_step_bound - k
+        if c.timed_window_s <= 0 or room <= 0:
+            return k
+        everyone = self.ctx.all_gather_object(list(self.step_s))
+        slowest = max(everyone, key=sum)
+        return k + extra_timed_steps(slowest, window_s=c.timed_window_s, room=room)
 
     def _abandon_step(self, err: BaseException, probe: ProfileProbe | None) -> None:
         """A step raised: undo its hooks; an OOM ends the process here, anything else propagates."""
@@ -234,22 +273,9 @@ class TrialSession:
 
     def report_and_exit(self) -> NoReturn:
         """Gather the measurements, write the result (chief), end every rank. Call on all ranks."""
-        engine, c = self.engine, self.contract
         everyone = self.ctx.all_gather_object(self._local_measurements())
-        over = [r["over_budget"] for r in everyone if r["over_budget"]]
-        if self.ctx.is_chief and over:
-            atomic_write_json(c.result_path, {"trial_id": c.trial_id, "status": "oom", "metrics": {},
-                                              "profile": None, "error": over[0]})
-            logger.error("dsat trial %d: %s", c.trial_id, over[0])
-        elif self.ctx.is_chief:
-            micro_per_step = self.micro_steps / max(len(self.step_s), 1) if self.micro_steps else 1.0
-            samples = micro_per_step * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size
-            metrics = reduce_metrics(everyone, samples_per_step=samples)
-            profile = profiling.merge_profiles([r["profile"] for r in everyone]) if c.profile else None
-            atomic_write_json(c.result_path, {"trial_id": c.trial_id, "status": "ok", "metrics": metrics,
-                                              "profile": profile})
-            logger.info("dsat trial %d: %s", c.trial_id,
-                        ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        if self.ctx.is_chief:
+            self._write_result(everyone)
         self.finished = True
         self.ctx.barrier()
         import torch.distributed as dist
@@ -257,11 +283,35 @@ class TrialSession:
             dist.destroy_process_group()
         raise SystemExit(0)
 
+    def _write_result(self, everyone: list[dict[str, Any]]) -> None:
+        """Chief only: the result file from the ranks' measurements (all of them, or its own)."""
+        engine, c = self.engine, self.contract
+        over = [r["over_budget"] for r in everyone if r["over_budget"]]
+        if over:
+            atomic_write_json(c.result_path, {"trial_id": c.trial_id, "status": "oom", "metrics": {},
+                                              "profile": None, "error": over[0]})
+            logger.error("dsat trial %d: %s", c.trial_id, over[0])
+            return
+        micro_per_step = self.micro_steps / max(len(self.step_s), 1) if self.micro_steps else 1.0
+        samples = micro_per_step * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size
+        metrics = reduce_metrics(everyone, samples_per_step=samples)
+        profile = profiling.merge_profiles([r["profile"] for r in everyone]) if c.profile else None
+        atomic_write_json(c.result_path, {"trial_id": c.trial_id, "status": "ok", "metrics": metrics,
+                                          "profile": profile, "timed_steps": len(self.step_s)})
+        logger.info("dsat trial %d: %s over %d timed steps", c.trial_id,
+                    ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()), len(self.step_s))
+
     def _report_early_exit(self) -> None:
-        """atexit, chief only: the loop ended cleanly before end_profile_step."""
+        """atexit, chief only: the loop ended cleanly before the trial's last timed step. After
+        ``end_profile_step`` (the window's extra steps) the chief reports the steps it timed,
+        from its own measurements (the other ranks have left: no collective); before, the trial
+        failed."""
         if self.finished or is_crashing() or os.path.exists(self.contract.result_path):
             return
         c = self.contract
+        if self.last_step >= c.end_profile_step and self.step_s:
+            self._write_result([self._local_measurements()])
+            return
         atomic_write_json(c.result_path, {
             "trial_id": c.trial_id, "status": "failed", "metrics": {}, "profile": None,
             "error": (f"the training loop stopped after {self.last_step + 1} step(s), before "

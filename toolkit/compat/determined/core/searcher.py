@@ -3,7 +3,8 @@
 As Determined's ``single`` searcher (0.37 semantics, which the dsat example relies on):
 ``operations()`` yields one :class:`SearcherOperation` whose ``length`` is ``searcher.max_length``
 (``100`` or ``{batches: 100}``; epochs and records are an error naming them, since toolkit counts
-batches; inside a dsat trial: ``end_profile_step + 1``, as Determined's dsat set it). Once the
+batches; inside a dsat trial: ``end_profile_step + 1`` as Determined's dsat set it, plus the
+room of dsat's ``--timed-window``: one more than the contract's last step). Once the
 chief called ``op.report_completed(metric)``, the metric is recorded in
 ``<output_dir>/determined_searcher.json`` and ``operations()`` yields nothing more, in this run
 and the next ones in that output directory.
@@ -100,9 +101,10 @@ class SearcherContext:
     def _length(self) -> int:
         trial_file = os.environ.get(TRIAL_ENV)
         if trial_file:
-            # Inside a dsat trial the operation lasts until the last profiled step (as Determined's
-            # dsat set it); the trial ends there anyway (SystemExit from the reporting context).
-            return TrialContract.read(trial_file).end_profile_step + 1
+            # Inside a dsat trial the operation lasts until the last step the trial may time (as
+            # Determined's dsat set it, plus the timed window's room); the trial ends there or
+            # earlier (SystemExit from the reporting context).
+            return TrialContract.read(trial_file).final_step_bound + 1
         raw = (self._config.get("searcher") or {}).get("max_length")
         if isinstance(raw, Mapping) and set(raw) & {"epochs", "records"}:
             unit = sorted(set(raw) & {"epochs", "records"})[0]

@@ -51,7 +51,6 @@ from toolkit.dsat.contract import (
     OUTPUT_DIR_ENV,
     TRIAL_ENV,
     TRIAL_HPARAMS_ENV,
-    TrialContract,
     TrialStatus,
     trial_hparams,
 )
@@ -215,11 +214,8 @@ class TrialRunner:
         atomic_write_json(ds_path, ds_config)
         atomic_write_json(directory / "hparams.json",
                           trial_hparams(hparams, ds_config=ds_config, ds_config_path=ds_path))
-        TrialContract(trial_id=spec.trial_id, result_path=str(directory / "result.json"),
-                      start_profile_step=s.start_profile_step, end_profile_step=s.end_profile_step,
-                      profile=spec.profile, memory_per_slot=s.memory_per_slot,
-                      timed_window_s=float(s.timed_window_s),
-                      last_profile_step=s.last_profile_step).write(directory / "trial.json")
+        s.trial_contract(spec.trial_id, result_path=directory / "result.json",
+                         profile=spec.profile).write(directory / "trial.json")
         return directory
 
     def _trial_env(self, directory: Path, gpus: tuple[int, ...] | None) -> tuple[dict[str, str], str | None]:

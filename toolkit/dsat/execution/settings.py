@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from toolkit._checks import int_problem, is_int, is_number
+from toolkit.dsat.contract import TrialContract
 from toolkit.dsat.execution.argv import LAUNCHERS, MULTIHOST_LAUNCHERS, build_trial_argv
 from toolkit.dsat.execution.hosts import Host, place_trial
 from toolkit.errors import ConfigError
@@ -185,6 +186,14 @@ class RunnerSettings:
             return self.end_profile_step
         profiled = self.end_profile_step - self.start_profile_step + 1
         return self.end_profile_step + WINDOW_STEPS_FACTOR * profiled
+
+    def trial_contract(self, trial_id: int, *, result_path: Path, profile: bool) -> TrialContract:
+        """What a trial under these settings is told (its ``trial.json``). Pure; any process."""
+        return TrialContract(trial_id=trial_id, result_path=str(result_path), profile=profile,
+                             start_profile_step=self.start_profile_step,
+                             end_profile_step=self.end_profile_step, memory_per_slot=self.memory_per_slot,
+                             timed_window_s=float(self.timed_window_s),
+                             last_profile_step=self.last_profile_step)
 
     def _slot_problems(self) -> list[str]:
         """The GPU ids, and the slot counts against each other and against the GPUs given."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from toolkit.dsat.contract import METRICS
 from toolkit.dsat.execution.argv import MULTIHOST_LAUNCHERS
+from toolkit.dsat.execution.settings import WINDOW_STEPS_FACTOR
 from toolkit.dsat.search.offload import OFFLOAD_MODES
 
 __all__ = ["build_parser", "parse_bytes"]
@@ -126,8 +127,8 @@ def _add_search_flags(g: argparse._ArgumentGroup) -> None:
                         "(default: %(default)s)")
     g.add_argument("--timed-window", type=_number, default=3.0, metavar="SECONDS",
                    help="seconds the timed steps span at least: a trial whose profile steps are shorter "
-                        "times more of them, up to 4x as many more (the loop must run them; a loop that "
-                        "ends earlier reports those it timed); 0: the profile steps only "
+                        f"times more of them, up to {WINDOW_STEPS_FACTOR}x as many more (the loop must run "
+                        "them; a loop that ends earlier reports those it timed); 0: the profile steps only "
                         "(default: %(default)s s)")
 
 

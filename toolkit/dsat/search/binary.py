@@ -193,16 +193,24 @@ class BinarySearcher(LineSearcher[BinaryLine]):
         line, then by their own best (larger is better or not), then the oldest."""
         metric = self.settings.metric
         sign = 1.0 if metric in SMALLER_IS_BETTER else -1.0
-        best = self._best_value()
 
         def key(line: BinaryLine) -> tuple[int, int, int, float, int]:
             own = None if line.best is None else metric_value(line.best, metric)
             holds = self._best is not None and line.best is self._best
-            near = own is not None and best is not None and (
-                own <= best * (1 + NOISE) if metric in SMALLER_IS_BETTER else own * (1 + NOISE) >= best)
+            near = own is not None and self._near_best(own)
             return (0 if near else 1, line.stage if near else 0, 0 if holds else 1,
                     sign * own if own is not None else float("inf"), line.line_id)
         return sorted(lines, key=key)
+
+    def _near_best(self, value: float) -> bool:
+        """Whether ``value`` is within :data:`~toolkit.dsat.search.peak.NOISE` of the search's
+        best (False with no best yet): too close for one measurement to rank them."""
+        best = self._best_value()
+        if best is None:
+            return False
+        if self.settings.metric in SMALLER_IS_BETTER:
+            return value <= best * (1 + NOISE)
+        return value * (1 + NOISE) >= best
 
     def _open_stages(self) -> list[int]:
         """Stages whose lines are not dominated: random configurations are drawn from these."""
@@ -237,7 +245,7 @@ class BinarySearcher(LineSearcher[BinaryLine]):
             at = self._top(min(self._best.spec.micro_batch, line.hi))
             if at >= 1 and at not in line.tried:
                 return at, f"compared at the best's micro-batch {self._best.spec.micro_batch}"
-            if own * (1 + NOISE) < best:
+            if not self._near_best(own):
                 return None, (f"dominated: its best {own:.6g} is more than {NOISE:.0%} below the search's "
                               f"best {best:.6g} (trial {self._best.spec.trial_id})")
         grid = log_grid(line.hi, self._allowed_up_to(line.hi))

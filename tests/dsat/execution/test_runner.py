@@ -242,7 +242,9 @@ def test_memory_budget_holds_a_peak_that_falls_between_polls(tmp_path):
         results, _ = run_all(runner, [(spec(1), {"behaviour": "memory", "alloc_mib": 400, "free": True})])
     assert results[1].status is TrialStatus.OOM, results[1].error
     assert results[1].error.startswith("peak RSS ")
-    assert int(results[1].error.split()[2]) > 400
+    # Above the budget, not necessarily the whole 400 MiB: a poll may land while the block is still
+    # being touched (CI once read 396 MiB there), and the runner stops at the first peak over budget.
+    assert int(results[1].error.split()[2]) > 150
     assert marked_processes(out) == []
 
 

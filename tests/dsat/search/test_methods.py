@@ -635,6 +635,39 @@ def test_a_tie_between_stages_goes_to_the_lowest_stage_first():
     assert searcher.best.spec.stage == 1 and searcher.best.spec.micro_batch == 4096
 
 
+# Samples/s measured by bench_dsat's grid with the global batch kept at 768 on 2026-11-26 (the
+# micro-batches dividing 384): flat within noise from 24 up at every stage.
+KEPT_GRID = {1: {1: 300, 12: 1823, 24: 2317, 48: 2372, 96: 1680, 128: 2235, 192: 1643, 384: 1769},
+             2: {1: 150, 96: 2459, 128: 2427, 192: 2445, 384: 2529},
+             3: {1: 40, 64: 1238, 128: 1307, 192: 1837, 384: 1888}}
+KEPT_MBS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 384)
+
+
+def test_a_random_section_below_the_best_does_not_close_the_best_stage():
+    """bench_dsat's kept run of 2026-11-26: stage 1's point at 384, the top of the range, measured
+    2760 (then 1769-2372 in 6 other trials), so stages 2 and 3 (1822, 2293) were dominated and
+    stage 1's user line had no micro-batch left; the first random stage-1 section measured 2370 at
+    384 and, being dominated too, closed stage 1 itself: the search ended with trials unused."""
+    runs = {stage: measured(curve, 384) for stage, curve in KEPT_GRID.items()}
+
+    def run(spec):
+        return runs[spec.stage](spec)
+
+    def at(result, value):
+        return dataclasses.replace(result, metrics={**result.metrics, "throughput": value})
+    s = settings_for("binary", zero_stages=(1, 2, 3), max_trials=4, metric="throughput",
+                     micro_batches=KEPT_MBS)
+    searcher = make_searcher(s, profile_with_range(6480))
+    searcher.observe_profiling([at(profiling(1, 1, 0, run), 485), at(profiling(1, 192, -1, run), 2259),
+                                at(profiling(1, 384, -11, run), 2760), at(profiling(2, 384, -12, run), 1822),
+                                at(profiling(3, 384, -13, run), 2293)])
+    _, results = drive(searcher, run)
+    # every tuning trial a random stage-1 section at the best's micro-batch, each one dominated
+    assert [(r.spec.stage, r.spec.micro_batch) for r in results] == [(1, 384)] * 3
+    assert len({r.spec.line for r in results}) == 3
+    assert searcher.best.spec.trial_id == -11
+
+
 # -- caps, ids, termination: all methods ---------------------------------------------------------
 METHOD = st.sampled_from(["binary", "random", "asha"])
 STAGES = st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True).map(tuple)

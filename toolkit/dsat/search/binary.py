@@ -70,9 +70,9 @@ class BinarySearcher(LineSearcher[BinaryLine]):
     the search, a line that does not hold it is first tried at the best's micro-batch (snapped
     into its range): a line more than :data:`~toolkit.dsat.search.peak.NOISE` below the best
     there (its best anywhere) is *dominated* and stops, and its stage gets no random
-    configurations. Idle lines get trials in this order: those within ``NOISE`` of the best,
-    lowest stage first (a tie goes to less communication), then the best's line, then by their
-    own best, then the oldest. The search ends early once no line has a trial due and no
+    configurations unless it holds the best. Idle lines get trials in this order: those within
+    ``NOISE`` of the best, lowest stage first (a tie goes to less communication), then the best's
+    line, then by their own best, then the oldest. The search ends early once no line has a trial due and no
     configuration is left to start. Pure; rank 0 only by use.
 
     Example (rank 0 only)::
@@ -213,9 +213,13 @@ class BinarySearcher(LineSearcher[BinaryLine]):
         return value * (1 + NOISE) >= best
 
     def _open_stages(self) -> list[int]:
-        """Stages whose lines are not dominated: random configurations are drawn from these."""
+        """Stages whose lines are not dominated: random configurations are drawn from these. The
+        stage holding the search's best stays open: a random section of it measuring below the
+        best (the user's section at that stage, say) says nothing against the stage."""
         dominated = {line.stage for line in self._lines
                      if line.offload == self.level and (line.stopped or "").startswith("dominated")}
+        if self._best is not None:
+            dominated.discard(self._best.spec.stage)
         return [st for st in self._space.stages if st not in dominated]
 
     def _first(self, line: BinaryLine) -> int:

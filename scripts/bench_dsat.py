@@ -25,7 +25,8 @@ trial needs), one after the other in this process:
    (:class:`toolkit.dsat.execution.runner.TrialRunner`, configs from
    :func:`~toolkit.dsat.orchestrator.trial_ds_config` and
    :func:`~toolkit.dsat.contract.trial_hparams`, with the plan that dsat's own CLI builds from
-   the same flags: same entrypoint, launcher, budget, profile steps and timeout): every searched
+   the same flags: same entrypoint, launcher, budget, profile steps, timed window (``--timed-window``,
+   default 8 s here) and timeout): every searched
    ZeRO stage x the micro-batches ``1, 2, 4, ...`` up to ``--grid-max`` (default: what the data
    allows, ``--dataset-size / 2``), ascending, each stage stopped at its first out-of-memory (or
    failed) trial, since every larger micro-batch would fail too. Nothing of it comes from dsat's
@@ -43,7 +44,7 @@ trial needs), one after the other in this process:
    micro-batch that fitted the budget in the grid. Its throughput is its own stopwatch
    (forward + backward + optimizer step timers; data loading excluded). When it fails, its exit
    status, the error it printed and its wall time until then are reported.
-4. **confirm** (``--confirm N``, default 5): dsat's, the grid's and DeepSpeed's best configs are
+4. **confirm** (``--confirm N``, default 7): dsat's, the grid's and DeepSpeed's best configs are
    measured N more times through the same trial runner, interleaved. The judged ratio compares the
    medians of these fresh measurements alone: the measurement that made a config "best" is the
    highest of many noisy ones (48 for the grid with the batch kept, 8 for dsat), so it is biased
@@ -122,6 +123,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--end-profile-step", type=int, default=12,
                    help="dsat's and the grid's last timed step (default 12: 9 timed steps; with 3, one "
                         "config's throughput varied 2620-4046 between trials here)")
+    # On this shared VM a trial's step time shifts level for seconds at a time, so a 3-4 s window
+    # catches one or two levels: with the batch kept at 768 (10 steps, about 4 s) one config
+    # measured 1645-2760 across 7 trials. Both arms and the re-runs use the same window.
+    p.add_argument("--timed-window", type=float, default=8.0,
+                   help="dsat's and the grid's --timed-window in seconds (default 8; dsat's own: 3)")
     p.add_argument("--trial-timeout", type=float, default=300.0)
     p.add_argument("--width", type=int, default=8, help="ResNet width of the example model")
     p.add_argument("--image-size", type=int, default=16)
@@ -130,9 +136,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grid-max", type=int, default=None, metavar="MB",
                    help="the largest micro-batch the user's grid may try (default: --dataset-size / 2, what "
                         "the data allows); each stage stops earlier at its first out-of-memory trial")
-    p.add_argument("--confirm", type=int, default=5,
+    p.add_argument("--confirm", type=int, default=7,
                    help="fresh re-measurements of each arm's best config, whose medians are compared "
-                        "(default 5)")
+                        "(default 7)")
     p.add_argument("--ds-timeout", type=float, default=600.0,
                    help="wall-clock limit of DeepSpeed's autotuner")
     p.add_argument("--ds-pythonpath", default="",
@@ -204,7 +210,7 @@ def dsat_cli_args(args: argparse.Namespace, experiment: Path, output_dir: Path) 
             "--memory-per-slot", str(args.memory_per_slot), "--metric", args.metric,
             "--zero-stages", *map(str, args.zero_stages), "--random-seed", str(args.random_seed),
             "--start-profile-step", str(args.start_profile_step),
-            "--end-profile-step", str(args.end_profile_step),
+            "--end-profile-step", str(args.end_profile_step), "--timed-window", str(args.timed_window),
             "--trial-timeout", str(args.trial_timeout), "--max-slots", "2", "--output-dir", str(output_dir)]
     if args.method in ("binary", "asha"):
         argv += ["--search-range-factor", str(args.search_range_factor)]

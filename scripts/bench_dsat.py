@@ -48,9 +48,8 @@ trial needs), one after the other in this process:
    measured N more times through the same trial runner, interleaved. The judged ratio compares the
    medians of these fresh measurements alone: the measurement that made a config "best" is the
    highest of many noisy ones (48 for the grid with the batch kept, 8 for dsat), so it is biased
-   upwards, and pooling it in still favours the arm that drew more trials (on 2026-11-26 the
-   grid's best, stage 1 micro-batch 96, measured 2010 in the grid, then 2324, 1713 and 1669; its
-   flat neighbours 1550-1700). The median over every measurement of the config (search, grid,
+   upwards, and pooling it in still favours the arm that drew more trials (the README's benchmark
+   section has an example). The median over every measurement of the config (search, grid,
    confirm) is printed beside it, as before.
 
 With ``--train-batch-size N`` the experiment fixes the global batch (``overwrite_deepspeed_args``):
@@ -123,9 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--end-profile-step", type=int, default=12,
                    help="dsat's and the grid's last timed step (default 12: 9 timed steps; with 3, one "
                         "config's throughput varied 2620-4046 between trials here)")
-    # On this shared VM a trial's step time shifts level for seconds at a time, so a 3-4 s window
-    # catches one or two levels: with the batch kept at 768 (10 steps, about 4 s) one config
-    # measured 1645-2760 across 7 trials. Both arms and the re-runs use the same window.
+    # On a shared VM a trial's step time shifts level for seconds at a time, so a 3-4 s window
+    # catches one or two levels (the README's benchmark section has the spread). Both arms and the
+    # re-runs use the same window.
     p.add_argument("--timed-window", type=float, default=8.0,
                    help="dsat's and the grid's --timed-window in seconds (default 8; dsat's own: 3)")
     p.add_argument("--trial-timeout", type=float, default=300.0)

@@ -72,8 +72,8 @@ class BinarySearcher(LineSearcher[BinaryLine]):
     there (its best anywhere) is *dominated* and stops, and its stage gets no random
     configurations unless it holds the best. Idle lines get trials in this order: those within
     ``NOISE`` of the best, lowest stage first (a tie goes to less communication), then the best's
-    line, then by their own best, then the oldest. The search ends early once no line has a trial due and no
-    configuration is left to start. Pure; rank 0 only by use.
+    line, then by their own best, then the oldest. The search ends early once no line has a trial
+    due and no configuration is left to start. Pure; rank 0 only by use.
 
     Example (rank 0 only)::
 

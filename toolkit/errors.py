@@ -13,6 +13,9 @@ The rule:
   :class:`CheckpointError`. It is a ``RuntimeError``.
 * **The launcher's environment is malformed** (``LOCAL_RANK='x'``): :class:`LaunchEnvError`, a
   ``RuntimeError``: the user did not write it in a config, the launcher did.
+* **A DeepSpeed op build lock that no process of this machine can be shown to hold** (the
+  extension directory is another user's, or on a network filesystem): :class:`BuildLockError`, a
+  ``RuntimeError`` naming the lock file and the fix.
 * **A programming error** (an object of the wrong kind where toolkit needs a specific one, such
   as a module passed as the engine; a call out of order, such as a report after ``close()``):
   the built-in ``TypeError`` or ``ValueError``.
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-__all__ = ["ConfigError", "LaunchEnvError", "CheckpointError"]
+__all__ = ["ConfigError", "LaunchEnvError", "CheckpointError", "BuildLockError"]
 
 
 class ConfigError(ValueError):
@@ -66,3 +69,8 @@ class LaunchEnvError(RuntimeError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded as asked; the message names the fix."""
+
+
+class BuildLockError(RuntimeError):
+    """torch's extension build lock of a DeepSpeed op was held for too long by a holder that cannot
+    be seen from this process; the message names the lock file and how to remove it."""

@@ -11,6 +11,10 @@ by default dsat keeps the user's: it searches the micro-batches ``m`` that divid
 * ``free``: Determined's behaviour, ``train_batch_size = micro-batch x accumulation x
   data_parallel_size`` with the user's accumulation (the default when the config sets none).
 
+When the best config's global batch differs from the one the user's config implies
+(:func:`implied_global_batch`), :func:`global_batch_change` says so, by what factor, and with the
+command that tunes within the user's batch: the closing lines and ``best_ds_metrics.json`` carry it.
+
 Also here: the largest micro-batch whose predicted step time (on the line through the profiling
 trials' step times) keeps a trial within ``--trial-timeout``.
 
@@ -24,16 +28,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+import shlex
+from typing import Any, Mapping, Sequence
 
 from toolkit._checks import int_problem, is_int, is_number
 from toolkit.errors import ConfigError
 
-__all__ = ["GLOBAL_BATCH_POLICIES", "GlobalBatch", "allowed_micro_batches", "global_batch_policy",
+__all__ = ["GLOBAL_BATCH_POLICIES", "BatchChange", "GlobalBatch", "allowed_micro_batches",
+           "global_batch_change", "global_batch_policy", "implied_global_batch", "rerun_command",
            "step_time_line", "time_capped_micro_batch"]
 
 GLOBAL_BATCH_POLICIES = ("keep", "fixed", "free")
-TBS = "train_batch_size"
+TBS, MBS, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +106,128 @@ def global_batch_policy(flag: str | int | None, *, user_train_batch_size: Any) -
     if is_int(flag) and flag >= 1:
         return GlobalBatch("fixed", int(flag))
     raise ConfigError(f"--global-batch {flag!r}: expected keep, free or a positive integer")
+
+
+def implied_global_batch(ds_config: Mapping[str, Any], *, data_parallel_size: int) -> int | None:
+    """The global batch the user's DeepSpeed config implies, as DeepSpeed derives it: an integer
+    ``train_batch_size``; else ``train_micro_batch_size_per_gpu x gradient_accumulation_steps``
+    (1 when unset or "auto", as dsat's trials take it) ``x data_parallel_size``; None when
+    neither batch key is a positive integer. Pure; any rank.
+
+    Example:
+        >>> implied_global_batch({"train_micro_batch_size_per_gpu": 8}, data_parallel_size=2)
+        16
+    """
+    tbs, mbs, gas = (ds_config.get(k) for k in (TBS, MBS, GAS))
+    if is_int(tbs) and tbs >= 1:
+        return int(tbs)
+    if not (is_int(mbs) and mbs >= 1):
+        return None
+    return int(mbs) * (int(gas) if is_int(gas) and gas >= 1 else 1) * data_parallel_size
+
+
+def rerun_command(argv: Sequence[str], *, global_batch: str, output_dir: str) -> str:
+    """The dsat command ``python -m toolkit.dsat ARGV`` as a new search with ``--global-batch``
+    and ``--output-dir`` set (replacing the given ones, abbreviated or with ``=``) and
+    ``--resume`` dropped; quoted for a POSIX shell. Pure; any rank.
+
+    Example:
+        >>> rerun_command(["binary", "d.yaml", ".", "--global-batch", "free"], global_batch="16",
+        ...               output_dir="out-batch16")
+        'python -m toolkit.dsat binary d.yaml . --global-batch 16 --output-dir out-batch16'
+    """
+    def flag(token: str) -> str | None:  # argparse takes any unambiguous prefix of a flag
+        name = token.split("=", 1)[0]
+        if len(name) < 3 or not name.startswith("--"):
+            return None
+        return next((f for f in ("--global-batch", "--output-dir", "--resume") if f.startswith(name)), None)
+
+    kept, args = [], list(argv)
+    while args:
+        token = args.pop(0)
+        which = flag(token)
+        if which is None:
+            kept.append(token)
+        elif which != "--resume" and "=" not in token and args:
+            args.pop(0)  # the flag's value
+    kept += ["--global-batch", global_batch, "--output-dir", output_dir]
+    return shlex.join(["python", "-m", "toolkit.dsat", *kept])
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchChange:
+    """The best config's global batch against the one the user's config implies.
+
+    Attributes:
+        policy: the policy the search ran with (:class:`GlobalBatch`'s, ``--global-batch``).
+        user: the global batch the user's config implies (:func:`implied_global_batch`); None: none.
+        best: the best config's ``train_batch_size``.
+        micro_batch, accumulation, data_parallel_size: its factors.
+        command: the dsat command that tunes within ``user`` (None when ``user`` is None).
+    """
+
+    policy: GlobalBatch
+    user: int | None
+    best: int
+    micro_batch: int
+    accumulation: int
+    data_parallel_size: int
+    command: str | None
+
+    @property
+    def changed(self) -> bool:
+        """Whether the best config trains with another global batch than the user's config implies."""
+        return self.user is not None and self.best != self.user
+
+    @property
+    def factor(self) -> float | None:
+        """``best / user``: how many times the samples per step; None when the config implies none."""
+        return None if self.user is None else self.best / self.user
+
+    def notice(self) -> str | None:
+        """One line for the closing lines when the global batch is not the user's; None when it is."""
+        if not self.changed and self.user is not None:
+            return None
+        flag = "--global-batch " + (self.policy.policy if self.policy.policy == "free" else str(self.best))
+        how = (f"{self.best} = micro-batch {self.micro_batch} x gradient_accumulation_steps "
+               f"{self.accumulation} x data-parallel size {self.data_parallel_size}, {flag}")
+        if self.user is None:
+            return (f"global batch: the best config trains with train_batch_size {how}; your DeepSpeed "
+                    "config implies none (no integer train_batch_size or train_micro_batch_size_per_gpu)")
+        return (f"global batch changed from {self.user} to {self.best} samples per step "
+                f"({self.factor:.3g}x; {how}; {self.user} is what your DeepSpeed config implies), with "
+                f"your learning rate unchanged. To tune within {self.user}: {self.command}")
+
+    def to_json(self) -> dict[str, Any]:
+        """What ``best_ds_metrics.json``'s ``global_batch`` adds to the policy and the best's batch keys."""
+        return {"user_train_batch_size": self.user, "factor": self.factor, "changed": self.changed,
+                "notice": self.notice(), "command": self.command if self.changed else None}
+
+
+def global_batch_change(user_ds_config: Mapping[str, Any], best_ds_config: Mapping[str, Any], *,
+                        policy: GlobalBatch, data_parallel_size: int, argv: Sequence[str],
+                        output_dir: str) -> BatchChange:
+    """How the best config's global batch compares with the user's (see :class:`BatchChange`).
+
+    ``argv``: the search's dsat arguments (after ``python -m toolkit.dsat``), from which the
+    command tuning within the user's batch is made: ``--global-batch keep`` when the user's
+    config sets an integer ``train_batch_size``, else ``--global-batch N``, and the output
+    directory ``OUTPUT_DIR-batchN`` (a new search). Pure; any rank.
+
+    Example:
+        >>> change = global_batch_change({MBS: 8}, {TBS: 1090, MBS: 545, GAS: 1}, policy=GlobalBatch("free"),
+        ...                              data_parallel_size=2, argv=["binary", "d.yaml", "."], output_dir="o")
+        >>> change.user, change.best, change.changed
+        (16, 1090, True)
+    """
+    user = implied_global_batch(user_ds_config, data_parallel_size=data_parallel_size)
+    command = None
+    if user is not None:
+        tbs = user_ds_config.get(TBS)
+        keep = "keep" if is_int(tbs) and tbs >= 1 else str(user)
+        command = rerun_command(argv, global_batch=keep, output_dir=f"{output_dir}-batch{user}")
+    return BatchChange(policy, user, int(best_ds_config[TBS]), int(best_ds_config[MBS]),
+                       int(best_ds_config.get(GAS, 1)), data_parallel_size, command)
 
 
 def allowed_micro_batches(train_batch_size: int, *, data_parallel_size: int) -> tuple[int, ...]:

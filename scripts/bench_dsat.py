@@ -240,7 +240,7 @@ def run_dsat(args: argparse.Namespace, experiment: Path, work: Path) -> dict[str
         "exit_code": code, "wall_s": round(wall, 1), "trials": len(records),
         "trial_seconds": round(sum(r["duration_s"] for r in records), 1),
         "statuses": {s.value: sum(r["status"] == s.value for r in records) for s in TrialStatus},
-        "best_metric": best["metrics"][args.metric] if best else None,
+        "best_metric": best[args.metric] if best else None,  # Determined's flat shape
         "best_trial_id": best["trial_id"] if best else None,
         "best_stage": best_record["stage"] if best_record else None,
         "best_micro_batch": best_record["micro_batch"] if best_record else None,

@@ -33,7 +33,9 @@ def run_full_experiment(plan: Plan, outcome: SearchOutcome, *, say: Callable[[st
     The script runs exactly as it would by hand, with ``toolkit.get_hparams`` returning the
     experiment's hyperparameters with ``deepspeed_config`` pointing at ``best_ds_config.json``;
     it trains for ``searcher.max_length`` steps of the experiment config (the script reads it).
-    The best config carries the global batch of the search's policy (kept: the user's own).
+    The best config carries the global batch of the search's policy (kept: the user's own); when
+    that is not the batch the user's config implies, the last line says so again
+    (``outcome.batch_notice``), since the search's own closing lines are far above by then.
     """
     from toolkit.dsat.execution.runner import free_port, run_to_completion
 
@@ -56,4 +58,6 @@ def run_full_experiment(plan: Plan, outcome: SearchOutcome, *, say: Callable[[st
                              timeout_s=timeout_s, nproc=plan.runner.slots_per_trial)
     remove_buffers(addr=LOOPBACK, port=port)  # what DeepSpeed leaves in /dev/shm (toolkit.runtime.ds_shm)
     say(f"full experiment exited with status {code}")
+    if outcome.batch_notice:
+        say(outcome.batch_notice)
     return code

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
 
 from toolkit._files import atomic_write_json
 from toolkit.config.deepspeed import BATCH_KEYS, overwrite_deepspeed_config
@@ -26,24 +28,47 @@ from toolkit.dsat.records import (
     summary_table,
     write_trial_tables,
 )
-from toolkit.dsat.search.batch import step_time_line, time_capped_micro_batch
+from toolkit.dsat.search.batch import global_batch_change, step_time_line, time_capped_micro_batch
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
 from toolkit.dsat.trial.reporting import instrumentation_overrides
 
-__all__ = ["Plan", "trial_ds_config", "profile_spec", "Autotuner", "SearchOutcome"]
+__all__ = ["Plan", "trial_ds_config", "profile_spec", "Autotuner", "SearchOutcome", "best_metrics_record",
+           "BEST_METRICS_EXTRA_KEYS"]
 
 logger = logging.getLogger(__name__)
 TBS, MBS, GAS = BATCH_KEYS
 
+#: What ``best_ds_metrics.json`` holds beside the best trial's metrics (never a metric's name).
+BEST_METRICS_EXTRA_KEYS = ("trial_id", "metric", "global_batch")
+
 
 @dataclasses.dataclass
 class SearchOutcome:
-    """How a search ended. ``exit_code``: 0 found a best config, 1 the search failed."""
+    """How a search ended. ``exit_code``: 0 found a best config, 1 the search failed.
+    ``batch_notice``: the line saying the best config's global batch is not the user's (None when it is)."""
 
     exit_code: int
     results: list[TrialResult]
     best: TrialResult | None
     message: str
+    batch_notice: str | None = None
+
+
+def best_metrics_record(metrics: Mapping[str, Any], *, trial_id: int, metric: str,
+                        global_batch: Mapping[str, Any]) -> dict[str, Any]:
+    """``best_ds_metrics.json`` as Determined's dsat wrote it: the best trial's metrics at the top
+    level (``{"throughput": ..., "FLOPS_per_gpu": ...}``), with :data:`BEST_METRICS_EXTRA_KEYS`
+    beside them. A metric of the trial never gives way to an extra key. Pure; any rank."""
+    extras = dict(zip(BEST_METRICS_EXTRA_KEYS, (trial_id, metric, dict(global_batch)), strict=True))
+    return {**{k: v for k, v in extras.items() if k not in metrics}, **metrics}
+
+
+def _dsat_argv() -> list[str] | None:
+    """This process's dsat arguments (after ``python -m toolkit.dsat``); None when it is not dsat's CLI."""
+    main = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if main is not None and main.name == "__main__.py" and main.parent.name == "dsat":
+        return list(sys.argv[1:])
+    return None
 
 
 class Autotuner(ProfilingPhase):
@@ -52,11 +77,17 @@ class Autotuner(ProfilingPhase):
     Args:
         plan: the checked plan.
         say: where progress lines and tables go (the CLI passes ``print``).
+        argv: the dsat arguments of the search (default: this process's when it is
+            ``python -m toolkit.dsat``, else the method, config and model directory).
     """
 
-    def __init__(self, plan: Plan, *, say: Callable[[str], None] = print) -> None:
+    def __init__(self, plan: Plan, *, say: Callable[[str], None] = print,
+                 argv: Sequence[str] | None = None) -> None:
         self.plan = plan
         self.say = say
+        # the search's dsat arguments, for the command that reruns it within the user's global batch
+        self.argv = list(argv) if argv is not None else _dsat_argv() or [
+            plan.search.method, str(plan.config_path), str(plan.runner.model_dir)]
         self.out = plan.output_dir
         self.log = EventLog(self.out / "events.jsonl")
         self.tensorboard = TensorBoardTrials(self.out / "tensorboard")
@@ -259,16 +290,19 @@ class Autotuner(ProfilingPhase):
                                  f"no tuning trial succeeded ({len(tuning)} run); see trials.csv and each "
                                  "trial's stderr.log")
         best_config = self._config_for(best.spec, instrumented=False)
+        change = global_batch_change(self.plan.base_ds_config, best_config, policy=self.plan.global_batch,
+                                     data_parallel_size=self.plan.data_parallel_size, argv=self.argv,
+                                     output_dir=str(self.out))
         atomic_write_json(self.out / "best_ds_config.json", best_config)
-        atomic_write_json(self.out / "best_ds_metrics.json",
-                          {"trial_id": best.spec.trial_id, "metric": self.plan.search.metric,
-                           "metrics": dict(best.metrics),
-                           "global_batch": {**self.plan.global_batch.to_json(),
-                                            "train_batch_size": best_config[TBS],
-                                            "gradient_accumulation_steps": best_config[GAS],
-                                            "train_micro_batch_size_per_gpu": best_config[MBS]}})
+        atomic_write_json(self.out / "best_ds_metrics.json", best_metrics_record(
+            best.metrics, trial_id=best.spec.trial_id, metric=self.plan.search.metric,
+            global_batch={**self.plan.global_batch.to_json(), **{k: best_config[k] for k in (TBS, GAS, MBS)},
+                          **change.to_json()}))
         counts = {s.value: sum(r.status is s for r in tuning) for s in TrialStatus}
         message = (f"best {self.plan.search.metric} = {best.metrics[self.plan.search.metric]:.4g} (trial "
                    f"{best.spec.trial_id}: stage {best.spec.stage}, micro-batch {best.spec.micro_batch}); "
                    f"{len(tuning)} tuning trials: {counts}; wrote {self.out / 'best_ds_config.json'}")
-        return SearchOutcome(0, results, best, message)
+        notice = change.notice()
+        if notice:  # the last line the CLI prints (and the full run's, after it)
+            message += "\n" + notice
+        return SearchOutcome(0, results, best, message, batch_notice=notice)

@@ -25,12 +25,12 @@ config; a missing JSON file is a ``FileNotFoundError`` naming the path looked at
 from __future__ import annotations
 
 import copy
-import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from toolkit._checks import is_mapping, type_name
+from toolkit.bounded_load import load_json
 from toolkit.config.ds_schema import (
     BATCH_KEYS,
     DS_CONFIG_EXPECTED,
@@ -57,32 +57,15 @@ __all__ = [
 ]
 
 
-def _reject_duplicates(source: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
-    """The ``object_pairs_hook`` that refuses a key written twice in one JSON object."""
-
-    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out:
-                raise ConfigError(f"duplicate key {key!r} (values {out[key]!r} and {value!r}); "
-                                  "JSON keeps only the last one silently, so remove one of them",
-                                  source=source)
-            out[key] = value
-        return out
-    return hook
-
-
-def _reject_constant(name: str) -> Any:
-    """The ``parse_constant`` hook: NaN and Infinity are not JSON."""
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def load_json_strict(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Load a JSON object, rejecting duplicate keys and NaN/Infinity. Any rank (reads the file).
+    """Load a DeepSpeed JSON config, bounded (:mod:`toolkit.bounded_load`). Any rank (reads the file).
+
+    Duplicate keys, numbers that are not finite (``NaN``, ``Infinity``, ``1e999``), nesting
+    deeper than ``MAX_DEPTH``, a file over ``MAX_CONFIG_BYTES`` and non-UTF-8 text are refused.
 
     Raises:
         FileNotFoundError: naming the absolute path looked at.
-        ConfigError: malformed JSON (line and column), a duplicate key, or a non-object.
+        ConfigError: malformed JSON (line and column), any of the above, or a non-object.
 
     Example::
 
@@ -92,19 +75,7 @@ def load_json_strict(path: str | os.PathLike[str]) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"DeepSpeed config {str(path)!r} not found (looked at {file.resolve()})")
-    text = file.read_text(encoding="utf-8")
-    try:
-        data = json.loads(text, object_pairs_hook=_reject_duplicates(str(path)),
-                          parse_constant=_reject_constant)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"malformed JSON at line {err.lineno}, column {err.colno}: {err.msg}",
-                          source=str(path)) from None
-    except ValueError as err:
-        if isinstance(err, ConfigError):
-            raise
-        raise ConfigError(str(err), source=str(path)) from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"expected a JSON object at the top, got {type_name(data)}", source=str(path))
+    data: dict[str, Any] = load_json(file, what="DeepSpeed config")
     return data
 
 

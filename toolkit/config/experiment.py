@@ -35,16 +35,14 @@ from __future__ import annotations
 
 import copy
 import difflib
-import json
 import os
 import shlex
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
 from toolkit._checks import int_problem, is_int, is_mapping, type_name
+from toolkit.bounded_load import load_json, load_yaml
 from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV, TRIAL_HPARAMS_ENV
 from toolkit.errors import ConfigError
 
@@ -147,7 +145,14 @@ def _entrypoint_problems(config: Mapping[str, Any]) -> list[str]:
         return []
     ep = config["entrypoint"]
     if isinstance(ep, str):
-        return [] if ep.strip() else ["entrypoint='': expected a command such as 'python3 train.py'"]
+        if not ep.strip():
+            return ["entrypoint='': expected a command such as 'python3 train.py'"]
+        try:
+            shlex.split(ep)
+        except ValueError as err:  # an unbalanced quote, or a backslash at the end
+            return [f"entrypoint={ep!r:.200}: cannot be split into arguments ({err}); balance the quotes, "
+                    "or write the entrypoint as a list of arguments"]
+        return []
     if isinstance(ep, list):
         if ep and all(isinstance(part, str) and part for part in ep):
             return []
@@ -240,15 +245,19 @@ def load_experiment_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Load and check an experiment YAML. Any rank.
 
     Args:
-        path: the YAML file (``yaml.safe_load``: no Python objects are constructed).
+        path: the YAML file, read by :func:`toolkit.bounded_load.load_yaml` (``yaml.SafeLoader``:
+            no Python objects are constructed; size, nesting and aliases bounded; duplicate keys
+            and numbers that are not finite refused).
 
     Returns:
         A new dict. Hyperparameters written as ``{type: const, val: X}`` are unwrapped to ``X``.
 
     Raises:
         FileNotFoundError: the file does not exist (the message gives the absolute path).
-        ConfigError: malformed YAML (with line and column) or wrong types and impossible
-            values, all listed, each naming its key. Unknown keys only warn (:class:`ConfigWarning`).
+        ConfigError: malformed YAML (with line and column), a bound of
+            :mod:`toolkit.bounded_load` broken (not UTF-8, too big, too deep, too many aliases,
+            a duplicate key, a number that is not finite) or wrong types and impossible values,
+            all listed, each naming its key. Unknown keys only warn (:class:`ConfigWarning`).
 
     Example:
         >>> config = load_experiment_config("examples/core_api/deepspeed.yaml")  # from the repository root
@@ -258,13 +267,7 @@ def load_experiment_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"experiment config {str(path)!r} not found (looked at {file.resolve()})")
-    try:
-        config = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"malformed YAML{where}: {getattr(err, 'problem', None) or err}",
-                          source=str(path)) from None
+    config = load_yaml(file, what="experiment config")
     if config is None:
         config = {}
     check_experiment_config(config, source=str(path))
@@ -345,16 +348,12 @@ def get_hparams(config_path: str | os.PathLike[str] | None = None) -> dict[str, 
     trial_file = os.environ.get(TRIAL_HPARAMS_ENV)
     if trial_file:
         try:
-            hparams = json.loads(Path(trial_file).read_text(encoding="utf-8"))
+            hparams = load_json(trial_file, what="trial's hyperparameters file")
         except FileNotFoundError:
             raise ConfigError(f"{TRIAL_HPARAMS_ENV}={trial_file!r}: file not found; it is set by the dsat "
                               "trial runner, unset it to run outside a trial") from None
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{TRIAL_HPARAMS_ENV}={trial_file!r}: malformed JSON at line {err.lineno}, "
-                              f"column {err.colno}: {err.msg}") from None
-        if not isinstance(hparams, dict):
-            raise ConfigError(f"{TRIAL_HPARAMS_ENV}={trial_file!r}: expected a JSON object, "
-                              f"got {type_name(hparams)}")
+        except ConfigError as err:
+            raise ConfigError(err.problems, source=f"{TRIAL_HPARAMS_ENV}={trial_file!r}") from None
         return hparams
     if config_path is None:
         config_path = os.environ.get(EXPERIMENT_CONFIG_ENV) or None

@@ -36,6 +36,13 @@ this machine, see :mod:`toolkit.dsat.execution.hosts`):
   ``--include host:ids@host:ids`` (the slot ids, hence the GPUs, of each host; DeepSpeed's MPI
   runners refuse ``--include`` and run one process per listed slot). ``ssh_port`` becomes
   ``--ssh_port``.
+* ``pdsh`` runs that runner through :mod:`toolkit.dsat.execution.pdsh_launch` (the same options):
+  DeepSpeed's own pdsh command joins the arguments, the exported variables and ``cd MODEL_DIR``
+  unquoted into the one line the remote shell runs, so ``;``, ``$(...)`` or a space in them was
+  shell syntax there. :func:`pdsh_remote_command` quotes every word of that line instead, and
+  doubles ``%`` (pdsh replaces ``%h``, ``%u``, ``%n`` and ``%%`` inside quotes too): the script
+  receives its arguments exactly as a local launch does. The remote login shell must be a
+  POSIX shell (sh, bash, dash, zsh).
 * ``srun`` (inside a Slurm allocation): ``srun --nodes N --ntasks T --ntasks-per-node K
   --nodelist H1,H2 --exact --kill-on-bad-exit=1`` and the rendezvous address in ``--export``;
   ranks read the Slurm variables (:mod:`toolkit.runtime.launch_env`). srun places tasks by count, so a
@@ -54,14 +61,15 @@ import base64
 import json
 import os
 import re
+import shlex
 import sys
 from typing import Mapping, Sequence
 
 from toolkit._checks import is_int
 from toolkit.errors import ConfigError
 
-__all__ = ["LAUNCHERS", "LOOPBACK", "MULTIHOST_LAUNCHERS", "build_trial_argv", "build_multihost_argv",
-           "build_remote_kill_argv", "world_info"]
+__all__ = ["LAUNCHERS", "LOOPBACK", "MULTIHOST_LAUNCHERS", "PDSH_RUNNER_MODULE", "build_trial_argv",
+           "build_multihost_argv", "build_remote_kill_argv", "pdsh_remote_command", "world_info"]
 
 #: Launchers a trial can be started with.
 LAUNCHERS = ("torchrun", "deepspeed")
@@ -69,10 +77,13 @@ LAUNCHERS = ("torchrun", "deepspeed")
 MULTIHOST_LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "srun")
 #: The rendezvous address of a trial on this machine.
 LOOPBACK = "127.0.0.1"
+#: DeepSpeed's multinode runner with a quoted pdsh command (``python -m``; same options).
+PDSH_RUNNER_MODULE = "toolkit.dsat.execution.pdsh_launch"
 
 _PYTHON = re.compile(r"python(\d+(\.\d+)*)?")
 _TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 _DEEPSPEED_MODULES = ("deepspeed.launcher.runner",)
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 
@@ -291,7 +302,8 @@ def _deepspeed_runner_argv(placement: Mapping[str, Sequence[int]], *, via: str, 
     """DeepSpeed's multinode runner with the trial's hostfile, rendezvous and launcher (no script yet)."""
     from toolkit.dsat.execution.hosts import format_include  # pure, no cycle at import time
 
-    argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", os.fspath(hostfile)]
+    module = PDSH_RUNNER_MODULE if via == "pdsh" else "deepspeed.launcher.runner"
+    argv = [sys.executable, "-m", module, "--hostfile", os.fspath(hostfile)]
     if via == "pdsh":  # DeepSpeed's MPI runners refuse --include: their hostfile is the trial's alone
         argv += ["--include", format_include(placement)]
     argv += ["--master_addr", next(iter(placement)), "--master_port", str(master_port), "--launcher", via,
@@ -299,6 +311,44 @@ def _deepspeed_runner_argv(placement: Mapping[str, Sequence[int]], *, via: str, 
     if ssh_port is not None:
         argv += ["--ssh_port", str(ssh_port)]
     return argv
+
+
+def _pdsh_word(word: str) -> str:
+    """One word for the remote shell of a pdsh command: shell-quoted, ``%`` doubled for pdsh."""
+    return shlex.quote(word).replace("%", "%%")
+
+
+def pdsh_remote_command(launcher: Sequence[str], script: Sequence[str], *, cwd: str,
+                        exports: Mapping[str, str] | None = None, source: str | None = None) -> str:
+    """The line pdsh has each host's shell run for one trial, every word quoted. Pure; any process.
+
+    ``[. SOURCE &&] cd -- CWD && export K=V && ... exec LAUNCHER... --node_rank=%n SCRIPT...``:
+    each word (path, value, argument) is quoted for a POSIX shell with :func:`shlex.quote` and
+    its ``%`` doubled, because pdsh replaces ``%n``, ``%h``, ``%u`` and ``%%`` anywhere in the
+    line; only ``--node_rank=%n`` (the host's rank, which DeepSpeed's launcher takes) is pdsh's.
+
+    Args:
+        launcher: DeepSpeed's per-node launcher and its options, e.g. ``[python, "-u", "-m",
+            "deepspeed.launcher.launch", "--world_info=...", ...]``.
+        script: the user's script (or module, or program) and its arguments.
+        cwd: the directory the launcher runs in on each host.
+        exports: variables set for the launcher; names must be shell identifiers.
+        source: a script sourced first (DeepSpeed's ``--venv_script``), or None.
+
+    Raises:
+        ValueError: an empty ``launcher`` or ``script``, or an export name that is not an identifier.
+    """
+    if isinstance(launcher, str) or isinstance(script, str) or not launcher or not script:
+        raise ValueError(f"launcher={launcher!r}, script={script!r}: expected non-empty lists of words")
+    bad = [key for key in (exports or {}) if not _ENV_NAME.fullmatch(key)]
+    if bad:
+        raise ValueError(f"exported variable name(s) {bad!r}: expected shell identifiers "
+                         "([A-Za-z_][A-Za-z0-9_]*)")
+    steps = [] if source is None else [f". {_pdsh_word(source)}"]
+    steps.append(f"cd -- {_pdsh_word(cwd)}")
+    steps += [f"export {key}={_pdsh_word(value)}" for key, value in (exports or {}).items()]
+    words = [_pdsh_word(w) for w in launcher] + ["--node_rank=%n"] + [_pdsh_word(w) for w in script]
+    return " && ".join(steps + ["exec " + " ".join(words)])
 
 
 def build_remote_kill_argv(hosts: Sequence[str], *, master_port: int,

@@ -12,7 +12,8 @@ experiment's id, its values recorded for every rank), and keeps ``<output_dir>/s
      "asha": {"rungs": [25, 100], ...}, "best": {...}}
 
 ``metric`` is the trial's last reported validation value of ``searcher.metric`` (a report whose
-metric or ``time_metric`` is not a number is skipped, with a warning); ``seed`` the one its
+metric or ``time_metric`` is not a number is skipped, with a warning; a NaN or infinite metric
+makes it null: the trial diverged, ranks last under ASHA and is never the best); ``seed`` the one its
 values were drawn with (also ``hparams_seed`` in the trial's ``determined_trial.json``);
 ``stopped_early`` that the searcher's stop reached the trial before it ended by itself. A rerun
 refuses (exit 2) a YAML whose searcher section, hyperparameters or experiment seed differ from
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -43,7 +45,7 @@ from toolkit.compat.determined import search
 from toolkit.compat.determined.info import load_trial_state
 from toolkit.errors import CheckpointError, ConfigError
 from toolkit.run.plan import RunPlan
-from toolkit.run.process import Forwarder
+from toolkit.run.process import Forwarder, check_slots
 from toolkit.run.trial import execute
 
 __all__ = ["SUMMARY", "run_search"]
@@ -107,12 +109,15 @@ class _Watcher:
             if self.metric not in metrics:
                 continue
             value, step = metrics[self.metric], metrics.get(self.time_metric)
-            if not is_number(value) or (self.asha and not is_number(step)):
+            if not is_number(value) or (self.asha and not (is_number(step) and math.isfinite(step))):
                 logger.warning("%s: validation report skipped: searcher.metric %r=%r, time_metric %r=%r "
-                               "(expected numbers)", self.trial["dir"], self.metric, value, self.time_metric,
-                               step)
+                               "(expected numbers, a finite time)", self.trial["dir"], self.metric, value,
+                               self.time_metric, step)
                 continue
-            self.trial["metric"] = value
+            if not math.isfinite(value):
+                logger.warning("%s: searcher.metric %r=%r is not finite: the trial ranks last and is never "
+                               "the best", self.trial["dir"], self.metric, value)
+            self.trial["metric"] = value if math.isfinite(value) else None
             if not self.asha:
                 continue
             self.trial["time"] = step
@@ -204,9 +209,11 @@ def run_search(plan: RunPlan, *, grace_s: float = 60.0) -> int:
 
     Raises:
         ConfigError: ``search.json`` holds a search started from another searcher section,
-            search space or experiment seed (nothing is started).
+            search space or experiment seed, or the trials' process count is more than this
+            machine runs (nothing is started).
         CheckpointError: ``search.json`` is not a search state (nothing is started).
     """
+    check_slots(plan)  # before anything is written
     out = plan.output_dir
     out.mkdir(parents=True, exist_ok=True)
     state = _load(out, plan.config)

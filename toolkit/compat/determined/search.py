@@ -32,6 +32,7 @@ import bisect
 import json
 import math
 import random
+import sys
 from typing import Any, Mapping
 
 from toolkit._checks import is_int, is_number
@@ -192,11 +193,17 @@ def asha_report(state: dict[str, Any], index: int, *, time_step: float, metric: 
     ``smaller_is_better`` is false); the trial stops where it ranks outside the top ``max(1,
     len(rung) // divisor)``. At the last rung (``max_time``) Determined stops the trial as finished;
     here it is left to end by itself (0.38 scripts set their own length), so no stop races the
-    script's own exit. Reprocessing a report already seen changes nothing.
+    script's own exit. Reprocessing a report already seen changes nothing. A NaN or infinite
+    ``metric`` ranks last (stored as the largest finite float); a report at a ``time_step`` that
+    is not finite is ignored.
     """
+    if not math.isfinite(time_step):
+        return False
     s = _searcher(config)
     asha = state["asha"]
     value = float(metric) if s.get("smaller_is_better", True) else -float(metric)
+    if not math.isfinite(value):  # NaN or infinity: the worst of its rungs, stored as a finite number
+        value = sys.float_info.max
     divisor = float(s.get("divisor", _ASHA_DEFAULTS["divisor"]))
     rung = asha["trial_rung"].get(str(index), 0)
     while rung < len(asha["rungs"]):
@@ -220,9 +227,11 @@ def best_trial(state: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str,
     """The completed trial with the best ``metric`` (``smaller_is_better``, default true), or None.
 
     Pure; any rank. Trials that ASHA stopped early count only when no trial ran to its end:
-    their last metric was taken earlier in training than the others'.
+    their last metric was taken earlier in training than the others'. A metric that is not a
+    finite number (NaN, infinity) never ranks: such a trial diverged.
     """
     sign = 1.0 if _searcher(config).get("smaller_is_better", True) else -1.0
-    done = [t for t in state["trials"] if t["state"] == "COMPLETED" and t["metric"] is not None]
+    done = [t for t in state["trials"] if t["state"] == "COMPLETED" and is_number(t["metric"])
+            and math.isfinite(t["metric"])]
     done = [t for t in done if not t["stopped_early"]] or done
     return min(done, key=lambda t: sign * float(t["metric"])) if done else None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, Mapping, Protocol, Sequence
 
 from toolkit._checks import int_problem, is_int, is_number
@@ -37,10 +38,16 @@ SMALLER_IS_BETTER = frozenset({"forward", "backward", "latency"})
 
 
 def is_better(metric: str, candidate: float, incumbent: float | None) -> bool:
-    """True when ``candidate`` beats ``incumbent`` for ``metric`` (None is beaten by anything)."""
+    """True when ``candidate`` beats ``incumbent`` for ``metric``. Pure; any process.
+
+    A candidate that is not a finite number (NaN, infinity) beats nothing; None, NaN or an
+    infinite incumbent is beaten by any finite candidate.
+    """
     if metric not in METRICS:
         raise ValueError(f"metric={metric!r}: expected one of {', '.join(METRICS)}")
-    if incumbent is None:
+    if not math.isfinite(candidate):
+        return False
+    if incumbent is None or not math.isfinite(incumbent):
         return True
     return candidate < incumbent if metric in SMALLER_IS_BETTER else candidate > incumbent
 

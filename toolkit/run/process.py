@@ -39,9 +39,11 @@ from toolkit.dsat.execution.procs import (
     kill_until_gone,
     scan_processes,
 )
+from toolkit.dsat.execution.settings import cpu_slots
+from toolkit.errors import ConfigError
 from toolkit.run.plan import RunPlan
 
-__all__ = ["MARK_ENV", "Forwarder", "environment", "run_once", "signal_targets"]
+__all__ = ["MARK_ENV", "Forwarder", "check_slots", "environment", "run_once", "signal_targets"]
 
 logger = logging.getLogger("toolkit.run")
 
@@ -138,6 +140,28 @@ class Forwarder:
         """Put back the signal handlers this forwarder replaced."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
+
+
+def check_slots(plan: RunPlan, *, gpus: int | None = None) -> None:
+    """Refuse a process count this machine cannot run: more than its GPUs, or on CPU its cores. Runner only.
+
+    ``gpus``: the GPUs of this machine (None: ``torch.cuda.device_count()`` when CUDA is available).
+
+    Raises:
+        ConfigError: naming ``resources.slots_per_trial`` (or the wrapper's ``--nproc_per_node``),
+            the value given and the most this machine runs.
+    """
+    if gpus is None:
+        import torch  # already loaded by the CLI
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    most, what = (gpus, f"{gpus} GPU(s)") if gpus else (cpu_slots(), f"{cpu_slots()} CPU core(s)")
+    if plan.nproc <= most:
+        return
+    slots = (plan.config.get("resources") or {}).get("slots_per_trial", 1)
+    key = "resources.slots_per_trial" if slots == plan.nproc else "the entrypoint's --nproc_per_node"
+    raise ConfigError(f"{key}={plan.nproc}: one process per slot, and this machine has {what}; expected at "
+                      f"most {most}", source=str(plan.config_path))
 
 
 def _launch_argv(plan: RunPlan) -> list[str]:

@@ -1,9 +1,15 @@
-"""One trial of ``python -m toolkit.run``: its ids and values recorded, its runs and restarts. Runner only."""
+"""One trial of ``python -m toolkit.run``: its ids and values recorded, its runs and restarts. Runner only.
+
+A failed run is restarted (``max_restarts`` times at most) after a pause that doubles from
+:data:`RESTART_BACKOFF_S` to :data:`RESTART_BACKOFF_MAX_S` (1, 2, 4, ... 30 s): a run that
+fails at once does not spin. A signal during the pause ends it, and nothing more is started.
+"""
 
 from __future__ import annotations
 
 import logging
 import signal
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -11,11 +17,28 @@ from toolkit._files import atomic_write_json
 from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state, record_hparams
 from toolkit.errors import ConfigError
 from toolkit.run.plan import RunPlan
-from toolkit.run.process import Forwarder, environment, run_once
+from toolkit.run.process import Forwarder, check_slots, environment, run_once
 
-__all__ = ["execute"]
+__all__ = ["RESTART_BACKOFF_MAX_S", "RESTART_BACKOFF_S", "execute", "restart_delay"]
 
 logger = logging.getLogger("toolkit.run")
+
+#: The pause before the first restart, in seconds; each further restart waits twice as long ...
+RESTART_BACKOFF_S = 1.0
+#: ... up to this.
+RESTART_BACKOFF_MAX_S = 30.0
+
+
+def restart_delay(restart: int) -> float:
+    """Seconds to wait before restart number ``restart`` (1, 2, ...): 1, 2, 4, ... at most 30. Pure."""
+    return min(RESTART_BACKOFF_S * 2.0 ** min(max(restart - 1, 0), 32), RESTART_BACKOFF_MAX_S)
+
+
+def _pause(seconds: float, forwarder: Forwarder) -> None:
+    """Sleep ``seconds``, or until the forwarder receives a signal."""
+    end = time.monotonic() + seconds
+    while forwarder.received is None and (left := end - time.monotonic()) > 0:
+        time.sleep(min(left, 0.1))
 
 
 def _next_attempt(output_dir: Path, experiment_id: int | None = None) -> None:
@@ -46,9 +69,16 @@ def execute(
     stopped the run), ``watch`` (the searcher's early stop), the trial's ``hparams`` and the seed
     they were drawn with (``hparams_seed``, recorded in ``determined_trial.json``), and the
     experiment's id. A signal received before a run starts starts nothing (exit 0, as a stop).
+    A process count this machine cannot run (:func:`~toolkit.run.process.check_slots`) starts
+    and writes nothing: exit 2.
     """
     if forwarder is not None and forwarder.received is not None:
         return 0  # stopped before it started (a search's next trial): nothing counted, nothing run
+    try:
+        check_slots(plan)
+    except ConfigError as err:
+        logger.error("%s", err)
+        return 2
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     _next_attempt(plan.output_dir, experiment_id)
     try:  # as Determined's master samples
@@ -76,8 +106,10 @@ def execute(
                 )
                 return status
             attempt += 1
-            logger.warning("the run failed with exit status %d; restart %d of %d, from the latest checkpoint",
-                           status, attempt, plan.max_restarts)
+            delay = restart_delay(attempt)
+            logger.warning("the run failed with exit status %d; restart %d of %d in %.0f s, from the latest "
+                           "checkpoint", status, attempt, plan.max_restarts, delay)
+            _pause(delay, forwarder)
     finally:
         if own:
             forwarder.restore()

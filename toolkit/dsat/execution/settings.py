@@ -23,7 +23,7 @@ from toolkit.dsat.execution.hosts import Host, place_trial
 from toolkit.errors import ConfigError
 
 __all__ = ["CPU_ALLOCATOR_ENV", "CPU_MEMORY_FRACTION", "CPU_MEMORY_RESERVE", "RunnerSettings",
-           "WINDOW_STEPS_FACTOR", "available_memory_bytes", "default_memory_per_slot"]
+           "WINDOW_STEPS_FACTOR", "available_memory_bytes", "cpu_slots", "default_memory_per_slot"]
 
 #: The CPU default of ``--memory-per-slot``: this fraction of the memory available when dsat
 #: starts, less this reserve for the system, the autotuner and the launchers, shared by the slots.
@@ -42,6 +42,12 @@ WINDOW_STEPS_FACTOR = 4
 #: initial 128 KiB, the peak grows linearly and the memory model's predictions hold; set it in
 #: your own launches of the tuned config for the same memory.
 CPU_ALLOCATOR_ENV = (("MALLOC_MMAP_THRESHOLD_", str(128 * 1024)),)
+
+
+def cpu_slots() -> int:
+    """The CPU slots of this machine: its CPU cores (``os.cpu_count()``, dsat's default
+    ``--max-slots`` on CPU). A trial on CPU runs at most this many processes here. Any process."""
+    return os.cpu_count() or 1
 
 
 def default_memory_per_slot(available_bytes: int, *, slots: int) -> int:
@@ -196,7 +202,7 @@ class RunnerSettings:
                              last_profile_step=self.last_profile_step)
 
     def _slot_problems(self) -> list[str]:
-        """The GPU ids, and the slot counts against each other and against the GPUs given."""
+        """The GPU ids, and the slot counts against each other, the GPUs given or this machine's cores."""
         spt, most, g = self.slots_per_trial, self.max_slots, self.gpus
         p = []
         gpus_ok = g is None or (isinstance(g, tuple) and all(is_int(x) and x >= 0 for x in g)
@@ -211,6 +217,10 @@ class RunnerSettings:
         elif gpus_ok and g is not None and most > len(g) and self.hosts is None:
             p.append(f"max_slots={most} but only {len(g)} GPU(s) given ({g}); lower max_slots or give "
                      "more GPUs")
+        if g is None and self.hosts is None and spt > cpu_slots():
+            p.append(f"slots_per_trial={spt}: a trial on CPU runs one process per slot and this machine has "
+                     f"{cpu_slots()} CPU core(s); expected at most {cpu_slots()} (or give more machines with "
+                     "--hostfile)")
         return p
 
     def _host_problems(self) -> list[str]:

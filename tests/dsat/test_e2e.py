@@ -62,6 +62,23 @@ def test_binary_search_on_the_example_then_train_with_the_best_config(tmp_path):
         best["train_batch_size"]
         == best["train_micro_batch_size_per_gpu"] * best["gradient_accumulation_steps"] * 2
     )
+    # best_ds_metrics.json as Determined wrote it: the metrics at the top level. The example's
+    # config sets only the micro-batch (8, on 2 ranks: 16 samples per step), so the policy is free
+    # and the last line says when the best config's global batch is another.
+    metrics = json.loads((out / "best_ds_metrics.json").read_text())
+    best_row = next(r for r in rows if int(r["trial_id"]) == metrics["trial_id"])
+    assert metrics["latency"] == pytest.approx(float(best_row["latency"]))
+    assert "metrics" not in metrics and metrics["metric"] == "latency"
+    batch = metrics["global_batch"]
+    assert (batch["policy"], batch["user_train_batch_size"]) == ("free", 16)
+    assert batch["train_batch_size"] == best["train_batch_size"]
+    last = result.stdout.rstrip().splitlines()[-1]
+    if best["train_batch_size"] != 16:
+        assert last == batch["notice"]
+        assert last.startswith(f"global batch changed from 16 to {best['train_batch_size']} samples per step")
+        assert "--global-batch 16 --output-dir" in last
+    else:
+        assert last.startswith("dsat: best latency") and batch["notice"] is None
 
     # The best config, passed back to the example through its own YAML, trains it.
     experiment = yaml.safe_load(config.read_text())
@@ -101,3 +118,7 @@ def test_an_offload_trial_runs_on_cpu(tmp_path):
     best = json.loads((out / "best_ds_config.json").read_text())
     assert best["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
     assert best["train_batch_size"] == 16
+    # 16 is also what the example's config implies (8 x 1 x 2): no notice, the summary is the last line
+    batch = json.loads((out / "best_ds_metrics.json").read_text())["global_batch"]
+    assert (batch["user_train_batch_size"], batch["changed"], batch["notice"]) == (16, False, None)
+    assert result.stdout.rstrip().splitlines()[-1].startswith("dsat: best FLOPS_per_gpu")

@@ -97,7 +97,7 @@ def _load_inputs(args: argparse.Namespace, problems: list[str]) -> _Inputs:
         raise UsageError(f"MODEL_DIR {str(args.model_dir)!r} is not a directory")
     try:
         experiment = load_experiment_config(args.config)
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, OSError) as err:  # OSError: missing, a directory, unreadable
         raise UsageError(_problems_of(err)) from None
     hparams = experiment.get("hyperparameters") or {}
     slots = (experiment.get("resources") or {}).get("slots_per_trial")
@@ -114,7 +114,7 @@ def _load_inputs(args: argparse.Namespace, problems: list[str]) -> _Inputs:
         problems.append(f"entrypoint {shlex.join(entrypoint)!r}: {script} not found in MODEL_DIR {model_dir}")
     try:
         base = get_ds_config_from_hparams(hparams, base_dir=model_dir)
-    except (ConfigError, FileNotFoundError, TypeError) as err:
+    except (ConfigError, OSError, TypeError) as err:
         raise UsageError([*problems, *_problems_of(err)]) from None
     return _Inputs(model_dir, experiment, hparams, slots, entrypoint, base)
 

@@ -55,7 +55,11 @@ def parse_bytes(text: str) -> int:
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: expected e.g. 8GiB, 512MiB or 1000000")
-    return int(float(match.group(1)) * _UNITS[unit])
+    value = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value >= 2**63:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a size this machine could have (over 2**63 "
+                                         "bytes)")
+    return int(value)
 
 
 def _global_batch(text: str) -> str | int:

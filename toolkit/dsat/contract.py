@@ -33,15 +33,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from toolkit._checks import is_mapping
 from toolkit._files import atomic_write_json
+from toolkit.bounded_load import load_json
+from toolkit.errors import ConfigError
 
 __all__ = [
     "EXPERIMENT_CONFIG_ENV",
+    "MAX_ERROR_CHARS",
     "METRICS",
     "OOM_EXIT_STATUS",
     "OUTPUT_DIR_ENV",
@@ -51,6 +54,7 @@ __all__ = [
     "ProfileInfo",
     "TrialContract",
     "TrialStatus",
+    "clip_error",
     "trial_hparams",
 ]
 
@@ -72,7 +76,21 @@ OOM_EXIT_STATUS = 75
 #: rank; throughput in samples per second over all ranks; forward, backward and latency in
 #: milliseconds per training step (latency = the whole step: forward + backward + optimizer).
 METRICS = ("FLOPS_per_gpu", "throughput", "forward", "backward", "latency")
+#: The longest error text of a trial that the autotuner keeps (records, tables, console).
+MAX_ERROR_CHARS = 2000
 
+
+def clip_error(text: str | None, *, where: str = "") -> str | None:
+    """``text`` cut to :data:`MAX_ERROR_CHARS` (its head and its tail), saying how much was cut. Pure.
+
+    ``where`` names the file holding the whole text (e.g. the trial's ``result.json``).
+    """
+    if text is None or len(text) <= MAX_ERROR_CHARS:
+        return text
+    half = MAX_ERROR_CHARS // 2
+    whole = f"; the whole text is in {where}" if where else ""
+    note = f" [... {len(text) - 2 * half:,} characters cut{whole} ...] "
+    return text[:half] + note + text[-half:]
 
 
 class TrialStatus(str, enum.Enum):
@@ -135,6 +153,35 @@ class ProfileInfo:
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in fields})
 
+    @classmethod
+    def problem(cls, data: Any) -> str | None:
+        """What is wrong with a profile as parsed from JSON (a result file, a record), or None. Pure.
+
+        Counts are integers >= 0 (a JSON ``bool`` is not one), the flags booleans, ``device``
+        ``"cpu"`` or ``"cuda"``, ``stage_extra_bytes`` an object of integers; the four fields
+        without a default are required.
+        """
+        if not is_mapping(data):
+            return f"expected an object with the profiling trial's measurements, got {type(data).__name__}"
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            return f"missing {', '.join(missing)}"
+        for name in (*required, "baseline_bytes", "micro_batch", "peak_bytes"):
+            value = data.get(name, 0)
+            if type(value) is not int or value < 0:  # parsed JSON: bool is its only int subclass
+                return f"{name}={value!r:.60}: expected an integer count >= 0"
+        for name in ("half_precision", "calibrated"):
+            if not isinstance(data.get(name, False), bool):
+                return f"{name}={data[name]!r:.60}: expected true or false"
+        if data.get("device", "cpu") not in ("cpu", "cuda"):
+            return f"device={data['device']!r:.60}: expected 'cpu' or 'cuda'"
+        extra = data.get("stage_extra_bytes", {})
+        if not is_mapping(extra) or not all(isinstance(k, str) and type(v) is int for k, v in extra.items()):
+            return f"stage_extra_bytes={extra!r:.100}: expected an object of integers by stage"
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class TrialContract:
@@ -167,7 +214,12 @@ class TrialContract:
 
     @classmethod
     def read(cls, path: str | Path) -> "TrialContract":
-        return cls(**json.loads(Path(path).read_text(encoding="utf-8")))
+        """The contract in ``path``. Raises ConfigError naming the file when it is damaged."""
+        data = load_json(path, what="trial file")
+        try:
+            return cls(**data)
+        except TypeError as err:
+            raise ConfigError(f"not a trial file of this toolkit version ({err})", source=str(path)) from None
 
 
 def trial_hparams(hparams: Mapping[str, Any], *, ds_config: Mapping[str, Any],

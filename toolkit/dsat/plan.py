@@ -15,11 +15,14 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from toolkit.bounded_load import load_json
 from toolkit.config.deepspeed import BATCH_KEYS, overwrite_deepspeed_config, resolve_ds_config
 from toolkit.dsat.execution.settings import RunnerSettings
+from toolkit.dsat.records import EventLog
 from toolkit.dsat.search.batch import GlobalBatch
 from toolkit.dsat.search.space import default_zero_autos
 from toolkit.dsat.search.types import SearchSettings, TrialSpec
+from toolkit.errors import ConfigError
 
 __all__ = ["Plan", "profile_spec", "trial_ds_config"]
 
@@ -80,13 +83,22 @@ class Plan:
     def resume_problem(self) -> str | None:
         """Why ``--resume`` cannot continue the search recorded in ``output_dir``, or None.
 
-        A search continues only with the settings it was recorded with (:meth:`fingerprint`).
+        A search continues only with the settings it was recorded with (:meth:`fingerprint`),
+        and from a log every line of which can be replayed (a damaged line is named with how
+        to repair the log: :class:`~toolkit.dsat.records.EventLog`). Reads; writes nothing.
         """
         path = self.output_dir / "search.json"
-        if not path.exists():
-            return None
-        recorded, now = json.loads(path.read_text(encoding="utf-8")), self.fingerprint()
-        if recorded == now:
+        try:
+            EventLog(self.output_dir / "events.jsonl").read()
+            recorded = load_json(path, what="record of the search's settings") if path.exists() else None
+        except ConfigError as err:
+            where = f"{err.source}: " if err.source else ""
+            fix = "" if "events.jsonl" in (err.source or "") else (
+                "; it only guards --resume against changed settings: delete it to resume with the current "
+                "flags and config, if they are the ones the search was started with")
+            return f"--resume: {where}{'; '.join(err.problems)}{fix}"
+        now = self.fingerprint()
+        if recorded is None or recorded == now:
             return None
         changed = sorted(k for k in now if recorded.get(k) != now[k])
         return (f"--resume: the settings differ from the recorded search in {self.output_dir} "

@@ -12,16 +12,17 @@ Rank 0 only (the autotuner's own process).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Callable
 
 from toolkit._files import atomic_write_json
+from toolkit.bounded_load import load_json
 from toolkit.dsat.contract import ProfileInfo, TrialStatus
 from toolkit.dsat.execution.runner import TrialRunner
 from toolkit.dsat.plan import Plan, profile_spec
 from toolkit.dsat.search import boundaries, calibration, memory
 from toolkit.dsat.search.types import TrialResult, TrialSpec
+from toolkit.errors import ConfigError
 
 __all__ = ["ProfilingPhase"]
 
@@ -206,11 +207,18 @@ class ProfilingPhase:
         path = self.out / "profile.json"
         if not path.exists():
             return
-        recorded = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            recorded = load_json(path, what="profile record")
+        except ConfigError as err:  # damaged by hand or by another program: the boundaries go in a new one
+            self.say(f"{path} is damaged ({'; '.join(err.problems)}); it is rewritten with the boundaries "
+                     "found only (the prediction is in the log above)")
+            recorded = {}
         found = boundaries.found_boundaries(results)
         recorded["found"] = {str(stage): row for stage, row in found.items()}
         atomic_write_json(path, recorded)
         if found:
-            self.say("memory model, predicted vs found:\n"
-                     + boundaries.format_boundaries(recorded.get("prediction", {}), found))
+            prediction = recorded.get("prediction")
+            prediction = {k: v for k, v in prediction.items() if isinstance(v, dict)} \
+                if isinstance(prediction, dict) else {}
+            self.say("memory model, predicted vs found:\n" + boundaries.format_boundaries(prediction, found))
 

@@ -21,49 +21,166 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from toolkit._checks import is_number
 from toolkit._files import atomic_write
-from toolkit.dsat.contract import METRICS
+from toolkit.bounded_load import parse_json
+from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus, clip_error
 from toolkit.dsat.search.types import TrialResult, TrialSpec
+from toolkit.errors import ConfigError
 
-__all__ = ["EventLog", "write_trial_tables", "TensorBoardTrials", "summary_table",
+__all__ = ["EventLog", "event_problem", "write_trial_tables", "TensorBoardTrials", "summary_table",
            "flatten_zero"]
+
+
+#: The largest event log read (a line is a few hundred bytes; a trial's error text is cut).
+MAX_LOG_BYTES = 256 * 2**20
+
+
+def _read_log(path: Path) -> bytes:
+    with open(path, "rb") as fh:
+        data = fh.read(MAX_LOG_BYTES + 1)
+    if len(data) > MAX_LOG_BYTES:
+        raise ConfigError(f"over {MAX_LOG_BYTES // 2**20} MiB: not a search log this toolkit wrote; start a "
+                          "new search in another --output-dir", source=str(path))
+    return data
+
+
+def _finite_metrics(metrics: Any) -> str | None:
+    if not isinstance(metrics, dict):
+        return f"metrics={metrics!r:.80}: expected an object"
+    for name in METRICS:
+        value = metrics.get(name)
+        if not is_number(value) or not math.isfinite(value) or value < 0:
+            return f"metric {name}={value!r:.40}: expected a finite number >= 0"
+    return None
+
+
+def event_problem(event: Any) -> str | None:
+    """What is wrong with one parsed line of ``events.jsonl``, or None. Pure.
+
+    A "start" line holds ``trial_id``, ``observed_before`` (an integer >= 0) and the trial's
+    ``spec``; a "result" line the trial's :class:`TrialResult` (an OK result with the five
+    finite metrics; a profile, where there is one, as :meth:`ProfileInfo.problem` wants it).
+    """
+    if not isinstance(event, dict):
+        return f"expected a JSON object, got {type(event).__name__}"
+    kind, trial_id = event.get("event"), event.get("trial_id")
+    if kind not in ("start", "result"):
+        return f"event={kind!r:.60}: expected 'start' or 'result'"
+    if type(trial_id) is not int:
+        return f"trial_id={trial_id!r:.60}: expected an integer"
+    try:
+        if kind == "start":
+            observed = event.get("observed_before")
+            if type(observed) is not int or observed < 0:
+                return f"observed_before={observed!r:.60}: expected an integer >= 0"
+            spec = TrialSpec.from_json(event["spec"])
+        else:
+            result = TrialResult.from_json(event["result"])
+            spec = result.spec
+            problem = _finite_metrics(result.metrics) if result.status is TrialStatus.OK else None
+            ok = result.status is TrialStatus.OK
+            if problem is None and (result.profile is not None or (spec.profile and ok)):
+                problem = ProfileInfo.problem(result.profile)
+                problem = problem and f"profile: {problem}"
+            if problem is None and not isinstance(result.error, (str, type(None))):
+                problem = f"error={result.error!r:.60}: expected a string or null"
+            if problem:
+                return problem
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        return (f"the {kind} record of trial {trial_id} is incomplete or of the wrong kind "
+                f"({type(err).__name__}: {err!s:.200})")
+    if spec.trial_id != trial_id:
+        return f"trial_id={trial_id} but its spec says trial {spec.trial_id}"
+    return None
 
 
 class EventLog:
     """Append-only JSON-lines log of trial starts and results, fsynced per line.
 
     A crash can cut the last line short; :meth:`read` ignores a torn final line (it was never
-    acknowledged), and any other unreadable line is an error, since the search cannot be rebuilt.
+    acknowledged) and the next :meth:`append` removes it. Any other damaged line is a
+    ConfigError naming the line and how to repair the log: a prefix of the log is always a
+    valid search (one interrupted there), so keeping the lines before it makes ``--resume`` work.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._tail_checked = False
 
     def append(self, event: Mapping[str, Any]) -> None:
+        if not self._tail_checked:
+            self._repair_tail()
+            self._tail_checked = True
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(event, sort_keys=True) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
 
+    def _repair_tail(self) -> None:
+        """End the log with a newline: a complete last line gets one, a torn one (never acknowledged) goes."""
+        try:
+            with open(self.path, "rb+") as fh:
+                end = fh.seek(0, os.SEEK_END)
+                start = max(end - MAX_LOG_BYTES, 0)
+                fh.seek(start)
+                data = fh.read()
+                if not data or data.endswith(b"\n"):
+                    return
+                cut = data.rfind(b"\n") + 1
+                try:
+                    json.loads(data[cut:].decode("utf-8"))
+                    fh.write(b"\n")
+                except ValueError:
+                    fh.truncate(start + cut)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except FileNotFoundError:
+            return
+
+    def _damaged(self, number: int, problem: str) -> ConfigError:
+        path, kept = self.path, f"{self.path}.kept"
+        keep = (f"keep its first {number - 1} line(s) and delete the rest (`head -n {number - 1} {path} > "
+                f"{kept} && mv {kept} {path}`: the trials recorded after them run again)"
+                if number > 1 else f"delete {path}")
+        return ConfigError(f"line {number}: {problem}; the search log is damaged there and cannot be "
+                           f"replayed past it: {keep}, or start a new search in another --output-dir",
+                           source=str(self.path))
+
     def read(self) -> list[dict[str, Any]]:
+        """Every event, checked (:func:`event_problem`); a trial's error text cut to ``MAX_ERROR_CHARS``.
+
+        Raises:
+            ConfigError: naming the file, the damaged line and how to repair the log.
+        """
         if not self.path.exists():
             return []
-        lines = self.path.read_text(encoding="utf-8").splitlines()
+        data = _read_log(self.path)
+        lines = data.split(b"\n")
+        if lines and not lines[-1].strip():
+            lines.pop()
         events = []
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
+        for number, raw in enumerate(lines, 1):
+            if not raw.strip():
                 continue
             try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                if number == len(lines):
+                event = parse_json(raw.decode("utf-8"), source=f"{self.path}, line {number}")
+            except (UnicodeDecodeError, ConfigError) as err:
+                if number == len(lines) and not data.endswith(b"\n"):
                     break  # torn last line of an interrupted write
-                raise ValueError(f"{self.path}: line {number} is not valid JSON; the search log is damaged. "
-                                 "Start a new search in another --output-dir") from None
+                why = err.problems[0] if isinstance(err, ConfigError) else f"not UTF-8 ({err.reason})"
+                raise self._damaged(number, why) from None
+            problem = event_problem(event)
+            if problem is not None:
+                raise self._damaged(number, problem)
+            if event["event"] == "result":
+                event["result"]["error"] = clip_error(event["result"].get("error"))
+            events.append(event)
         return events
 
     def started(self, spec: TrialSpec, *, observed_before: int) -> None:

@@ -7,7 +7,10 @@ import logging
 import sys
 from pathlib import Path
 
+from toolkit.bounded_load import load_json
 from toolkit.compat.determined import hparams
+from toolkit.compat.determined.core.searcher import SEARCHER_FILE
+from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state
 from toolkit.errors import CheckpointError, ConfigError
 from toolkit.run.plan import plan_run
 from toolkit.run.search import run_search
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             model_dir=model_dir,
             output_dir=Path(args.output_dir) if args.output_dir else None,
         )
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, OSError) as err:  # OSError: the YAML is missing, a directory or unreadable
         print(f"python -m toolkit.run: error: {err}", file=sys.stderr)
         return 2
     if (plan.config.get("searcher") or {}).get("name", "single") != "single":
@@ -58,4 +61,22 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, CheckpointError) as err:  # search.json: another search, or not one
             print(f"python -m toolkit.run: error: {err}", file=sys.stderr)
             return 2
+    problem = _record_problem(plan.output_dir)
+    if problem:
+        print(f"python -m toolkit.run: error: {problem}", file=sys.stderr)
+        return 2
     return execute(plan, grace_s=args.grace)
+
+
+def _record_problem(output_dir: Path) -> str | None:
+    """Why the records a previous run left in ``output_dir`` cannot be continued from, or None. Reads only."""
+    try:
+        if (output_dir / TRIAL_FILE).exists():
+            load_trial_state(output_dir, write=False)
+        if (output_dir / SEARCHER_FILE).exists():
+            load_json(output_dir / SEARCHER_FILE, what="searcher record")
+    except ConfigError as err:
+        return str(err)
+    except OSError as err:
+        return f"{output_dir}: a record cannot be read ({err})"
+    return None

@@ -91,7 +91,11 @@ def plan_run(
     if entry is None:
         problems.append("entrypoint is missing: expected e.g. 'entrypoint: python3 train.py'")
     else:
-        argv = list(entry) if isinstance(entry, list) else shlex.split(entry)
+        try:
+            argv = [str(part) for part in entry] if isinstance(entry, list) else shlex.split(str(entry))
+        except ValueError as err:  # an unbalanced quote: the experiment check names it too
+            problems.append(f"entrypoint={entry!r:.200}: cannot be split into arguments ({err}); balance the "
+                            "quotes, or write the entrypoint as a list of arguments")
     problems.extend(search.check_searcher(config))
     restarts = config.get("max_restarts", 5)
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:

@@ -34,10 +34,9 @@ import random
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
 import toolkit
 from toolkit._checks import is_int, is_mapping, is_number
+from toolkit.bounded_load import load_yaml
 from toolkit.config.experiment import check_experiment_config
 from toolkit.errors import ConfigError
 
@@ -225,10 +224,9 @@ def load_config(path: str | Path) -> dict[str, Any]:
         FileNotFoundError: no such file.
         ConfigError: malformed YAML or any problem, each naming its key.
     """
-    try:
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
-        return toolkit.load_experiment_config(path)  # its messages (absolute path, line and column)
+    if not Path(path).is_file():
+        return toolkit.load_experiment_config(path)  # its message (the absolute path looked at)
+    raw = load_yaml(path, what="experiment config")
     if not is_mapping(raw) or not is_mapping(raw.get("hyperparameters") or {}):
         return toolkit.load_experiment_config(path)
     masked = {k: v for k, v in raw.items() if k not in _COMPAT_KEYS}

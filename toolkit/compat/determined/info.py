@@ -32,6 +32,7 @@ from typing import Any, Mapping
 
 import toolkit
 from toolkit._files import atomic_write_json
+from toolkit.bounded_load import load_json
 from toolkit.compat.determined import hparams as hparams_mod
 from toolkit.compat.determined import storage
 from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV
@@ -214,7 +215,7 @@ def load_trial_state(output_dir: Path, *, write: bool) -> dict[str, Any]:
     """
     path = output_dir / TRIAL_FILE
     try:
-        state = json.loads(path.read_text(encoding="utf-8"))
+        state = load_json(path, what="trial record")
     except FileNotFoundError:
         key = str(output_dir.resolve()).encode()
         state = {
@@ -226,7 +227,11 @@ def load_trial_state(output_dir: Path, *, write: bool) -> dict[str, Any]:
         if write:
             output_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(path, state)
-    return {k: (v if k in _SAMPLE_KEYS else int(v)) for k, v in state.items()}
+    bad = [f"{k}={v!r:.60}" for k, v in state.items() if k not in _SAMPLE_KEYS and type(v) is not int]
+    if bad:
+        raise ConfigError(f"{', '.join(bad)}: expected integers; the file records this trial's ids (and any "
+                          "sampled hyperparameters): delete it to derive them again", source=str(path))
+    return dict(state)
 
 
 def record_hparams(output_dir: Path, config: Mapping[str, Any], *, seed: int | None = None,

@@ -6,7 +6,8 @@ a worker's peak RSS > ``memory_per_slot``  OOM "peak RSS X MiB exceeded the memo
 result ``"oom"``                           OOM (out of memory inside the trial, or its own
                                            peak RSS above ``memory_per_slot`` on CPU)
 result ``"ok"`` with the 5 metrics, exit 0 OK (the profiling trial also needs its profile)
-unreadable or malformed result             FAILED "corrupt result file: ..."
+unreadable or malformed result             FAILED "corrupt result file: ..." (also: over 256 MiB,
+                                           not UTF-8, a number that is not finite)
 result ``"failed"``, exit 0                FAILED with the trial's own reason
 exit 0 and no result                       FAILED "exited 0 without a result file"
 any other exit                             FAILED "exit status N" / "killed by signal SIGX"
@@ -23,7 +24,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -31,15 +31,19 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from toolkit._checks import is_mapping, is_number
-from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus
+from toolkit._checks import is_number
+from toolkit.bounded_load import load_json
+from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus, clip_error
 from toolkit.dsat.search.types import TrialResult, TrialSpec
+from toolkit.errors import ConfigError
 
 __all__ = ["check_result", "classify", "exit_text", "stderr_tail"]
 
 logger = logging.getLogger(__name__)
 
 _STDERR_LINES = 5
+#: The largest result file read (a trial's error text is then cut to ``MAX_ERROR_CHARS``).
+MAX_RESULT_BYTES = 256 * 2**20
 # The launcher's own epilogue (torchrun's ChildFailedError table) hides the worker's error.
 _LAUNCHER_EPILOGUE = ("] failed (exitcode:", "ChildFailedError", "exits with return code")
 
@@ -94,16 +98,9 @@ def check_result(data: Any, spec: TrialSpec) -> str | None:
             return f"metric {name}={value!r}: expected a finite number >= 0"
     profile: Any = data.get("profile")
     if spec.profile or profile is not None:
-        if not is_mapping(profile):
-            return f"profile={profile!r:.120}: expected an object with the profiling trial's measurements"
-        try:
-            info = ProfileInfo.from_json(profile)
-        except TypeError as err:
-            return f"profile={profile!r:.120}: {err}"
-        counts = (info.num_params, info.trainable_params, info.activation_bytes_per_example,
-                  info.memory_per_slot, info.baseline_bytes)
-        if not all(type(n) is int and n >= 0 for n in counts):  # parsed JSON: bool is its only int subclass
-            return f"profile={profile!r:.200}: expected integer counts >= 0"
+        problem = ProfileInfo.problem(profile)
+        if problem is not None:
+            return f"profile={profile!r:.200}: {problem}"
     return None
 
 
@@ -134,16 +131,19 @@ def classify(spec: TrialSpec, *, directory: Path, code: int | None, duration_s: 
     if not path.exists():
         return result(TrialStatus.FAILED, "exited 0 without a result file" if code == 0 else exit_text(code))
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        data = load_json(path, max_bytes=MAX_RESULT_BYTES, what="result file")
+    except OSError as err:
         return result(TrialStatus.FAILED, f"corrupt result file: {err}")
+    except ConfigError as err:
+        return result(TrialStatus.FAILED, clip_error(f"corrupt result file: {'; '.join(err.problems)}"))
     problem = check_result(data, spec)
     if problem is not None:
         return result(TrialStatus.FAILED, f"corrupt result file: {problem}")
+    own = clip_error(str(data.get("error") or ""), where=str(path)) or None  # the trial's own words, cut
     if data["status"] == "oom":
-        return result(TrialStatus.OOM, str(data.get("error") or "out of memory (reported by the trial)"))
+        return result(TrialStatus.OOM, own or "out of memory (reported by the trial)")
     if data["status"] == "failed":  # the trial's own reason; an exit status says more if there is one
-        return result(TrialStatus.FAILED, exit_text(code) if code else str(data.get("error") or "failed"))
+        return result(TrialStatus.FAILED, exit_text(code) if code else own or "failed")
     if code != 0:
         return result(TrialStatus.FAILED, f"{exit_text(code)} (after writing its result)")
     metrics = {name: float(data["metrics"][name]) for name in METRICS}

@@ -21,7 +21,6 @@ Example (0.37-era tutorials)::
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import os
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any, Iterator, Mapping
 
 import toolkit
 from toolkit._files import atomic_write_json
+from toolkit.bounded_load import load_json
 from toolkit.compat.determined.core.distributed import DistributedContext
 from toolkit.dsat.contract import TRIAL_ENV, TrialContract
 from toolkit.errors import ConfigError
@@ -94,7 +94,7 @@ class SearcherContext:
         self._config = config
         self._file = Path(output_dir) / SEARCHER_FILE
         try:
-            self._completed = bool(json.loads(self._file.read_text(encoding="utf-8")).get("completed"))
+            self._completed = bool(load_json(self._file, what="searcher record").get("completed"))
         except FileNotFoundError:
             self._completed = False
 

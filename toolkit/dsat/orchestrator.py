@@ -28,7 +28,12 @@ from toolkit.dsat.records import (
     summary_table,
     write_trial_tables,
 )
-from toolkit.dsat.search.batch import global_batch_change, step_time_line, time_capped_micro_batch
+from toolkit.dsat.search.batch import (
+    global_batch_change,
+    implied_global_batch,
+    step_time_line,
+    time_capped_micro_batch,
+)
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
 from toolkit.dsat.trial.reporting import instrumentation_overrides
 
@@ -169,7 +174,8 @@ class Autotuner(ProfilingPhase):
         (self.out / "trials").mkdir(exist_ok=True)
         events = self.log.read()
         atomic_write_json(self.out / "search.json", self.plan.fingerprint())
-        self.say(self.plan.global_batch.describe())
+        self.say(self.plan.global_batch.describe(
+            implied_global_batch(self.plan.base_ds_config, data_parallel_size=self.plan.data_parallel_size)))
         if self.plan.runner.memory_per_slot is not None:
             self.say("CPU budget: trials run with " + " ".join(f"{k}={v}" for k, v in CPU_ALLOCATOR_ENV)
                      + " unless set (glibc's heap otherwise makes the peak memory jump with the "

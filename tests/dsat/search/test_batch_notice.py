@@ -104,3 +104,10 @@ def test_a_config_that_implies_no_batch_still_hears_the_best_ones():
         "global batch: the best config trains with train_batch_size 12 = micro-batch 6 x "
         "gradient_accumulation_steps 1 x data-parallel size 2, --global-batch free; your DeepSpeed config "
         "implies none (no integer train_batch_size or train_micro_batch_size_per_gpu)")
+
+
+def test_the_first_line_of_a_free_search_names_the_implied_batch():
+    assert GlobalBatch("free").describe(16).endswith(
+        "the learning rate may need retuning; your config implies 16, which --global-batch 16 keeps)")
+    assert GlobalBatch("free").describe().endswith("the learning rate may need retuning)")
+    assert GlobalBatch("keep", 64).describe(64).startswith("global batch: keep train_batch_size=64")

@@ -67,11 +67,14 @@ class GlobalBatch:
             if problem:
                 raise ConfigError(problem)
 
-    def describe(self) -> str:
-        """One line for the console, e.g. ``global batch: keep train_batch_size=64 (the user's)``."""
+    def describe(self, implied: int | None = None) -> str:
+        """One line for the console, e.g. ``global batch: keep train_batch_size=64 (the user's)``;
+        ``implied``: the global batch the user's config implies (:func:`implied_global_batch`)."""
         if self.policy == "free":
+            kept = (f"; your config implies {implied}, which --global-batch {implied} keeps"
+                    if implied is not None else "")
             return ("global batch: free (train_batch_size = micro-batch x gradient_accumulation_steps x "
-                    "data-parallel size; the learning rate may need retuning)")
+                    f"data-parallel size; the learning rate may need retuning{kept})")
         why = "the user's" if self.policy == "keep" else "--global-batch"
         return (f"global batch: {self.policy} train_batch_size={self.train_batch_size} ({why}); "
                 "gradient_accumulation_steps derived for each micro-batch")

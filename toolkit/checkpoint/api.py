@@ -181,6 +181,7 @@ def _prepare_tag(ctx: DistributedContext, save: _Save, *, mine: str | None,
     """
     def prepare() -> tuple[str, int, str, int]:
         os.makedirs(save.root, exist_ok=True)
+        layout.tag_path(save.root, save.tag, to_write=True)  # never write through a symlink
         layout.empty_trash(save.root)
         plan = layout.plan_save(layout.scan_dir(save.root), tag=save.tag, mine=mine, overwrite=overwrite)
         for warning in plan.warnings:
@@ -316,16 +317,17 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
     key = os.path.realpath(root)
     if engine.load_universal_checkpoint():
         return _load_universal(engine, ctx, root, tag, key)
-    metadata, dir_run = on_chief(ctx, lambda: _choose(root, tag, engine_facts(engine, ctx)))
+    chosen, dir_run = on_chief(ctx, lambda: _choose(root, tag, engine_facts(engine, ctx)))
     _run_ids.update({key: dir_run} if dir_run else {})
-    if metadata is None:
+    if chosen is None:
         logger.info("no committed checkpoint in %s: starting from scratch", root)
         return None
-    return _load_committed(engine, ctx, root, str(metadata["tag"]))
+    return _load_committed(engine, ctx, root, chosen)
 
 
 def _load_committed(engine: Any, ctx: DistributedContext, root: str, tag: str) -> tuple[int, dict[str, Any]]:
     """Load the chosen committed checkpoint, then the state DeepSpeed misses. Call on all ranks."""
+    layout.tag_path(root, tag)  # from the chief: every rank checks it before joining it to a path
     rng, rank_error = read_rank_file(_rng_path(root, tag, ctx.rank), rank=ctx.rank, world_size=ctx.world_size)
     agree(ctx, rank_error, f"loading checkpoint {tag!r}")  # before DeepSpeed's collectives
     load_path, ds_state = engine.load_checkpoint(root, tag=tag)
@@ -341,21 +343,22 @@ def _restore_hidden_optimizer_state(engine: Any) -> None:
     replay_cpu_adam_state(engine)  # the CPU Adam kernels' step state
 
 
-def _choose(root: str, tag: str | None, facts: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
-    """Chief only: the metadata of the checkpoint to load (None: none committed) and the directory's
-    run id; raises when the checkpoint does not fit the engine (``facts``)."""
+def _choose(root: str, tag: str | None, facts: dict[str, Any]) -> tuple[str | None, str | None]:
+    """Chief only: the tag to load (its directory's name, never what a file says; None: none committed)
+    and the directory's run id; raises when it does not fit the engine (``facts``) or leaves ``root``."""
     state = layout.scan_dir(root)
     info, warning = layout.resolve_tag(state, tag)
     if warning:
         logger.warning("%s", warning)
     if info is None:
         return None, state.run_id
+    layout.tag_path(root, info.tag)
     problems = layout.compatibility_problems(info.meta, facts)
     if problems:
         raise CheckpointError(
             f"checkpoint {info.tag!r} in {root} does not fit this engine:\n  - " + "\n  - ".join(problems)
             + "\n" + layout.universal_fix(root, info.tag))
-    return dict(info.meta), state.run_id or info.meta.get("run_id")
+    return info.tag, state.run_id or info.meta.get("run_id")
 
 
 def _our_state(load_path: Any, ds_state: Any, root: str, tag: str) -> dict[str, Any]:
@@ -371,7 +374,8 @@ def _our_state(load_path: Any, ds_state: Any, root: str, tag: str) -> dict[str, 
 def _load_universal(engine: Any, ctx: DistributedContext, root: str, tag: str | None,
                     key: str) -> tuple[int, dict[str, Any]]:
     """:func:`load_checkpoint` of a ``ds_to_universal`` output (no RNG states). Call on all ranks."""
-    chosen, dir_run = on_chief(ctx, lambda: (universal_tag(root, tag), layout.scan_dir(root).run_id))
+    chosen, dir_run = on_chief(ctx, lambda: (_universal_choice(root, tag), layout.scan_dir(root).run_id))
+    layout.tag_path(root, chosen)  # from the chief: checked again on every rank
     load_path, ds_state = engine.load_checkpoint(root, tag=chosen)
     ours = _our_state(load_path, ds_state, root, chosen)
     _restore_hidden_optimizer_state(engine)
@@ -380,3 +384,14 @@ def _load_universal(engine: Any, ctx: DistributedContext, root: str, tag: str | 
                    "across a layout change, so random streams differ from the original run",
                    chosen, ours["steps_completed"])
     return int(ours["steps_completed"]), ours["client_state"]
+
+
+def _universal_choice(root: str, tag: str | None) -> str:
+    """Chief only: the universal checkpoint to load (``latest_universal`` read as ``latest`` is)."""
+    tag, problem = (tag, None) if tag is not None else layout.read_pointer(root, "latest_universal")
+    if problem:
+        raise CheckpointError(f"checkpoint.load_universal is set but {problem}; pass the tag of the "
+                              "ds_to_universal output folder")
+    chosen = universal_tag(root, tag)
+    layout.tag_path(root, chosen)
+    return chosen

@@ -26,7 +26,6 @@ are the thin effectful shell around them.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -35,11 +34,15 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
+from toolkit import _names
 from toolkit._files import atomic_write, fsync_dir
+from toolkit.checkpoint import records
+from toolkit.checkpoint.records import name_problem, read_pointer, validate_name
 from toolkit.errors import CheckpointError, ConfigError
 
-__all__ = ["checkpoint_root", "name_problem", "validate_name", "scan_dir", "resolve_tag", "plan_save",
-           "plan_keep_last", "compatibility_problems", "DirState", "TagInfo", "SavePlan"]
+__all__ = ["checkpoint_root", "name_problem", "validate_name", "tag_path", "scan_dir", "read_pointer",
+           "resolve_tag", "plan_save", "plan_keep_last", "compatibility_problems", "DirState", "TagInfo",
+           "SavePlan"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,42 +53,10 @@ COMMIT_FILE = "toolkit_checkpoint.json"
 RNG_DIR = "toolkit_rng"
 LATEST_FILE = "latest"
 TRASH_PREFIX = ".toolkit-trash-"
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
-_RESERVED = {LATEST_FILE, "latest_universal", "zero_to_fp32.py", "zero_to_torch.py"}
 # What DeepSpeed and toolkit put in a tag directory; only such directories may ever be deleted.
 _CHECKPOINT_ENTRY_RE = re.compile(
     r".*\.pt|toolkit_.*|.*\.tmp|zero_to_(fp32|torch)\.py|offloaded_tensors|zero")
 _DEEPSPEED_FILE_RE = re.compile(r".*[_-](model|optim)_states\.pt")
-
-
-def name_problem(value: Any, *, what: str = "tag") -> str | None:
-    """What is wrong with a tag or run id as one safe path component, or None. Pure; any rank.
-
-    A name is a string of letters, digits, ``.``, ``_`` and ``-`` starting with a letter or digit
-    (so no ``/``, ``..``, hidden or absolute paths) and not a name reserved for DeepSpeed's or
-    toolkit's own files.
-    """
-    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
-        return (f"{what}={value!r}: expected 1-200 characters from A-Z a-z 0-9 . _ - starting with a letter "
-                f"or digit (a single directory name: no '/', no '..', not hidden), for example 'step_100'")
-    if value in _RESERVED or value.startswith("toolkit_"):
-        return (f"{what}={value!r} is a name DeepSpeed or toolkit uses for its own files "
-                "in a checkpoint directory; choose another, for example 'step_100'")
-    return None
-
-
-def validate_name(value: Any, *, what: str = "tag") -> str:
-    """Check a tag or run id found on disk (``latest``, ``latest_universal``). Any rank.
-
-    Arguments a user passes are checked with :func:`name_problem` and raise ``ConfigError``.
-
-    Raises:
-        CheckpointError: the name is not safe (see :func:`name_problem`).
-    """
-    problem = name_problem(value, what=what)
-    if problem:
-        raise CheckpointError(problem)
-    return value
 
 
 def checkpoint_root(checkpoint_dir: Any, *, what: str = "checkpoint_dir") -> str:
@@ -102,6 +73,20 @@ def checkpoint_root(checkpoint_dir: Any, *, what: str = "checkpoint_dir") -> str
         raise CheckpointError(f"{what}={root!r} exists and is not a directory; pass a directory "
                               "(it is created if missing)")
     return str(root)
+
+
+def tag_path(root: str | os.PathLike[str], tag: Any, *, to_write: bool = False) -> Path:
+    """``root/tag`` resolved, for a tag from disk or from another rank. Any rank.
+
+    ``to_write``: the tag directory is written into, so it must not be a symlink at all.
+
+    Raises:
+        CheckpointError: not a safe tag name, or a symlink that leads outside ``root`` (with
+            ``to_write``: any symlink, or a file where the directory goes).
+    """
+    if to_write:
+        _names.real_child(root, validate_name(tag), what="tag")
+    return _names.resolve_inside(root, validate_name(tag), what="tag")
 
 
 def new_run_id() -> str:
@@ -153,6 +138,7 @@ class DirState:
     run: Mapping[str, Any] | None
     latest: str | None
     tags: Mapping[str, TagInfo]
+    latest_problem: str | None = None   # why ``latest`` is present but ignored (never its content)
 
     @property
     def run_id(self) -> str | None:
@@ -177,36 +163,33 @@ class SavePlan:
     notes: tuple[str, ...] = ()        # routine: replacing this run's own checkpoint of the same tag
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"cannot read {path}: {err}; the file is damaged, delete the directory "
-                              "that holds it or load another tag") from err
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} holds {type(data).__name__}, expected a JSON object")
-    return data
-
-
 def scan_dir(root: str | os.PathLike[str]) -> DirState:
-    """Read the markers of a checkpoint directory (missing directory: empty state). Any rank."""
+    """Read the markers of a checkpoint directory (missing directory: empty state). Any rank.
+
+    Tag directories are the safely named real directories directly inside ``root``: symlinks are
+    never toolkit's and are ignored. A commit record that does not name its own directory or has
+    a damaged ``seq`` raises.
+
+    Raises:
+        CheckpointError: a damaged record, naming the file and the problem.
+    """
     path = Path(root)
     tags: dict[str, TagInfo] = {}
-    latest = None
+    latest = latest_problem = None
     if path.is_dir():
-        latest_path = path / LATEST_FILE
-        if latest_path.is_file():
-            latest = latest_path.read_text(encoding="utf-8").strip() or None
+        latest, latest_problem = records.read_pointer(path, LATEST_FILE)
         for entry in sorted(path.iterdir()):
-            if not entry.is_dir() or not _NAME_RE.fullmatch(entry.name):
+            if entry.is_symlink() or not entry.is_dir() or _names.name_problem(entry.name):
                 continue
             names = tuple(sorted(child.name for child in entry.iterdir()))
-            metadata = _read_json(entry / COMMIT_FILE) if COMMIT_FILE in names else None
+            metadata = records.read_record(entry / COMMIT_FILE) if COMMIT_FILE in names else None
+            problem = None if metadata is None else records.commit_problem(metadata, entry.name)
+            if problem:
+                raise CheckpointError(f"{entry / COMMIT_FILE}: {problem}; the file is damaged or was not "
+                                      f"written by toolkit: delete {entry} or load another tag")
             tags[entry.name] = TagInfo(tag=entry.name, entries=names, metadata=metadata)
-    return DirState(root=str(path), run=_read_json(path / RUN_FILE), latest=latest, tags=tags)
+    return DirState(root=str(path), run=records.read_record(path / RUN_FILE), latest=latest, tags=tags,
+                    latest_problem=latest_problem)
 
 
 def resolve_tag(state: DirState, tag: str | None) -> tuple[TagInfo | None, str | None]:
@@ -247,8 +230,13 @@ def resolve_tag(state: DirState, tag: str | None) -> tuple[TagInfo | None, str |
     if state.latest is not None and state.latest in state.tags and state.tags[state.latest].committed:
         return state.tags[state.latest], None
     chosen = committed[-1]
-    why = "is missing" if state.latest is None else f"names {state.latest!r}, which is not committed"
-    return chosen, f"{state.root}/{LATEST_FILE} {why}; using the newest committed checkpoint {chosen.tag!r}"
+    if state.latest_problem:
+        why = state.latest_problem
+    elif state.latest is None:
+        why = f"{state.root}/{LATEST_FILE} is missing"
+    else:
+        why = f"{state.root}/{LATEST_FILE} names {state.latest!r}, which is not committed"
+    return chosen, f"{why}; using the newest committed checkpoint {chosen.tag!r}"
 
 
 def _other_run_error(state: DirState, mine: str | None) -> CheckpointError:
@@ -379,7 +367,10 @@ def set_latest(root: str | os.PathLike[str], tag: str | None) -> None:
 
 def discard_tag(root: str | os.PathLike[str], tag: str) -> None:
     """Delete a tag directory: first renamed out of sight (atomic), so that a crash in the middle
-    never leaves a half-deleted checkpoint under its name; then removed."""
+    never leaves a half-deleted checkpoint under its name; then removed. Only a real directory
+    directly inside ``root`` under a safe name is removed (:func:`toolkit._names.real_child`)."""
+    if _names.real_child(root, tag, what="tag") is None:
+        return
     trash = Path(root) / f"{TRASH_PREFIX}{tag}-{uuid.uuid4().hex[:8]}"
     os.rename(Path(root) / tag, trash)
     fsync_dir(root)
@@ -387,6 +378,7 @@ def discard_tag(root: str | os.PathLike[str], tag: str) -> None:
 
 
 def empty_trash(root: str | os.PathLike[str]) -> None:
-    """Remove what an interrupted :func:`discard_tag` left behind."""
+    """Remove what an interrupted :func:`discard_tag` left behind (real directories only, no links)."""
     for entry in Path(root).glob(f"{TRASH_PREFIX}*"):
-        shutil.rmtree(entry, ignore_errors=True)
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)

@@ -12,6 +12,10 @@ Layout (what ``core_context.checkpoint`` writes; every rank of one machine sees 
   A crash at any moment leaves either the old list or the new one, so the latest is always a
   complete checkpoint. Also ``pending``: ids whose ``store_path`` began, removed by the next
   run if they never committed.
+
+Storage ids follow toolkit's one rule for names that become paths (:mod:`toolkit._names`) wherever
+they enter: from the script, from the registry on disk, from the chief's broadcast. Deletion
+removes only a UUID that toolkit recorded, whose directory is a real directory inside the root.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
+from toolkit import _names
 from toolkit._checks import is_int
 from toolkit._files import atomic_write_json
-from toolkit.errors import ConfigError
+from toolkit.errors import CheckpointError, ConfigError
 
 __all__ = [
     "REGISTRY_NAME",
@@ -32,6 +38,9 @@ __all__ = [
     "storage_root",
     "read_registry",
     "write_registry",
+    "check_storage_id",
+    "is_toolkit_id",
+    "checkpoint_path",
     "latest_storage_id",
     "is_committed",
     "read_metadata",
@@ -94,17 +103,27 @@ def storage_root(storage: Any, *, output_dir: Path, base_dir: Path) -> Path:
 
 
 def read_registry(output_dir: Path) -> dict[str, Any]:
-    """This trial's registry (``committed``, ``pending``); empty lists when none yet. Any rank."""
+    """This trial's registry (``committed``, ``pending``); empty lists when none yet. Any rank.
+
+    Raises:
+        CheckpointError: the file is damaged (not JSON, or not the registry's shape), naming it.
+    """
     path = output_dir / REGISTRY_NAME
+    damaged = ("; the registry is damaged: move it aside to start the trial's checkpoint list afresh "
+               "(the checkpoints stay in the storage)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         data = {}
-    return {
-        "root": data.get("root"),
-        "committed": list(data.get("committed", [])),
-        "pending": list(data.get("pending", [])),
-    }
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {path}: {err}{damaged}") from err
+    data = data if isinstance(data, dict) else {"committed": None}
+    committed, pending = data.get("committed", []), data.get("pending", [])
+    if not (isinstance(committed, list) and isinstance(pending, list)
+            and all(isinstance(e, dict) and "storage_id" in e for e in committed)):
+        raise CheckpointError(f"{path} is not a checkpoint registry (expected an object with lists "
+                              f"'committed' of {{'storage_id': ...}} and 'pending'){damaged}")
+    return {"root": data.get("root"), "committed": list(committed), "pending": list(pending)}
 
 
 def write_registry(output_dir: Path, registry: Mapping[str, Any]) -> None:
@@ -113,9 +132,44 @@ def write_registry(output_dir: Path, registry: Mapping[str, Any]) -> None:
     atomic_write_json(output_dir / REGISTRY_NAME, dict(registry))
 
 
-def is_committed(root: Path, storage_id: str) -> bool:
-    """True when ``<root>/<storage_id>`` holds a complete checkpoint (its metadata.json). Any rank."""
-    return bool(storage_id) and "/" not in storage_id and (root / storage_id / METADATA_NAME).is_file()
+def check_storage_id(storage_id: Any, *, error: type[Exception] = ConfigError) -> str:
+    """``storage_id`` if it is a safe name (:mod:`toolkit._names`). Any rank.
+
+    Raises:
+        ``error``: ConfigError for an id the script passed, CheckpointError for one from disk or
+            another rank.
+    """
+    return _names.check_name(storage_id, what="storage_id", error=error,
+                             example="5f0c3f4e-8d2a-4c53-9a8e-2b1d7c6e9f10")
+
+
+def is_toolkit_id(storage_id: Any) -> bool:
+    """True for an id of the form toolkit gives its checkpoints (a canonical UUID). Pure."""
+    try:
+        return isinstance(storage_id, str) and str(uuid.UUID(storage_id)) == storage_id
+    except ValueError:
+        return False
+
+
+def checkpoint_path(root: Path, storage_id: Any) -> Path:
+    """``<root>/<storage_id>`` once the id is safe and the path (symlinks resolved) stays inside
+    ``root``. Any rank; the path need not exist.
+
+    Raises:
+        CheckpointError: an unsafe id, or a symlink that leads outside ``root``.
+    """
+    _names.resolve_inside(root, check_storage_id(storage_id, error=CheckpointError), what="storage_id")
+    return root / storage_id
+
+
+def is_committed(root: Path, storage_id: Any) -> bool:
+    """True when ``<root>/<storage_id>`` holds a complete checkpoint (its metadata.json, a plain
+    file) and the id is safe and stays inside ``root``. Any rank."""
+    try:
+        metadata = checkpoint_path(root, storage_id) / METADATA_NAME
+    except CheckpointError:
+        return False
+    return metadata.is_file() and not metadata.is_symlink()
 
 
 def latest_storage_id(registry: Mapping[str, Any], root: Path) -> str | None:
@@ -127,8 +181,19 @@ def latest_storage_id(registry: Mapping[str, Any], root: Path) -> str | None:
 
 
 def read_metadata(root: Path, storage_id: str) -> dict[str, Any]:
-    """The checkpoint's metadata.json. Any rank. Raises FileNotFoundError for a partial one."""
-    return dict(json.loads((root / storage_id / METADATA_NAME).read_text(encoding="utf-8")))
+    """The checkpoint's metadata.json. Any rank. Raises FileNotFoundError for a partial one.
+
+    Raises:
+        CheckpointError: an unsafe id, a symlink out of ``root``, or a damaged file (named).
+    """
+    path = checkpoint_path(root, storage_id) / METADATA_NAME
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise CheckpointError(f"cannot read {path}: {err}; the checkpoint's metadata is damaged") from err
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds {type(data).__name__}, expected a JSON object")
+    return data
 
 
 def plan_gc(committed: list[dict[str, Any]], save_trial_latest: Any) -> list[str]:
@@ -150,9 +215,23 @@ def plan_gc(committed: list[dict[str, Any]], save_trial_latest: Any) -> list[str
     return [str(e["storage_id"]) for e in committed[:-keep]] if len(committed) > keep else []
 
 
-def remove_checkpoint(root: Path, storage_id: str) -> None:
-    """Delete a checkpoint directory: metadata.json first (uncommit), then the rest. Any rank."""
-    directory = root / storage_id
+def remove_checkpoint(root: Path, storage_id: Any) -> bool:
+    """Delete a checkpoint directory toolkit made: metadata.json first (uncommit), then the rest.
+
+    Any rank. Only a canonical UUID (toolkit's ids) naming a real directory directly inside
+    ``root`` is removed; returns False when there is no such directory.
+
+    Raises:
+        CheckpointError: not a toolkit id, or a symlink or file where the directory should be.
+    """
+    check_storage_id(storage_id, error=CheckpointError)
+    if not is_toolkit_id(storage_id):
+        raise CheckpointError(f"storage_id={_names.shown(storage_id)} is not an id toolkit gives its "
+                              "checkpoints (a UUID); toolkit deletes only checkpoints it created")
+    directory = _names.real_child(root, storage_id, what="storage_id")
+    if directory is None:
+        return False
     (directory / METADATA_NAME).unlink(missing_ok=True)
     shutil.rmtree(directory, ignore_errors=True)
     logger.info("deleted checkpoint %s", storage_id)
+    return True

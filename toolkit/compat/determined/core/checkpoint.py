@@ -7,6 +7,11 @@ the id to this trial's registry (:mod:`toolkit.compat.determined.storage`). A cr
 (SIGKILL inside the block included) leaves the previous checkpoint as ``latest_checkpoint``; the
 next run removes what an interrupted ``store_path`` left.
 
+Storage ids are checked by toolkit's one rule for names (:mod:`toolkit._names`, through
+:mod:`toolkit.compat.determined.storage`) where they enter: an unsafe id from the script is a
+``ConfigError``, one from the registry or the chief's broadcast a ``CheckpointError``. ``delete``
+and the clean-up remove only checkpoints this trial recorded, inside the storage root.
+
 Example (the Core API tutorials' pattern)::
 
     if core_context.distributed.rank == 0:                                   # shard=False: chief only
@@ -28,10 +33,12 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from toolkit import _names
 from toolkit._files import atomic_write_json, fsync_tree
 from toolkit.compat.determined import storage
 from toolkit.compat.determined.core.distributed import DistributedContext
 from toolkit.compat.determined.errors import CheckpointNotFound
+from toolkit.errors import CheckpointError
 
 __all__ = ["CheckpointContext", "DownloadMode", "merge_metadata"]
 
@@ -85,11 +92,17 @@ class CheckpointContext:
             self._clean_pending()
 
     def _clean_pending(self) -> None:
+        """Remove what interrupted ``store_path`` calls left: recorded, toolkit-made, uncommitted."""
         registry = storage.read_registry(self._output_dir)
-        left = [sid for sid in registry["pending"] if not storage.is_committed(self._root, sid)]
-        for sid in left:
-            shutil.rmtree(self._root / sid, ignore_errors=True)
-            logger.info("removed %s, a checkpoint an interrupted store_path left incomplete", sid)
+        for sid in registry["pending"]:
+            if storage.is_committed(self._root, sid):
+                continue
+            try:
+                if storage.remove_checkpoint(self._root, sid):
+                    logger.info("removed %s, a checkpoint an interrupted store_path left incomplete", sid)
+            except CheckpointError as err:
+                logger.warning("%s: left alone, not a pending checkpoint of toolkit's: %s",
+                               self._output_dir / storage.REGISTRY_NAME, err)
         if registry["pending"]:
             registry["pending"] = []
             storage.write_registry(self._output_dir, registry)
@@ -120,7 +133,10 @@ class CheckpointContext:
         registry["committed"] = [e for e in registry["committed"] if e["storage_id"] not in doomed]
         storage.write_registry(self._output_dir, registry)
         for sid in doomed:
-            storage.remove_checkpoint(self._root, sid)
+            try:
+                storage.remove_checkpoint(self._root, sid)
+            except CheckpointError as err:  # the new checkpoint is committed; do not fail the save
+                logger.warning("save_trial_latest: left %s alone: %s", _names.shown(sid), err)
         logger.info("saved checkpoint %s", storage_id)
 
     @contextlib.contextmanager
@@ -145,7 +161,7 @@ class CheckpointContext:
             self._before_store()
         storage_id = self._begin() if self._dist.rank == 0 else ""
         if shard:
-            storage_id = self._dist.broadcast(storage_id)
+            storage_id = storage.check_storage_id(self._dist.broadcast(storage_id), error=CheckpointError)
         yield self._root / storage_id, storage_id
         parts = self._dist.allgather(metadata) if shard else [metadata]
         if self._dist.rank == 0:
@@ -173,12 +189,14 @@ class CheckpointContext:
         return storage_id
 
     def _committed_dir(self, storage_id: str) -> Path:
-        if not storage.is_committed(self._root, str(storage_id)):
+        """The committed checkpoint's directory, inside the root. Raises ConfigError for an unsafe id."""
+        storage.check_storage_id(storage_id)
+        if not storage.is_committed(self._root, storage_id):
             raise CheckpointNotFound(
                 f"Did not find checkpoint {storage_id} in {self._root} (or it was never "
                 "committed: its store_path did not finish)"
             )
-        return self._root / str(storage_id)
+        return self._root / storage_id
 
     @contextlib.contextmanager
     def restore_path(
@@ -211,7 +229,7 @@ class CheckpointContext:
         shared = DownloadMode(download_mode) is DownloadMode.LocalWorkersShareDownload
         source = self._committed_dir(storage_id)
         if not shared or self._dist.local_rank == 0:
-            _copy(source, Path(ckpt_dir), selector)
+            _copy(source, Path(ckpt_dir), selector, links=False)
         if shared:
             self._dist.allgather_local(None)
 
@@ -220,19 +238,34 @@ class CheckpointContext:
         return storage.read_metadata(self._root, str(self._committed_dir(storage_id).name))
 
     def delete(self, storage_id: str) -> None:
-        """Remove a checkpoint (first from this trial's registry, then from disk). Any rank."""
+        """Remove a checkpoint this trial committed (first from its registry, then from disk). Any rank.
+
+        Raises:
+            ConfigError: an unsafe id (empty, a path, ``..``).
+            CheckpointNotFound: the id is not in this trial's registry; nothing is deleted.
+        """
+        storage.check_storage_id(storage_id)
         registry = storage.read_registry(self._output_dir)
         kept = [e for e in registry["committed"] if e["storage_id"] != storage_id]
-        if len(kept) != len(registry["committed"]):
-            registry["committed"] = kept
-            storage.write_registry(self._output_dir, registry)
+        if len(kept) == len(registry["committed"]):
+            raise CheckpointNotFound(
+                f"checkpoint {storage_id} is not one this trial committed "
+                f"({self._output_dir / storage.REGISTRY_NAME}); toolkit deletes only those"
+            )
+        registry["committed"] = kept
+        storage.write_registry(self._output_dir, registry)
         storage.remove_checkpoint(self._root, storage_id)
 
 
-def _copy(source: Path, target: Path, selector: Callable[[str], bool] | None) -> None:
+def _copy(source: Path, target: Path, selector: Callable[[str], bool] | None, *, links: bool = True) -> None:
+    """Copy the files under ``source``; ``links=False`` (out of the storage) skips symlinks, whose
+    targets are not part of the checkpoint."""
     target.mkdir(parents=True, exist_ok=True)
     for path in sorted(source.rglob("*")):
         rel = path.relative_to(source).as_posix()
+        if not links and path.is_symlink():
+            logger.warning("download: skipped %s, a symlink in the checkpoint", path)
+            continue
         if path.is_dir() or (selector is not None and not selector(rel)):
             continue
         (target / rel).parent.mkdir(parents=True, exist_ok=True)

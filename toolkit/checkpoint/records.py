@@ -1,0 +1,137 @@
+"""Reading toolkit's records in a checkpoint directory, by the one rule for names. Any rank.
+
+A tag or run id is one safe path component (:mod:`toolkit._names`) that is not reserved for
+DeepSpeed's or toolkit's own files. Records (``toolkit_run.json``, ``toolkit_checkpoint.json``)
+and pointer files (``latest``, ``latest_universal``) are read without following symlinks, with a
+size bound; a damaged one raises a :class:`~toolkit.errors.CheckpointError` naming the file and
+the problem, and a pointer's content is never quoted unless it is a valid tag.
+
+Example::
+
+    tag, problem = read_pointer("checkpoints", "latest")    # ('step_3', None)
+    metadata = read_record(Path("checkpoints/step_3/toolkit_checkpoint.json"))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any, Mapping
+
+from toolkit import _names
+from toolkit.errors import CheckpointError
+
+__all__ = ["name_problem", "validate_name", "read_record", "commit_problem", "read_pointer"]
+
+_MAX_RECORD = 16 * 2**20   # a commit or run record larger than this is damaged, not read
+_RESERVED = {"latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py"}
+
+
+def name_problem(value: Any, *, what: str = "tag") -> str | None:
+    """What is wrong with a tag or run id as one safe path component, or None. Pure; any rank.
+
+    A name follows toolkit's one rule for names that become paths (:mod:`toolkit._names`: letters,
+    digits, ``.``, ``_`` and ``-`` starting with a letter or digit, so no ``/``, ``..``, hidden,
+    empty or absolute paths) and is not a name reserved for DeepSpeed's or toolkit's own files.
+    """
+    problem = _names.name_problem(value, what=what)
+    if problem:
+        return problem
+    if value in _RESERVED or value.startswith("toolkit_"):
+        return (f"{what}={value!r} is a name DeepSpeed or toolkit uses for its own files "
+                "in a checkpoint directory; choose another, for example 'step_100'")
+    return None
+
+
+def validate_name(value: Any, *, what: str = "tag") -> str:
+    """Check a tag or run id found on disk (``latest``, ``latest_universal``). Any rank.
+
+    Arguments a user passes are checked with :func:`name_problem` and raise ``ConfigError``.
+
+    Raises:
+        CheckpointError: the name is not safe (see :func:`name_problem`).
+    """
+    problem = name_problem(value, what=what)
+    if problem:
+        raise CheckpointError(problem)
+    return value
+
+
+def _read_plain_file(path: Path, limit: int) -> bytes | None:
+    """Up to ``limit`` bytes of a regular file, None when missing; never through a symlink, never
+    blocking on a FIFO. Raises OSError (a symlink: ELOOP) for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return fh.read(limit)
+
+
+def _unreadable(path: Path, err: OSError) -> str:
+    return ("it is a symlink, which toolkit never writes or follows" if path.is_symlink()
+            else err.strerror or str(err))
+
+
+def read_record(path: Path) -> dict[str, Any] | None:
+    """A toolkit record (run or commit file) as a dict; None when missing. Never through a symlink."""
+    try:
+        raw = _read_plain_file(path, _MAX_RECORD + 1)
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {_unreadable(path, err)}; delete the directory that "
+                              "holds it or load another tag") from err
+    if raw is None:
+        return None
+    try:
+        if len(raw) > _MAX_RECORD:
+            raise ValueError(f"larger than {_MAX_RECORD // 2**20} MiB")
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError as err:
+        raise CheckpointError(f"cannot read {path}: {err}; the file is damaged, delete the directory that "
+                              "holds it or load another tag") from err
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds {type(data).__name__}, expected a JSON object; the file is "
+                              "damaged, delete the directory that holds it or load another tag")
+    return data
+
+
+def commit_problem(metadata: Mapping[str, Any], tag: str) -> str | None:
+    """What makes a commit record unusable for the tag directory that holds it, or None. Pure."""
+    if metadata.get("tag") != tag:
+        return (f"its tag={_names.shown(metadata.get('tag'))} is not the name of its directory {tag!r} "
+                "(a commit record names the checkpoint it sits in, nothing else)")
+    seq = metadata.get("seq")
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+        return f"seq={_names.shown(seq)}: expected the commit's sequence number, an integer >= 0"
+    return None
+
+
+def read_pointer(root: str | os.PathLike[str], name: str) -> tuple[str | None, str | None]:
+    """The tag a pointer file (``latest``, ``latest_universal``) names: ``(tag, problem)``. Any rank.
+
+    ``(None, None)`` when the file is missing. A symlink, an unreadable file or content that is
+    not a safe tag give ``(None, problem)``; the problem never quotes the content (it may come
+    from another file through a link).
+    """
+    path = Path(root) / name
+    if path.is_symlink():
+        return None, f"{path} is a symlink (DeepSpeed and toolkit write a plain file); ignored"
+    try:
+        raw = _read_plain_file(path, _names.MAX_NAME + 2)
+    except OSError as err:
+        return None, f"{path} cannot be read ({_unreadable(path, err)}); ignored"
+    if raw is None:
+        return None, None
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        tag = ""
+    if not tag and not raw.strip():
+        return None, f"{path} is empty; ignored"
+    if name_problem(tag) or len(raw) > _names.MAX_NAME + 1:
+        return None, f"{path} does not hold a valid tag name; ignored"
+    return tag, None

@@ -18,6 +18,12 @@ directory with the started marker but no commit marker is the leftover of an int
 Anything without toolkit markers is not toolkit's and is never chosen, replaced or deleted
 (except ``overwrite=True`` on a tag directory that holds DeepSpeed files only).
 
+Names: tags and run ids follow toolkit's one rule for names that become paths
+(:mod:`toolkit.checkpoint.records`, :mod:`toolkit._names`), whether a user passes them, a file
+holds them or another rank sends them. A commit record counts only for the directory that holds
+it (its ``tag`` must be that directory's name); symlinks are never toolkit's: not chosen, not
+written through, not deleted, and ``latest`` is never read through one.
+
 The decision functions (:func:`resolve_tag`, :func:`plan_save`, :func:`plan_keep_last`,
 :func:`compatibility_problems`) are pure; :func:`scan_dir` and the ``write``/``discard`` helpers
 are the thin effectful shell around them.

@@ -200,8 +200,9 @@ def parse_yaml(text: str, *, source: str) -> Any:
     Raises:
         ConfigError: with ``source`` and, where known, the line and column.
     """
-    loader = _BoundedLoader(text)
+    loader = None
     try:
+        loader = _BoundedLoader(text)  # reads the text: a control character is refused here
         node = loader.get_single_node()
         if node is None:
             return None
@@ -219,7 +220,8 @@ def parse_yaml(text: str, *, source: str) -> Any:
     except RecursionError:  # nesting the checks above did not see (they should see all)
         raise ConfigError(f"nested deeper than {MAX_DEPTH} levels", source=source) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def load_yaml(path: str | os.PathLike[str], *, max_bytes: int = MAX_YAML_BYTES,

@@ -85,13 +85,25 @@ ROWS = [
       ["python/object/apply:os.system", "malformed YAML"],
       id="python-tag-not-constructed"),
     Y(None, ["missing.yaml", "not found"], exc=FileNotFoundError, id="missing-file"),
+    # bounded input (issue 30): toolkit.bounded_load refuses these before anything is built
+    Y("".join(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}" if i else "x"] * 10) + "]\n" for i in range(9))
+      + "name: *l8\n", ["exp.yaml", "aliases", "expand to more than 200,000"], id="alias-bomb"),
+    Y("hyperparameters: {lr: .nan}\n", ["exp.yaml", "'.nan' is not a finite number"], id="nan"),
+    Y("hyperparameters: {lr: -.inf}\n", ["exp.yaml", "'-.inf' is not a finite number"], id="inf"),
+    Y("entrypoint: python3 a.py\nentrypoint: python3 b.py\n", ["duplicate key 'entrypoint'", "lines 1 and 2"],
+      id="duplicate-key"),
+    Y(b"name: caf\xe9\n", ["exp.yaml", "not UTF-8", "0xe9", "offset 9"], id="latin-1"),
+    Y("hyperparameters: " + "[" * 200 + "]" * 200 + "\n", ["exp.yaml", "nested deeper than 100"], id="deep"),
+    Y("entrypoint: python3 'train.py\n", ["entrypoint=", "No closing quotation"], id="entrypoint-quote"),
     # ---- hyperparameters
     H({"trial_file": None}, ["TOOLKIT_TRIAL_HPARAMS=", "hparams.json", "file not found"],
       id="trial-file-missing"),
     H({"trial_file": "{'lr': 1}"}, ["TOOLKIT_TRIAL_HPARAMS=", "malformed JSON at line 1"],
       id="trial-file-malformed"),
-    H({"trial_file": "[1, 2]"}, ["TOOLKIT_TRIAL_HPARAMS=", "expected a JSON object, got list"],
+    H({"trial_file": "[1, 2]"}, ["TOOLKIT_TRIAL_HPARAMS=", "expected a JSON object", "got list"],
       id="trial-file-list"),
+    H({"trial_file": '{"lr": 1e999}'}, ["TOOLKIT_TRIAL_HPARAMS=", "1e999 is not a finite number"],
+      id="trial-file-inf"),
     H({}, ["no hyperparameters", "TOOLKIT_EXPERIMENT_CONFIG", "config_path"], id="nothing-given"),
     # ---- the DeepSpeed JSON and the hyperparameters that build it
     D({"json": '{"train_batch_size": 8,'}, ["malformed JSON at line 1", "ds_config.json"], id="malformed"),
@@ -99,6 +111,8 @@ ROWS = [
       ["duplicate key 'train_batch_size'", "8", "16"],
       id="duplicate-key"),
     D({"json": '{"train_batch_size": NaN}'}, ["NaN is not valid JSON", "ds_config.json"], id="nan"),
+    D({"json": '{"train_batch_size": 1e999}'}, ["1e999 is not a finite number", "ds_config.json"], id="inf"),
+    D({"json": '{"a": ' * 101 + "1" + "}" * 101}, ["nested deeper than 100", "ds_config.json"], id="deep"),
     D({"json": "[1, 2]"}, ["expected a JSON object at the top, got list"], id="top-list"),
     D({"hparams": {"deepspeed_config": "nope.json"}}, ["nope.json", "not found"], exc=FileNotFoundError,
       id="missing-file"),
@@ -169,6 +183,13 @@ ROWS = [
     C({"ds_text": '{"train_micro_batch_size_per_gpu": 4,'}, ["malformed JSON at line 1", "ds_config.json"],
       id="ds-malformed"),
     C({"ds": {"fp16": {"enabled": True}}}, ["fp16.enabled=true", "CPU"], id="ds-fp16-cpu"),
+    C({"ds_text": '{"train_micro_batch_size_per_gpu": 1e999}'},
+      ["1e999 is not a finite number", "ds_config.json"], id="ds-inf"),
+    C({"entrypoint": "python3 model.py '--x"}, ["entrypoint=", "No closing quotation"],
+      id="entrypoint-quote"),
+    C({"flags": ["--memory-per-slot", "9" * 400]}, ["--memory-per-slot", "not a size"], id="memory-huge"),
+    C({"damaged_events": True, "flags": ["--resume"]}, ["events.jsonl", "line 2", "head -n 1"],
+      id="resume-damaged-log"),
     C({"hparams": {"data_parallel_world_size": 3}}, ["hyperparameters.data_parallel_world_size=3"],
       id="dp-not-divisor"),
     # the user's DeepSpeed config as written, before dsat substitutes its micro-batch (issue 12 item 5)
@@ -240,6 +261,12 @@ def _model_dir(tmp_path: Path, payload: dict) -> Path:
               "resources": {"slots_per_trial": payload.get("slots", 1)}, "searcher": {"max_length": 10},
               "hyperparameters": {"deepspeed_config": "ds_config.json", **payload.get("hparams", {})}}
     (model_dir / "deepspeed.yaml").write_text(yaml.safe_dump(config))
+    if payload.get("damaged_events"):  # a start line, then one that is not a record
+        (tmp_path / "out").mkdir()
+        start = {"event": "start", "trial_id": 0, "observed_before": 0,
+                 "spec": {"trial_id": 0, "micro_batch": 1, "zero": {"stage": 1}, "line": -1, "profile": True}}
+        (tmp_path / "out" / "events.jsonl").write_text(json.dumps(start) + '\n{"event": "result"}\n'
+                                                       + json.dumps(start) + "\n")
     if payload.get("previous_search"):
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "events.jsonl").write_text('{"event": "start"}\n')
@@ -251,7 +278,10 @@ def _prepare(kind: str, payload, tmp_path: Path, monkeypatch):
     if kind == "yaml":
         if payload is None:
             return lambda: toolkit.load_experiment_config(tmp_path / "missing.yaml")
-        (tmp_path / "exp.yaml").write_text(payload)
+        if isinstance(payload, bytes):
+            (tmp_path / "exp.yaml").write_bytes(payload)
+        else:
+            (tmp_path / "exp.yaml").write_text(payload)
         return lambda: toolkit.load_experiment_config(tmp_path / "exp.yaml")
     if kind == "hparams":
         monkeypatch.delenv(toolkit.EXPERIMENT_CONFIG_ENV, raising=False)

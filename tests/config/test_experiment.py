@@ -156,7 +156,19 @@ def test_max_length_steps_malformed_is_a_config_error(config):
         max_length_steps(config)
 
 
-@pytest.mark.parametrize("entrypoint", ["", " ", 42, [], ["python3", ""]])
+@pytest.mark.parametrize("entrypoint", ["", " ", 42, [], ["python3", ""], "python3 'train.py", "train.py \\"])
 def test_entrypoint_argv_malformed_is_a_config_error(entrypoint):
     with pytest.raises(ConfigError, match="entrypoint="):
         entrypoint_argv({"entrypoint": entrypoint})
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("name: a\nname: b\n", "duplicate key 'name' (lines 1 and 2)"),
+    ("hyperparameters: {lr: .nan}\n", "'.nan' is not a finite number"),
+    ("hyperparameters: {lr: 1.0e+999}\n", "'1.0e+999' is not a finite number"),
+])
+def test_yaml_the_loader_refuses(tmp_path, text, fragment):
+    """Read through toolkit.bounded_load (its bounds: tests/reliability/test_security_input.py)."""
+    with pytest.raises(ConfigError, match="exp.yaml") as caught:
+        toolkit.load_experiment_config(write(tmp_path, text))
+    assert fragment in str(caught.value)

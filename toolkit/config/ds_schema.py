@@ -28,7 +28,16 @@ __all__ = [
     "BATCH_KEYS",
     "DS_CONFIG_EXPECTED",
     "DS_TOP_LEVEL_KEYS",
+    "AUTO_DROPPING_SECTIONS",
+    "DS_OPTIMIZERS",
+    "DS_SCHEDULERS",
+    "FUSED_ADAM_KWARGS",
+    "CPU_ADAM_KWARGS",
     "GAS",
+    "MODEL_SECTION_KEYS",
+    "REMOVED_TOP_LEVEL_KEYS",
+    "REMOVED_ZERO_KEYS",
+    "ZERO_TESTED_OPTIMIZERS",
     "MBS",
     "OFFLOAD_DEVICES",
     "TBS",
@@ -36,6 +45,7 @@ __all__ = [
     "mapping_problem",
     "plain_copy",
     "require_mapping",
+    "stage_value",
     "zero_stage",
 ]
 
@@ -60,6 +70,94 @@ DS_TOP_LEVEL_KEYS = frozenset({
     "gradient_accumulation_dtype", "tensor_parallel",
     "pipeline_stage", "disable_python_gc", "ds_precision",
 })
+
+_REMOVED = "DeepSpeed 0.19 removed it (deepspeedai/DeepSpeed issue 8489) and refuses a config that has it"
+#: Top-level keys DeepSpeed 0.19 refuses outright (``_REMOVED_TOP_LEVEL_CONFIG_KEYS``), with the fix.
+REMOVED_TOP_LEVEL_KEYS = {
+    "amp": f"NVIDIA Apex AMP: {_REMOVED}, even with enabled=false; use 'bf16', 'fp16' or 'torch_autocast'",
+    "nebula": f"Nebula checkpointing: {_REMOVED}; remove the section",
+    "compression_training": f"the compression library: {_REMOVED}; remove the section",
+    "quantize_training": f"MoQ quantize_training: {_REMOVED}; remove the section",
+    "sparse_gradients": f"sparse embedding-gradient compression: {_REMOVED}; remove the key",
+    "eigenvalue": f"eigenvalue MoQ: {_REMOVED}; remove the section",
+    "sparse_attention": f"DeepSpeed Sparse Attention: {_REMOVED}; remove the section",
+    "elasticity": f"elastic training: {_REMOVED}; set the batch keys directly",
+    "graph_harvesting": f"graph harvesting: {_REMOVED}; remove the key",
+    "curriculum_learning": f"top-level curriculum learning: {_REMOVED}; use "
+                           "data_efficiency.data_sampling.curriculum_learning",
+    "progressive_layer_drop": f"progressive layer dropping: {_REMOVED}; remove the section",
+}
+#: ``zero_optimization`` keys DeepSpeed 0.19 refuses outright (``_REMOVED_ZERO_CONFIG_KEYS``).
+REMOVED_ZERO_KEYS = {
+    "mics_shard_size": f"MiCS sharding: {_REMOVED}; remove the key",
+    "mics_hierarchical_params_gather": f"MiCS sharding: {_REMOVED}; remove the key",
+    "zeropp_loco_param": f"LoCo-ZeRO++: {_REMOVED}; remove the key",
+}
+
+_OFFLOAD_COMMON = ("device", "nvme_path", "buffer_count", "pin_memory")
+_BF16_KEYS = frozenset({"enabled", "immediate_grad_update", "check_grad_overflow",
+                        "bf16_master_weights_and_grads", "bf16_optimizer_states"})
+#: The keys of the sections DeepSpeed 0.19 reads into its config models (field names and aliases of
+#: DeepSpeedZeroConfig, the two offload configs, DeepSpeedFP16Config and DeepSpeedBF16Config). Those
+#: models forbid any other key. tests/config/test_ds_verdicts.py checks the lists against the installed
+#: DeepSpeed.
+MODEL_SECTION_KEYS: dict[str, frozenset[str]] = {
+    "zero_optimization": frozenset({
+        "stage", "allgather_bucket_size", "allgather_partitions", "allgather_sequential", "compute_grad_norm",
+        "contiguous_gradients", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
+        "elastic_checkpoint", "enable_sanity_checks", "gather_16bit_weights_on_model_save",
+        "ignore_unused_parameters", "leaf_module", "legacy_stage1", "load_from_fp32_weights",
+        "log_trace_cache_warnings", "max_live_parameters", "max_reuse_distance", "memory_efficient_linear",
+        "model_persistence_threshold", "module_granularity_threshold", "offload_optimizer", "offload_param",
+        "overlap_comm", "override_module_apply", "param_persistence_threshold", "parameter_alignment",
+        "pipeline_loading_checkpoint", "prefetch_bucket_size", "reduce_bucket_size", "reduce_scatter",
+        "round_robin_gradients", "save_muon_momentum_buffer_in_memory", "stage3_allgather_sequential",
+        "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+        "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_model_persistence_threshold",
+        "stage3_module_granularity_threshold", "stage3_param_persistence_threshold",
+        "stage3_prefetch_bucket_size", "stage3_use_all_reduce_for_fetch_params", "sub_group_size",
+        "use_all_reduce_for_fetch_params", "use_multi_rank_bucket_allreduce", "zenflow",
+        "zero_hpz_partition_size", "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
+        "zero_quantized_weights"}),
+    "zero_optimization.offload_param": frozenset({*_OFFLOAD_COMMON, "buffer_size", "max_in_cpu"}),
+    "zero_optimization.offload_optimizer": frozenset({
+        *_OFFLOAD_COMMON, "pipeline_read", "pipeline_write", "fast_init", "ratio", "super_offload",
+        "cpuadam_cores_perc"}),
+    "fp16": frozenset({"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
+                       "hysteresis", "consecutive_hysteresis", "min_loss_scale",
+                       "fp16_master_weights_and_grads"}),
+    "bf16": _BF16_KEYS,
+    "bfloat16": _BF16_KEYS,
+}
+#: Sections built by DeepSpeed's config models, which drop an "auto" value they are given (at any
+#: depth) and keep their default: such an "auto" is ignored, not an error.
+AUTO_DROPPING_SECTIONS = ("zero_optimization", "fp16", "bf16", "bfloat16")
+
+#: ``optimizer.type`` values DeepSpeed 0.19 builds itself (compared lower-cased); any other type is
+#: looked up, case and all, in ``torch.optim``.
+DS_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
+#: The optimizers ZeRO (stage >= 1) runs without ``zero_allow_untested_optimizer`` (DeepSpeed's
+#: ``ZERO_SUPPORTED_OPTIMIZERS``, by the ``optimizer.type`` that builds them).
+ZERO_TESTED_OPTIMIZERS = ("adam", "adamw", "adagrad", "lion", "muon")
+#: The keyword arguments of DeepSpeed's Adam kernels that ``optimizer.params`` may set (DeepSpeed
+#: passes the mode itself; ``adam_w_mode``, ``torch_adam`` and ``fp32_optimizer_states`` it reads first).
+FUSED_ADAM_KWARGS = ("lr", "bias_correction", "betas", "eps", "weight_decay", "amsgrad", "set_grad_none")
+CPU_ADAM_KWARGS = ("lr", "bias_correction", "betas", "eps", "weight_decay", "amsgrad")
+#: DeepSpeed's own LR schedulers: (required params, optional params) of each constructor.
+DS_SCHEDULERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "LRRangeTest": ((), ("lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate",
+                         "lr_range_test_staircase", "last_batch_iteration")),
+    "OneCycle": (("cycle_min_lr", "cycle_max_lr"),
+                 ("decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size",
+                  "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size", "cycle_momentum",
+                  "cycle_min_mom", "cycle_max_mom", "decay_mom_rate", "last_batch_iteration")),
+    "WarmupLR": ((), ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+                      "last_batch_iteration")),
+    "WarmupDecayLR": (("total_num_steps",), ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
+                                             "warmup_type", "last_batch_iteration")),
+    "WarmupCosineLR": (("total_num_steps",), ("warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
+                                              "warmup_type", "last_batch_iteration")),
+}
 
 #: The message for a config argument that is not a mapping (``ds_config``, ``hparams``, ...).
 DS_CONFIG_EXPECTED = "a dict of DeepSpeed keys"
@@ -111,9 +209,28 @@ def plain_copy(config: Mapping[str, Any]) -> dict[str, Any]:
             for key, value in config.items()}
 
 
+def stage_value(raw: Any) -> int | None:
+    """A ZeRO stage as DeepSpeed's config model reads it: an integer 0..3, also written as a bool,
+    an integral float or a numeric string (pydantic's lax mode); None when it is none of those.
+    Pure; any rank.
+
+    Example:
+        >>> stage_value("2"), stage_value(3.0), stage_value(4), stage_value("two")
+        (2, 3, None, None)
+    """
+    if isinstance(raw, str):
+        raw = raw.strip()
+        raw = int(raw) if raw.isdigit() else None
+    elif isinstance(raw, float) and raw.is_integer():
+        raw = int(raw)
+    if isinstance(raw, bool) or is_int(raw):
+        return int(raw) if 0 <= int(raw) <= 3 else None
+    return None
+
+
 def zero_stage(ds_config: Mapping[str, Any]) -> int:
     """The ZeRO stage a config asks for: 0 when ``zero_optimization`` is absent, -1 when the stage
-    is not an integer. Pure; any rank.
+    is not one DeepSpeed reads (see :func:`stage_value`). Pure; any rank.
 
     Example:
         >>> zero_stage({"zero_optimization": True})  # DeepSpeed's legacy form: stage 1
@@ -123,8 +240,8 @@ def zero_stage(ds_config: Mapping[str, Any]) -> int:
     if isinstance(zero, bool):  # DeepSpeed's legacy form: true means stage 1
         return int(zero)
     if is_mapping(zero):
-        stage = zero.get("stage", 0)
-        return int(stage) if is_int(stage) else -1
+        stage = stage_value(zero.get("stage", 0))
+        return -1 if stage is None else stage
     return 0
 
 

@@ -1,11 +1,14 @@
-"""Validate a DeepSpeed config before launch: what DeepSpeed cannot run, every problem at once.
+"""Validate a DeepSpeed config before launch, as DeepSpeed 0.19 itself judges it, every problem at once.
 
-Pure; any rank (nothing is mutated; unknown top-level keys only warn, as
-:class:`toolkit.ConfigWarning`). Each rule is a small function returning its problem sentences,
-so a rule is read, tested and changed in one place.
+The rule: a config that ``deepspeed.initialize`` runs is accepted; a setting it runs but ignores
+or reinterprets is a :class:`toolkit.ConfigWarning` naming the key; a config it refuses is a
+:class:`~toolkit.errors.ConfigError` naming the key, listing every problem found. Each rule mirrors
+the DeepSpeed code that applies it (the ZeRO and precision rules here, the optimizer, scheduler,
+gradient-reduction and checkpoint rules in :mod:`toolkit.config.ds_engine_rules`);
+tests/config/test_ds_verdicts.py compares the verdicts with DeepSpeed's own, config by config.
 
-Errors follow :mod:`toolkit.errors`: every problem, a ``ds_config`` that is not a mapping
-included, is a :class:`~toolkit.errors.ConfigError` listing them all.
+Pure (device-dependent rules read this machine's fp16 support and libaio once); any rank; nothing
+is mutated. A ``ds_config`` that is not a mapping is a ``ConfigError`` too (:mod:`toolkit.errors`).
 
 Example::
 
@@ -15,21 +18,38 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping
 
-from toolkit._checks import int_problem, is_int, is_mapping
+from toolkit._checks import int_problem, is_int, is_mapping, is_number
+from toolkit.config.ds_engine_rules import (
+    checkpoint_problems,
+    communication_problems,
+    cpu_supports_fp16,
+    device_kind,
+    libaio_found,
+    optimizer_rules,
+    scheduler_problems,
+    unknown_key_sentence,
+)
 from toolkit.config.ds_schema import (
+    AUTO_DROPPING_SECTIONS,
     BATCH_KEYS,
     DS_CONFIG_EXPECTED,
     DS_TOP_LEVEL_KEYS,
     GAS,
     MBS,
+    MODEL_SECTION_KEYS,
     OFFLOAD_DEVICES,
+    REMOVED_TOP_LEVEL_KEYS,
+    REMOVED_ZERO_KEYS,
     TBS,
     batch_relation_problem,
     require_mapping,
+    stage_value,
 )
-from toolkit.config.experiment import warn_unknown_keys
+from toolkit.config.experiment import ConfigWarning, warn_unknown_keys
+from toolkit.config.resolve import resolve_ds_config
 from toolkit.errors import ConfigError
 
 __all__ = ["find_auto", "validate_ds_config"]
@@ -37,18 +57,28 @@ __all__ = ["find_auto", "validate_ds_config"]
 
 def validate_ds_config(ds_config: Mapping[str, Any], *, pipeline: bool = False,
                        device: Any = None, data_parallel_size: int | None = None) -> None:
-    """Check a DeepSpeed config for what DeepSpeed cannot run, listing every problem. Pure; any rank.
+    """Judge a DeepSpeed config as DeepSpeed 0.19 would, listing every problem. Pure; any rank.
 
-    Errors: pipeline parallelism with ZeRO stage 2 or 3; ``offload_param`` without stage 3;
-    ``offload_optimizer`` with stage 0 or 1; NVMe offload without stage 3; a stage outside 0..3;
-    fp16 and bf16 both on; fp16 on a CPU device; batch numbers that are not positive integers;
-    a batch relation that does not hold; "auto" values left unresolved. Unknown top-level keys
-    are warnings (:class:`toolkit.ConfigWarning`) suggesting the closest known key.
+    Refused (``deepspeed.initialize`` or the first steps fail): removed sections (``amp``, ...);
+    unknown keys in ``zero_optimization``, its offload sections, ``fp16``, ``bf16``; a stage
+    outside 0..3; NVMe offload at stage 3 without ``nvme_path`` (or, on this machine, libaio);
+    an offload ``ratio`` below stage 3; fp16 with bf16, or on a CPU without fp16; an optimizer
+    type DeepSpeed does not build, an argument its class does not take, a GPU-only kernel on
+    a CPU, an optimizer ZeRO does not support; a scheduler it does not find or ``params`` its
+    constructor refuses; pre-scaling or predivide with ZeRO 2/3 reduce-scatter; bad communication,
+    all-reduce, checkpoint or batch values; "auto" outside the sections that drop it.
+
+    Warned (:class:`toolkit.ConfigWarning`; DeepSpeed runs it): ``offload_param`` below stage 3
+    (ignored); ``offload_optimizer`` at stage 0 (nothing is partitioned; only the CPU optimizer
+    kernel is used) and NVMe at stages 1-2 (kept in CPU memory); "auto" inside ``zero_optimization``,
+    ``fp16`` or ``bf16`` (dropped for DeepSpeed's default); a stage written as a string or float;
+    unknown top-level keys (ignored; the closest known key is suggested).
 
     Args:
         ds_config: the config (not modified).
-        pipeline: the engine is a ``PipelineModule`` engine.
-        device: the training device (``torch.device`` or string); ``None`` skips device checks.
+        pipeline: the engine is a ``PipelineModule`` engine (ZeRO stage 0 or 1 only).
+        device: the training device (``torch.device`` or string); ``None`` skips the
+            device-dependent rules, which otherwise say which device they judged for.
         data_parallel_size: when given, the batch relation is checked exactly; otherwise only
             that ``train_batch_size`` is a multiple of micro-batch x accumulation.
 
@@ -57,84 +87,145 @@ def validate_ds_config(ds_config: Mapping[str, Any], *, pipeline: bool = False,
 
     Example::
 
-        validate_ds_config({"train_batch_size": 8, "fp16": {"enabled": True}}, device="cpu")
-        # ConfigError: fp16.enabled=true on a CPU device: ...
+        validate_ds_config({"train_batch_size": 8, "amp": {"enabled": True}}, device="cpu")
+        # ConfigError: amp: NVIDIA Apex AMP: DeepSpeed 0.19 removed it ...
     """
     require_mapping(ds_config, "ds_config", DS_CONFIG_EXPECTED)
     problems: list[str] = []
+    notes: list[str] = []
     if data_parallel_size is not None:
         dp_problem = int_problem("data_parallel_size", data_parallel_size, minimum=1)
         if dp_problem:
             problems.append(dp_problem)
             data_parallel_size = None
     warn_unknown_keys(ds_config, DS_TOP_LEVEL_KEYS, where="")
-    problems += _zero_problems(ds_config, pipeline=pipeline)
-    problems += _precision_problems(ds_config, device=device)
+    problems += [f"{key}: {why}" for key, why in REMOVED_TOP_LEVEL_KEYS.items() if key in ds_config]
+    stage, zero, opt_device = _zero_rules(ds_config, pipeline=pipeline, device=device, problems=problems,
+                                          notes=notes)
+    problems += _precision_problems(ds_config, device=device, stage=stage)
     problems += _batch_problems(ds_config, data_parallel_size=data_parallel_size)
-    problems += [f"{key}='auto' is unresolved: call resolve_ds_config (with hidden_size= for ZeRO bucket "
-                 "sizes) or write a number" for key in find_auto(ds_config)]
+    optimizer_rules(ds_config, stage=stage, cpu_optimizer=opt_device != "none", device=device,
+                    problems=problems)
+    problems += scheduler_problems(ds_config)
+    problems += communication_problems(ds_config, stage=stage, zero=zero)
+    problems += checkpoint_problems(ds_config)
+    _auto_rules(ds_config, problems=problems, notes=notes)
+    for note in notes:
+        warnings.warn(note, ConfigWarning, stacklevel=2)
     if problems:
         raise ConfigError(problems)
 
 
-def _stage_and_section(ds_config: Mapping[str, Any], problems: list[str]) -> tuple[int, Mapping[str, Any]]:
-    """The ZeRO stage (0 when unreadable, with the problem noted) and the ``zero_optimization`` mapping."""
+def _auto_rules(ds_config: Mapping[str, Any], *, problems: list[str], notes: list[str]) -> None:
+    """"auto" left in a config: DeepSpeed's config models drop it (a warning); elsewhere DeepSpeed
+    would use the string "auto" as the value (an error)."""
+    fix = "call resolve_ds_config (with hidden_size= for ZeRO bucket sizes) or write a value"
+    for key in find_auto(ds_config):
+        if key.split(".")[0] in AUTO_DROPPING_SECTIONS:
+            notes.append(f"{key}='auto' is unresolved: DeepSpeed drops it and uses its default; {fix}")
+        else:
+            problems.append(f"{key}='auto' is unresolved: DeepSpeed would use the string 'auto'; {fix}")
+
+
+def _zero_section(ds_config: Mapping[str, Any], problems: list[str], notes: list[str]
+                  ) -> tuple[int, Mapping[str, Any]]:
+    """The ZeRO stage (0 when unreadable, with the problem noted) and the ``zero_optimization`` mapping,
+    with unknown and removed keys noted."""
     zero = ds_config.get("zero_optimization", {})
     if isinstance(zero, bool):  # DeepSpeed's legacy form: true means stage 1
         return int(zero), {}
     if not is_mapping(zero):
         problems.append(f"zero_optimization={zero!r}: expected a mapping such as {{stage: 1}}")
         return 0, {}
+    known = MODEL_SECTION_KEYS["zero_optimization"]
+    for key in zero:
+        if key in REMOVED_ZERO_KEYS:
+            problems.append(f"zero_optimization.{key}: {REMOVED_ZERO_KEYS[key]}")
+        elif key not in known:
+            problems.append(unknown_key_sentence(f"zero_optimization.{key}", known))
     raw = zero.get("stage", 0)
-    if not is_int(raw) or not 0 <= raw <= 3:
+    stage = 0 if raw == "auto" else stage_value(raw)  # an "auto" stage is dropped: DeepSpeed's default, 0
+    if stage is None:
         problems.append(f"zero_optimization.stage={raw!r}: expected 0, 1, 2 or 3")
         return 0, zero
-    return int(raw), zero
+    if raw != "auto" and not is_int(raw):
+        notes.append(f"zero_optimization.stage={raw!r} is not an integer: DeepSpeed reads it as {stage}; "
+                     f"write {stage}")
+    return stage, zero
 
 
 def _offload_device(zero: Mapping[str, Any], key: str, problems: list[str]) -> str:
-    """``zero_optimization.<key>.device`` ("none" when absent or wrong, with the problem noted)."""
+    """``zero_optimization.<key>.device`` ("none" when absent or wrong, with the problem noted), the
+    deprecated ``cpu_offload`` / ``cpu_offload_param`` flags read as DeepSpeed reads them."""
     section = zero.get(key)
     if section is None:
-        return "none"
+        legacy = "cpu_offload" if key == "offload_optimizer" else "cpu_offload_param"
+        return "cpu" if zero.get(legacy) is True else "none"
     if not is_mapping(section):
         problems.append(f"zero_optimization.{key}={section!r}: expected a mapping such as {{device: cpu}}")
         return "none"
+    known = MODEL_SECTION_KEYS[f"zero_optimization.{key}"]
+    problems += [unknown_key_sentence(f"zero_optimization.{key}.{k}", known)
+                 for k in section if k not in known]
     device = section.get("device", "none")
+    if device == "auto":
+        return "none"  # dropped: DeepSpeed's default
     if device not in OFFLOAD_DEVICES:
         problems.append(f"zero_optimization.{key}.device={device!r}: expected one of "
-                        f"{', '.join(OFFLOAD_DEVICES)}")
+                        f"{', '.join(OFFLOAD_DEVICES)} (lower case)")
         return "none"
     return str(device)
 
 
-def _zero_problems(ds_config: Mapping[str, Any], *, pipeline: bool = False) -> list[str]:
-    """The ZeRO rules: a valid stage, what pipeline parallelism and each offload need. Pure; any rank."""
-    problems: list[str] = []
-    stage, zero = _stage_and_section(ds_config, problems)
+def _zero_rules(ds_config: Mapping[str, Any], *, pipeline: bool, device: Any, problems: list[str],
+                notes: list[str]) -> tuple[int, Mapping[str, Any], str]:
+    """The ZeRO rules: a valid stage and section, what pipeline parallelism and each offload need or
+    ignore at each stage. Returns (stage, section, optimizer offload device). Long because each
+    offload rule is one branch of DeepSpeed's stage 1/2 and stage 3 optimizers, kept together."""
+    stage, zero = _zero_section(ds_config, problems, notes)
     if pipeline and stage >= 2:
         problems.append(f"zero_optimization.stage={stage} with pipeline parallelism: DeepSpeed's pipeline "
                         "engine supports ZeRO stage 0 or 1 only; set stage to 1")
     param_dev = _offload_device(zero, "offload_param", problems)
     opt_dev = _offload_device(zero, "offload_optimizer", problems)
     if param_dev != "none" and stage != 3:
-        problems.append(f"zero_optimization.offload_param.device={param_dev!r} with stage {stage}: parameter "
-                        "offload needs ZeRO stage 3; set stage to 3 or remove offload_param")
-    if opt_dev != "none" and stage < 2:
-        problems.append(f"zero_optimization.offload_optimizer.device={opt_dev!r} with stage {stage}: "
-                        "optimizer offload needs ZeRO stage 2 or 3; raise the stage or remove "
-                        "offload_optimizer")
-    if "nvme" in (param_dev, opt_dev) and stage != 3:
-        key = "offload_optimizer" if opt_dev == "nvme" else "offload_param"
-        problems.append(f"zero_optimization.{key}.device='nvme' with stage {stage}: NVMe offload needs ZeRO "
-                        "stage 3; set stage to 3 or offload to 'cpu'")
-    if zero.get("cpu_offload") is True and stage < 2:
-        problems.append(f"zero_optimization.cpu_offload=true with stage {stage}: optimizer offload needs "
-                        "ZeRO stage 2 or 3")
-    if zero.get("cpu_offload_params") is True and stage != 3:
-        problems.append(f"zero_optimization.cpu_offload_params=true with stage {stage}: parameter offload "
-                        "needs ZeRO stage 3")
-    return problems
+        notes.append(f"zero_optimization.offload_param (device {param_dev!r}) is ignored at stage {stage}: "
+                     "only ZeRO stage 3 offloads parameters; set stage 3 or remove offload_param")
+    kind = device_kind(device)
+    if opt_dev != "none" and stage == 0:
+        if kind not in (None, "cpu"):
+            problems.append(f"zero_optimization.offload_optimizer (device {opt_dev!r}) at stage 0, judged "
+                            f"for device {device}: stage 0 offloads nothing, and the CPU optimizer DeepSpeed "
+                            f"then builds refuses parameters on {kind}; use stage 1, 2 or 3, or remove "
+                            "offload_optimizer")
+        else:
+            notes.append(f"zero_optimization.offload_optimizer (device {opt_dev!r}) at stage 0 offloads "
+                         "nothing (stage 0 partitions nothing; DeepSpeed only switches to its CPU "
+                         "optimizer); use stage 1, 2 or 3 to offload, or remove offload_optimizer")
+    if opt_dev == "nvme" and stage in (1, 2):
+        notes.append(f"zero_optimization.offload_optimizer.device='nvme' at stage {stage} keeps the "
+                     "optimizer state in CPU memory (stages 1 and 2 offload to cpu only); set stage 3 for "
+                     "NVMe, or write 'cpu'")
+    for key, dev in (("offload_param", param_dev), ("offload_optimizer", opt_dev)):
+        if dev == "nvme" and stage == 3:
+            section = zero.get(key)
+            if not is_mapping(section) or section.get("nvme_path") in (None, "auto"):
+                problems.append(f"zero_optimization.{key}.nvme_path is missing: NVMe offload at stage 3 "
+                                "needs the directory on the NVMe device to swap to; set nvme_path or offload "
+                                "to 'cpu'")
+            elif kind is not None and not libaio_found():
+                problems.append(f"zero_optimization.{key}.device='nvme', judged on this machine: DeepSpeed's "
+                                "async_io op needs libaio, which is not installed; install libaio-dev "
+                                "(libaio-devel) or offload to 'cpu'")
+    offload = zero.get("offload_optimizer")
+    ratio = offload.get("ratio", 1.0) if is_mapping(offload) else 1.0
+    if is_number(ratio) and ratio < 1.0 and stage != 3:
+        problems.append(f"zero_optimization.offload_optimizer.ratio={ratio!r} with stage {stage}: partial "
+                        "offloading needs ZeRO stage 3; set stage 3 or remove ratio")
+    if zero.get("compute_grad_norm") is False and stage not in (1, 2):
+        problems.append(f"zero_optimization.compute_grad_norm=false with stage {stage}: DeepSpeed supports "
+                        "it with ZeRO stage 1 or 2 only; remove it or change the stage")
+    return stage, zero, opt_dev
 
 
 def _enabled(ds_config: Mapping[str, Any], *keys: str) -> bool:
@@ -146,16 +237,30 @@ def _enabled(ds_config: Mapping[str, Any], *keys: str) -> bool:
     return False
 
 
-def _precision_problems(ds_config: Mapping[str, Any], *, device: Any = None) -> list[str]:
-    """fp16 and bf16 both on; fp16 on a CPU device (``device=None`` skips it). Pure; any rank."""
+def _precision_problems(ds_config: Mapping[str, Any], *, device: Any = None, stage: int = 0) -> list[str]:
+    """The precision sections: known keys, one precision, fp16 on a CPU that supports it, master
+    weights in low precision only under ZeRO (``device=None`` skips the device rule)."""
     problems = []
+    for key in ("fp16", "bf16", "bfloat16"):
+        section = ds_config.get(key)
+        if section is None:
+            continue
+        if not is_mapping(section):
+            problems.append(f"{key}={section!r:.80}: expected a mapping such as {{enabled: true}}")
+            continue
+        known = MODEL_SECTION_KEYS[key]
+        problems += [unknown_key_sentence(f"{key}.{k}", known) for k in section if k not in known]
+        for flag in ("fp16_master_weights_and_grads", "bf16_master_weights_and_grads",
+                     "bf16_optimizer_states"):
+            if section.get(flag) is True and stage == 0:
+                problems.append(f"{key}.{flag}=true without ZeRO: DeepSpeed supports it with ZeRO stage 1, 2 "
+                                "or 3")
     fp16 = _enabled(ds_config, "fp16")
-    bf16 = _enabled(ds_config, "bf16", "bfloat16")
-    if fp16 and bf16:
+    if fp16 and _enabled(ds_config, "bf16" if "bf16" in ds_config else "bfloat16"):
         problems.append("fp16.enabled and bf16.enabled are both true: choose one precision")
-    if fp16 and device is not None and str(device).split(":")[0] == "cpu":
-        problems.append("fp16.enabled=true on a CPU device: DeepSpeed's CPU accelerator does not support "
-                        "fp16; use bf16 or fp32 on CPU")
+    if fp16 and device_kind(device) == "cpu" and not cpu_supports_fp16():
+        problems.append("fp16.enabled=true, judged for device cpu: this CPU has no fp16 support (oneDNN), so "
+                        "DeepSpeed refuses fp16; use bf16 or fp32 on it (on a GPU, fp16 runs)")
     return problems
 
 
@@ -163,18 +268,26 @@ def _batch_problems(ds_config: Mapping[str, Any], *, data_parallel_size: int | N
     """Batch numbers that are not positive integers, and the batch relation. Pure; any rank.
 
     "auto" is left to :func:`find_auto`. Without ``data_parallel_size`` only divisibility is checked.
+    With it, one or two keys given must complete exactly (DeepSpeed floors the division and then
+    refuses the triple); none given is left to :func:`~toolkit.resolve_ds_config`, which fills them.
     """
     problems = []
     numbers = {}
     for key in BATCH_KEYS:
         value = ds_config.get(key, "auto")
-        if value == "auto":
-            continue  # absent, or reported with the other unresolved values
+        if value == "auto" or value is None:
+            continue  # absent (DeepSpeed reads None as absent), or reported with the unresolved values
         if not is_int(value) or value < 1:
             problems.append(f"{key}={value!r}: expected a positive integer")
         else:
             numbers[key] = int(value)
     if len(numbers) < 3:
+        if data_parallel_size is not None and not problems and (TBS in numbers or MBS in numbers) \
+                and not any(ds_config.get(key) == "auto" for key in BATCH_KEYS):
+            try:  # DeepSpeed completes the triple by floor division, then asserts the relation
+                resolve_ds_config(numbers, data_parallel_size=data_parallel_size)
+            except ConfigError as err:
+                problems += err.problems
         return problems
     tbs, mbs, gas = numbers[TBS], numbers[MBS], numbers[GAS]
     if data_parallel_size is not None:

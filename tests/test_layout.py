@@ -59,15 +59,19 @@ def test_the_core_library_never_imports_the_tuner():
     assert not bad, bad
 
 
+# toolkit's private modules of shared helpers, used by every package
+SHARED = ("_checks", "_files", "_names")
+
+
 def test_no_private_name_is_imported_across_packages():
     bad = []
     for path in SOURCES:
         here = _package(_module(path))
         for module, name, line in _imports(path):
             names = [name] if name else []
-            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            private = [n for n in names if n.startswith("_") and not n.startswith("__") and n not in SHARED]
             private_module = any(part.startswith("_") and part not in ("__init__",) and
-                                 part not in ("_checks", "_files") for part in module.split("."))
+                                 part not in SHARED for part in module.split("."))
             if (private or private_module) and _package(module) != here:
                 bad.append(f"{path.relative_to(p.REPO)}:{line} imports {module}.{name or ''} from {here}")
     assert not bad, bad

@@ -36,7 +36,7 @@ from toolkit.data import (
     seed_everything,
 )
 from toolkit.dsat.trial import dsat_reporting_context
-from toolkit.errors import CheckpointError, ConfigError, LaunchEnvError
+from toolkit.errors import BuildLockError, CheckpointError, ConfigError, LaunchEnvError
 from toolkit.metrics import MetricsWriter
 from toolkit.preemption import PreemptionWatcher, watch_preemption
 from toolkit.runtime import DistributedContext, get_context, init_distributed
@@ -44,6 +44,7 @@ from toolkit.runtime import DistributedContext, get_context, init_distributed
 __version__ = "0.1.0"
 
 __all__ = [
+    "BuildLockError",
     "CheckpointError",
     "ConfigError",
     "ConfigWarning",

@@ -268,7 +268,7 @@ def test_binary_search_finds_the_limit_and_writes_everything(tmp_path):
     best = json.loads((out / "best_ds_config.json").read_text())
     metrics = json.loads((out / "best_ds_metrics.json").read_text())
     ok_rows = [r for r in rows[1:] if r["status"] == "ok"]
-    assert metrics["metrics"]["FLOPS_per_gpu"] == max(float(r["FLOPS_per_gpu"]) for r in ok_rows)
+    assert metrics["FLOPS_per_gpu"] == max(float(r["FLOPS_per_gpu"]) for r in ok_rows)
     assert best["train_micro_batch_size_per_gpu"] <= 37
     assert (
         best["train_batch_size"]
@@ -311,7 +311,7 @@ def test_metric_direction(tmp_path, metric, pick):
     assert result.returncode == 0, result.stdout[-3000:]
     rows = [r for r in trial_rows(tmp_path / "out")[1:] if r["status"] == "ok"]
     best = json.loads((tmp_path / "out" / "best_ds_metrics.json").read_text())
-    assert best["metrics"][metric] == pick(float(r[metric]) for r in rows)
+    assert best[metric] == pick(float(r[metric]) for r in rows)
 
 
 def test_profiling_failure_is_one_trial_and_a_failed_search(tmp_path):

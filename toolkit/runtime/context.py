@@ -288,8 +288,8 @@ def init_distributed(*, backend: str | None = None, timeout: timedelta = DEFAULT
     store (no port, no network) so that ``deepspeed.initialize`` finds torch.distributed ready
     instead of trying MPI discovery.
 
-    ``deepspeed.comm`` is handed the same process group (``PipelineModule`` and
-    ``deepspeed.initialize`` need no ``deepspeed.init_distributed``). DataLoader workers started
+    ``deepspeed.comm`` is handed the same process group (on the CPU that loads DeepSpeed's
+    shared-memory op, through the guard of :mod:`toolkit.runtime.op_builds`). DataLoader workers started
     from then on ignore SIGTERM, SIGINT and SIGUSR1: a preemption stops the rank through
     ``should_preempt()`` instead of killing its workers (:mod:`toolkit.runtime.worker_signals`).
     A second call returns the same context; a process group made before (for example by

@@ -148,6 +148,8 @@ def test_placement_properties(counts, slots, uniform):
 # ---------------------------------------------------------------- multi-host argv, compared exactly
 PLACEMENT = {"worker-0": (0, 1), "worker-1": (0,)}
 RUNNER = [PY, "-m", "deepspeed.launcher.runner", "--hostfile", "/out/trials/trial_3/hostfile"]
+# pdsh trials go through toolkit's subclass of DeepSpeed's runner, which quotes the remote line
+PDSH_RUNNER = [PY, "-m", "toolkit.dsat.execution.pdsh_launch", "--hostfile", "/out/trials/trial_3/hostfile"]
 TAIL = ["--master_addr", "worker-0", "--master_port", "29512"]
 
 
@@ -157,7 +159,7 @@ TAIL = ["--master_addr", "worker-0", "--master_port", "29512"]
         (
             "pdsh",
             ["python3", "train.py", "--lr", "0.1"],
-            RUNNER
+            PDSH_RUNNER
             + ["--include", "worker-0:0,1@worker-1:0"]
             + TAIL
             + ["--launcher", "pdsh", "--force_multi", "--no_local_rank", "train.py", "--lr", "0.1"],
@@ -165,7 +167,7 @@ TAIL = ["--master_addr", "worker-0", "--master_port", "29512"]
         (
             "pdsh",
             ["python3", "-m", "pkg.train"],
-            RUNNER
+            PDSH_RUNNER
             + ["--include", "worker-0:0,1@worker-1:0"]
             + TAIL
             + ["--launcher", "pdsh", "--force_multi", "--no_local_rank", "--module", "pkg.train"],

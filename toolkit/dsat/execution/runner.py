@@ -1,29 +1,17 @@
 """Run dsat trials as real processes: launch, watch, classify, and leave nothing behind.
 
-The only module of toolkit that spawns processes. Each trial is the experiment's entrypoint
-started by torchrun or DeepSpeed's launcher (:func:`toolkit.dsat.execution.argv.build_trial_argv`)
-on its slots, in ``output_dir/trials/trial_<id>/`` with::
+The only module of toolkit that spawns trials. Each trial is the experiment's entrypoint started by
+torchrun or DeepSpeed's launcher (:func:`toolkit.dsat.execution.argv.build_trial_argv`) on its
+slots, in ``output_dir/trials/trial_<id>/`` (``ds_config.json``, ``hparams.json``, ``trial.json``,
+``stdout.log``, ``stderr.log``, ``result.json``, and ``output/`` for the trial's own files).
 
-    ds_config.json   the trial's complete DeepSpeed config
-    hparams.json     the experiment's hyperparameters, deepspeed_config -> ds_config.json
-    trial.json       the TrialContract read by dsat_reporting_context
-    stdout.log, stderr.log, result.json (written by the trial)
-    output/          the trial's own output directory (TOOLKIT_OUTPUT_DIR, see toolkit.get_output_dir);
-                     emptied when the trial id is started again
-
-Every process of a trial carries ``TOOLKIT_DSAT_TRIAL=<abs path of trial.json>`` in its
-environment. That mark, not the process group, is how its processes are found: torchrun starts
-each worker in a session of its own, so killing torchrun's group misses them, and a torchrun
-killed with SIGKILL leaves them orphaned. A trial's processes are those whose
-``/proc/<pid>/environ`` carries its mark, plus every descendant of its launcher
-(``/proc/<pid>/stat``). They get SIGTERM, then SIGKILL after a grace period, until none is left.
-
-How a trial ended is decided by :func:`toolkit.dsat.execution.classify.classify` (its table), from the exit
-status and the result file, never from the logs. A trial's workers (the processes with
-``LOCAL_RANK`` set, and their children; not the launcher, nor a fork of it before its exec) are
-held to ``memory_per_slot`` by polling their peak resident size (``VmHWM``: a peak between two polls
-counts, as a GPU fails at its peak; the trial also checks its own) in :meth:`TrialRunner.wait`.
-:func:`run_to_completion` runs a job that is not a trial (the full experiment) with the same care.
+Every process of a trial carries ``TOOLKIT_DSAT_TRIAL=<abs path of trial.json>``; that mark plus
+the launcher's descendants, not the process group (torchrun gives each worker a session of its
+own), is how its processes are found and killed: SIGTERM, then SIGKILL after a grace period, until
+none is left. How a trial ended is decided by :func:`toolkit.dsat.execution.classify.classify`
+from the exit status and the result file, never from the logs. Its rank processes are held to
+``memory_per_slot`` by polling their peak resident size (``VmHWM``). The DeepSpeed ops a trial
+loads are built here first (:mod:`toolkit.runtime.op_builds`), so no trial compiles.
 
 Example::
 
@@ -78,6 +66,7 @@ from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV, RunnerSettings
 from toolkit.dsat.execution.slots import SlotPool, Slots, device_ids
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.runtime.ds_shm import remove_buffers
+from toolkit.runtime.op_builds import builders_for, clear_dead_locks, load_ops
 
 __all__ = ["RunnerSettings", "TrialRunner", "find_trial_processes", "free_port", "run_to_completion",
            "RUN_ENV"]
@@ -119,6 +108,7 @@ class TrialRunner:
         self._slots = SlotPool(settings)
         self._device_ids = device_ids(settings.gpus)
         self._closed = False
+        self._ops_ready: set[str] = set()
         leftovers = find_trial_processes(f"{self.trials_dir}{os.sep}", prefix=True)
         if leftovers:
             logger.warning("killing %d process(es) left by an earlier run of trials in %s: %s",
@@ -161,6 +151,7 @@ class TrialRunner:
                 was shut down, or a trial with this id is running.
         """
         self._check_can_start(spec)
+        self._build_ops(ds_config)
         directory = self._prepare_directory(spec, ds_config=ds_config, hparams=hparams)
         slots = self._slots.take(trial_id=spec.trial_id)
         try:
@@ -189,6 +180,15 @@ class TrialRunner:
         logger.info("trial %d started (pid %d, port %d%s%s): %s", spec.trial_id, process.pid, port,
                     f", GPUs {slots.gpus}" if slots.gpus else "",
                     f", hosts {format_include(slots.placement)}" if slots.placement else "", " ".join(argv))
+
+    def _build_ops(self, ds_config: Mapping[str, Any]) -> None:
+        """Build the DeepSpeed ops this trial's engine loads here, before it starts: no trial
+        compiles, so no compiler counts in its memory budget, timeout or start-up time."""
+        needed = [b for b in builders_for([ds_config], on_cpu=self.settings.gpus is None)
+                  if b not in self._ops_ready]
+        if needed:
+            load_ops(needed)
+            self._ops_ready.update(needed)
 
     def _check_can_start(self, spec: TrialSpec) -> None:
         s = self.settings
@@ -365,6 +365,7 @@ class TrialRunner:
             # DeepSpeed never removes its CPU all-reduce segments; a trial that did not use
             # toolkit.init_distributed, or died during start-up, leaves them in /dev/shm.
             remove_buffers(addr=LOOPBACK, port=trial.port)
+            clear_dead_locks()  # an op's build lock, if the trial was killed while loading one
         if self._running.pop(trial.spec.trial_id, None) is not None:
             self._slots.give_back(trial.slots)
 

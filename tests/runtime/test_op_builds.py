@@ -1,0 +1,202 @@
+"""toolkit.runtime.op_builds: no silent wait on torch's build lock of a DeepSpeed op.
+
+Real processes, real locks, real builds: the lock states are made by real holders (a process that
+keeps the file open, one that works in the op's directory), and the end-to-end tests start
+``toolkit.init_distributed`` (which loads ``deepspeed_shm_comm`` on the CPU) against a lock left
+as a killed load leaves it, and stop cold and warm start-ups at several moments.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import procutil
+from toolkit.runtime import op_builds
+from toolkit.runtime.op_builds import builders_for, clear_dead_locks, extensions_root, judge_lock
+
+OP = "deepspeed_shm_comm"
+INIT = "import toolkit; ctx = toolkit.init_distributed(); print('ready', ctx.world_size, flush=True)"
+
+
+# -- pure ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config, on_cpu, expected", [
+    ({"optimizer": {"type": "Adam"}}, True, ["ShareMemCommBuilder", "FusedAdamBuilder"]),
+    ({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}, True, ["ShareMemCommBuilder"]),
+    ({"optimizer": {"type": "AdamW"},
+      "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, False, ["CPUAdamBuilder"]),
+    ({"optimizer": {"type": "Lamb"}}, False, ["FusedLambBuilder"]),
+    ({"optimizer": {"type": "Lamb"}}, True, ["ShareMemCommBuilder"]),
+    ({"optimizer": {"type": "Lion"}}, False, ["FusedLionBuilder"]),
+    ({"optimizer": {"type": "Adagrad"}, "zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+     False, ["CPUAdagradBuilder", "AsyncIOBuilder"]),
+    ({"optimizer": {"type": "SGD"}}, False, []),
+    ({"optimizer": "junk", "zero_optimization": None}, False, []),
+])
+def test_builders_follow_deepspeeds_choice_of_optimizer(config, on_cpu, expected):
+    assert builders_for([config], on_cpu=on_cpu) == expected
+
+
+def test_extensions_root_follows_torch(monkeypatch, tmp_path):
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert extensions_root() == tmp_path
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert Path(_get_build_directory("probe_op", False)).parent == extensions_root()
+
+
+# -- who holds a lock --------------------------------------------------------------------------
+
+def _lock(tmp_path: Path, op: str = "some_op") -> Path:
+    (tmp_path / op).mkdir(parents=True, exist_ok=True)
+    lock = tmp_path / op / "lock"
+    lock.touch()
+    return lock
+
+
+def _holder(code: str, cwd: Path | None = None) -> subprocess.Popen:
+    code += "\nprint('in', flush=True)\nimport time; time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=cwd, stdout=subprocess.PIPE, text=True,
+                            env=procutil.child_env())
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "in"
+    return proc
+
+
+def test_a_lock_nobody_holds_is_dead_and_one_held_open_is_held(tmp_path):
+    lock = _lock(tmp_path)
+    assert judge_lock(lock).kind == "dead"
+    holder = _holder(f"import os; fd = os.open({str(lock)!r}, os.O_RDONLY)")
+    try:
+        state = judge_lock(lock)
+        assert state.kind == "held" and f"pid {holder.pid}" in state.detail
+    finally:
+        holder.kill()
+        holder.wait(10)
+    assert judge_lock(lock).kind == "dead"
+    lock.unlink()
+    assert judge_lock(lock).kind == "free"
+
+
+def test_a_build_running_in_the_ops_directory_holds_its_lock(tmp_path):
+    lock = _lock(tmp_path)
+    holder = _holder("pass", cwd=lock.parent)   # what ninja and its compilers look like
+    try:
+        state = judge_lock(lock)
+        assert state.kind == "held" and "builds in it" in state.detail
+    finally:
+        holder.kill()
+        holder.wait(10)
+
+
+def test_a_lock_taken_on_another_host_cannot_be_judged_here(tmp_path):
+    lock = _lock(tmp_path)
+    lock.write_text(f"not-{socket.gethostname()} 123\n")
+    assert judge_lock(lock).kind == "unseen"
+    lock.write_text(f"{socket.gethostname()} 123\n")
+    assert judge_lock(lock).kind == "dead"
+
+
+def test_clear_dead_locks_removes_only_dead_ones(tmp_path):
+    dead, held = _lock(tmp_path, "a_op"), _lock(tmp_path, "b_op")
+    holder = _holder(f"import os; fd = os.open({str(held)!r}, os.O_RDONLY)")
+    try:
+        assert clear_dead_locks(tmp_path) == [dead]
+        assert not dead.exists() and held.exists()
+    finally:
+        holder.kill()
+        holder.wait(10)
+
+
+def test_a_wait_on_an_unseen_holder_ends_with_an_error_naming_the_lock(tmp_path, monkeypatch):
+    lock = _lock(tmp_path)
+    lock.write_text("elsewhere 1\n")
+    monkeypatch.setattr(op_builds, "UNSEEN_HOLDER_LIMIT_S", 1.5)
+    start = time.monotonic()
+    with pytest.raises(op_builds.BuildLockError, match=f"rm {lock}"):
+        op_builds._wait_for(lock)
+    assert time.monotonic() - start < 10
+
+
+# -- end to end: init_distributed against left locks and stops -------------------------------------
+
+@pytest.fixture(scope="module")
+def warm_ext(tmp_path_factory) -> Path:
+    """An extension directory of this module's own holding the built shared-memory op (copied, with
+    its ninja records, from the suite's), so that the locks made here reach no other test."""
+    source = extensions_root() / OP
+    if not (source / f"{OP}.so").exists():
+        pytest.skip(f"{source} holds no built {OP} (scripts/setup.sh builds it)")
+    root = tmp_path_factory.mktemp("ext")
+    shutil.copytree(source, root / OP, symlinks=True, ignore=shutil.ignore_patterns("lock"))
+    return root
+
+
+def _start(code: str, ext: Path, *, nproc: int = 1) -> subprocess.Popen:
+    """``python -c code``, or with ``nproc`` > 1 the same code as a script under torchrun."""
+    argv = [sys.executable, "-c", code]
+    if nproc > 1:
+        script = ext / "init_script.py"
+        script.write_text(code)
+        argv = procutil.torchrun_argv(script, nproc=nproc)
+    env = procutil.child_env(TORCH_EXTENSIONS_DIR=str(ext))
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=30)
+        raise AssertionError(f"not done within {timeout} s (a silent wait?); output:\n{out[-4000:]}") from err
+    assert proc.returncode == 0, f"exit {proc.returncode}; output:\n{out[-4000:]}"
+    return out
+
+
+def test_two_ranks_start_past_a_lock_left_by_a_killed_load(warm_ext):
+    lock = warm_ext / OP / "lock"
+    lock.touch()   # what a process killed between taking the lock and releasing it leaves
+    out = _finish(_start(INIT, warm_ext, nproc=2), timeout=120)
+    assert out.count("ready 2") == 2
+    assert "left by a process that died" in out
+    assert not lock.exists()
+
+
+def _stop_during_start(code: str, ext: Path, at_s: float, sig: int) -> None:
+    proc = _start(code, ext)
+    time.sleep(at_s)
+    if proc.poll() is None:
+        os.kill(proc.pid, sig)  # the process only: a compiler it started lives on, as after a real stop
+    proc.communicate(timeout=60)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stop_at_any_moment_of_a_warm_start_leaves_the_next_run_working(warm_ext, sig):
+    for at_s in (0.5, 1.5, 3.0, 4.5):
+        _stop_during_start(INIT, warm_ext, at_s, sig)
+        assert "ready 1" in _finish(_start(INIT, warm_ext), timeout=120)
+
+
+def test_a_stop_during_a_cold_build_leaves_the_next_run_working(tmp_path):
+    """The op is compiled from nothing, stopped (SIGINT, SIGTERM, SIGKILL) while it builds, and the
+    same command then finishes: each stop leaves a lock, and SIGKILL an orphaned compiler too."""
+    ext = tmp_path / "cold"
+    ext.mkdir()
+    for sig, at_s in ((signal.SIGINT, 3.0), (signal.SIGTERM, 6.0), (signal.SIGKILL, 9.0)):
+        _stop_during_start(INIT, ext, at_s, sig)
+    out = _finish(_start(INIT, ext), timeout=600)
+    assert "ready 1" in out, out
+    assert not (ext / OP / "lock").exists()

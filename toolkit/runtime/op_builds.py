@@ -1,0 +1,350 @@
+"""DeepSpeed's JIT-built ops, loaded without a silent wait on torch's build lock.
+
+torch's extension loader takes ``<extension dir>/<op>/lock`` around every load of a DeepSpeed op,
+built or not, and holds the file open meanwhile; a process that finds the file waits for it to
+vanish, with no message and no limit. A process stopped inside that window leaves the file, and
+every later load of the op waits forever. :func:`install_lock_guard` replaces that wait, in this
+process, with one that asks who holds the lock (see :func:`judge_lock`): a live holder is waited
+for with a warning naming it, a dead one's lock is removed and the load starts again, and a holder
+that cannot be seen ends the wait with :class:`~toolkit.errors.BuildLockError` after
+``UNSEEN_HOLDER_LIMIT_S``. Importing toolkit installs it. Any rank; per process.
+
+Example::
+
+    import toolkit                      # the guard is in place
+    ctx = toolkit.init_distributed()    # loads deepspeed_shm_comm on CPU: never a silent wait
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from torch.utils.file_baton import FileBaton
+
+from toolkit.errors import BuildLockError
+
+__all__ = ["GuardedBaton", "LockState", "UNSEEN_HOLDER_LIMIT_S", "builders_for", "clear_dead_locks",
+           "extensions_root", "install_lock_guard", "judge_lock", "load_ops"]
+
+logger = logging.getLogger(__name__)
+
+#: How long a lock whose holder cannot be seen from here (another user's, another machine's) is
+#: waited for before BuildLockError.
+UNSEEN_HOLDER_LIMIT_S = 110.0
+_POLL_S = 0.1             # how often the lock file's existence is checked (torch's own interval)
+_JUDGE_EVERY_S = 1.0      # how often its holder is looked for; a dead one is confirmed on a second look
+_FIRST_REPORT_S = 5.0     # a wait longer than this is reported, then every _REPORT_EVERY_S
+_REPORT_EVERY_S = 30.0
+_RETRIES = 3              # loads restarted after removing a dead holder's lock
+_CLEANER = ".toolkit-lock-clear"   # serialises the removal of a dead lock among waiters
+# Filesystems where the holder may be a process of another machine, invisible in /proc.
+_NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
+               "fuse", "9p", "afs", "panfs", "wekafs", "orangefs")
+
+
+@dataclasses.dataclass(frozen=True)
+class LockState:
+    """What :func:`judge_lock` found.
+
+    Attributes:
+        kind: ``"free"`` (no lock), ``"held"`` (a live process of this machine holds it or
+            compiles in its directory), ``"dead"`` (nobody does: left by a process that died, or
+            made by hand) or ``"unseen"`` (the holder may be where this process cannot look).
+        detail: a readable description of the holder or of why it cannot be seen.
+        ident: the lock file's identity (inode, mtime), so that a second look sees the same file.
+    """
+
+    kind: str
+    detail: str = ""
+    ident: tuple[int, int] | None = None
+
+
+def extensions_root() -> Path:
+    """The directory holding each op's build directory, as torch computes it
+    (``torch.utils.cpp_extension._get_build_directory``). Any process."""
+    explicit = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if explicit is not None:
+        return Path(explicit)
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if torch.version.hip is not None:
+        variant = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        variant = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        variant = "cpu"
+    version = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{version}_{variant}"
+
+
+def _command(pid: str) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:200] or "?"
+
+
+def _local_holders(lock: Path) -> tuple[list[str], bool]:
+    """Processes of this machine that hold ``lock`` open or work inside its directory (ninja and the
+    compilers it starts), each described; and whether every process could be looked at."""
+    lock_path, build_dir = os.path.realpath(lock), os.path.realpath(lock.parent)
+    holders, complete = [], True
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            if cwd == build_dir or cwd.startswith(build_dir + os.sep):
+                holders.append(f"pid {pid} builds in it ({_command(pid)})")
+                continue
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except PermissionError:
+            complete = False
+            continue
+        except OSError:  # the process ended
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == lock_path:
+                    holders.append(f"pid {pid} holds it ({_command(pid)})")
+                    break
+    return holders, complete
+
+
+def _filesystem_type(path: Path) -> str:
+    """The type of the filesystem holding ``path`` (from /proc/self/mounts), or "" if unknown."""
+    target, best, kind = os.path.realpath(path), "", ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text(errors="replace").splitlines():
+            fields = line.split()
+            if len(fields) < 3:
+                continue
+            mount = fields[1].replace("\\040", " ")
+            inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) >= len(best):
+                best, kind = mount, fields[2]
+    return kind
+
+
+def _recorded_host(lock: Path) -> str:
+    """The host a toolkit process wrote into the lock when it took it ("" if none)."""
+    try:
+        text = lock.read_text(encoding="utf-8", errors="replace")[:300]
+    except OSError:
+        return ""
+    return text.split()[0] if text.split() else ""
+
+
+def judge_lock(lock: Path) -> LockState:
+    """Who holds ``lock``, as far as this machine can tell. Any process; reads /proc only.
+
+    A holder is a process that has the file open (torch keeps the descriptor of the lock it
+    took) or that works in the op's directory (a build left running by a killed parent).
+    """
+    try:
+        stat = lock.stat()
+    except FileNotFoundError:
+        return LockState("free")
+    ident = (stat.st_ino, stat.st_mtime_ns)
+    if not os.path.isdir("/proc/self/fd"):
+        return LockState("unseen", "this system has no /proc to find its holder in", ident)
+    holders, complete = _local_holders(lock)
+    if holders:
+        return LockState("held", "; ".join(holders), ident)
+    host = _recorded_host(lock)
+    if host and host != socket.gethostname():
+        return LockState("unseen", f"it was taken on host {host}", ident)
+    fs = _filesystem_type(lock)
+    if not host and (fs in _NETWORK_FS or fs.startswith("fuse.")):
+        return LockState("unseen", f"it is on a {fs} filesystem, whose holder may be another machine", ident)
+    if not complete and stat.st_uid != os.geteuid():
+        return LockState("unseen", f"it belongs to user id {stat.st_uid}, whose processes are hidden", ident)
+    return LockState("dead", "no process of this machine holds it", ident)
+
+
+def _remove_dead(lock: Path, ident: tuple[int, int] | None) -> bool:
+    """Remove ``lock`` if it is still the same dead lock; one waiter at a time. True if removed."""
+    with open(lock.parent / _CLEANER, "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        state = judge_lock(lock)
+        if state.kind != "dead" or state.ident != ident:
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
+            return True
+    return False
+
+
+def clear_dead_locks(root: Path | None = None) -> list[Path]:
+    """Remove every op lock under ``root`` (default: :func:`extensions_root`) that no process holds,
+    looking twice a second apart. Any process; dsat calls it after each trial ends.
+
+    Returns:
+        The removed lock files.
+    """
+    base = extensions_root() if root is None else Path(root)
+    candidates = {lock: judge_lock(lock) for lock in base.glob("*/lock")}
+    candidates = {lock: state for lock, state in candidates.items() if state.kind == "dead"}
+    if not candidates:
+        return []
+    time.sleep(_JUDGE_EVERY_S)
+    removed = [lock for lock, state in candidates.items() if _remove_dead(lock, state.ident)]
+    for lock in removed:
+        logger.warning("removed %s: a lock of DeepSpeed's op %s that a process left when it died",
+                       lock, lock.parent.name)
+    return removed
+
+
+class _LockCleared(Exception):
+    """A dead holder's lock was removed while waiting; the load starts again."""
+
+
+class GuardedBaton(FileBaton):
+    """torch's FileBaton with a wait that knows the holder and a release that tolerates a lock
+    removed under it; the holder's host and pid go into the lock for waiters elsewhere."""
+
+    def try_acquire(self) -> bool:
+        acquired = bool(super().try_acquire())
+        if acquired:
+            with contextlib.suppress(OSError), open(self.lock_file_path, "w", encoding="utf-8") as file:
+                file.write(f"{socket.gethostname()} {os.getpid()}\n")
+        return acquired
+
+    def wait(self) -> None:
+        _wait_for(Path(self.lock_file_path))
+
+    def release(self) -> None:
+        fd: int | None = getattr(self, "fd", None)
+        if fd is not None:
+            os.close(fd)
+            self.fd = None
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.lock_file_path)
+
+
+def _wait_for(lock: Path) -> None:
+    """Wait until ``lock`` is gone; raise _LockCleared after removing a dead one, BuildLockError
+    when its holder stays unseen for UNSEEN_HOLDER_LIMIT_S."""
+    op, start = lock.parent.name, time.monotonic()
+    next_judge, next_report = start + _JUDGE_EVERY_S, start + _FIRST_REPORT_S
+    dead_ident: tuple[int, int] | None = None
+    unseen_since: float | None = None
+    state = LockState("held")
+    while lock.exists():
+        now = time.monotonic()
+        if now >= next_judge:
+            next_judge = now + _JUDGE_EVERY_S
+            state = judge_lock(lock)
+            if state.kind == "dead" and dead_ident is not None and state.ident == dead_ident:
+                if _remove_dead(lock, state.ident):
+                    logger.warning("removed %s, left by a process that died while loading DeepSpeed's op %s; "
+                                   "loading it again", lock, op)
+                    raise _LockCleared(str(lock))
+            dead_ident = state.ident if state.kind == "dead" else None
+            unseen_since = (unseen_since or now) if state.kind == "unseen" else None
+            if unseen_since is not None and now - unseen_since >= UNSEEN_HOLDER_LIMIT_S:
+                raise BuildLockError(
+                    f"waited {now - start:.0f} s for the build lock {lock} of DeepSpeed's op {op}: "
+                    f"its holder cannot be seen from here ({state.detail}). If no build of {op} is "
+                    f"running anywhere, remove it (rm {lock}) and start again; to keep this job apart "
+                    "from others, give it an extension directory of its own (TORCH_EXTENSIONS_DIR)")
+        if now >= next_report:
+            next_report = now + _REPORT_EVERY_S
+            logger.warning("waiting %.0f s so far for DeepSpeed's op %s, locked by %s: %s", now - start, op,
+                           lock, state.detail or "its holder is being looked for")
+        time.sleep(_POLL_S)
+
+
+def _guarded_jit_compile(original: Callable[..., Any]) -> Callable[..., Any]:
+    def jit_compile(name: str, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.cpp_extension import JIT_EXTENSION_VERSIONER
+
+        for _ in range(_RETRIES):
+            try:
+                return original(name, *args, **kwargs)
+            except _LockCleared:
+                # Forget this process's record of the op, so that the next try builds it again.
+                JIT_EXTENSION_VERSIONER.entries.pop(name, None)
+        raise BuildLockError(f"DeepSpeed's op {name}: its build lock was left by a dead process "
+                             f"{_RETRIES} times in a row; see {extensions_root() / name}")
+
+    jit_compile.toolkit_guarded = True  # type: ignore[attr-defined]
+    return jit_compile
+
+
+def install_lock_guard() -> None:
+    """Make torch's extension loader in this process wait on a build lock only while a live
+    process holds it. Idempotent; any process."""
+    from torch.utils import cpp_extension
+
+    if getattr(cpp_extension._jit_compile, "toolkit_guarded", False):
+        return
+    cpp_extension.FileBaton = GuardedBaton
+    cpp_extension._jit_compile = _guarded_jit_compile(cpp_extension._jit_compile)
+
+
+def _section(config: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = config.get(key)
+    return value if isinstance(value, Mapping) else {}
+
+
+def builders_for(ds_configs: Iterable[Mapping[str, Any]], *, on_cpu: bool) -> list[str]:
+    """DeepSpeed's op builders that engines of ``ds_configs`` load, as DeepSpeed 0.19 picks them
+    (``DeepSpeedEngine._configure_basic_optimizer``, and deepspeed.comm's shared-memory all-reduce
+    on the CPU). Pure.
+
+    >>> builders_for([{"optimizer": {"type": "AdamW"}}], on_cpu=True)
+    ['ShareMemCommBuilder', 'FusedAdamBuilder']
+    """
+    names = ["ShareMemCommBuilder"] if on_cpu else []
+    for config in ds_configs:
+        optimizer, zero = _section(config, "optimizer"), _section(config, "zero_optimization")
+        kind = str(optimizer.get("type", "")).lower()
+        devices = {str(_section(zero, key).get("device", "none")).lower()
+                   for key in ("offload_optimizer", "offload_param")}
+        offload = str(_section(zero, "offload_optimizer").get("device", "none")).lower()
+        cpu_optimizer = offload in ("cpu", "nvme")
+        if kind in ("adam", "adamw") and not _section(optimizer, "params").get("torch_adam"):
+            names.append("CPUAdamBuilder" if cpu_optimizer else "FusedAdamBuilder")
+        elif kind == "adagrad" and cpu_optimizer:
+            names.append("CPUAdagradBuilder")
+        elif kind == "lion":
+            names.append("CPULionBuilder" if cpu_optimizer else "FusedLionBuilder")
+        elif kind == "lamb" and not on_cpu:
+            names.append("FusedLambBuilder")
+        if "nvme" in devices:
+            names.append("AsyncIOBuilder")
+    return list(dict.fromkeys(names))
+
+
+def load_ops(builder_names: Iterable[str]) -> list[str]:
+    """Build (or load) DeepSpeed ops in this process, so that the processes started after it only
+    load finished ones. Any process; the autotuner calls it before its first trial.
+
+    Returns:
+        The names of the ops loaded; a builder that is not available here is skipped.
+    """
+    install_lock_guard()
+    from deepspeed.accelerator import get_accelerator
+
+    loaded = []
+    for class_name in builder_names:
+        builder = get_accelerator().create_op_builder(class_name)
+        if builder is None or not builder.is_compatible(verbose=False):
+            continue
+        start = time.monotonic()
+        builder.load(verbose=False)
+        logger.info("DeepSpeed op %s ready (%.1f s)", builder.name, time.monotonic() - start)
+        loaded.append(builder.name)
+    return loaded

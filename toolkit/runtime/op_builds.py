@@ -290,8 +290,8 @@ def install_lock_guard() -> None:
 
     if getattr(cpp_extension._jit_compile, "toolkit_guarded", False):
         return
-    cpp_extension.FileBaton = GuardedBaton
-    cpp_extension._jit_compile = _guarded_jit_compile(cpp_extension._jit_compile)
+    setattr(cpp_extension, "FileBaton", GuardedBaton)  # noqa: B010 (a module's global, replaced)
+    setattr(cpp_extension, "_jit_compile", _guarded_jit_compile(cpp_extension._jit_compile))  # noqa: B010
 
 
 def _section(config: Mapping[str, Any], key: str) -> Mapping[str, Any]:

@@ -41,14 +41,23 @@ scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 70), st.floats(all
                     st.text(max_size=4), st.just("auto"))
 keys = st.one_of(st.sampled_from([*BATCH_KEYS, "zero_optimization", "stage", "offload_param",
                                   "offload_optimizer", "device", "fp16", "bf16", "enabled", "optimizer",
-                                  "reduce_bucket_size", "pipeline"]), st.text(max_size=5))
+                                  "reduce_bucket_size", "pipeline",
+                                  # the keys of the rules that mirror deepspeed.initialize (issue 26)
+                                  "scheduler", "type", "params", "nvme_path", "ratio", "compute_grad_norm",
+                                  "checkpoint", "tag_validation", "parallel_write", "pipeline_stage",
+                                  "communication_data_type", "gradient_allreduce_op", "prescale_gradients",
+                                  "gradient_predivide_factor", "amp", "torch_adam", "warmup_num_steps"]),
+                 st.text(max_size=5))
 trees = st.recursive(scalars, lambda children: st.one_of(st.lists(children, max_size=3),
                                                          st.dictionaries(keys, children, max_size=4)),
                      max_leaves=12)
 configs = st.dictionaries(keys, trees, max_size=6)
 batch_value = st.one_of(st.none(), st.just("auto"), st.integers(-2, 64), st.sampled_from(["8", 2.0, True]))
+stage_forms = st.sampled_from(["1", 2.0, "x"])  # DeepSpeed reads "1" and 2.0 as stages
+optimizer_types = st.sampled_from(["Adam", "Lamb", "SGD", "OneBitAdam", "lion", 3])
+scheduler_types = st.sampled_from(["WarmupLR", "WarmupDecayLR", "StepLR", "x"])
 zero = st.one_of(st.none(), st.booleans(), st.text(max_size=2),
-                 st.fixed_dictionaries({"stage": st.one_of(st.integers(-1, 4), st.just("1"))},
+                 st.fixed_dictionaries({"stage": st.one_of(st.integers(-1, 4), stage_forms)},
                                        optional={"offload_param": st.fixed_dictionaries(
                                            {"device": st.sampled_from(["cpu", "nvme", "none", "gpu"])}),
                                            "offload_optimizer": st.one_of(st.none(), st.fixed_dictionaries(
@@ -59,7 +68,11 @@ batch_configs = st.fixed_dictionaries({}, optional={
     "train_batch_size": batch_value, "train_micro_batch_size_per_gpu": batch_value,
     "gradient_accumulation_steps": batch_value, "zero_optimization": zero,
     "fp16": st.fixed_dictionaries({"enabled": st.booleans()}),
-    "bf16": st.fixed_dictionaries({"enabled": st.booleans()})})
+    "bf16": st.fixed_dictionaries({"enabled": st.booleans()}),
+    "optimizer": st.fixed_dictionaries({"type": optimizer_types},
+                                       optional={"params": st.one_of(st.none(), trees)}),
+    "scheduler": st.fixed_dictionaries({"type": scheduler_types},
+                                       optional={"params": st.one_of(st.none(), trees)})})
 dp_sizes = st.one_of(st.integers(1, 8), st.sampled_from([0, -1, True, 2.0]))
 
 

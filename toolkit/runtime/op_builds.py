@@ -330,7 +330,10 @@ def builders_for(ds_configs: Iterable[Mapping[str, Any]], *, on_cpu: bool) -> li
 
 def load_ops(builder_names: Iterable[str]) -> list[str]:
     """Build (or load) DeepSpeed ops in this process, so that the processes started after it only
-    load finished ones. Any process; the autotuner calls it before its first trial.
+    load finished ones. Any process; the autotuner calls it before the trials that load them.
+
+    An op that cannot be built here (no compiler, no ninja on PATH, a build error) is logged and
+    skipped: the process that needs it meets the same error itself, in its own log.
 
     Returns:
         The names of the ops loaded; a builder that is not available here is skipped.
@@ -344,7 +347,14 @@ def load_ops(builder_names: Iterable[str]) -> list[str]:
         if builder is None or not builder.is_compatible(verbose=False):
             continue
         start = time.monotonic()
-        builder.load(verbose=False)
+        try:
+            builder.load(verbose=False)
+        except BuildLockError:
+            raise
+        except Exception as err:  # noqa: BLE001 (DeepSpeed raises RuntimeError, OSError, ImportError...)
+            logger.warning("could not build DeepSpeed's op %s here (%s: %s); the processes that load it will "
+                           "build it themselves", builder.name, type(err).__name__, str(err)[:500])
+            continue
         logger.info("DeepSpeed op %s ready (%.1f s)", builder.name, time.monotonic() - start)
         loaded.append(builder.name)
     return loaded

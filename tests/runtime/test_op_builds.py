@@ -185,7 +185,8 @@ def _stop_during_start(code: str, ext: Path, at_s: float, sig: int) -> None:
 
 def test_a_stop_at_any_moment_of_a_warm_start_leaves_the_next_run_working(warm_ext):
     """Stops spread over a warm start-up (imports, process group, the op's load and lock)."""
-    for sig, at_s in ((signal.SIGTERM, 0.5), (signal.SIGKILL, 1.5), (signal.SIGINT, 3.0), (signal.SIGKILL, 4.5)):
+    stops = ((signal.SIGTERM, 0.5), (signal.SIGKILL, 1.5), (signal.SIGINT, 3.0), (signal.SIGKILL, 4.5))
+    for sig, at_s in stops:
         _stop_during_start(INIT, warm_ext, at_s, sig)
         assert "ready 1" in _finish(_start(INIT, warm_ext), timeout=120), (sig, at_s)
 
@@ -205,7 +206,8 @@ def test_a_stop_during_a_cold_build_leaves_the_next_run_working(tmp_path):
 def test_an_op_that_cannot_be_built_is_skipped_with_a_warning(tmp_path):
     """dsat builds ops before its trials; without ninja on PATH that fails, and dsat goes on (its
     trials then meet DeepSpeed's own error)."""
-    code = "from toolkit.runtime.op_builds import load_ops; print('loaded', load_ops(['ShareMemCommBuilder']))"
+    code = ("from toolkit.runtime.op_builds import load_ops; "
+            "print('loaded', load_ops(['ShareMemCommBuilder']))")
     env = procutil.child_env(TORCH_EXTENSIONS_DIR=str(tmp_path), PATH=str(tmp_path))  # no ninja, no compiler
     out = procutil.check(procutil.run([sys.executable, "-c", code], env=env, timeout=120))
     assert "loaded []" in out and "could not build DeepSpeed's op deepspeed_shm_comm" in out

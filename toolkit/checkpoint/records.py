@@ -14,13 +14,13 @@ Example::
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from pathlib import Path
 from typing import Any, Mapping
 
 from toolkit import _names
+from toolkit.bounded_load import parse_json
 from toolkit.errors import CheckpointError
 
 __all__ = ["name_problem", "validate_name", "read_record", "commit_problem", "read_pointer"]
@@ -89,8 +89,8 @@ def read_record(path: Path) -> dict[str, Any] | None:
     try:
         if len(raw) > _MAX_RECORD:
             raise ValueError(f"larger than {_MAX_RECORD // 2**20} MiB")
-        data = json.loads(raw.decode("utf-8"))
-    except ValueError as err:
+        data = parse_json(raw.decode("utf-8"), source=str(path), expect_object=False)
+    except ValueError as err:  # UnicodeDecodeError and ConfigError are ValueErrors too
         raise CheckpointError(f"cannot read {path}: {err}; the file is damaged, delete the directory that "
                               "holds it or load another tag") from err
     if not isinstance(data, dict):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toolkit.checkpoint.layout import validate_name
+from toolkit.checkpoint.records import read_pointer
 from toolkit.errors import CheckpointError
 
 __all__ = ["universal_tag"]
@@ -29,10 +29,12 @@ def universal_tag(root: str, tag: str | None) -> str:
     chosen = tag
     if chosen is None:
         latest = Path(root) / "latest_universal"
-        if not latest.is_file():
-            raise CheckpointError(f"checkpoint.load_universal is set but no tag was given and {latest} "
-                                  "does not exist; pass the tag of the ds_to_universal output folder")
-        chosen = validate_name(latest.read_text(encoding="utf-8").strip())
+        pointed, problem = read_pointer(root, "latest_universal")
+        if pointed is None:
+            raise CheckpointError(f"checkpoint.load_universal is set but no tag was given and "
+                                  f"{problem or f'{latest} does not exist'}; pass the tag of the "
+                                  "ds_to_universal output folder")
+        chosen = pointed
     folder = Path(root) / chosen
     if not (folder / "zero").is_dir():
         raise CheckpointError(

@@ -314,7 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from toolkit.dsat.full_run import run_full_experiment
     from toolkit.dsat.orchestrator import Autotuner
 
-    tuner = Autotuner(plan, say=lambda line: print(line, flush=True))
+    tuner = Autotuner(plan, say=lambda line: print(line, flush=True),
+                      argv=list(argv) if argv is not None else sys.argv[1:])
     # A scheduler stops the autotuner with SIGTERM: treat it like Ctrl-C, so that the runner's
     # shutdown kills every trial before the process goes.
     previous = signal.signal(signal.SIGTERM, _interrupt)

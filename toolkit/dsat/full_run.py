@@ -5,12 +5,12 @@ Rank 0 only: runs in the autotuner's process and launches the entrypoint once.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from toolkit._files import atomic_write_json
+from toolkit.bounded_load import load_json
 from toolkit.config.experiment import max_length_steps
 from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV, trial_hparams
 from toolkit.dsat.execution.argv import LOOPBACK, build_trial_argv
@@ -42,7 +42,7 @@ def run_full_experiment(plan: Plan, outcome: SearchOutcome, *, say: Callable[[st
     directory = plan.output_dir / "full_experiment"
     directory.mkdir(parents=True, exist_ok=True)
     best_path = plan.output_dir / "best_ds_config.json"
-    best_config = json.loads(best_path.read_text(encoding="utf-8"))
+    best_config = load_json(best_path, what="best DeepSpeed config")
     atomic_write_json(directory / "hparams.json",
                       trial_hparams(plan.hparams, ds_config=best_config, ds_config_path=best_path))
     steps = max_length_steps(plan.experiment)

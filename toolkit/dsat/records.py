@@ -8,7 +8,8 @@ Layout of ``OUTPUT_DIR``::
     trials.jsonl           one record per finished trial: config, status, metrics, duration
     trials.csv             the same as a table
     best_ds_config.json    the best DeepSpeed config: complete, no autotuning leftovers
-    best_ds_metrics.json   its metrics and trial id
+    best_ds_metrics.json   its metrics at the top level (Determined's shape), with trial_id, metric
+                           and global_batch (the user's batch, the best's, and any change) beside them
     tensorboard/           each trial's metrics, with its config in TensorBoard's HParams view
     trials/trial_<id>/     each trial's ds_config.json, hparams.json, logs and result
     full_experiment/       with --run-full-experiment: the run with the best config

@@ -41,6 +41,7 @@ from typing import Any, Callable, Mapping
 
 from toolkit._checks import is_number
 from toolkit._files import atomic_write_json
+from toolkit.bounded_load import load_json
 from toolkit.compat.determined import search
 from toolkit.compat.determined.info import load_trial_state
 from toolkit.errors import CheckpointError, ConfigError
@@ -140,12 +141,12 @@ def _load(out: Path, config: Mapping[str, Any]) -> dict[str, Any]:
     """
     path = out / SUMMARY
     try:
-        state = json.loads(path.read_text(encoding="utf-8"))
+        state = load_json(path, what="search record")
     except FileNotFoundError:
         seed = (config.get("reproducibility") or {}).get("experiment_seed")
         seed = int(seed) if seed is not None else random.SystemRandom().randrange(2**31)
         return search.new_state(config, seed=seed)
-    except (ValueError, UnicodeDecodeError) as err:
+    except ValueError as err:  # the loader's ConfigError: malformed, not UTF-8, over a bound
         raise CheckpointError(f"{path} is not valid JSON ({err}); delete it to start the search over, or "
                               "use a new --output-dir") from None
     if not (isinstance(state, dict) and isinstance(state.get("trials"), list) and "seed" in state):

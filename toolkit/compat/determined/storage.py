@@ -20,7 +20,6 @@ removes only a UUID that toolkit recorded, whose directory is a real directory i
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import uuid
@@ -30,6 +29,7 @@ from typing import Any, Mapping
 from toolkit import _names
 from toolkit._checks import is_int
 from toolkit._files import atomic_write_json
+from toolkit.bounded_load import load_json
 from toolkit.errors import CheckpointError, ConfigError
 
 __all__ = [
@@ -112,7 +112,7 @@ def read_registry(output_dir: Path) -> dict[str, Any]:
     damaged = ("; the registry is damaged: move it aside to start the trial's checkpoint list afresh "
                "(the checkpoints stay in the storage)")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = load_json(path, what="checkpoint registry", expect_object=False)
     except FileNotFoundError:
         data = {}
     except (OSError, ValueError) as err:
@@ -188,8 +188,8 @@ def read_metadata(root: Path, storage_id: str) -> dict[str, Any]:
     """
     path = checkpoint_path(root, storage_id) / METADATA_NAME
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as err:
+        data = load_json(path, what="checkpoint metadata", expect_object=False)
+    except ValueError as err:  # ConfigError too: a bound, a bad encoding, malformed
         raise CheckpointError(f"cannot read {path}: {err}; the checkpoint's metadata is damaged") from err
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} holds {type(data).__name__}, expected a JSON object")

@@ -31,10 +31,10 @@ import ipaddress
 import os
 import re
 import socket
-from pathlib import Path
 from typing import Mapping, Sequence
 
 from toolkit._checks import is_int
+from toolkit.bounded_load import read_text
 from toolkit.errors import ConfigError
 from toolkit.runtime.launch_env import parse_slurm_counts, parse_slurm_nodelist
 
@@ -107,8 +107,8 @@ def read_hostfile(path: str | os.PathLike[str]) -> tuple[Host, ...]:
         ConfigError: the file cannot be read, or its content is malformed (file and line named).
     """
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
+        text = read_text(path, what="hostfile")
+    except (OSError, ValueError) as err:  # the loader's ConfigError: over its size, not UTF-8
         raise ConfigError(f"hostfile {os.fspath(path)!r} cannot be read: {err}") from None
     return parse_hostfile(text, source=f"hostfile {os.fspath(path)}")
 

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import pathlib
 from typing import Any, Mapping
 
 import toolkit
+from toolkit.bounded_load import load_json
 from toolkit.dsat.contract import TRIAL_ENV
 from toolkit.errors import ConfigError
 
@@ -86,7 +86,7 @@ def _report_autotuning_file(core_context: Any, op: Any, steps_completed: int | N
         return
     steps_completed = op.length if steps_completed is None else steps_completed
     if core_context.distributed.rank == 0:
-        results = json.loads(existing[0].read_text(encoding="utf-8"))
+        results = load_json(existing[0], what="DeepSpeed autotuner metrics file")
         if existing[0] == _MODEL_INFO:
             import torch
 

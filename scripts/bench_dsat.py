@@ -2,7 +2,7 @@
 
 Run it from the repository root (it takes tens of minutes on a small CPU machine, plus a few
 the first time for building DeepSpeed's CPU ops; trials use both cores, so they run one at a
-time; the README's benchmark section has the figures)::
+time; docs/benchmarks.md has the figures)::
 
     .venv/bin/python scripts/bench_dsat.py
     .venv/bin/python scripts/bench_dsat.py --method asha --output runs/bench_dsat/asha.json
@@ -48,14 +48,14 @@ trial needs), one after the other in this process:
    measured N more times through the same trial runner, interleaved. The judged ratio compares the
    medians of these fresh measurements alone: the measurement that made a config "best" is the
    highest of many noisy ones (48 for the grid with the batch kept, 8 for dsat), so it is biased
-   upwards, and pooling it in still favours the arm that drew more trials (the README's benchmark
-   section has an example). The median over every measurement of the config (search, grid,
+   upwards, and pooling it in still favours the arm that drew more trials (docs/benchmarks.md
+   says why). The median over every measurement of the config (search, grid,
    confirm) is printed beside it, as before.
 
 With ``--train-batch-size N`` the experiment fixes the global batch (``overwrite_deepspeed_args``):
 dsat keeps it (its default policy) and the grid runs every micro-batch dividing ``N / 2`` (up to
 ``--grid-max``, each stage until its first failure), with the accumulation derived, through the
-same ``trial_ds_config``. Which N: the README's kept-batch figure uses 768 (384 per rank: 16
+same ``trial_ds_config``. Which N: docs/benchmarks.md's kept-batch figure uses 768 (384 per rank: 16
 micro-batches, 48 configs at stages 1-3), not 512 (256 per rank: 9 micro-batches, 27 configs).
 With 27 configs, 8 trials are 0.30 of the grid by count whatever the search does, so the
 trial-seconds target (<= 0.25) would mostly measure the few divisors of 512, not the search.
@@ -123,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="dsat's and the grid's last timed step (default 12: 9 timed steps; with 3, one "
                         "config's throughput varied 2620-4046 between trials here)")
     # On a shared VM a trial's step time shifts level for seconds at a time, so a 3-4 s window
-    # catches one or two levels (the README's benchmark section has the spread). Both arms and the
+    # catches one or two levels (docs/benchmarks.md has the spread). Both arms and the
     # re-runs use the same window.
     p.add_argument("--timed-window", type=float, default=8.0,
                    help="dsat's and the grid's --timed-window in seconds (default 8; dsat's own: 3)")

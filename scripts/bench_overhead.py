@@ -1,7 +1,7 @@
 """Per-step overhead of toolkit's helpers in a training loop, as a ratio against the same loop without them.
 
     .venv/bin/python scripts/bench_overhead.py            # 2 CPU ranks under torchrun (it launches itself)
-    .venv/bin/python scripts/bench_overhead.py --blocks 290 --steps 10      # the figures the README gives
+    .venv/bin/python scripts/bench_overhead.py --blocks 500 --steps 10     # the figures in docs/benchmarks.md
     .venv/bin/python scripts/bench_overhead.py --nproc 1 --blocks 20
     .venv/bin/python scripts/bench_overhead.py --arms helpers               # the three original arms only
 

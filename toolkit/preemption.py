@@ -42,7 +42,7 @@ grace period in *seconds*, and what a check costs matters relative to the step *
 a non-blocking gloo all-reduce costs the caller a fraction of a millisecond, and gloo's threads,
 woken for it, take about as much again; at one check point a second that is a small fraction of
 a percent of the step time (``scripts/bench_overhead.py --only preempt`` measures it; the
-README gives the figures), while the answer comes within about two seconds for short steps and
+figures are in docs/benchmarks.md), while the answer comes within about two seconds for short steps and
 within two steps for long ones, well inside the grace period schedulers give (torchrun and
 Kubernetes: 30 s).
 

@@ -1,4 +1,4 @@
-"""The security notes (README "Security"), tested where they can be.
+"""The security notes (docs/security.md), tested where they can be.
 
 * YAML is loaded safely: a Python-object tag is an error and constructs nothing.
 * No shell: no ``shell=True``, ``os.system``, ``os.popen``, ``subprocess.getoutput`` or

@@ -30,7 +30,7 @@ class PendingReports:
     garbage collector tracks (a dataclass instance, a list), and a batch of hundreds of them
     surviving for seconds is what makes the collector run its full passes over every object
     of the training process, PyTorch's and DeepSpeed's included, which slows the training loop
-    measurably (``scripts/bench_overhead.py``; figures in the README's benchmark section).
+    measurably (``scripts/bench_overhead.py``; figures in docs/benchmarks.md).
     Appending ints and floats to existing lists creates no tracked object; the distinct
     signatures (a handful) are kept once each.
 

@@ -2,8 +2,8 @@
 
 Why not ``torch.utils.tensorboard.SummaryWriter``: its background writer thread (Python, holding
 the GIL while it serialises and checksums each event) contends with the training loop for the
-GIL, which ``scripts/bench_overhead.py`` measures as a visible slowdown (figures in the README's
-benchmark section). Here the same events are written in one burst per batch of reports, by the
+GIL, which ``scripts/bench_overhead.py`` measures as a visible slowdown (figures in
+docs/benchmarks.md). Here the same events are written in one burst per batch of reports, by the
 thread that reports them. The files are the format TensorBoard reads
 (records framed with masked CRC-32C, ``brain.Event:2``), one new file per writer.
 

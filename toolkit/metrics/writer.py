@@ -3,7 +3,7 @@
 Every rank reports its own values; the writer averages them across ranks and the chief alone
 writes them. Training reports are averaged in batches: one small collective per batch instead
 of one per step, because a blocking collective every step makes every rank wait for the slowest
-at that point (a measurable share of a small step; see the README's benchmark section). By
+at that point (a measurable share of a small step; see docs/benchmarks.md). By
 default the batch adapts so that a collective happens about every ``reduce_secs`` seconds
 (``reduce_every`` fixes it instead). Validation reports, and ``close()``, average whatever is
 pending at once. Files: TensorBoard event files (tags ``training/<name>``,

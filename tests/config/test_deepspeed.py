@@ -295,6 +295,18 @@ def test_fp16_on_a_cpu_without_fp16_names_the_device(monkeypatch):
     toolkit.validate_ds_config({"fp16": {"enabled": True}}, device="cpu")
 
 
+def test_nvme_offload_without_libaio_names_the_machine(monkeypatch):
+    # Mocked both ways: whether libaio is installed is the machine's, not the test's, to choose.
+    # DeepSpeed's async_io op (op_builder/async_io.py, is_compatible) needs it for NVMe offload.
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}
+    monkeypatch.setattr("toolkit.config.validate.libaio_found", lambda: False)
+    with pytest.raises(ConfigError, match="offload_param.device='nvme', judged on this machine: .*libaio"):
+        toolkit.validate_ds_config(config, device="cpu")
+    toolkit.validate_ds_config(config)  # no device: the machine is not judged
+    monkeypatch.setattr("toolkit.config.validate.libaio_found", lambda: True)
+    toolkit.validate_ds_config(config, device="cpu")
+
+
 # What DeepSpeed 0.19 runs but ignores or reads otherwise: a warning naming the key, no error.
 @pytest.mark.parametrize("config, kwargs, fragment", [
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, {},

@@ -220,7 +220,7 @@ def dsat_cli_args(args: argparse.Namespace, experiment: Path, output_dir: Path) 
 
 # ------------------------------------------------------------------------------------------ 1. dsat
 def run_dsat(args: argparse.Namespace, experiment: Path, work: Path) -> dict[str, Any]:
-    from toolkit.dsat.execution.runner import run_to_completion
+    from toolkit.launch.procs import run_to_completion
 
     out, log = work / "dsat", work / "dsat_log"
     argv = [sys.executable, "-m", "toolkit.dsat", *dsat_cli_args(args, experiment, out)]
@@ -454,7 +454,7 @@ def _ds_experiments(results_dir: Path) -> list[dict[str, Any]]:
 
 
 def run_ds_autotuner(args: argparse.Namespace, work: Path, cap: int) -> dict[str, Any]:
-    from toolkit.dsat.execution.runner import free_port, run_to_completion
+    from toolkit.launch.procs import free_port, run_to_completion
 
     out = work / "ds_autotuner"
     shutil.rmtree(out, ignore_errors=True)

@@ -26,7 +26,7 @@ import threading
 import pytest
 
 import procutil
-from toolkit.dsat.execution.procs import find_trial_processes, kill_until_gone
+from toolkit.launch.procs import find_trial_processes, kill_until_gone
 
 _LIMIT_S = float(os.environ.get("TOOLKIT_TEST_LIMIT_S", "900"))
 # Every descendant of this pytest, in-process launches included, inherits the mark.

@@ -1,8 +1,10 @@
 """The package layout's rules, read from the sources with ``ast`` (no import, no process).
 
-* The core library (everything but ``toolkit/dsat`` and the launcher CLI ``toolkit/run/``, which
-  spawns ranks with dsat's argv builders and process bookkeeping) imports of dsat only
-  ``toolkit.dsat.contract`` and ``toolkit.dsat.trial``: a training script never loads the tuner.
+* Imports point one way, down the layers (:data:`LAYERS`): the core library (``config``,
+  ``runtime``, ``checkpoint``, ``metrics`` and toolkit's top-level modules), then ``launch``
+  (process launching shared by dsat and ``toolkit.run``), then ``dsat``, then the public facade
+  ``toolkit`` and ``compat``, then ``run``. A module imports only its own layer or those below:
+  a training script never loads the tuner, and the tuner never loads the Determined layer.
 * No private name (``_name``) is imported from another package.
 * Modules stay under 400 lines; functions under 60 (docstring included) unless their docstring
   says why (a line starting ``Long because``).
@@ -46,17 +48,75 @@ def _imports(path: Path):
                     yield alias.name, None, node.lineno
 
 
-def test_the_core_library_never_imports_the_tuner():
-    allowed = ("toolkit.dsat.contract", "toolkit.dsat.trial")
-    bad = []
-    for path in SOURCES:
-        if _module(path).startswith(("toolkit.dsat", "toolkit.run")):
+#: Layers from the bottom up; a module may import its own layer and those below, never one above.
+LAYERS = {"core": 0, "toolkit.launch": 1, "toolkit.dsat": 2, "toolkit": 3, "toolkit.compat": 3,
+          "toolkit.run": 4}
+#: The same rule by name (issue 28): no core module imports launch, dsat, compat or run; launch
+#: imports none of dsat, compat or run; dsat imports neither compat nor run.
+NEVER = {"core": ("toolkit.dsat", "toolkit.compat", "toolkit.run", "toolkit.launch"),
+         "toolkit.launch": ("toolkit.dsat", "toolkit.compat", "toolkit.run"),
+         "toolkit.dsat": ("toolkit.compat", "toolkit.run")}
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _layer(module: str) -> str:
+    """The layer of a toolkit module: its package among :data:`LAYERS`, else the core."""
+    if module == "toolkit":
+        return "toolkit"
+    return next((top for top in LAYERS if top not in ("core", "toolkit") and _within(module, top)), "core")
+
+
+def _targets(path: Path):
+    """(imported toolkit module, line) for every toolkit import of ``path`` (``from toolkit import
+    _names`` imports ``toolkit._names``, ``from toolkit import dsat`` imports ``toolkit.dsat``)."""
+    for module, name, line in _imports(path):
+        yield (f"{module}.{name}" if module == "toolkit" and name else module), line
+
+
+def _runs_up(module: str, path: Path, allowed: tuple[str, ...] = ()) -> list[str]:
+    """The imports of ``path`` (module ``module``) that run up the layers or into a package
+    :data:`NEVER` lists for its layer, as ``"file:line (layer) imports target (layer)"``."""
+    layer, bad = _layer(module), []
+    for target, line in _targets(path):
+        if any(_within(target, exception) for exception in allowed):
             continue
-        for module, name, line in _imports(path):
-            target = f"{module}.{name}" if module == "toolkit.dsat" and name else module
-            if target.startswith("toolkit.dsat") and not target.startswith(allowed):
-                bad.append(f"{path.relative_to(p.REPO)}:{line} imports {target}")
+        there = _layer(target)
+        if LAYERS[there] > LAYERS[layer] or any(_within(target, pkg) for pkg in NEVER.get(layer, ())):
+            bad.append(f"{path.name}:{line} ({layer}) imports {target} ({there})")
+    return bad
+
+
+def test_imports_point_one_way():
+    allowed: tuple[str, ...] = ()   # no exception: every import runs down the layers
+    bad = [f"{path.relative_to(p.REPO).parent}/{where}" for path in SOURCES
+           for where in _runs_up(_module(path), path, allowed)]
     assert not bad, bad
+
+
+def test_the_layer_rule_sees_an_import_that_runs_up(tmp_path):
+    """The rule is not vacuous: the imports issue 28 removed are caught, a downward one is not."""
+    assert [_layer(m) for m in ("toolkit.config.experiment", "toolkit.errors", "toolkit._names",
+                                "toolkit.launch.procs", "toolkit.dsat.trial.oom", "toolkit",
+                                "toolkit.compat.determined.info", "toolkit.run.cli", "toolkit.runtime")] == \
+        ["core", "core", "core", "toolkit.launch", "toolkit.dsat", "toolkit", "toolkit.compat", "toolkit.run",
+         "core"]
+    source = tmp_path / "mod.py"
+    cases = {
+        ("toolkit.config.experiment", "from toolkit.dsat.contract import OUTPUT_DIR_ENV"): 1,
+        ("toolkit.runtime.context", "def f():\n    from toolkit.dsat.trial.oom import hook"): 1,
+        ("toolkit.dsat.execution.argv", "from toolkit.compat.determined.launch import unwrap_launcher"): 1,
+        ("toolkit.launch.argv", "import toolkit.run.plan"): 1,
+        ("toolkit.checkpoint.records", "from toolkit import dsat, _names"): 1,
+        ("toolkit.compat.determined.info", "import toolkit\nfrom toolkit.dsat.contract import X"): 0,
+        ("toolkit.dsat.full_run", "from toolkit.launch.procs import free_port"): 0,
+        ("toolkit.config.experiment", "from toolkit.runtime.trial_env import OUTPUT_DIR_ENV"): 0,
+    }
+    for (module, code), expected in cases.items():
+        source.write_text(code + "\n")
+        assert len(_runs_up(module, source)) == expected, (module, code)
 
 
 # toolkit's private modules of shared helpers, used by every package

@@ -21,9 +21,9 @@ import procutil as p
 from toolkit.dsat.contract import TrialStatus
 from toolkit.dsat.execution import slots as slots_module
 from toolkit.dsat.execution.hosts import Host
-from toolkit.dsat.execution.procs import find_trial_processes, kill_until_gone
 from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
 from toolkit.dsat.search.types import TrialSpec
+from toolkit.launch.procs import find_trial_processes, kill_until_gone
 
 
 def test_pdsh_runs_a_command_on_both_loopback_names(sshd):

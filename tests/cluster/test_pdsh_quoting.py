@@ -19,9 +19,9 @@ import procutil as p
 from toolkit.dsat.contract import TrialStatus
 from toolkit.dsat.execution import slots as slots_module
 from toolkit.dsat.execution.hosts import Host
-from toolkit.dsat.execution.procs import find_trial_processes, kill_until_gone
 from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
 from toolkit.dsat.search.types import TrialSpec
+from toolkit.launch.procs import find_trial_processes, kill_until_gone
 
 
 def test_shell_syntax_in_a_remote_trial_arrives_as_literal_arguments(sshd, tmp_path):

@@ -19,7 +19,7 @@ import yaml
 from hostprocs import owner_mark, owner_of, pid_alive
 
 import procutil as p
-from toolkit.dsat.execution.procs import find_trial_processes, kill_until_gone
+from toolkit.launch.procs import find_trial_processes, kill_until_gone
 
 CTX = p.WORKERS / "cluster_ctx.py"
 TRAIN = p.WORKERS / "cluster_train.py"

@@ -12,7 +12,7 @@ import pytest
 
 import procutil
 from toolkit.compat.determined import storage
-from toolkit.dsat.execution.procs import find_trial_processes
+from toolkit.launch.procs import find_trial_processes
 
 TRAIN_YAML = """name: det-train
 entrypoint: python3 -m determined.launch.torch_distributed python3 det_train.py

@@ -16,8 +16,8 @@ import pytest
 import procutil
 from toolkit.compat.determined import storage, wrap_rank
 from toolkit.compat.determined.wrap_rank import SHIM_DIR, WRAPPED_ENV, shim_pythonpath
-from toolkit.dsat.execution.procs import find_trial_processes
 from toolkit.errors import ConfigError, LaunchEnvError
+from toolkit.launch.procs import find_trial_processes
 from toolkit.run.process import signal_targets
 
 YAML = """name: det-launcher

@@ -14,9 +14,9 @@ from toolkit.compat.determined import storage
 from toolkit.compat.determined.core.checkpoint import CheckpointContext, merge_metadata
 from toolkit.compat.determined.core.searcher import SearcherContext
 from toolkit.compat.determined.core.train import TensorboardMode, TrainContext
-from toolkit.compat.determined.launch import torchrun_nproc_override, unwrap_launcher
 from toolkit.compat.determined.pytorch import dsat
 from toolkit.errors import ConfigError
+from toolkit.launch.wrappers import torchrun_nproc_override, unwrap_launcher
 
 # The entrypoints of Determined's own examples, exactly as their YAMLs write them.
 EXAMPLES = [

@@ -29,7 +29,7 @@ import yaml
 import procutil as p
 import toolkit
 import toolkit.checkpoint.layout as layout
-from toolkit.dsat.execution.procs import find_trial_processes, kill_until_gone
+from toolkit.launch.procs import find_trial_processes, kill_until_gone
 
 EXAMPLES = p.REPO / "examples" / "core_api"
 SCRIPT = EXAMPLES / "train.py"

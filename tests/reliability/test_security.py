@@ -75,7 +75,7 @@ def test_no_shell_anywhere_in_the_sources():
 def test_an_entrypoint_with_shell_syntax_stays_inert_words():
     argv = entrypoint_argv({"entrypoint": "python3 train.py; rm -rf / $(touch pwned) `id` | cat"})
     assert argv[:2] == ["python3", "train.py;"] and "$(touch" in argv and "|" in argv
-    from toolkit.dsat.execution.argv import build_trial_argv
+    from toolkit.launch.argv import build_trial_argv
 
     # The trial launcher passes the words on as separate argv items, never as one command string.
     for launcher in ("torchrun", "deepspeed"):

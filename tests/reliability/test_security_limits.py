@@ -14,10 +14,11 @@ import yaml
 
 from toolkit.compat.determined import search
 from toolkit.dsat.contract import TrialStatus
-from toolkit.dsat.execution.settings import RunnerSettings, cpu_slots
+from toolkit.dsat.execution.settings import RunnerSettings
 from toolkit.dsat.search import best_result
 from toolkit.dsat.search.types import TrialResult, TrialSpec, is_better
 from toolkit.errors import ConfigError
+from toolkit.launch.procs import cpu_slots
 from toolkit.run import plan_run, process, trial
 
 CATEGORY = "security"

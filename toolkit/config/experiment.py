@@ -43,8 +43,8 @@ from typing import Any, Mapping
 
 from toolkit._checks import int_problem, is_int, is_mapping, type_name
 from toolkit.bounded_load import load_json, load_yaml
-from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV, TRIAL_HPARAMS_ENV
 from toolkit.errors import ConfigError
+from toolkit.runtime.trial_env import EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV, TRIAL_HPARAMS_ENV
 
 __all__ = [
     "ConfigWarning",

@@ -1,24 +1,8 @@
-"""The contract between the autotuner and a trial: every ``TOOLKIT_*`` variable they share, the
-trial file, and the result file.
+"""The contract between the autotuner and a trial: the trial file and the result file.
 
-The core library imports this module (``toolkit.get_hparams`` reads :data:`TRIAL_HPARAMS_ENV`,
-the reporting context reads :data:`TRIAL_ENV`); it imports nothing of the tuner.
-
-The environment of every trial process:
-
-``TOOLKIT_TRIAL_HPARAMS`` (:data:`TRIAL_HPARAMS_ENV`)
-    JSON file with the trial's hyperparameters: the experiment's hyperparameters, with
-    ``deepspeed_config`` set to the absolute path of the trial's complete DeepSpeed JSON and
-    ``overwrite_deepspeed_args`` removed (already merged). See :func:`toolkit.get_hparams`.
-``TOOLKIT_DSAT_TRIAL`` (:data:`TRIAL_ENV`)
-    JSON file describing the trial (:class:`TrialContract`): where to write the result, which
-    steps to profile, whether this is the profiling trial.
-``TOOLKIT_EXPERIMENT_CONFIG`` (:data:`EXPERIMENT_CONFIG_ENV`)
-    the experiment YAML.
-``TOOLKIT_OUTPUT_DIR`` (:data:`OUTPUT_DIR_ENV`)
-    where the run writes checkpoints and TensorBoard logs (the trial's own directory).
-``TOOLKIT_DSAT_RUN`` (:data:`RUN_ENV`)
-    marks every process of a dsat run, so that none outlives it.
+The ``TOOLKIT_*`` variables every trial process is started with (the trial file is named by
+``TOOLKIT_DSAT_TRIAL``) are the core library's, in :mod:`toolkit.runtime.trial_env`. The trial's
+code imports this module; it imports nothing of the tuner.
 
 The result file (JSON, written atomically by the trial's chief, or by a rank that ran out of
 memory)::
@@ -43,14 +27,9 @@ from toolkit.bounded_load import load_json
 from toolkit.errors import ConfigError
 
 __all__ = [
-    "EXPERIMENT_CONFIG_ENV",
     "MAX_ERROR_CHARS",
     "METRICS",
     "OOM_EXIT_STATUS",
-    "OUTPUT_DIR_ENV",
-    "RUN_ENV",
-    "TRIAL_ENV",
-    "TRIAL_HPARAMS_ENV",
     "ProfileInfo",
     "TrialContract",
     "TrialStatus",
@@ -58,17 +37,6 @@ __all__ = [
     "trial_hparams",
 ]
 
-#: Path of a JSON file holding this trial's hyperparameters; set by the dsat trial runner.
-TRIAL_HPARAMS_ENV = "TOOLKIT_TRIAL_HPARAMS"
-#: Path of the experiment YAML; used by :func:`toolkit.get_hparams` when no path is passed.
-EXPERIMENT_CONFIG_ENV = "TOOLKIT_EXPERIMENT_CONFIG"
-#: Directory a run writes its checkpoints and TensorBoard logs to; set by dsat for each trial (its
-#: own trial directory) and for the full experiment, so they never touch the user's own runs.
-OUTPUT_DIR_ENV = "TOOLKIT_OUTPUT_DIR"
-#: Environment variable naming the trial's :class:`TrialContract` JSON file.
-TRIAL_ENV = "TOOLKIT_DSAT_TRIAL"
-#: Marks every process of one dsat run (its value: the run's id).
-RUN_ENV = "TOOLKIT_DSAT_RUN"
 #: Exit status of a trial process that ran out of memory (EX_TEMPFAIL: the config does not fit).
 OOM_EXIT_STATUS = 75
 
@@ -185,7 +153,7 @@ class ProfileInfo:
 
 @dataclasses.dataclass(frozen=True)
 class TrialContract:
-    """The JSON file named by :data:`TRIAL_ENV`, read inside the trial's processes.
+    """The JSON file named by ``TOOLKIT_DSAT_TRIAL``, read inside the trial's processes.
 
     Steps ``start_profile_step`` to ``end_profile_step`` are always timed. When they span less
     than ``timed_window_s`` seconds (short steps: one measurement over a second or two of a
@@ -224,7 +192,7 @@ class TrialContract:
 
 def trial_hparams(hparams: Mapping[str, Any], *, ds_config: Mapping[str, Any],
                   ds_config_path: str | os.PathLike[str]) -> dict[str, Any]:
-    """What :data:`TRIAL_HPARAMS_ENV` holds for a run with ``ds_config``: the one place it is made.
+    """What ``TOOLKIT_TRIAL_HPARAMS`` holds for a run with ``ds_config``: the one place it is made.
 
     The experiment's hyperparameters (deep-copied, never mutated) with ``deepspeed_config`` set to
     ``ds_config_path`` (the run's complete DeepSpeed JSON), ``overwrite_deepspeed_args`` removed

@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING, Callable
 from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
 from toolkit.config.experiment import max_length_steps
-from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV, trial_hparams
-from toolkit.dsat.execution.argv import LOOPBACK, build_trial_argv
+from toolkit.dsat.contract import trial_hparams
 from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV
+from toolkit.launch.argv import LOOPBACK, build_trial_argv
+from toolkit.launch.procs import free_port, run_to_completion
 from toolkit.runtime.ds_shm import remove_buffers
+from toolkit.runtime.trial_env import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV
 
 if TYPE_CHECKING:  # the orchestrator imports this module's callers; no cycle at run time
     from toolkit.dsat.orchestrator import Plan, SearchOutcome
@@ -37,8 +39,6 @@ def run_full_experiment(plan: Plan, outcome: SearchOutcome, *, say: Callable[[st
     that is not the batch the user's config implies, the last line says so again
     (``outcome.batch_notice``), since the search's own closing lines are far above by then.
     """
-    from toolkit.dsat.execution.runner import free_port, run_to_completion
-
     directory = plan.output_dir / "full_experiment"
     directory.mkdir(parents=True, exist_ok=True)
     best_path = plan.output_dir / "best_ds_config.json"

@@ -22,8 +22,8 @@ from typing import Any, Mapping
 
 from toolkit.compat.determined import hparams, search, storage
 from toolkit.compat.determined.info import output_dir_for
-from toolkit.compat.determined.launch import torchrun_nproc_override, unwrap_launcher
 from toolkit.errors import ConfigError
+from toolkit.launch.wrappers import torchrun_nproc_override, unwrap_launcher
 
 __all__ = ["plan_run", "RunPlan"]
 

@@ -30,18 +30,18 @@ from typing import Any, Callable, Mapping
 
 from toolkit.compat.determined.info import CONTAINER_PER_RANK_ENV
 from toolkit.compat.determined.wrap_rank import WRAPPED_ENV, shim_pythonpath
-from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV
-from toolkit.dsat.execution.argv import build_trial_argv
-from toolkit.dsat.execution.procs import (
+from toolkit.errors import ConfigError
+from toolkit.launch.argv import build_trial_argv
+from toolkit.launch.procs import (
+    cpu_slots,
     find_trial_processes,
     free_port,
     is_rank_process,
     kill_until_gone,
     scan_processes,
 )
-from toolkit.dsat.execution.settings import cpu_slots
-from toolkit.errors import ConfigError
 from toolkit.run.plan import RunPlan
+from toolkit.runtime.trial_env import EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV
 
 __all__ = ["MARK_ENV", "Forwarder", "check_slots", "environment", "run_once", "signal_targets"]
 

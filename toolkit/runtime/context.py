@@ -39,6 +39,7 @@ from toolkit.runtime.collectives import (
 )
 from toolkit.runtime.ds_shm import share_with_deepspeed
 from toolkit.runtime.launch_env import LaunchInfo, detect_launch
+from toolkit.runtime.trial_oom import install_oom_excepthook
 from toolkit.runtime.worker_signals import protect_dataloader_workers
 
 __all__ = ["DistributedContext", "init_distributed", "get_context", "DEFAULT_TIMEOUT"]
@@ -345,8 +346,6 @@ def _install_process_hooks() -> None:
     does not kill, and inside a dsat trial the hook that reports an out-of-memory error raised
     before the first step (e.g. in ``deepspeed.initialize``) as the trial's "oom". Both are
     idempotent; the second does nothing outside a trial."""
-    from toolkit.dsat.trial.oom import install_oom_excepthook  # local: the trial code loads lazily
-
     protect_dataloader_workers()
     install_oom_excepthook()
 

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from toolkit.dsat.execution.argv import build_trial_argv, world_info
 from toolkit.errors import ConfigError
+from toolkit.launch.argv import build_trial_argv, world_info
 
 PY = sys.executable
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",

@@ -32,9 +32,10 @@ from toolkit.dsat.execution.hosts import (
     read_hostfile,
     slurm_hosts,
 )
-from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner, find_trial_processes
+from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
 from toolkit.dsat.search.types import TrialSpec
 from toolkit.errors import ConfigError
+from toolkit.launch.procs import find_trial_processes
 
 PY = sys.executable
 HOSTFILE = "# two hosts\nworker-0 slots=2\nworker-1 slots=2   # the second\n\n"

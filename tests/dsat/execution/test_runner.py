@@ -17,9 +17,10 @@ import pytest
 
 import procutil
 from toolkit.dsat.contract import METRICS, TrialStatus
-from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner, find_trial_processes
+from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
 from toolkit.dsat.search.types import TrialSpec
 from toolkit.errors import ConfigError
+from toolkit.launch.procs import find_trial_processes
 
 WORKERS = procutil.WORKERS
 MIB = 1024 * 1024
@@ -265,7 +266,7 @@ def test_a_launchers_fork_before_its_exec_is_not_held_to_the_budget():
     # Seen in CI: torchrun's fork of a worker, caught before its exec, showed torchrun's own RSS
     # (222 MiB) and failed a trial of tiny workers. Real processes: a big parent forks a child that
     # waits before exec'ing into a small "rank" (LOCAL_RANK set, as the launchers do).
-    from toolkit.dsat.execution.procs import is_rank_process, rss_bytes, scan_processes
+    from toolkit.launch.procs import is_rank_process, rss_bytes, scan_processes
 
     parent = subprocess.Popen([sys.executable, "-c", _FORK_THEN_EXEC], stdout=subprocess.PIPE, text=True)
     try:
@@ -457,7 +458,7 @@ sys.exit(int(sys.argv[2]))
 @pytest.mark.parametrize("sleep_s, exit_code, timeout_s, expected", [(0, 3, 60, 3), (600, 0, 3.0, 124)])
 def test_run_to_completion_returns_the_status_and_leaves_nothing(tmp_path, monkeypatch, sleep_s, exit_code,
                                                                  timeout_s, expected):
-    from toolkit.dsat.execution.runner import run_to_completion
+    from toolkit.launch.procs import run_to_completion
     script = tmp_path / "job.py"
     script.write_text(FULL_RUN_SCRIPT)
     monkeypatch.setenv("TOOLKIT_DSAT_TRIAL", "/not/a/trial.json")  # never leaks into the full run

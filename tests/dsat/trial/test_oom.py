@@ -10,7 +10,7 @@ import procutil as p
 SCRIPT = textwrap.dedent("""
     import sys
     import toolkit
-    from toolkit.dsat.trial import install_oom_excepthook
+    from toolkit.runtime.trial_oom import install_oom_excepthook
     assert sys.excepthook is sys.__excepthook__, "importing toolkit installed a hook"
     assert install_oom_excepthook() is {in_trial}
     hook = sys.excepthook

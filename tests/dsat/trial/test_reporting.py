@@ -309,7 +309,7 @@ def test_a_peak_over_the_cpu_budget_is_reported_by_the_trial_itself(tmp_path, mo
     # holds a 64 MiB budget that any torch process exceeds. The trial checks its own peak (VmHWM)
     # before it reports, so a trial that ends between two of the runner's polls is still an OOM.
     procutil.clean_launch_env(monkeypatch)
-    from toolkit.dsat.contract import TRIAL_ENV, TRIAL_HPARAMS_ENV
+    from toolkit.runtime.trial_env import TRIAL_ENV, TRIAL_HPARAMS_ENV
     config_path = tmp_path / "ds_config.json"
     config_path.write_text(json.dumps(ds_config(micro_batch=2, stage=1, trial_id=7)))
     hparams = {"deepspeed_config": str(config_path), "steps": END + 2}

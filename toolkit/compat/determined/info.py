@@ -35,8 +35,8 @@ from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
 from toolkit.compat.determined import hparams as hparams_mod
 from toolkit.compat.determined import storage
-from toolkit.dsat.contract import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV
 from toolkit.errors import ConfigError
+from toolkit.runtime.trial_env import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV
 
 __all__ = [
     "ClusterInfo",

@@ -1,33 +1,12 @@
-"""The argv that launches one dsat trial on this machine: pure logic, no processes.
+"""The argv that launches one dsat trial across hosts: pure logic, no processes.
 
-A trial is the experiment's own ``entrypoint`` (``python3 train.py --flag``) started on N local
-processes by torchrun or by DeepSpeed's launcher, with a master port of its own. Only
-:mod:`toolkit.dsat.execution.runner` spawns it.
+A trial whose slots are on a host that is not this machine (see
+:mod:`toolkit.dsat.execution.hosts`) is started by :func:`build_multihost_argv`; a trial on this
+machine by :func:`toolkit.launch.argv.build_trial_argv`, whose rules for the entrypoint (a
+leading interpreter dropped, a launcher it names stripped, Determined's wrappers unwrapped)
+apply here too. Only :mod:`toolkit.dsat.execution.runner` spawns a trial.
 
 Decisions (documented here because tests compare argv lists exactly):
-
-* A leading Python interpreter (``python``, ``python3``, ``python3.11``, ``/usr/bin/python3``)
-  is dropped, together with a ``-u`` after it: both launchers start each rank with this
-  process's own interpreter (``sys.executable``). ``python3 -m pkg.train`` becomes the
-  launcher's module mode. Any other interpreter option is an error (the launchers cannot pass it on).
-* An entrypoint that is not Python (``./train.sh``, ``bash run.sh``) is started as is, through
-  the launcher's no-python mode.
-* An entrypoint that already names a launcher (``torchrun ...``, ``python3 -m
-  torch.distributed.run ...``, ``deepspeed ...``, ``python3 -m deepspeed.launcher.runner ...``)
-  is parsed with that launcher's own argument parser; its options (process counts, hosts,
-  ports) are replaced by the trial's, and its script, arguments and module / no-python mode
-  are kept. Determined's ``determined.launch.*`` wrappers are unwrapped: the command they wrap is
-  what the trial runs.
-* ``deepspeed`` runs ``deepspeed.launcher.launch`` directly, the per-node launcher that
-  DeepSpeed's ``deepspeed`` command itself runs for a single host: no hostfile lookup, no
-  ssh/pdsh, no device count (which is the number of NUMA nodes on CPU). ``--world_info``
-  lists the local slots (``{"localhost": [0, 1]}``, or the GPU ids of ``include``), which the
-  launcher writes into ``CUDA_VISIBLE_DEVICES`` of each rank. ``--no_local_rank``: the rank
-  comes from the environment (``LOCAL_RANK``), as under torchrun, so scripts need no
-  ``--local_rank`` argument.
-
-Across hosts (:func:`build_multihost_argv`, used when a trial's slots are on a host that is not
-this machine, see :mod:`toolkit.dsat.execution.hosts`):
 
 * ``pdsh``, ``openmpi``, ``mvapich``, ``mpich``, ``impi``: DeepSpeed's own multinode runner,
   ``python -m deepspeed.launcher.runner --hostfile TRIAL_HOSTFILE`` with the trial's hosts only,
@@ -50,15 +29,13 @@ this machine, see :mod:`toolkit.dsat.execution.hosts`):
 
 Example::
 
-    >>> build_trial_argv(["python3", "train.py", "--flag"], launcher="torchrun", nproc=2,
-    ...                  master_port=29511)[3:]
-    ['--nproc_per_node', '2', '--master_addr', '127.0.0.1', '--master_port', '29511', 'train.py', '--flag']
+    >>> build_multihost_argv(["python3", "train.py"], placement={"w0": [0], "w1": [0]}, via="srun",
+    ...                      master_port=29511)[:3]
+    ['srun', '--nodes=2', '--ntasks=2']
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import os
 import re
 import shlex
@@ -66,154 +43,17 @@ import sys
 from typing import Mapping, Sequence
 
 from toolkit._checks import is_int
-from toolkit.errors import ConfigError
+from toolkit.launch.argv import DEEPSPEED_MODE_FLAGS, parse_entrypoint
 
-__all__ = ["LAUNCHERS", "LOOPBACK", "MULTIHOST_LAUNCHERS", "PDSH_RUNNER_MODULE", "build_trial_argv",
-           "build_multihost_argv", "build_remote_kill_argv", "pdsh_remote_command", "world_info"]
+__all__ = ["MULTIHOST_LAUNCHERS", "PDSH_RUNNER_MODULE", "build_multihost_argv", "build_remote_kill_argv",
+           "pdsh_remote_command"]
 
-#: Launchers a trial can be started with.
-LAUNCHERS = ("torchrun", "deepspeed")
 #: Launchers of a trial across hosts: DeepSpeed's multinode runners, or ``srun``.
 MULTIHOST_LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "srun")
-#: The rendezvous address of a trial on this machine.
-LOOPBACK = "127.0.0.1"
 #: DeepSpeed's multinode runner with a quoted pdsh command (``python -m``; same options).
 PDSH_RUNNER_MODULE = "toolkit.dsat.execution.pdsh_launch"
 
-_PYTHON = re.compile(r"python(\d+(\.\d+)*)?")
-_TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
-_DEEPSPEED_MODULES = ("deepspeed.launcher.runner",)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-
-def world_info(include: str | None, nproc: int) -> str:
-    """DeepSpeed's ``--world_info``: base64 of ``{"localhost": [slot ids]}``. Any process.
-
-    Args:
-        include: ``"localhost:2,3"`` (DeepSpeed's ``--include`` syntax, one host) or None for
-            slots ``0..nproc-1``.
-        nproc: processes to start; must match the number of ids in ``include``.
-    """
-    if include is None:
-        slots = list(range(nproc))
-    else:
-        host, _, ids = include.partition(":")
-        if host != "localhost" or not ids or "@" in include:
-            raise ValueError(f"include={include!r}: expected 'localhost:ID[,ID...]' (one machine), "
-                             "e.g. 'localhost:0,1'")
-        try:
-            slots = [int(part) for part in ids.split(",")]
-        except ValueError:
-            raise ValueError(f"include={include!r}: slot ids must be integers, e.g. "
-                             "'localhost:0,1'") from None
-        if len(slots) != nproc or len(set(slots)) != nproc or min(slots) < 0:
-            raise ValueError(f"include={include!r} names {len(set(slots))} distinct slot(s) >= 0, "
-                             f"but nproc={nproc}: give exactly one id per process")
-    payload = json.dumps({"localhost": slots}).encode("utf-8")
-    return base64.urlsafe_b64encode(payload).decode("utf-8")
-
-
-def _split_entrypoint(entrypoint: Sequence[str]) -> tuple[str, str, list[str]]:
-    """(mode, target, args) with mode "script", "module" or "exec" (not Python)."""
-    argv = list(entrypoint)
-    if _PYTHON.fullmatch(os.path.basename(argv[0])) or argv[0] == sys.executable:
-        rest = argv[1:]
-        while rest and rest[0] == "-u":
-            rest = rest[1:]
-        if not rest:
-            raise ConfigError(f"entrypoint={list(entrypoint)!r}: the interpreter has no script; "
-                              "expected e.g. 'python3 train.py'")
-        if rest[0] == "-m":
-            if len(rest) < 2:
-                raise ConfigError(f"entrypoint={list(entrypoint)!r}: '-m' needs a module name")
-            return "module", rest[1], rest[2:]
-        if rest[0].startswith("-"):
-            raise ConfigError(f"entrypoint={list(entrypoint)!r}: interpreter option {rest[0]!r} cannot be "
-                              "passed through the trial launcher; remove it (only -u and -m are understood)")
-        return "script", rest[0], rest[1:]
-    if argv[0].endswith(".py"):
-        return "script", argv[0], argv[1:]
-    return "exec", argv[0], argv[1:]
-
-
-def _unwrap_launcher(mode: str, target: str, args: list[str], entrypoint: Sequence[str]
-                     ) -> tuple[str, str, list[str]]:
-    """Strip a launcher named in the entrypoint, keeping its script, args and mode."""
-    name = os.path.basename(target)
-    if (mode == "exec" and name == "torchrun") or (mode == "module" and target in _TORCHRUN_MODULES):
-        from torch.distributed.run import get_args_parser  # heavy import, only for this case
-
-        parsed = get_args_parser().parse_args(args)
-        inner = "module" if parsed.module else "exec" if parsed.no_python else "script"
-        return inner, parsed.training_script, list(parsed.training_script_args)
-    if (mode == "exec" and name == "deepspeed") or (mode == "module" and target in _DEEPSPEED_MODULES):
-        from deepspeed.launcher.runner import parse_args  # heavy import, only for this case
-
-        parsed = parse_args(args)
-        inner = "module" if parsed.module else "exec" if parsed.no_python else "script"
-        return inner, parsed.user_script, list(parsed.user_args)
-    if mode == "module" and target.startswith("determined.launch"):
-        # Determined's wrappers (deepspeed, torch_distributed, wrap_rank): the command they wrap is
-        # what a trial runs; dsat's own --launcher starts it.
-        from toolkit.compat.determined.launch import unwrap_launcher  # pure, no cycle
-
-        _launcher, _overrides, command = unwrap_launcher(list(entrypoint))
-        return _split_entrypoint(command)
-    return mode, target, args
-
-
-def build_trial_argv(entrypoint: Sequence[str], *, launcher: str, nproc: int, master_port: int,
-                     include: str | None = None) -> list[str]:
-    """The argv that starts ``entrypoint`` on ``nproc`` local processes. Pure; any process.
-
-    Args:
-        entrypoint: the experiment's entrypoint as an argv list, e.g. ``["python3", "train.py"]``
-            (see :func:`toolkit.config.experiment.entrypoint_argv`).
-        launcher: ``"torchrun"`` or ``"deepspeed"``.
-        nproc: processes (slots) of the trial.
-        master_port: the trial's own rendezvous port on 127.0.0.1.
-        include: ``deepspeed`` only: the GPU ids as ``"localhost:2,3"``; under torchrun GPUs are
-            chosen with ``CUDA_VISIBLE_DEVICES`` alone, so passing it there is an error.
-
-    Returns:
-        A new argv list starting with ``sys.executable``; never run through a shell.
-
-    Raises:
-        ConfigError: the entrypoint cannot be launched (empty, interpreter options,
-            Determined's launcher).
-        ValueError: a bad ``launcher``, ``nproc``, ``master_port`` or ``include``.
-
-    Example::
-
-        argv = build_trial_argv(["python3", "train.py"], launcher="deepspeed", nproc=2,
-                                master_port=29512, include="localhost:0,1")
-        subprocess.Popen(argv, start_new_session=True)       # the runner does this
-    """
-    if isinstance(entrypoint, str) or not entrypoint or not all(isinstance(p, str) and p for p in entrypoint):
-        raise ConfigError(f"entrypoint={entrypoint!r}: expected a non-empty list of non-empty strings, "
-                          "e.g. ['python3', 'train.py']")
-    if launcher not in LAUNCHERS:
-        raise ValueError(f"launcher={launcher!r}: expected one of {', '.join(LAUNCHERS)}")
-    if not is_int(nproc) or nproc < 1:
-        raise ValueError(f"nproc={nproc!r}: expected an integer >= 1")
-    if not is_int(master_port) or not 1 <= master_port <= 65535:
-        raise ValueError(f"master_port={master_port!r}: expected an integer port in 1..65535")
-    if include is not None and launcher != "deepspeed":
-        raise ValueError(f"include={include!r} is only understood by the deepspeed launcher; under "
-                         "torchrun the runner selects GPUs with CUDA_VISIBLE_DEVICES")
-
-    mode, target, args = _unwrap_launcher(*_split_entrypoint(entrypoint), entrypoint)
-    if launcher == "torchrun":
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_addr", LOOPBACK, "--master_port", str(master_port)]
-        argv += {"module": ["--module"], "exec": ["--no-python"], "script": []}[mode]
-    else:
-        argv = [sys.executable, "-m", "deepspeed.launcher.launch",
-                f"--world_info={world_info(include, nproc)}",
-                f"--master_addr={LOOPBACK}", f"--master_port={master_port}", "--no_local_rank"]
-        argv += {"module": ["--module"], "exec": ["--no_python"], "script": []}[mode]
-    return argv + [target] + args
 
 
 def _check_placement(placement: Mapping[str, Sequence[int]]) -> None:
@@ -233,7 +73,7 @@ def build_multihost_argv(entrypoint: Sequence[str], *, placement: Mapping[str, S
     """The argv that starts ``entrypoint`` on the hosts of ``placement``. Pure; any process.
 
     Args:
-        entrypoint: as for :func:`build_trial_argv`.
+        entrypoint: as for :func:`toolkit.launch.argv.build_trial_argv`.
         placement: host -> slot ids, in rank order (from :func:`toolkit.dsat.execution.hosts.place_trial`).
         via: one of :data:`MULTIHOST_LAUNCHERS`.
         master_port: the trial's own rendezvous port on the first host.
@@ -255,9 +95,6 @@ def build_multihost_argv(entrypoint: Sequence[str], *, placement: Mapping[str, S
         argv = build_multihost_argv(["python3", "train.py"], placement={"w0": [0, 1], "w1": [0, 1]},
                                     via="pdsh", master_port=29512, hostfile="trial_7/hostfile")
     """
-    if isinstance(entrypoint, str) or not entrypoint or not all(isinstance(p, str) and p for p in entrypoint):
-        raise ConfigError(f"entrypoint={entrypoint!r}: expected a non-empty list of non-empty strings, "
-                          "e.g. ['python3', 'train.py']")
     if via not in MULTIHOST_LAUNCHERS:
         raise ValueError(f"via={via!r}: expected one of {', '.join(MULTIHOST_LAUNCHERS)}")
     _check_placement(placement)
@@ -265,14 +102,14 @@ def build_multihost_argv(entrypoint: Sequence[str], *, placement: Mapping[str, S
         raise ValueError(f"master_port={master_port!r}: expected an integer port in 1..65535")
     if ssh_port is not None and (not is_int(ssh_port) or not 1 <= ssh_port <= 65535):
         raise ValueError(f"ssh_port={ssh_port!r}: expected an integer port in 1..65535, or None")
-    mode, target, args = _unwrap_launcher(*_split_entrypoint(entrypoint), entrypoint)
+    mode, target, args = parse_entrypoint(entrypoint)
     if via == "srun":
         return _srun_argv(placement, master_port=master_port, gpus=gpus) + _srun_command(mode, target) + args
     if hostfile is None or not os.fspath(hostfile):
         raise ValueError(f"via={via!r} needs the trial's hostfile (hostfile=None given)")
     argv = _deepspeed_runner_argv(placement, via=via, master_port=master_port, hostfile=hostfile,
                                   ssh_port=ssh_port)
-    argv += {"module": ["--module"], "exec": ["--no_python"], "script": []}[mode]
+    argv += DEEPSPEED_MODE_FLAGS[mode]
     return argv + [target] + args
 
 

@@ -1,7 +1,7 @@
 """Run dsat trials as real processes: launch, watch, classify, and leave nothing behind.
 
 The only module of toolkit that spawns trials. Each trial is the experiment's entrypoint started by
-torchrun or DeepSpeed's launcher (:func:`toolkit.dsat.execution.argv.build_trial_argv`) on its
+torchrun or DeepSpeed's launcher (:func:`toolkit.launch.argv.build_trial_argv`) on its
 slots, in ``output_dir/trials/trial_<id>/`` (``ds_config.json``, ``hparams.json``, ``trial.json``,
 ``stdout.log``, ``stderr.log``, ``result.json``, and ``output/`` for the trial's own files).
 
@@ -34,42 +34,34 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from toolkit._files import atomic_write_json
-from toolkit.dsat.contract import (
-    EXPERIMENT_CONFIG_ENV,
-    OUTPUT_DIR_ENV,
-    TRIAL_ENV,
-    TRIAL_HPARAMS_ENV,
-    TrialStatus,
-    trial_hparams,
-)
-from toolkit.dsat.execution.argv import (
-    LOOPBACK,
-    build_multihost_argv,
-    build_remote_kill_argv,
-    build_trial_argv,
-)
+from toolkit.dsat.contract import TrialStatus, trial_hparams
+from toolkit.dsat.execution.argv import build_multihost_argv, build_remote_kill_argv
 from toolkit.dsat.execution.classify import classify
 from toolkit.dsat.execution.hosts import format_include
-from toolkit.dsat.execution.procs import (
-    RUN_ENV,
+from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV, RunnerSettings
+from toolkit.dsat.execution.slots import SlotPool, Slots, device_ids
+from toolkit.dsat.search.types import TrialResult, TrialSpec
+from toolkit.launch.argv import LOOPBACK, build_trial_argv
+from toolkit.launch.procs import (
     block_interrupts,
     find_trial_processes,
     free_port,
     is_rank_process,
     kill_until_gone,
     rss_bytes,
-    run_to_completion,
     scan_processes,
     unblock_interrupts,
 )
-from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV, RunnerSettings
-from toolkit.dsat.execution.slots import SlotPool, Slots, device_ids
-from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.runtime.ds_shm import remove_buffers
 from toolkit.runtime.op_builds import builders_for, clear_dead_locks, load_ops
+from toolkit.runtime.trial_env import (
+    EXPERIMENT_CONFIG_ENV,
+    OUTPUT_DIR_ENV,
+    TRIAL_ENV,
+    TRIAL_HPARAMS_ENV,
+)
 
-__all__ = ["RunnerSettings", "TrialRunner", "find_trial_processes", "free_port", "run_to_completion",
-           "RUN_ENV"]
+__all__ = ["RunnerSettings", "TrialRunner"]
 
 logger = logging.getLogger(__name__)
 

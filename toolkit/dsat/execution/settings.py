@@ -18,12 +18,14 @@ from pathlib import Path
 
 from toolkit._checks import int_problem, is_int, is_number
 from toolkit.dsat.contract import TrialContract
-from toolkit.dsat.execution.argv import LAUNCHERS, MULTIHOST_LAUNCHERS, build_trial_argv
+from toolkit.dsat.execution.argv import MULTIHOST_LAUNCHERS
 from toolkit.dsat.execution.hosts import Host, place_trial
 from toolkit.errors import ConfigError
+from toolkit.launch.argv import LAUNCHERS, build_trial_argv
+from toolkit.launch.procs import cpu_slots
 
 __all__ = ["CPU_ALLOCATOR_ENV", "CPU_MEMORY_FRACTION", "CPU_MEMORY_RESERVE", "RunnerSettings",
-           "WINDOW_STEPS_FACTOR", "available_memory_bytes", "cpu_slots", "default_memory_per_slot"]
+           "WINDOW_STEPS_FACTOR", "available_memory_bytes", "default_memory_per_slot"]
 
 #: The CPU default of ``--memory-per-slot``: this fraction of the memory available when dsat
 #: starts, less this reserve for the system, the autotuner and the launchers, shared by the slots.
@@ -42,12 +44,6 @@ WINDOW_STEPS_FACTOR = 4
 #: initial 128 KiB, the peak grows linearly and the memory model's predictions hold; set it in
 #: your own launches of the tuned config for the same memory.
 CPU_ALLOCATOR_ENV = (("MALLOC_MMAP_THRESHOLD_", str(128 * 1024)),)
-
-
-def cpu_slots() -> int:
-    """The CPU slots of this machine: its CPU cores (``os.cpu_count()``, dsat's default
-    ``--max-slots`` on CPU). A trial on CPU runs at most this many processes here. Any process."""
-    return os.cpu_count() or 1
 
 
 def default_memory_per_slot(available_bytes: int, *, slots: int) -> int:

@@ -4,11 +4,10 @@ library (``toolkit.dsat_reporting_context``); never imports the tuner; changes n
 * :mod:`~toolkit.dsat.trial.reporting`: the reporting context, the one dsat line of a loop;
 * :mod:`~toolkit.dsat.trial.session`: times the steps, writes the result, ends the trial;
 * :mod:`~toolkit.dsat.trial.profiling`: what the profiling trial measures in its first step;
-* :mod:`~toolkit.dsat.trial.oom`: an out-of-memory error reported as the trial's result (its
-  excepthook is installed explicitly, by :func:`install_oom_excepthook`).
+* :mod:`~toolkit.dsat.trial.oom`: an out-of-memory error in a step ends the trial as ``"oom"``
+  (an uncaught one is reported by :mod:`toolkit.runtime.trial_oom`'s excepthook).
 """
 
-from toolkit.dsat.trial.oom import install_oom_excepthook
 from toolkit.dsat.trial.reporting import dsat_reporting_context
 
-__all__ = ["dsat_reporting_context", "install_oom_excepthook"]
+__all__ = ["dsat_reporting_context"]

@@ -48,7 +48,7 @@ Outside a trial (:data:`~toolkit.dsat.contract.TRIAL_ENV` unset) it returns one 
   :data:`~toolkit.dsat.contract.OOM_EXIT_STATUS` at once (``os._exit``: after an OOM the other
   ranks may never reach a collective, so no teardown is attempted). One that escapes uncaught
   elsewhere (typically ``deepspeed.initialize`` placing model states that do not fit) is written
-  as ``"oom"`` too, by the excepthook of :func:`toolkit.dsat.trial.oom.install_oom_excepthook`,
+  as ``"oom"`` too, by the excepthook of :func:`toolkit.runtime.trial_oom.install_oom_excepthook`,
   which :func:`toolkit.init_distributed` and the first reporting context of a trial install
   (importing toolkit changes nothing).
 
@@ -70,9 +70,10 @@ import contextlib
 import os
 from typing import Any
 
-from toolkit.dsat.contract import OOM_EXIT_STATUS, TRIAL_ENV, TrialContract
-from toolkit.dsat.trial.oom import install_oom_excepthook
+from toolkit.dsat.contract import OOM_EXIT_STATUS, TrialContract
 from toolkit.dsat.trial.session import TrialSession
+from toolkit.runtime.trial_env import TRIAL_ENV
+from toolkit.runtime.trial_oom import install_oom_excepthook
 
 __all__ = ["dsat_reporting_context", "instrumentation_overrides", "OOM_EXIT_STATUS"]
 

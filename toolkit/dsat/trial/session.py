@@ -22,11 +22,13 @@ import time
 from typing import Any, Callable, Iterator, NoReturn
 
 from toolkit._files import atomic_write_json
-from toolkit.dsat.contract import TRIAL_ENV, TrialContract
+from toolkit.dsat.contract import TrialContract
 from toolkit.dsat.trial import profiling
-from toolkit.dsat.trial.oom import exit_on_oom, is_crashing, is_oom
+from toolkit.dsat.trial.oom import exit_on_oom
 from toolkit.dsat.trial.profiling import ProfileProbe
 from toolkit.errors import LaunchEnvError
+from toolkit.runtime.trial_env import TRIAL_ENV
+from toolkit.runtime.trial_oom import is_crashing, is_oom
 
 __all__ = ["TrialSession", "extra_timed_steps", "read_contract", "reduce_metrics"]
 

@@ -30,8 +30,9 @@ import toolkit
 from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
 from toolkit.compat.determined.core.distributed import DistributedContext
-from toolkit.dsat.contract import TRIAL_ENV, TrialContract
+from toolkit.dsat.contract import TrialContract
 from toolkit.errors import ConfigError
+from toolkit.runtime.trial_env import TRIAL_ENV
 
 __all__ = ["SearcherContext", "SearcherOperation", "SearcherMode", "Unit", "SEARCHER_FILE"]
 

@@ -29,8 +29,8 @@ from typing import Any, Mapping
 
 import toolkit
 from toolkit.bounded_load import load_json
-from toolkit.dsat.contract import TRIAL_ENV
 from toolkit.errors import ConfigError
+from toolkit.runtime.trial_env import TRIAL_ENV
 
 __all__ = ["get_ds_config_from_hparams", "dsat_reporting_context", "find_engine"]
 

@@ -2,11 +2,12 @@
 
 torchrun starts each worker in a session of its own (``start_new_session=True`` in torch's
 subprocess handler), so killing a launcher's process group does not reach its workers, and a
-SIGKILLed launcher leaves them orphaned. Every process the autotuner starts therefore carries a
-marker in its environment (``TOOLKIT_DSAT_TRIAL`` for trials, ``TOOLKIT_DSAT_RUN`` for other
-runs); this module finds processes by that marker and by parentage in ``/proc``.
+SIGKILLed launcher leaves them orphaned. Every process dsat and ``python -m toolkit.run`` start
+therefore carries a marker in its environment (``TOOLKIT_DSAT_TRIAL`` for trials,
+``TOOLKIT_DSAT_RUN`` or toolkit.run's own mark for other runs); this module finds processes by
+that marker and by parentage in ``/proc``.
 
-Autotuner process only (rank 0 of nothing: it is not part of any training job).
+Launcher process only (dsat's autotuner, toolkit.run: not part of any training job).
 """
 
 from __future__ import annotations
@@ -21,16 +22,21 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from toolkit.dsat.contract import OUTPUT_DIR_ENV, RUN_ENV, TRIAL_ENV
+from toolkit.runtime.trial_env import OUTPUT_DIR_ENV, RUN_ENV, TRIAL_ENV
 
-__all__ = ["RUN_ENV", "block_interrupts", "find_trial_processes", "free_port", "is_rank_process",
+__all__ = ["block_interrupts", "cpu_slots", "find_trial_processes", "free_port", "is_rank_process",
            "kill_until_gone", "rss_bytes", "run_to_completion", "scan_processes", "unblock_interrupts"]
 
 logger = logging.getLogger(__name__)
 
 _GIVE_UP_S = 15.0   # after SIGKILL: a process in uninterruptible sleep may take a while
-#: Marks the processes of a job started by :func:`run_to_completion` (the full experiment); not a
-#: trial, so :func:`toolkit.dsat_reporting_context` stays a no-op there.
+
+
+def cpu_slots() -> int:
+    """The CPU slots of this machine: its CPU cores (``os.cpu_count()``, dsat's default
+    ``--max-slots`` on CPU). A job on CPU runs at most this many processes here. Any process."""
+    return os.cpu_count() or 1
+
 
 def scan_processes() -> dict[int, tuple[int, bytes]]:
     """Live (non-zombie) processes we may read: pid -> (ppid, environ bytes)."""
@@ -151,7 +157,7 @@ def run_to_completion(argv: list[str], *, cwd: Path, env: Mapping[str, str] | No
     re-raised), and when its launcher exits leaving orphans.
 
     Args:
-        argv: from :func:`toolkit.dsat.execution.argv.build_trial_argv`; never run through a shell.
+        argv: from :func:`toolkit.launch.argv.build_trial_argv`; never run through a shell.
         cwd: working directory (the model directory).
         env: variables added to this process's environment; ``TOOLKIT_OUTPUT_DIR`` defaults to
             ``log_dir/output`` so that the job never touches the user's own runs.

@@ -94,7 +94,7 @@ def test_a_build_running_in_the_ops_directory_holds_its_lock(tmp_path):
     holder = _holder("pass", cwd=lock.parent)   # what ninja and its compilers look like
     try:
         state = judge_lock(lock)
-        assert state.kind == "held" and "builds in it" in state.detail
+        assert state.kind == "held" and "a build runs in its directory" in state.detail
     finally:
         holder.kill()
         holder.wait(10)

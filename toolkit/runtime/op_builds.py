@@ -88,16 +88,30 @@ def extensions_root() -> Path:
 
 
 def _command(pid: str) -> str:
+    """The process's program and first argument, short (``python3 train.py``, ``ninja -v``)."""
     try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return "?"
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:200] or "?"
+    words = [w.decode(errors="replace") for w in raw if w][:2]
+    return " ".join([os.path.basename(words[0]), *(w[:60] for w in words[1:])]) if words else "?"
 
 
-def _local_holders(lock: Path) -> tuple[list[str], bool]:
+def _describe(holders: list[tuple[str, str, str]]) -> str:
+    """One short line for the holders: who holds the file, and how many processes build."""
+    parts = [f"pid {pid} holds it ({cmd})" for pid, how, cmd in holders if how == "holds"]
+    builders = [(pid, cmd) for pid, how, cmd in holders if how == "builds"]
+    if builders:
+        pid, cmd = builders[0]
+        more = f" and {len(builders) - 1} more" if len(builders) > 1 else ""
+        parts.append(f"a build runs in its directory (pid {pid}: {cmd}{more})")
+    return "; ".join(parts)
+
+
+def _local_holders(lock: Path) -> tuple[list[tuple[str, str, str]], bool]:
     """Processes of this machine that hold ``lock`` open or work inside its directory (ninja and the
-    compilers it starts), each described; and whether every process could be looked at."""
+    compilers it starts), as (pid, "holds" or "builds", command); and whether every process could
+    be looked at."""
     lock_path, build_dir = os.path.realpath(lock), os.path.realpath(lock.parent)
     holders, complete = [], True
     for pid in os.listdir("/proc"):
@@ -106,7 +120,7 @@ def _local_holders(lock: Path) -> tuple[list[str], bool]:
         try:
             cwd = os.readlink(f"/proc/{pid}/cwd")
             if cwd == build_dir or cwd.startswith(build_dir + os.sep):
-                holders.append(f"pid {pid} builds in it ({_command(pid)})")
+                holders.append((pid, "builds", _command(pid)))
                 continue
             fds = os.listdir(f"/proc/{pid}/fd")
         except PermissionError:
@@ -117,7 +131,7 @@ def _local_holders(lock: Path) -> tuple[list[str], bool]:
         for fd in fds:
             with contextlib.suppress(OSError):
                 if os.readlink(f"/proc/{pid}/fd/{fd}") == lock_path:
-                    holders.append(f"pid {pid} holds it ({_command(pid)})")
+                    holders.append((pid, "holds", _command(pid)))
                     break
     return holders, complete
 
@@ -161,7 +175,7 @@ def judge_lock(lock: Path) -> LockState:
         return LockState("unseen", "this system has no /proc to find its holder in", ident)
     holders, complete = _local_holders(lock)
     if holders:
-        return LockState("held", "; ".join(holders), ident)
+        return LockState("held", _describe(holders), ident)
     host = _recorded_host(lock)
     if host and host != socket.gethostname():
         return LockState("unseen", f"it was taken on host {host}", ident)

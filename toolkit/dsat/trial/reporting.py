@@ -11,7 +11,7 @@ training step::
             engine.backward(loss)
             engine.step()
 
-Outside a trial (:data:`~toolkit.dsat.contract.TRIAL_ENV` unset) it returns one shared
+Outside a trial (:data:`~toolkit.runtime.trial_env.TRIAL_ENV` unset) it returns one shared
 ``contextlib.nullcontext`` and never touches the engine. Inside a trial, on every rank:
 
 * The step's position decides its role: without ``steps_completed``, the calls of the context

@@ -13,6 +13,7 @@ from toolkit.config.deepspeed import load_json_strict, zero_stage
 from toolkit.errors import ConfigError
 
 TBS, MBS, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
+ADAM = {"type": "Adam", "params": {"lr": 1e-3}}
 
 
 # ---------------------------------------------------------------- strict JSON and merge
@@ -241,8 +242,8 @@ def test_resolve_property_relation_holds_and_is_idempotent(mbs, gas, dp, _unused
      "zero_optimization.offload_param.nvme_path is missing"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, {},
      "partial offloading needs ZeRO stage 3"),
-    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, {"device": "cuda:0"},
-     "judged for device cuda:0"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}, "optimizer": ADAM},
+     {"device": "cuda:0"}, "judged for device cuda:0"),
     ({"zero_optimization": {"stage": 2, "offload_optimiser": {"device": "cpu"}}}, {},
      "zero_optimization.offload_optimiser: DeepSpeed refuses keys it does not know in this section; did you "
      "mean 'offload_optimizer'?"),
@@ -318,6 +319,11 @@ def test_nvme_offload_without_libaio_names_the_machine(monkeypatch):
     ({"zero_optimization": {"stage": 1, "cpu_offload_param": True}}, {},
      "zero_optimization.offload_param (device 'cpu') is ignored at stage 1"),
     ({"zero_optimization": {"stage": "1"}}, {}, "zero_optimization.stage='1' is not an integer"),
+    # torch's SGD has no DeepSpeed CPU kernel: at stage 0 the offload is simply ignored, on any device
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}},
+      "optimizer": {"type": "SGD"}}, {"device": "cuda:0"}, "at stage 0 offloads nothing"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, {},
+     "with no optimizer section: DeepSpeed accepts only a DeepSpeedCPUAdam or DeepSpeedCPULion"),
     ({"fp16": {"enabled": "auto"}}, {}, "fp16.enabled='auto' is unresolved: DeepSpeed drops it"),
 ])
 def test_each_ignored_setting_warns(config, kwargs, fragment):
@@ -330,10 +336,12 @@ def test_valid_configs_pass():
     for config, kwargs in [
         ({"zero_optimization": {"stage": 1}}, {"pipeline": True}),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"},
-                                "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}}, {}),
-        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, {}),
+                                "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}},
+          "optimizer": ADAM}, {}),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "optimizer": ADAM}, {}),
         # HelloDeepSpeed's config: optimizer offload at stage 1 (DeepSpeed runs it)
-        ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, {"device": "cpu"}),
+        ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}, "optimizer": ADAM},
+         {"device": "cpu"}),
         ({"fp16": {"enabled": True}}, {"device": "cuda:0"}),
         ({"optimizer": {"type": "Lamb", "params": {"lr": 0.1}}}, {"device": "cuda:0"}),
         ({"bf16": {"enabled": True}}, {"device": "cpu"}),

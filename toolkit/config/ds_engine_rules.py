@@ -32,7 +32,7 @@ from toolkit.config.ds_schema import (
 )
 
 __all__ = ["checkpoint_problems", "communication_problems", "cpu_supports_fp16", "device_kind",
-           "libaio_found", "optimizer_rules", "scheduler_problems", "unknown_key_sentence"]
+           "libaio_found", "optimizer_name", "optimizer_rules", "scheduler_problems", "unknown_key_sentence"]
 
 _ADAM_READ_FIRST = ("adam_w_mode", "torch_adam", "fp32_optimizer_states")
 _WARMUP_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
@@ -64,6 +64,16 @@ def unknown_key_sentence(path: str, known: Any) -> str:
     close = difflib.get_close_matches(path.rsplit(".", 1)[-1], sorted(known), n=1, cutoff=0.7)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"{path}: DeepSpeed refuses keys it does not know in this section{hint}"
+
+
+def optimizer_name(ds_config: Mapping[str, Any]) -> str | None:
+    """The optimizer DeepSpeed builds from the config: a DeepSpeed name lower-cased, a torch.optim
+    name as written; None when the config names none (the script passes its own)."""
+    section = ds_config.get("optimizer")
+    kind = section.get("type") if is_mapping(section) else None
+    if not isinstance(kind, str):
+        return None
+    return kind.lower() if kind.lower() in DS_OPTIMIZERS else kind
 
 
 def _torch_attr(module: str, name: str) -> Any:

@@ -28,6 +28,7 @@ from toolkit.config.ds_engine_rules import (
     cpu_supports_fp16,
     device_kind,
     libaio_found,
+    optimizer_name,
     optimizer_rules,
     scheduler_problems,
     unknown_key_sentence,
@@ -192,16 +193,9 @@ def _zero_rules(ds_config: Mapping[str, Any], *, pipeline: bool, device: Any, pr
         notes.append(f"zero_optimization.offload_param (device {param_dev!r}) is ignored at stage {stage}: "
                      "only ZeRO stage 3 offloads parameters; set stage 3 or remove offload_param")
     kind = device_kind(device)
-    if opt_dev != "none" and stage == 0:
-        if kind not in (None, "cpu"):
-            problems.append(f"zero_optimization.offload_optimizer (device {opt_dev!r}) at stage 0, judged "
-                            f"for device {device}: stage 0 offloads nothing, and the CPU optimizer DeepSpeed "
-                            f"then builds refuses parameters on {kind}; use stage 1, 2 or 3, or remove "
-                            "offload_optimizer")
-        else:
-            notes.append(f"zero_optimization.offload_optimizer (device {opt_dev!r}) at stage 0 offloads "
-                         "nothing (stage 0 partitions nothing; DeepSpeed only switches to its CPU "
-                         "optimizer); use stage 1, 2 or 3 to offload, or remove offload_optimizer")
+    if opt_dev != "none":
+        _optimizer_offload_rules(ds_config, stage=stage, opt_dev=opt_dev, device=device, problems=problems,
+                                 notes=notes)
     if opt_dev == "nvme" and stage in (1, 2):
         notes.append(f"zero_optimization.offload_optimizer.device='nvme' at stage {stage} keeps the "
                      "optimizer state in CPU memory (stages 1 and 2 offload to cpu only); set stage 3 for "
@@ -226,6 +220,31 @@ def _zero_rules(ds_config: Mapping[str, Any], *, pipeline: bool, device: Any, pr
         problems.append(f"zero_optimization.compute_grad_norm=false with stage {stage}: DeepSpeed supports "
                         "it with ZeRO stage 1 or 2 only; remove it or change the stage")
     return stage, zero, opt_dev
+
+
+def _optimizer_offload_rules(ds_config: Mapping[str, Any], *, stage: int, opt_dev: str, device: Any,
+                             problems: list[str], notes: list[str]) -> None:
+    """An optimizer offload makes DeepSpeed build its CPU optimizer kernels at every stage
+    (``zero_use_cpu_optimizer``): at stage 0 nothing is partitioned, and a GPU's parameters are
+    refused by those kernels; a script's own optimizer is refused unless it is one of them."""
+    name = optimizer_name(ds_config)
+    params = ds_config["optimizer"].get("params") if name is not None else None
+    torch_adam = is_mapping(params) and bool(params.get("torch_adam"))
+    cpu_kernel = name in ("adagrad", "lion") or (name in ("adam", "adamw") and not torch_adam)
+    kind = device_kind(device)
+    if stage == 0 and cpu_kernel and kind not in (None, "cpu"):
+        problems.append(f"zero_optimization.offload_optimizer (device {opt_dev!r}) at stage 0, judged for "
+                        f"device {device}: stage 0 offloads nothing, and the CPU optimizer DeepSpeed then "
+                        f"builds refuses parameters on {kind}; use stage 1, 2 or 3, or remove "
+                        "offload_optimizer")
+    elif stage == 0:
+        notes.append(f"zero_optimization.offload_optimizer (device {opt_dev!r}) at stage 0 offloads nothing "
+                     "(stage 0 partitions nothing; DeepSpeed only switches to its CPU optimizer); use stage "
+                     "1, 2 or 3 to offload, or remove offload_optimizer")
+    if name is None and ds_config.get("zero_force_ds_cpu_optimizer", True) is not False:
+        notes.append(f"zero_optimization.offload_optimizer (device {opt_dev!r}) with no optimizer section: "
+                     "DeepSpeed accepts only a DeepSpeedCPUAdam or DeepSpeedCPULion from the script, unless "
+                     "zero_force_ds_cpu_optimizer is false; add an optimizer section or pass one of those")
 
 
 def _enabled(ds_config: Mapping[str, Any], *keys: str) -> bool:

@@ -148,6 +148,10 @@ def optimizer_rules(ds_config: Mapping[str, Any], *, stage: int, cpu_optimizer: 
         problems.append("optimizer.params.max_grad_norm: DeepSpeed refuses it as an optimizer parameter; set "
                         "the top-level gradient_clipping instead")
     kernel, allowed = _optimizer_kernel(name, kind, params, cpu_optimizer)
+    if kernel in ("FusedAdam", "DeepSpeedCPUAdam") and params.get("amsgrad"):
+        problems.append(f"optimizer.params.amsgrad={params['amsgrad']!r}: {kernel}, the optimizer DeepSpeed "
+                        "builds here, does not support AMSGrad; set torch_adam: true (torch's Adam has it) "
+                        "or remove amsgrad")
     if device_kind(device) == "cpu" and kernel in ("FusedLamb", "FusedLion"):
         problems.append(f"optimizer.type={kind!r}, judged for device cpu: DeepSpeed builds {kernel}, which "
                         "has no CPU kernel (it runs on a GPU); use Adam or AdamW"

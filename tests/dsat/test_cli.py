@@ -203,17 +203,17 @@ def test_bisect_tolerance_reaches_the_search_settings(tmp_path, flags, expected)
         ),
         ({"experiment": {"entrypoint": "python3 missing.py"}}, "missing.py not found in MODEL_DIR"),
         (
-            {"ds": {"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True}}},
-            "fp16.enabled=true on a CPU device",
+            {"ds": {"train_micro_batch_size_per_gpu": 4, "amp": {"enabled": True}}},
+            "amp: NVIDIA Apex AMP",
         ),
         (
             {
                 "ds": {
                     "train_micro_batch_size_per_gpu": 4,
-                    "zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}},
+                    "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
                 }
             },
-            "parameter offload needs ZeRO stage 3",
+            "zero_optimization.offload_param.nvme_path is missing",
         ),
         ({"hparams": {"deepspeed_config": "nope.json"}}, "nope.json' not found"),
         ({"hparams": {"data_parallel_world_size": 3}}, "data_parallel_world_size=3: expected a divisor"),

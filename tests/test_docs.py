@@ -5,6 +5,8 @@
 * ``README.md`` is a landing page: at most 200 lines, the two commands on its first screen, and
   every relative link in it (and in ``docs/``) names an existing file, and a heading of it where
   an anchor is given.
+* Every repository path the pages name in code (``tests/...``, ``toolkit/...``, ``scripts/...``,
+  ``examples/...``) exists, so a moved module or test file cannot leave the guide pointing at nothing.
 * ``py.typed`` is shipped (PEP 561).
 """
 
@@ -87,6 +89,14 @@ def test_every_relative_link_resolves():
     for page in sorted(DOCS.glob("*.md")):
         problems += broken_links(page)
     assert not problems, "\n".join(problems)
+
+
+def test_every_path_named_in_code_exists():
+    named = re.compile(r"`((?:toolkit|tests|scripts|examples|docs)/[\w./-]*)`")
+    missing = [f"{page.relative_to(REPO)}: {path}"
+               for page in [README, *sorted(DOCS.glob("*.md"))]
+               for path in named.findall(page.read_text()) if not (REPO / path).exists()]
+    assert not missing, "\n".join(missing)
 
 
 def test_a_broken_link_or_anchor_is_found(tmp_path):

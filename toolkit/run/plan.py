@@ -23,6 +23,7 @@ from typing import Any, Mapping
 from toolkit.compat.determined import hparams, search, storage
 from toolkit.compat.determined.info import output_dir_for
 from toolkit.errors import ConfigError
+from toolkit.launch.experiment_env import environment_variables_problems
 from toolkit.launch.wrappers import torchrun_nproc_override, unwrap_launcher
 
 __all__ = ["plan_run", "RunPlan"]
@@ -74,6 +75,11 @@ def _launcher_of(argv: list[str], problems: list[str]) -> tuple[str, list[str], 
     return launcher, command, nproc, found is not None
 
 
+def _keep(config: Mapping[str, Any], key: str) -> Any:
+    section = config.get("checkpoint_storage")
+    return section.get(key) if isinstance(section, Mapping) else None
+
+
 def plan_run(
     config: Mapping[str, Any], *, config_path: Path, model_dir: Path, output_dir: Path | None
 ) -> RunPlan:
@@ -83,7 +89,8 @@ def plan_run(
 
     Raises:
         ConfigError: every problem, each naming its key (entrypoint, searcher.name, a search
-            space, checkpoint_storage, max_restarts, the wrapper's arguments).
+            space, checkpoint_storage, max_restarts, the wrapper's arguments,
+            environment.environment_variables).
     """
     problems: list[str] = []
     entry = config.get("entrypoint")
@@ -101,8 +108,11 @@ def plan_run(
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
         problems.append(f"max_restarts={restarts!r}: expected an integer >= 0")
     problems.extend(hparams.check_space(config.get("hyperparameters") or {}))
+    problems.extend(environment_variables_problems(config))
     try:
         storage.storage_root(config.get("checkpoint_storage"), output_dir=Path("."), base_dir=Path("."))
+        storage.plan_gc([], _keep(config, "save_trial_latest"),
+                        save_trial_best=_keep(config, "save_trial_best"))
     except ConfigError as err:
         problems.extend(err.problems)
     launcher, command, nproc, wrapped = _launcher_of(argv, problems)

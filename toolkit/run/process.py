@@ -32,6 +32,7 @@ from toolkit.compat.determined.info import CONTAINER_PER_RANK_ENV
 from toolkit.compat.determined.wrap_rank import WRAPPED_ENV, shim_pythonpath
 from toolkit.errors import ConfigError
 from toolkit.launch.argv import build_trial_argv
+from toolkit.launch.experiment_env import CONFIG_WARNED_ENV, environment_variables
 from toolkit.launch.procs import (
     cpu_slots,
     find_trial_processes,
@@ -214,6 +215,9 @@ def run_once(plan: RunPlan, env: dict[str, str], *, forwarder: Forwarder, grace_
 def environment(plan: RunPlan, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The entrypoint's environment (runner only): this one's, plus the experiment, the output directory, and
 
+    * the YAML's ``environment.environment_variables`` (the ``cpu`` or ``cuda`` list by this
+      machine's device), for every rank and what it starts;
+    * ``TOOLKIT_DET_CONFIG_WARNED=1``: the runner warned about the YAML's ignored keys, the ranks stay quiet;
     * ``TOOLKIT_DET_CONTAINER_PER_RANK=1`` for an entrypoint without a launcher wrapper (each
       rank one Determined container of one slot; see the module docstring);
     * the ``determined.launch.wrap_rank`` shim on ``PYTHONPATH`` when no real ``determined``
@@ -221,7 +225,11 @@ def environment(plan: RunPlan, base: Mapping[str, str] | None = None) -> dict[st
     * this interpreter's directory first on ``PATH`` when ``python3`` there is another Python
       (an unactivated virtual environment): Determined's scripts start ``python3`` by name.
     """
+    import torch  # already loaded by the CLI
+
     env = dict(os.environ if base is None else base)
+    env.update(environment_variables(plan.config, device="cuda" if torch.cuda.is_available() else "cpu"))
+    env[CONFIG_WARNED_ENV] = "1"
     env[EXPERIMENT_CONFIG_ENV] = str(plan.config_path)
     env[OUTPUT_DIR_ENV] = str(plan.output_dir)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -236,8 +244,6 @@ def environment(plan: RunPlan, base: Mapping[str, str] | None = None) -> dict[st
     if os.path.exists(beside) and (found is None or os.path.realpath(found) != os.path.realpath(beside)):
         env["PATH"] = os.pathsep.join([here, env.get("PATH", "")])
     if plan.launcher == "deepspeed":
-        import torch
-
         if not torch.cuda.is_available():
             env["LOCAL_SIZE"] = str(plan.nproc)  # DeepSpeed counts CPU "devices" from it
     return env

@@ -221,6 +221,14 @@ class TrialRunner:
                     "PYTHONUNBUFFERED": "1", OUTPUT_DIR_ENV: str(directory / "output")})
         if s.experiment_config is not None:
             env[EXPERIMENT_CONFIG_ENV] = str(s.experiment_config)
+            # The YAML's environment.environment_variables, for every rank (as Determined's containers);
+            # read per trial (a small file), refused with a ConfigError naming the entry.
+            from toolkit.bounded_load import load_yaml
+            from toolkit.launch.experiment_env import environment_variables
+
+            experiment = load_yaml(Path(s.experiment_config), what="experiment config") or {}
+            if isinstance(experiment, Mapping):
+                env.update(environment_variables(experiment, device="cpu" if gpus is None else "cuda"))
         # Trials share the cores: without a limit every rank starts one OpenMP thread per core.
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // s.max_slots)))
         for key, value in CPU_ALLOCATOR_ENV if s.memory_per_slot is not None else ():

@@ -1,4 +1,4 @@
-"""toolkit's stand-in for the ``determined`` package: only ``determined.launch.wrap_rank`` exists.
+"""toolkit's stand-in for the ``determined`` package: only the ``determined.launch`` wrappers exist.
 
 Put on ``PYTHONPATH`` by ``python -m toolkit.run`` when the real package is not installed. A
 script that still says ``import determined as det`` (then ``det.core``) or ``from determined
@@ -16,7 +16,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     raise ImportError(
         f"determined.{name}: this 'determined' is toolkit's shim, which provides only "
-        "'python3 -m determined.launch.wrap_rank'; swap the import to "
+        "'python3 -m determined.launch.wrap_rank' (and torch_distributed, deepspeed); swap the import to "
         "'from toolkit.compat import determined as det' (instead of 'import determined as det')",
         name=__name__,
     )

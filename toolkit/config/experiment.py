@@ -9,7 +9,7 @@ An experiment config looks like this (every key optional unless a tool needs it)
     searcher:
       metric: loss
       smaller_is_better: true
-      max_length: 500                       # or {batches: 500}
+      max_length: 500                       # or {batches: 500}, {records: N}, {epochs: N}
     checkpoint_storage:
       storage_path: checkpoints
     hyperparameters:
@@ -41,8 +41,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
-from toolkit._checks import int_problem, is_int, is_mapping, type_name
+from toolkit._checks import int_problem, is_mapping, type_name
 from toolkit.bounded_load import load_json, load_yaml
+from toolkit.config.max_length import max_length_steps, max_length_unit
 from toolkit.errors import ConfigError
 from toolkit.runtime.trial_env import EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV, TRIAL_HPARAMS_ENV
 
@@ -55,13 +56,14 @@ __all__ = [
     "load_experiment_config",
     "get_hparams",
     "max_length_steps",
+    "max_length_unit",
     "entrypoint_argv",
     "check_experiment_config",
     "warn_unknown_keys",
 ]
 
 _TOP_LEVEL = ("name", "description", "entrypoint", "resources", "hyperparameters", "searcher",
-              "checkpoint_storage", "max_restarts", "labels", "environment")
+              "checkpoint_storage", "max_restarts", "labels", "environment", "records_per_epoch")
 _RESOURCES = ("slots_per_trial",)
 _SEARCHER = ("name", "metric", "smaller_is_better", "max_length")
 
@@ -207,9 +209,9 @@ def _searcher_problems(config: Mapping[str, Any]) -> list[str]:
     if "smaller_is_better" in searcher and not isinstance(searcher["smaller_is_better"], bool):
         problems.append(f"searcher.smaller_is_better={searcher['smaller_is_better']!r}: "
                         "expected true or false")
-    if "max_length" in searcher:
+    if "max_length" in searcher or "records_per_epoch" in config:
         try:
-            max_length_steps(config)
+            max_length_unit(config)  # the form only: the batch size may be a search space
         except ConfigError as err:
             problems.extend(err.problems)
     return problems
@@ -275,32 +277,6 @@ def load_experiment_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     if is_mapping(config.get("hyperparameters")):
         config["hyperparameters"] = _unwrap_const(config["hyperparameters"])
     return config
-
-
-def max_length_steps(config: Mapping[str, Any], default: int | None = None) -> int | None:
-    """``searcher.max_length`` as a number of steps (batches); ``default`` when unset. Pure; any rank.
-
-    Accepts ``max_length: 500`` and Determined's ``max_length: {batches: 500}``.
-
-    Raises:
-        ConfigError: any other form, a number < 1, or a ``searcher`` that is not a mapping.
-
-    Example:
-        >>> max_length_steps({"searcher": {"max_length": {"batches": 500}}})
-        500
-    """
-    searcher = config.get("searcher") or {}
-    if not is_mapping(searcher):
-        raise ConfigError(f"searcher={searcher!r}: expected a mapping with metric, smaller_is_better, "
-                          "max_length")
-    if "max_length" not in searcher:
-        return default
-    raw = searcher["max_length"]
-    value: Any = raw.get("batches") if is_mapping(raw) and set(raw) == {"batches"} else raw
-    if not is_int(value) or value < 1:
-        raise ConfigError(f"searcher.max_length={raw!r}: expected a number of steps >= 1, "
-                          "e.g. 500 or {batches: 500}")
-    return int(value)
 
 
 def entrypoint_argv(config: Mapping[str, Any]) -> list[str]:

@@ -2,10 +2,11 @@
 
 As Determined's ``single`` searcher (0.37 semantics, which the dsat example relies on):
 ``operations()`` yields one :class:`SearcherOperation` whose ``length`` is ``searcher.max_length``
-(``100`` or ``{batches: 100}``; epochs and records are an error naming them, since toolkit counts
-batches; inside a dsat trial: ``end_profile_step + 1`` as Determined's dsat set it, plus the
-room of dsat's ``--timed-window``: one more than the contract's last step). Once the
-chief called ``op.report_completed(metric)``, the metric is recorded in
+in the unit it names, as Determined's Core API gave it (``100``, ``{batches: 100}``, ``{records: N}``
+or ``{epochs: N}``: :meth:`SearcherContext.get_configured_units` says which; inside a dsat trial:
+``end_profile_step + 1`` as Determined's dsat set it, plus the room of dsat's ``--timed-window``:
+one more than the contract's last step). Once the chief called ``op.report_completed(metric)``,
+the metric is recorded in
 ``<output_dir>/determined_searcher.json`` and ``operations()`` yields nothing more, in this run
 and the next ones in that output directory.
 
@@ -30,6 +31,7 @@ import toolkit
 from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
 from toolkit.compat.determined.core.distributed import DistributedContext
+from toolkit.config.experiment import max_length_unit
 from toolkit.dsat.contract import TrialContract
 from toolkit.errors import ConfigError
 from toolkit.runtime.trial_env import TRIAL_ENV
@@ -106,13 +108,9 @@ class SearcherContext:
             # Determined's dsat set it, plus the timed window's room); the trial ends there or
             # earlier (SystemExit from the reporting context).
             return TrialContract.read(trial_file).final_step_bound + 1
-        raw = (self._config.get("searcher") or {}).get("max_length")
-        if isinstance(raw, Mapping) and set(raw) & {"epochs", "records"}:
-            unit = sorted(set(raw) & {"epochs", "records"})[0]
-            raise ConfigError(
-                f"searcher.max_length={dict(raw)!r}: the unit {unit!r} is not supported; toolkit "
-                "counts batches (optimizer steps): write {batches: N}"
-            )
+        found = max_length_unit(self._config)
+        if found is not None and found[0] != "batches":
+            return found[1]  # as Determined's Core API: op.length in the unit max_length names
         length = toolkit.max_length_steps(self._config)
         if length is None:
             raise ConfigError(
@@ -138,7 +136,7 @@ class SearcherContext:
         or the chief alone (ChiefOnly).
 
         Raises:
-            ConfigError: ``searcher.max_length`` missing or in epochs / records (at the call).
+            ConfigError: ``searcher.max_length`` missing or malformed (at the call).
             RuntimeError: ChiefOnly on a worker; the chief's loop went on without
                 ``report_completed`` (Determined's check).
         """
@@ -164,6 +162,11 @@ class SearcherContext:
         """Nothing to acknowledge (deprecated in Determined). Any rank."""
 
     def get_configured_units(self) -> Unit | None:
-        """``Unit.BATCHES`` for ``{batches: N}``, None for a bare number. Any rank."""
+        """The unit of ``max_length`` (``Unit.BATCHES``, ``RECORDS``, ``EPOCHS``); None for a bare number.
+
+        Any rank."""
         raw = (self._config.get("searcher") or {}).get("max_length")
-        return Unit.BATCHES if isinstance(raw, Mapping) else None
+        if not isinstance(raw, Mapping):
+            return None
+        found = max_length_unit(self._config)
+        return Unit(found[0].upper()) if found is not None else None

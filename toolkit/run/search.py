@@ -53,7 +53,7 @@ __all__ = ["SUMMARY", "run_search"]
 
 logger = logging.getLogger("toolkit.run")
 
-SUMMARY = "search.json"
+SUMMARY = search.SEARCH_FILE  # where the trials find it (get_experiment_best_validation)
 
 
 def _validations(path: Path, offset: int) -> list[tuple[dict[str, Any], int]]:

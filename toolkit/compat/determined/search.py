@@ -42,7 +42,9 @@ __all__ = [
     "SEARCHERS",
     "asha_report",
     "asha_rungs",
+    "SEARCH_FILE",
     "best_trial",
+    "best_validation",
     "check_searcher",
     "config_changes",
     "new_state",
@@ -51,6 +53,8 @@ __all__ = [
 ]
 
 SEARCHERS = ("single", "random", "grid", "adaptive_asha")
+#: The search's record, in the directory above its trials' (kept by ``toolkit.run``'s search).
+SEARCH_FILE = "search.json"
 _ASHA_DEFAULTS = {"divisor": 4, "max_rungs": 5}
 
 
@@ -235,3 +239,25 @@ def best_trial(state: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str,
             and math.isfinite(t["metric"])]
     done = [t for t in done if not t["stopped_early"]] or done
     return min(done, key=lambda t: sign * float(t["metric"])) if done else None
+
+
+def best_validation(state: Any, trial_dir: str) -> float | None:
+    """The best ``metric`` of a search state (``search.json``) that lists ``trial_dir``; else None. Pure.
+
+    Each trial's latest reported value (the runner records them while the trials run), the best by
+    the recorded ``smaller_is_better``; values that are not finite numbers are skipped. A state
+    that does not list ``trial_dir`` is another search's: None, as before any report.
+
+    Example:
+        >>> best_validation({"trials": [{"dir": "trial-0000", "metric": 0.5}]}, "trial-0000")
+        0.5
+    """
+    trials = state.get("trials") if isinstance(state, dict) else None
+    if not isinstance(trials, list) or not any(
+            isinstance(t, dict) and t.get("dir") == trial_dir for t in trials):
+        return None
+    values = [float(t["metric"]) for t in trials
+              if isinstance(t, dict) and is_number(t.get("metric")) and math.isfinite(t["metric"])]
+    if not values:
+        return None
+    return min(values) if state.get("smaller_is_better", True) is not False else max(values)

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from toolkit._checks import is_int
+from toolkit.bounded_load import load_json
+from toolkit.compat.determined.search import SEARCH_FILE, best_validation
 from toolkit.errors import ConfigError
 
 __all__ = ["TrainContext", "EarlyExitReason", "TensorboardMode"]
@@ -197,8 +199,15 @@ class TrainContext:
         logger.info("report_early_exit(reason=%s)", EarlyExitReason(reason).value)
 
     def get_experiment_best_validation(self) -> float | None:
-        """None: there is no experiment of many trials here (Determined off-cluster: None). Any rank."""
-        return None
+        """The best ``searcher.metric`` of this trial's search so far (``toolkit.run``'s ``search.json`` in
+        the directory above the trial's: each trial's latest report); None outside a search or before
+        any report (Determined off-cluster: None). Any rank."""
+        directory = self._dir.resolve()
+        try:
+            state = load_json(directory.parent / SEARCH_FILE, what="search record")
+        except (OSError, ConfigError):  # no search, or a record being replaced: nothing known
+            return None
+        return best_validation(state, directory.name)
 
     def get_tensorboard_path(self) -> Path:
         """``<output_dir>/tensorboard`` (created): where TensorBoard files go. Any rank."""

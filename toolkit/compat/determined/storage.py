@@ -196,23 +196,38 @@ def read_metadata(root: Path, storage_id: str) -> dict[str, Any]:
     return data
 
 
-def plan_gc(committed: list[dict[str, Any]], save_trial_latest: Any) -> list[str]:
-    """Storage ids to delete so that the newest ``save_trial_latest`` (at least 1) remain. Pure.
+def _keep_count(key: str, value: Any) -> int:
+    if not is_int(value) or value < 0:
+        raise ConfigError(f"checkpoint_storage.{key}={value!r}: expected an integer >= 0")
+    return int(value)
 
-    ``None`` (the YAML does not set it) keeps everything.
+
+def plan_gc(committed: list[dict[str, Any]], save_trial_latest: Any, *, save_trial_best: Any = None,
+            metrics: Mapping[str, float] | None = None, smaller_is_better: bool = True) -> list[str]:
+    """Storage ids to delete: all but the newest ``save_trial_latest`` (at least 1) and the
+    ``save_trial_best`` best by ``metrics`` (storage id -> the searcher metric validated at its
+    step; a checkpoint without one is never among the best). Pure.
+
+    Both ``None`` (the YAML sets neither) keeps everything; ``save_trial_best`` alone keeps the
+    newest one besides the best (Determined's default ``save_trial_latest: 1``).
 
     Example:
         >>> plan_gc([{"storage_id": "a"}, {"storage_id": "b"}, {"storage_id": "c"}], 2)
         ['a']
+        >>> plan_gc([{"storage_id": "a"}, {"storage_id": "b"}, {"storage_id": "c"}], 1, save_trial_best=1,
+        ...         metrics={"a": 0.1, "b": 0.5})
+        ['b']
     """
-    if save_trial_latest is None:
+    if save_trial_latest is None and save_trial_best is None:
         return []
-    if not is_int(save_trial_latest) or save_trial_latest < 0:
-        raise ConfigError(
-            f"checkpoint_storage.save_trial_latest={save_trial_latest!r}: expected an integer >= 0"
-        )
-    keep = max(1, int(save_trial_latest))
-    return [str(e["storage_id"]) for e in committed[:-keep]] if len(committed) > keep else []
+    latest = 1 if save_trial_latest is None else _keep_count("save_trial_latest", save_trial_latest)
+    best = 0 if save_trial_best is None else _keep_count("save_trial_best", save_trial_best)
+    ids = [str(e["storage_id"]) for e in committed]
+    keep = set(ids[-max(1, latest):])
+    sign = 1.0 if smaller_is_better else -1.0
+    scored = [sid for sid in ids if sid in (metrics or {})]
+    keep.update(sorted(scored, key=lambda sid: sign * float((metrics or {})[sid]))[:best])
+    return [sid for sid in ids if sid not in keep]
 
 
 def remove_checkpoint(root: Path, storage_id: Any) -> bool:

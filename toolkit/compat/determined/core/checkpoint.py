@@ -5,7 +5,10 @@ directory. After the block (after *every* rank's block, with ``shard=True``) the
 every file (``fsync_tree``), writes ``metadata.json`` atomically (the commit) and then appends
 the id to this trial's registry (:mod:`toolkit.compat.determined.storage`). A crash at any moment
 (SIGKILL inside the block included) leaves the previous checkpoint as ``latest_checkpoint``; the
-next run removes what an interrupted ``store_path`` left.
+next run removes what an interrupted ``store_path`` left. After each commit, ``checkpoint_storage``'s
+``save_trial_latest`` newest and ``save_trial_best`` best checkpoints (by ``searcher.metric``
+validated at the checkpoint's ``steps_completed``) are kept, the others deleted
+(:func:`toolkit.compat.determined.storage.plan_gc`); neither set: all kept.
 
 Storage ids are checked by toolkit's one rule for names (:mod:`toolkit._names`, through
 :mod:`toolkit.compat.determined.storage`) where they enter: an unsafe id from the script is a
@@ -25,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -34,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from toolkit import _names
+from toolkit._checks import is_number
 from toolkit._files import atomic_write_json, fsync_tree
 from toolkit.compat.determined import storage
 from toolkit.compat.determined.core.distributed import DistributedContext
@@ -79,8 +85,11 @@ class CheckpointContext:
 
     def __init__(
         self, dist: DistributedContext, *, root: Path, output_dir: Path, save_trial_latest: Any = None,
-        before_store: Callable[[], None] | None = None,
+        before_store: Callable[[], None] | None = None, save_trial_best: Any = None,
+        metric: str | None = None, smaller_is_better: bool = True,
     ) -> None:
+        # save_trial_best: that many best checkpoints by ``metric`` (searcher.metric) validated at
+        # their step (the trial's metrics.jsonl) are kept besides the newest save_trial_latest.
         # before_store: the metrics files' flush, so that every report made before a checkpoint
         # is on disk once the checkpoint is (a crash loses neither one without the other).
         self._before_store = before_store
@@ -88,6 +97,7 @@ class CheckpointContext:
         self._root = Path(root)
         self._output_dir = Path(output_dir)
         self._save_trial_latest = save_trial_latest
+        self._save_trial_best, self._metric, self._smaller = save_trial_best, metric, smaller_is_better
         if dist.rank == 0:
             self._clean_pending()
 
@@ -129,15 +139,37 @@ class CheckpointContext:
                 "time": time.time(),
             }
         )
-        doomed = storage.plan_gc(registry["committed"], self._save_trial_latest)
+        doomed = storage.plan_gc(registry["committed"], self._save_trial_latest,
+                                 save_trial_best=self._save_trial_best,
+                                 metrics=self._scores(registry["committed"]), smaller_is_better=self._smaller)
         registry["committed"] = [e for e in registry["committed"] if e["storage_id"] not in doomed]
         storage.write_registry(self._output_dir, registry)
         for sid in doomed:
             try:
                 storage.remove_checkpoint(self._root, sid)
             except CheckpointError as err:  # the new checkpoint is committed; do not fail the save
-                logger.warning("save_trial_latest: left %s alone: %s", _names.shown(sid), err)
+                logger.warning("save_trial_latest/save_trial_best: left %s alone: %s", _names.shown(sid), err)
         logger.info("saved checkpoint %s", storage_id)
+
+    def _scores(self, committed: list[dict[str, Any]]) -> dict[str, float]:
+        """Storage id -> the searcher metric last validated at its steps_completed (for save_trial_best)."""
+        if not self._save_trial_best or not self._metric:
+            return {}
+        by_step: dict[Any, float] = {}
+        try:
+            with open(self._output_dir / "metrics.jsonl", encoding="utf-8") as lines:
+                for line in lines:
+                    try:
+                        row = json.loads(line)
+                        value = row["metrics"][self._metric] if row.get("group") == "validation" else None
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a torn or foreign line: no score from it
+                    if is_number(value) and math.isfinite(value):
+                        by_step[row.get("steps_completed")] = float(value)
+        except OSError:
+            return {}
+        return {str(e["storage_id"]): by_step[e.get("steps_completed")] for e in committed
+                if e.get("steps_completed") in by_step}
 
     @contextlib.contextmanager
     def store_path(

@@ -172,12 +172,16 @@ def init(
     )
     yaml_storage = config.get("checkpoint_storage")
     save_latest = yaml_storage.get("save_trial_latest") if isinstance(yaml_storage, Mapping) else None
+    save_best = yaml_storage.get("save_trial_best") if isinstance(yaml_storage, Mapping) else None
+    raw_searcher = config.get("searcher")
+    searcher: Mapping[str, Any] = raw_searcher if isinstance(raw_searcher, Mapping) else {}
     resume_step = info.trial._steps_completed if info.latest_checkpoint else None
     train = TrainContext(info.output_dir, tensorboard_mode=tensorboard_mode, resume_step=resume_step)
     return Context(
         checkpoint=CheckpointContext(
             distributed, root=root, output_dir=info.output_dir, save_trial_latest=save_latest,
-            before_store=train.flush,
+            before_store=train.flush, save_trial_best=save_best, metric=searcher.get("metric"),
+            smaller_is_better=searcher.get("smaller_is_better", True) is not False,
         ),
         distributed=distributed,
         preempt=PreemptContext(distributed, preempt_mode),

@@ -26,6 +26,7 @@ import os
 import random
 import re
 import socket
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any, Mapping
@@ -35,7 +36,9 @@ from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
 from toolkit.compat.determined import hparams as hparams_mod
 from toolkit.compat.determined import storage
+from toolkit.config.experiment import ConfigWarning
 from toolkit.errors import ConfigError
+from toolkit.launch.experiment_env import CONFIG_WARNED_ENV
 from toolkit.runtime.trial_env import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV
 
 __all__ = [
@@ -284,7 +287,10 @@ def _experiment_config() -> tuple[dict[str, Any], Path]:
             EXPERIMENT_CONFIG_ENV,
         )
         return {}, Path.cwd()
-    return hparams_mod.load_config(path), Path(path).resolve().parent
+    with warnings.catch_warnings():
+        if os.environ.get(CONFIG_WARNED_ENV):  # the runner warned once for the run: not once per rank
+            warnings.simplefilter("ignore", ConfigWarning)
+        return hparams_mod.load_config(path), Path(path).resolve().parent
 
 
 def _check_searcher(config: Mapping[str, Any]) -> None:

@@ -177,3 +177,17 @@ def test_ignored_determined_keys_are_warned_naming_them(tmp_path):
     messages = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
     assert [m.split(" is ignored")[0] for m in messages] == ["environment.pod_spec",
                                                               "checkpoint_storage.save_experiment_best"]
+
+
+def test_dsat_trials_get_the_variables_of_their_device(tmp_path):
+    from toolkit.dsat.execution.runner import TrialRunner
+    from toolkit.dsat.execution.settings import RunnerSettings
+
+    config = tmp_path / "exp.yaml"
+    config.write_text("environment:\n  environment_variables: {cpu: [MY_FLAG=cpu], cuda: [MY_FLAG=gpu]}\n")
+    settings = RunnerSettings(entrypoint=("python3", "x.py"), model_dir=tmp_path, slots_per_trial=1,
+                              max_slots=1, max_concurrent=1, timeout_s=60.0, grace_s=1.0, poll_s=0.1,
+                              experiment_config=config)
+    with TrialRunner(settings, output_dir=tmp_path / "out") as runner:
+        env, _ = runner._trial_env(tmp_path, None)
+    assert env["MY_FLAG"] == "cpu"

@@ -222,11 +222,15 @@ class TrialRunner:
         if s.experiment_config is not None:
             env[EXPERIMENT_CONFIG_ENV] = str(s.experiment_config)
             # The YAML's environment.environment_variables, for every rank (as Determined's containers);
-            # read per trial (a small file), refused with a ConfigError naming the entry.
+            # read per trial (a small file), refused with a ConfigError naming the entry; a YAML not
+            # (yet) there gives none: the trial's own read of it says so.
             from toolkit.bounded_load import load_yaml
             from toolkit.launch.experiment_env import environment_variables
 
-            experiment = load_yaml(Path(s.experiment_config), what="experiment config") or {}
+            try:
+                experiment = load_yaml(Path(s.experiment_config), what="experiment config") or {}
+            except FileNotFoundError:
+                experiment = {}
             if isinstance(experiment, Mapping):
                 env.update(environment_variables(experiment, device="cpu" if gpus is None else "cuda"))
         # Trials share the cores: without a limit every rank starts one OpenMP thread per core.

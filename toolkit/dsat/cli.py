@@ -28,13 +28,16 @@ from toolkit.dsat.search.batch import GlobalBatch, allowed_micro_batches, global
 from toolkit.dsat.search.space import default_zero_autos
 from toolkit.dsat.search.types import SearchSettings
 from toolkit.errors import ConfigError
+from toolkit.launch.wrappers import entrypoint_launcher
 
 if TYPE_CHECKING:  # the orchestrator imports the runner and the search; the CLI loads them on use
     from toolkit.dsat.orchestrator import Plan
 
-__all__ = ["build_parser", "make_plan", "main", "parse_bytes", "user_terms", "UsageError", "USER_NAMES"]
+__all__ = ["build_parser", "choose_launcher", "make_plan", "main", "parse_bytes", "user_terms", "UsageError",
+           "USER_NAMES"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+DEFAULT_LAUNCHER = "torchrun"
 
 
 class UsageError(ConfigError):
@@ -69,6 +72,25 @@ def user_terms(problem: str) -> str:
             return user
         return user + (" " if user.startswith("--") else "=")
     return _FIELD.sub(name, problem)
+
+
+def choose_launcher(flag: str | None, entrypoint: Sequence[str]) -> tuple[str, str]:
+    """The launcher of trials on this machine and why: ``--launcher`` when given, else the one the
+    entrypoint's Determined wrapper stands for, else torchrun. Pure; autotuner process only.
+
+    >>> choose_launcher(None, ["python3", "-m", "determined.launch.deepspeed", "python3", "script.py"])
+    ('deepspeed', 'the entrypoint runs determined.launch.deepspeed; --launcher torchrun overrides it')
+    >>> choose_launcher("torchrun", ["python3", "-m", "determined.launch.deepspeed", "python3", "script.py"])
+    ('torchrun', '--launcher torchrun was given')
+    """
+    if flag is not None:
+        return flag, f"--launcher {flag} was given"
+    found, why = entrypoint_launcher(entrypoint)
+    if found is not None:
+        other = "torchrun" if found == "deepspeed" else "deepspeed"
+        return found, f"{why}; --launcher {other} overrides it"
+    return DEFAULT_LAUNCHER, (f"the default: {why} (one inside a shell script is not read); pass "
+                              "--launcher deepspeed for DeepSpeed's launcher")
 
 
 def _problems_of(err: Exception) -> list[str]:
@@ -237,7 +259,8 @@ def _build_settings(args: argparse.Namespace, inputs: _Inputs, machines: _Machin
         runner = RunnerSettings(entrypoint=tuple(inputs.entrypoint), model_dir=inputs.model_dir,
                                 slots_per_trial=inputs.slots, max_slots=machines.max_slots,
                                 max_concurrent=args.max_concurrent_trials, timeout_s=args.trial_timeout,
-                                launcher=args.launcher, memory_per_slot=machines.memory_per_slot,
+                                launcher=choose_launcher(args.launcher, inputs.entrypoint)[0],
+                                memory_per_slot=machines.memory_per_slot,
                                 start_profile_step=args.start_profile_step,
                                 end_profile_step=args.end_profile_step,
                                 timed_window_s=args.timed_window,
@@ -311,6 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print("\n  ".join(["dsat: bad input, nothing was launched:", *err.problems]), file=sys.stderr)
         return EXIT_USAGE
+    launcher, why = choose_launcher(args.launcher, plan.runner.entrypoint)
+    print(f"dsat: trials on this machine start with {launcher}: {why}", flush=True)
     from toolkit.dsat.full_run import run_full_experiment
     from toolkit.dsat.orchestrator import Autotuner
 

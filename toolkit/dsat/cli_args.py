@@ -152,8 +152,11 @@ def _add_limit_flags(g: argparse._ArgumentGroup) -> None:
                         "whose peak resident size (VmHWM) goes above it is killed and recorded as "
                         "out-of-memory (default: (80%% of the memory "
                         "available now - 2 GiB reserved for the system and the autotuner) / --max-slots)")
-    g.add_argument("--launcher", choices=("torchrun", "deepspeed"), default="torchrun",
-                   help="starts a trial whose slots are all on this machine (default: %(default)s)")
+    g.add_argument("--launcher", choices=("torchrun", "deepspeed"), default=None,
+                   help="starts a trial whose slots are all on this machine (default: the launcher the "
+                        "entrypoint's Determined wrapper stands for: deepspeed for python3 -m "
+                        "determined.launch.deepspeed, torchrun for determined.launch.torch_distributed; "
+                        "else torchrun)")
 
 
 def _add_methods(parser: argparse.ArgumentParser, common: argparse.ArgumentParser) -> None:

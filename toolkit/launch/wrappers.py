@@ -20,17 +20,22 @@ Rules, as Determined's wrappers parse their argv:
 * ``determined.launch.wrap_rank RANK [--] CMD``: only prefixes log lines with the rank on a
   cluster; here it is the command itself (toolkit's rank logging already names the rank).
 * ``--trial module:Class`` (Determined's Trial API) is not a Core API script: an error.
+
+:func:`entrypoint_launcher` reads the launcher a wrapper stands for without unwrapping (dsat's
+default ``--launcher``). Only the entrypoint's own first command is read: a wrapper run inside a
+shell script (``bash launch.sh``) cannot be seen without running it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 from typing import Sequence
 
 from toolkit.errors import ConfigError
 
-__all__ = ["WRAPPERS", "unwrap_launcher", "torchrun_nproc_override"]
+__all__ = ["WRAPPERS", "entrypoint_launcher", "unwrap_launcher", "torchrun_nproc_override"]
 
 #: Determined wrapper module -> the launcher that runs its command here (None: no launcher).
 WRAPPERS = {
@@ -118,6 +123,36 @@ def unwrap_launcher(argv: Sequence[str]) -> tuple[str | None, list[str], list[st
     if rest[:1] == ["--"]:
         rest = rest[1:]
     return None, [], _check_command(argv, module, rest)
+
+
+def entrypoint_launcher(entrypoint: str | Sequence[str]) -> tuple[str | None, str]:
+    """The launcher an entrypoint's Determined wrapper stands for, and why. Pure; any process.
+
+    Args:
+        entrypoint: the experiment's ``entrypoint``, a string (split as a POSIX shell would) or
+            a list of arguments.
+
+    Returns:
+        ``("deepspeed", reason)`` for ``python3 -m determined.launch.deepspeed ...``,
+        ``("torchrun", reason)`` for ``determined.launch.torch_distributed``, else
+        ``(None, reason)``: no wrapper in the entrypoint's first command (a wrapper inside a
+        shell script such as ``bash launch.sh`` cannot be read without running it), or
+        ``wrap_rank``, which stands for no launcher. ``reason`` is a phrase for a log line.
+
+    Example:
+        >>> entrypoint_launcher("python3 -m determined.launch.deepspeed python3 script.py")[0]
+        'deepspeed'
+        >>> entrypoint_launcher(["bash", "launch.sh"])[0] is None
+        True
+    """
+    argv = shlex.split(entrypoint) if isinstance(entrypoint, str) else list(entrypoint)
+    module = _wrapper_module(argv)
+    launcher = WRAPPERS.get(module) if module is not None else None
+    if module is None:
+        return None, "the entrypoint runs no determined.launch wrapper itself"
+    if launcher is None:
+        return None, f"the entrypoint's {module} stands for no launcher"
+    return launcher, f"the entrypoint runs {module}"
 
 
 def torchrun_nproc_override(overrides: Sequence[str]) -> tuple[int | None, list[str]]:

@@ -14,8 +14,11 @@ any other exit                             FAILED "exit status N" / "killed by s
 =========================================  ==============================================
 
 The first two rows are the runner's verdicts (:mod:`toolkit.dsat.execution.runner`), passed to
-:func:`classify`. FAILED errors end with the last lines of the trial's stderr, for display only.
-Autotuner process only.
+:func:`classify`. FAILED errors end with the last lines of the trial's stderr, for display only;
+when those lines say that variables only one launcher sets are missing (``LOCAL_SIZE``,
+``CROSS_RANK``, ``CROSS_SIZE``: DeepSpeed's; ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
+``GROUP_WORLD_SIZE``: torchrun's), the error first names the flag that fixes it
+(:func:`launcher_hint`), also for display only. Autotuner process only.
 
 Example::
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -37,7 +41,7 @@ from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus, clip_error
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.errors import ConfigError
 
-__all__ = ["check_result", "classify", "exit_text", "stderr_tail"]
+__all__ = ["LAUNCHER_ONLY_VARIABLES", "check_result", "classify", "exit_text", "launcher_hint", "stderr_tail"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +50,13 @@ _STDERR_LINES = 5
 MAX_RESULT_BYTES = 256 * 2**20
 # The launcher's own epilogue (torchrun's ChildFailedError table) hides the worker's error.
 _LAUNCHER_EPILOGUE = ("] failed (exitcode:", "ChildFailedError", "exits with return code")
+#: Variables that one of dsat's local launchers sets for each rank and the other does not
+#: (deepspeed/launcher/launch.py; torch.distributed.run).
+LAUNCHER_ONLY_VARIABLES = {"deepspeed": ("LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"),
+                           "torchrun": ("LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")}
+# A line reporting a missing variable: toolkit's LaunchEnvError ("X, Y not set"), a KeyError
+# of os.environ, or the words "missing" / "not set" / "is not" near the name.
+_MISSING = re.compile(r"not set|KeyError|missing|is not\b", re.IGNORECASE)
 
 
 def exit_text(code: int | None) -> str:
@@ -63,12 +74,7 @@ def exit_text(code: int | None) -> str:
 def stderr_tail(path: Path) -> str:
     """The last lines of a trial's stderr before its launcher's epilogue, as a suffix for an error
     (``""`` if none)."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(max(fh.seek(0, os.SEEK_END) - 16384, 0))
-            text = fh.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
+    text = _read_tail(path)
     lines = [line.rstrip()[:300] for line in text.splitlines() if line.strip()]
     # The launcher's own epilogue (torchrun's ChildFailedError table) hides the worker's error.
     ends = [i for i, line in enumerate(lines) if any(m in line for m in _LAUNCHER_EPILOGUE)]
@@ -76,6 +82,38 @@ def stderr_tail(path: Path) -> str:
         lines = lines[:ends[0]]
     lines = lines[-_STDERR_LINES:]
     return ("\nlast lines of stderr:\n  " + "\n  ".join(lines)) if lines else ""
+
+
+def _read_tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(fh.seek(0, os.SEEK_END) - 16384, 0))
+            return fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def launcher_hint(text: str) -> str:
+    """The flag that fixes a trial whose ``text`` (the tail of its stderr) says that variables only
+    one launcher sets are missing, as a sentence; ``""`` when it says no such thing. Pure.
+
+    >>> launcher_hint("LOCAL_SIZE, CROSS_RANK, CROSS_SIZE not set: ...")[-44:]
+    'torchrun does not: pass --launcher deepspeed'
+    """
+    named: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if not _MISSING.search(line):
+            continue
+        for launcher, candidates in LAUNCHER_ONLY_VARIABLES.items():
+            for name in candidates:
+                if re.search(rf"(?<![A-Z_]){name}(?![A-Z_])", line) and name not in named.get(launcher, []):
+                    named.setdefault(launcher, []).append(name)
+    if len(named) != 1:  # none, or both launchers' variables: no single flag fixes it
+        return ""
+    (launcher, missing), = named.items()
+    other = next(name for name in LAUNCHER_ONLY_VARIABLES if name != launcher)
+    return (f": the script reads {', '.join(missing)}, which the {launcher} launcher sets and {other} "
+            f"does not: pass --launcher {launcher}")
 
 
 def check_result(data: Any, spec: TrialSpec) -> str | None:
@@ -121,6 +159,7 @@ def classify(spec: TrialSpec, *, directory: Path, code: int | None, duration_s: 
     """
     def result(status: TrialStatus, error: str | None = None, **kw: Any) -> TrialResult:
         if status is TrialStatus.FAILED and error is not None:
+            error += launcher_hint(_read_tail(directory / "stderr.log"))
             error += stderr_tail(directory / "stderr.log")
         logger.info("trial %d ended: %s%s", spec.trial_id, status.value, f" ({error})" if error else "")
         return TrialResult(spec, status, duration_s=duration_s, error=error, **kw)

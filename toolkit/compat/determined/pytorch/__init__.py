@@ -1,4 +1,5 @@
-"""``determined.pytorch``: only ``dsat`` is provided (``from toolkit.compat.determined.pytorch import dsat``).
+"""``determined.pytorch``: only ``dsat`` and ``deepspeed.overwrite_deepspeed_config`` are provided
+(``from toolkit.compat.determined.pytorch import dsat``, ``... import deepspeed``).
 
 Determined's Trial API (PyTorchTrial, DeepSpeedTrial, the Trainer) is not: port such trials to a
 Core API script.

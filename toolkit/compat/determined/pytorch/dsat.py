@@ -17,22 +17,35 @@ given: it measures the profiled steps, writes the trial's result and ends the tr
 handling of DeepSpeed's autotuner exit: when a ``SystemExit`` leaves the block and exactly one of
 ``model_info.json`` / ``autotuning_metric.json`` is in the working directory, the chief reports
 its contents as validation metrics and as the operation's metric before the exit goes on.
+
+Hugging Face Trainer scripts (Determined's ``hf_trainer`` examples) pass their command line
+through :func:`get_hf_args_with_overwrites` before ``HfArgumentParser`` reads it, so that
+``--deepspeed``, ``--per_device_train_batch_size`` and ``--gradient_accumulation_steps`` follow
+the run's DeepSpeed config (a dsat trial's own included).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
+import json
+import logging
 import os
 import pathlib
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import toolkit
+from toolkit._checks import int_problem, is_int, is_mapping, type_name
+from toolkit._files import atomic_write
 from toolkit.bounded_load import load_json
 from toolkit.errors import ConfigError
-from toolkit.runtime.trial_env import TRIAL_ENV
+from toolkit.runtime.trial_env import OUTPUT_DIR_ENV, TRIAL_ENV
 
-__all__ = ["get_ds_config_from_hparams", "dsat_reporting_context", "find_engine"]
+__all__ = ["get_ds_config_from_hparams", "dsat_reporting_context", "find_engine",
+           "get_batch_config_from_mbs_gas_and_slots", "get_hf_args_with_overwrites"]
+
+logger = logging.getLogger(__name__)
 
 _MODEL_INFO = pathlib.Path("model_info.json")
 _AUTOTUNING_METRIC = pathlib.Path("autotuning_metric.json")
@@ -143,3 +156,171 @@ def dsat_reporting_context(
         SystemExit: inside a dsat trial after its last profiled step (status 0, every rank).
     """
     return _ReportingContext(core_context, op, steps_completed)
+
+
+def get_batch_config_from_mbs_gas_and_slots(ds_config: Mapping[str, Any], slots: int) -> dict[str, int]:
+    """The three batch keys, consistent: ``train_batch_size`` = micro-batch x accumulation x
+    ``slots``. Pure; any rank.
+
+    As Determined's: the micro-batch is ``train_micro_batch_size_per_gpu``; accumulation is
+    ``gradient_accumulation_steps``, 1 when absent or ``"auto"`` (as Hugging Face configs write it).
+
+    Raises:
+        ConfigError: every value of the wrong kind (the micro-batch missing, "auto" or not an
+            integer >= 1; accumulation not an integer >= 1; ``slots`` not an integer >= 1).
+
+    Example:
+        >>> get_batch_config_from_mbs_gas_and_slots({"train_micro_batch_size_per_gpu": 4,
+        ...                                          "gradient_accumulation_steps": "auto"}, slots=2)
+        {'train_batch_size': 8, 'train_micro_batch_size_per_gpu': 4, 'gradient_accumulation_steps': 1}
+    """
+    if not is_mapping(ds_config):
+        raise ConfigError(f"ds_config={ds_config!r:.80}: expected a DeepSpeed config dict, got "
+                          f"{type_name(ds_config)}")
+    mbs = ds_config.get("train_micro_batch_size_per_gpu")
+    gas = ds_config.get("gradient_accumulation_steps", 1)
+    gas = 1 if gas == "auto" else gas
+    problems = [p for p in (
+        int_problem("train_micro_batch_size_per_gpu", mbs, minimum=1),
+        int_problem("gradient_accumulation_steps", gas, minimum=1, hint=" or 'auto'"),
+        int_problem("slots", slots, minimum=1)) if p]
+    if problems or not (is_int(mbs) and is_int(gas)):
+        raise ConfigError(problems)
+    return {"train_batch_size": mbs * gas * slots, "train_micro_batch_size_per_gpu": mbs,
+            "gradient_accumulation_steps": gas}
+
+
+#: Hugging Face TrainingArguments flags that follow the DeepSpeed config (both spellings).
+_HF_BATCH_FLAGS = {"train_micro_batch_size_per_gpu": ("--per_device_train_batch_size",
+                                                      "--per-device-train-batch-size"),
+                   "gradient_accumulation_steps": ("--gradient_accumulation_steps",
+                                                   "--gradient-accumulation-steps")}
+
+
+def _find_flag(args: Sequence[str], names: Sequence[str]) -> tuple[int, bool] | None:
+    """(index, written as ``--flag=value``) of the last occurrence of a flag (argparse's winner)."""
+    found = None
+    for i, arg in enumerate(args):
+        name, eq, _ = arg.partition("=")
+        if name in names:
+            found = (i, bool(eq))
+    return found
+
+
+def _flag_value(args: Sequence[str], where: tuple[int, bool]) -> str | None:
+    i, joined = where
+    if joined:
+        return args[i].partition("=")[2]
+    return args[i + 1] if i + 1 < len(args) else None
+
+
+def _set_flag(args: list[str], names: Sequence[str], value: str, level: int = logging.WARNING) -> None:
+    """Set a flag in place (its last occurrence), or append it; say so at ``level``."""
+    where = _find_flag(args, names)
+    if where is None:
+        logger.log(level, "adding %s %s to the Hugging Face arguments (the DeepSpeed config's value)",
+                   names[0], value)
+        args += [names[0], value]
+        return
+    i, joined = where
+    old = _flag_value(args, where)
+    if old != value:
+        logger.log(level, "changing %s from %s to %s to match the DeepSpeed config",
+                   args[i].partition("=")[0], old, value)
+    if joined:
+        args[i] = f"{args[i].partition('=')[0]}={value}"
+    elif i + 1 < len(args):
+        args[i + 1] = value
+    else:
+        args.append(value)
+
+
+def _written_config(config: Mapping[str, Any], beside: pathlib.Path) -> pathlib.Path:
+    """``config`` as a JSON file of its own, named by its content (ranks writing it at once write the
+    same bytes): in ``TOOLKIT_OUTPUT_DIR`` when set (a dsat trial's own directory), else beside
+    the original."""
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+    directory = pathlib.Path(os.environ.get(OUTPUT_DIR_ENV) or beside.parent)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{beside.stem}.{digest}.json"
+    if not path.exists():
+        atomic_write(path, text)
+    return path
+
+
+def _run_config(given: pathlib.Path, named: Any, overwrites: Mapping[str, Any] | None
+                ) -> tuple[pathlib.Path, dict[str, Any]] | None:
+    """The run's DeepSpeed config file and content, or None when ``--deepspeed``'s file is it."""
+    base: pathlib.Path | Mapping[str, Any] = given
+    if is_mapping(named):
+        base = named
+    elif isinstance(named, (str, os.PathLike)) and str(named) and \
+            pathlib.Path(named).resolve() != given.resolve():
+        base = pathlib.Path(named)  # a dsat trial's own config
+    if overwrites is None and isinstance(base, pathlib.Path):
+        return None if base == given else (base, toolkit.overwrite_deepspeed_config(base, None))
+    config = toolkit.overwrite_deepspeed_config(base, overwrites)
+    return _written_config(config, given), config
+
+
+def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any]) -> list[str]:
+    """Hugging Face command-line arguments that follow the run's DeepSpeed config. Any rank (each
+    rank may call it; all get the same list).
+
+    The run's config is the JSON of ``--deepspeed``, or, when ``hparams["deepspeed_config"]``
+    names another file (as inside a toolkit dsat trial, whose hyperparameters name the trial's
+    own config), that one; with ``hparams["overwrite_deepspeed_args"]`` merged in. Then, as
+    Determined's helper:
+
+    * ``--per_device_train_batch_size`` takes ``train_micro_batch_size_per_gpu`` and
+      ``--gradient_accumulation_steps`` takes ``gradient_accumulation_steps``, each set where
+      given (``--flag V`` or ``--flag=V``, either spelling) and appended where not; a value
+      ``"auto"`` or absent from the config leaves the flag as it is;
+    * without ``overwrite_deepspeed_args`` and with ``--deepspeed`` already the run's config,
+      the arguments are returned unchanged.
+
+    Unlike Determined, which rewrote the ``--deepspeed`` file in place, a merged config goes to
+    a new file (in ``TOOLKIT_OUTPUT_DIR`` when set, else beside the original) that ``--deepspeed``
+    then names: the user's JSON, shared by every trial here, is never changed.
+
+    Returns:
+        A new list; ``args`` is not modified.
+
+    Raises:
+        ConfigError: ``overwrite_deepspeed_args`` is given but ``--deepspeed`` is not among the
+            arguments, or the config cannot be merged (malformed JSON, a source that is not a
+            mapping).
+        FileNotFoundError: a named JSON file is missing.
+        TypeError: ``args`` is a string, not a list of arguments.
+
+    Example: ``args = dsat.get_hf_args_with_overwrites(sys.argv[1:], hparams)``, then
+    ``HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(args)``.
+    """
+    if isinstance(args, str):
+        raise TypeError(f"args={args!r:.80}: expected a list of arguments such as sys.argv[1:]")
+    if not is_mapping(hparams):
+        raise ConfigError(f"hparams={hparams!r:.80}: expected a dict of hyperparameters")
+    out = list(args)
+    overwrites = hparams.get("overwrite_deepspeed_args")
+    if overwrites is not None and not is_mapping(overwrites):
+        raise ConfigError(f"hyperparameters.overwrite_deepspeed_args={overwrites!r:.80}: expected a mapping "
+                          "of DeepSpeed keys to values")
+    where = _find_flag(out, ("--deepspeed",))
+    given = _flag_value(out, where) if where is not None else None
+    if not given:
+        if overwrites is not None:
+            raise ConfigError("hyperparameters.overwrite_deepspeed_args is set but the Hugging Face "
+                              f"arguments {out!r:.200} have no '--deepspeed ds_config.json': add it, "
+                              "naming the DeepSpeed JSON")
+        return out
+    run = _run_config(pathlib.Path(given), hparams.get("deepspeed_config"), overwrites)
+    if run is None:
+        return out
+    path, config = run
+    _set_flag(out, ("--deepspeed",), os.fspath(path), logging.INFO)
+    for key, names in _HF_BATCH_FLAGS.items():
+        value = config.get(key)
+        if is_int(value):
+            _set_flag(out, names, str(value))
+    return out

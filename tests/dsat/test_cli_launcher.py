@@ -123,6 +123,8 @@ def test_other_failures_name_no_launcher(tmp_path):
     both = "KeyError: 'CROSS_RANK'\nKeyError: 'GROUP_RANK'\n"  # no single flag fixes it
     assert launcher_hint(both) == ""
     assert launcher_hint("LOCAL_SIZE=4 was read\n") == ""  # a name alone is no missing variable
+    assert launcher_hint("LaunchEnvError: LOCAL_SIZE='x' is not an integer\n") == ""  # malformed, not missing
+    assert launcher_hint("KeyError: 'LOCAL_SIZE'\n").endswith("pass --launcher deepspeed")
 
 
 def test_the_wrapped_example_is_tuned_without_a_flag(tmp_path):

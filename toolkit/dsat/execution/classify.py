@@ -54,9 +54,9 @@ _LAUNCHER_EPILOGUE = ("] failed (exitcode:", "ChildFailedError", "exits with ret
 #: (deepspeed/launcher/launch.py; torch.distributed.run).
 LAUNCHER_ONLY_VARIABLES = {"deepspeed": ("LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"),
                            "torchrun": ("LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")}
-# A line reporting a missing variable: toolkit's LaunchEnvError ("X, Y not set"), a KeyError
-# of os.environ, or the words "missing" / "not set" / "is not" near the name.
-_MISSING = re.compile(r"not set|KeyError|missing|is not\b", re.IGNORECASE)
+# A line reporting a missing variable: toolkit's LaunchEnvError ("X, Y not set"), a KeyError of
+# os.environ, or the word "missing" (a malformed value, "X='a' is not an integer", is not one).
+_MISSING = re.compile(r"not set|KeyError|missing", re.IGNORECASE)
 
 
 def exit_text(code: int | None) -> str:

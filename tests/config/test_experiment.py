@@ -56,7 +56,7 @@ def test_empty_file_is_empty_config(tmp_path):
     ("name: [a]", "name=['a']: expected a string"),
     ("hyperparameters: [1, 2]", "hyperparameters=[1, 2]"),
     ("searcher: {max_length: -5}", "searcher.max_length=-5"),
-    ("searcher: {max_length: {epochs: 2}}", "searcher.max_length={'epochs': 2}"),
+    ("searcher: {max_length: {epochs: 0}}", "searcher.max_length={'epochs': 0}"),
     ("searcher: {smaller_is_better: 'yes'}", "searcher.smaller_is_better='yes'"),
     ("checkpoint_storage: {storage_path: 5}", "checkpoint_storage.storage_path=5"),
     ("hyperparameters: {lr: {type: double, minval: 0.1, maxval: 1}}", "does not search hyperparameters"),

@@ -262,9 +262,11 @@ def _dsat(model_dir, out, *flags):
 
 def test_dsat_tunes_a_core_api_script_with_the_wrapper_left_in_its_entrypoint(tmp_path):
     """The entrypoint keeps Determined's 'python3 -m determined.launch.deepspeed' wrapper;
-    dsat.dsat_reporting_context(core_context, op) measures real trials (engine found, steps counted)."""
+    dsat.dsat_reporting_context(core_context, op) measures real trials (engine found, steps counted).
+    No --launcher: dsat reads the deepspeed launcher from the wrapper."""
     model_dir = _dsat_model_dir(tmp_path, "python3 -m determined.launch.deepspeed python3 det_deepspeed.py")
-    procutil.check(_dsat(model_dir, tmp_path / "out", "--launcher", "deepspeed"))
+    out = procutil.check(_dsat(model_dir, tmp_path / "out"))
+    assert "trials on this machine start with deepspeed" in out
     rows = [json.loads(line) for line in (tmp_path / "out" / "trials.jsonl").read_text().splitlines()]
     assert rows and all(row["status"] == "ok" for row in rows), rows
     assert (

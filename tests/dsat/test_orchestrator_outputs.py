@@ -90,3 +90,17 @@ def test_the_extra_keys_never_hide_a_metric():
                                  global_batch={"policy": "free"})
     assert record == {"throughput": 5.0, "trial_id": "a metric", "metric": "throughput",
                       "global_batch": {"policy": "free"}}
+
+
+def test_tuning_trials_that_only_ran_out_of_memory_leave_the_profiling_results(tmp_path):
+    """The main job's autotune: its one tuning trial, at the predicted boundary, ran out of memory;
+    the profiling trials the searcher took as results still give the best. Crashed tuning trials
+    do not (tests/dsat/test_cli.py::test_all_tuning_trials_failing_is_a_failed_search)."""
+    tuner, _ = _tuner(tmp_path, {"train_micro_batch_size_per_gpu": 4})
+    tuner.results = {0: TrialResult(TrialSpec(0, 1, {"stage": 1}, line=-1, profile=True), OK, _metrics(1.0)),
+                     1: TrialResult(TrialSpec(1, 804, {"stage": 1}), TrialStatus.OOM, {})}
+    tuner.taken = {0}
+    outcome = tuner._conclude()
+    assert outcome.exit_code == 0 and outcome.best is not None and outcome.best.spec.trial_id == 0
+    tuner.results[1] = TrialResult(TrialSpec(1, 804, {"stage": 1}), TrialStatus.FAILED, {}, error="crash")
+    assert tuner._conclude().exit_code == 1

@@ -285,16 +285,19 @@ class Autotuner(ProfilingPhase):
     def _conclude(self) -> SearchOutcome:
         results = list(self.results.values())
         tuning = [r for r in results if not r.spec.profile]
-        best = search.best_result(self._candidates(), self.plan.search.metric) \
-            if any(r.status is TrialStatus.OK for r in tuning) else None  # else the tuning trials fail
+        # Tuning trials that all crashed say the trials are broken: no best. Tuning trials that only
+        # ran out of memory or time leave the profiling trials the searcher took as its results.
+        broken = bool(tuning) and all(r.status is TrialStatus.FAILED for r in tuning)
+        best = None if broken else search.best_result(self._candidates(), self.plan.search.metric)
         table = summary_table(results, metric=self.plan.search.metric,
                               best_id=best.spec.trial_id if best else None)
         self.say(table)
         self._record_boundaries(results)
         if best is None:
             return SearchOutcome(1, results, None,
-                                 f"no tuning trial succeeded ({len(tuning)} run); see trials.csv and each "
-                                 "trial's stderr.log")
+                                 f"no tuning trial succeeded ({len(tuning)} run, "
+                                 f"{'all failed' if broken else 'no result to choose from'}); see trials.csv "
+                                 "and each trial's stderr.log")
         best_config = self._config_for(best.spec, instrumented=False)
         change = global_batch_change(self.plan.base_ds_config, best_config, policy=self.plan.global_batch,
                                      data_parallel_size=self.plan.data_parallel_size, argv=self.argv,

@@ -74,7 +74,7 @@ ROWS = [
     Y("hyperparameters: {lr: {type: double, minval: 0.1, maxval: 1}}\n", ["hyperparameters.lr", "'double'"],
       id="hparam-search-space"),
     Y("searcher: {max_length: 0}\n", ["searcher.max_length=0"], id="max-length-zero"),
-    Y("searcher: {max_length: {epochs: 3}}\n", ["searcher.max_length={'epochs': 3}"], id="max-length-epochs"),
+    Y("searcher: {max_length: {epochs: 0}}\n", ["searcher.max_length={'epochs': 0}"], id="max-length-epochs"),
     Y("searcher: {smaller_is_better: 'yes'}\n", ["searcher.smaller_is_better='yes'"], id="smaller-string"),
     Y("searcher: {metric: ''}\n", ["searcher.metric=''"], id="metric-empty"),
     Y("checkpoint_storage: {save_trial_latest: -1}\n", ["checkpoint_storage.save_trial_latest=-1"],

@@ -25,7 +25,7 @@ import threading
 
 import pytest
 
-import procutil
+from helpers import procutil
 from toolkit.launch.procs import find_trial_processes, kill_until_gone
 
 _LIMIT_S = float(os.environ.get("TOOLKIT_TEST_LIMIT_S", "900"))

@@ -3,11 +3,12 @@
 import json
 import math
 
-import procutil as p
+from helpers import procutil
 
 
 def test_zero_0_to_3_and_pipeline_train_with_resolved_configs(tmp_path):
-    p.check(p.run(p.torchrun_argv(p.WORKERS / "engine_worker.py", str(tmp_path)), timeout=600))
+    argv = procutil.torchrun_argv(procutil.WORKERS / "engine_worker.py", str(tmp_path))
+    procutil.check(procutil.run(argv, timeout=600))
     for rank in (0, 1):
         report = json.loads((tmp_path / f"engines_rank{rank}.json").read_text())
         for name, stage in [("zero0", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3)]:

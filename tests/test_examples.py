@@ -12,10 +12,10 @@ import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import procutil as p
 import toolkit
+from helpers import procutil
 
-EXAMPLES = p.REPO / "examples" / "core_api"
+EXAMPLES = procutil.REPO / "examples" / "core_api"
 
 # Small versions of the examples' own configs, so each run takes seconds.
 SMALL = {
@@ -57,10 +57,11 @@ def scalars(log_dir, tag):
 def test_example_runs_under_torchrun_then_resumes_under_deepspeed(tmp_path, script):
     config, out = small_config(tmp_path, script), tmp_path / "out"
     args = ["--config", str(config), "--output-dir", str(out)]
-    p.check(p.run(p.torchrun_argv(EXAMPLES / script, *args, "--max-steps", "10")))
+    procutil.check(procutil.run(procutil.torchrun_argv(EXAMPLES / script, *args, "--max-steps", "10")))
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_10"
     # Started again under the other launcher with more steps: it continues from step 10.
-    p.check(p.run(p.deepspeed_argv(EXAMPLES / script, *args, "--max-steps", "14"), env=p.child_env(LOCAL_SIZE="2")))
+    procutil.check(procutil.run(procutil.deepspeed_argv(EXAMPLES / script, *args, "--max-steps", "14"),
+                                env=procutil.child_env(LOCAL_SIZE="2")))
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_14"
     losses = scalars(out / "tensorboard", "training/loss")
     assert [step for step, _ in losses] == list(range(1, 15)), losses
@@ -89,8 +90,8 @@ def test_sigterm_at_a_random_moment_then_resume_is_bitwise_exact(tmp_path, scrip
     config = small_config(tmp_path, script, preemption_check_interval=0.1)
     steps = "150"  # the process start-up (about 15 s) dominates
     reference = tmp_path / "reference"
-    p.check(p.run(p.torchrun_argv(EXAMPLES / script, "--config", str(config), "--output-dir", str(reference),
-                                  "--max-steps", steps)))
+    procutil.check(procutil.run(procutil.torchrun_argv(EXAMPLES / script, "--config", str(config),
+                                                       "--output-dir", str(reference), "--max-steps", steps)))
 
     out, rng = tmp_path / "interrupted", random.Random(seed)
     # The signal follows the run's progress, not the clock, so it lands mid-run however busy the
@@ -98,9 +99,10 @@ def test_sigterm_at_a_random_moment_then_resume_is_bitwise_exact(tmp_path, scrip
     # examples checkpoint every 5 steps here), a random rank. The first sixth: the watcher answers
     # within about two check intervals (0.2 s), a few steps.
     after_step, delay = rng.randrange(5, int(steps) // 6 + 1, 5), rng.uniform(0.0, 0.3)
-    argv = p.torchrun_argv(EXAMPLES / script, "--config", str(config), "--output-dir", str(out), "--max-steps", steps)
+    argv = procutil.torchrun_argv(EXAMPLES / script, "--config", str(config), "--output-dir", str(out),
+                                  "--max-steps", steps)
     with open(tmp_path / "interrupted.log", "w+") as log:
-        proc = subprocess.Popen(argv, env=p.child_env(), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(argv, env=procutil.child_env(), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
             deadline = time.monotonic() + 240
@@ -124,7 +126,7 @@ def test_sigterm_at_a_random_moment_then_resume_is_bitwise_exact(tmp_path, scrip
     stopped_at = _latest_step(out / "checkpoints")
     assert after_step <= stopped_at < int(steps), f"the signal should land mid-run; stopped at {stopped_at}"
 
-    p.check(p.run(argv))  # resume to the end
+    procutil.check(procutil.run(argv))  # resume to the end
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{steps}"
     expected, got = _final_weights(reference, tmp_path, "a"), _final_weights(out, tmp_path, "b")
     assert expected.keys() == got.keys()

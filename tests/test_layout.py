@@ -17,14 +17,14 @@ import ast
 import warnings
 from pathlib import Path
 
-import procutil as p
+from helpers import procutil
 
-TOOLKIT = p.REPO / "toolkit"
+TOOLKIT = procutil.REPO / "toolkit"
 SOURCES = sorted(TOOLKIT.rglob("*.py"))
 
 
 def _module(path: Path) -> str:
-    parts = path.relative_to(p.REPO).with_suffix("").parts
+    parts = path.relative_to(procutil.REPO).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -92,7 +92,7 @@ def _runs_up(module: str, path: Path, allowed: tuple[str, ...] = ()) -> list[str
 
 def test_imports_point_one_way():
     allowed: tuple[str, ...] = ()   # no exception: every import runs down the layers
-    bad = [f"{path.relative_to(p.REPO).parent}/{where}" for path in SOURCES
+    bad = [f"{path.relative_to(procutil.REPO).parent}/{where}" for path in SOURCES
            for where in _runs_up(_module(path), path, allowed)]
     assert not bad, bad
 
@@ -134,12 +134,13 @@ def test_no_private_name_is_imported_across_packages():
             private_module = any(part.startswith("_") and part not in ("__init__",) and
                                  part not in SHARED for part in module.split("."))
             if (private or private_module) and _package(module) != here:
-                bad.append(f"{path.relative_to(p.REPO)}:{line} imports {module}.{name or ''} from {here}")
+                where = path.relative_to(procutil.REPO)
+                bad.append(f"{where}:{line} imports {module}.{name or ''} from {here}")
     assert not bad, bad
 
 
 def test_modules_and_functions_over_their_size_are_reported():
-    big_modules = [f"{s.relative_to(p.REPO)} ({n} lines)" for s in SOURCES
+    big_modules = [f"{s.relative_to(procutil.REPO)} ({n} lines)" for s in SOURCES
                    if (n := len(s.read_text().splitlines())) >= 400]
     long_functions = []
     for path in SOURCES:
@@ -149,7 +150,8 @@ def test_modules_and_functions_over_their_size_are_reported():
                 why = any(line.strip().startswith("Long because") for line in
                           (ast.get_docstring(node) or "").splitlines())
                 if length > 60 and not why:
-                    long_functions.append(f"{path.relative_to(p.REPO)}:{node.lineno} {node.name} ({length})")
+                    where = path.relative_to(procutil.REPO)
+                    long_functions.append(f"{where}:{node.lineno} {node.name} ({length})")
     for hint in [*big_modules, *long_functions]:  # pytest's warnings summary lists them
         warnings.warn(f"a hint to split by meaning: {hint}", UserWarning, stacklevel=1)
 
@@ -161,11 +163,11 @@ def test_one_integer_check_and_one_atomic_write():
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and node.name.lstrip("_") in defined:
-                defined[node.name.lstrip("_")].append(str(path.relative_to(p.REPO)))
+                defined[node.name.lstrip("_")].append(str(path.relative_to(procutil.REPO)))
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and node.func.attr == "replace" and isinstance(node.func.value, ast.Name)
                     and node.func.value.id == "os"):
-                replaces.append(f"{path.relative_to(p.REPO)}:{node.lineno}")
+                replaces.append(f"{path.relative_to(procutil.REPO)}:{node.lineno}")
     assert defined == {"is_int": ["toolkit/_checks.py"], "atomic_write": ["toolkit/_files.py"],
                        "atomic_write_json": ["toolkit/_files.py"]}, defined
     assert replaces == [f"toolkit/_files.py:{_line_of('os.replace(tmp', TOOLKIT / '_files.py')}"], replaces

@@ -22,12 +22,12 @@ import time
 import pytest
 import torch
 
-import procutil as p
+from helpers import procutil
 from toolkit.errors import ConfigError
 from toolkit.preemption import DEFAULT_SIGNALS, PreemptionWatcher, watch_preemption
 from toolkit.runtime.context import DistributedContext
 
-WORKER = p.WORKERS / "preempt_loop.py"
+WORKER = procutil.WORKERS / "preempt_loop.py"
 STEP_S = 0.005
 
 
@@ -161,7 +161,7 @@ def _progress(out, rank):
 
 
 def _start(argv):
-    return subprocess.Popen(argv, env=p.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    return subprocess.Popen(argv, env=procutil.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
 
@@ -193,7 +193,7 @@ def _finish(proc, timeout=240):
 def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, sig, target, check_every):
     at = random.randint(10, 60)
     args = ["--check-every", str(check_every or 0), "--check-interval", "0.1", "--sleep", str(STEP_S)]
-    proc = _start(p.torchrun_argv(WORKER, str(tmp_path), *args))
+    proc = _start(procutil.torchrun_argv(WORKER, str(tmp_path), *args))
     _wait_progress(proc, tmp_path, [0, 1], at)
     os.kill(int((tmp_path / f"pid{target}").read_text()), sig)
     code, output = _finish(proc)
@@ -212,7 +212,7 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, sig, tar
 
 
 def test_sigterm_forwarded_by_torchrun_to_every_worker(tmp_path):
-    proc = _start(p.torchrun_argv(WORKER, str(tmp_path), "--check-every", "3"))
+    proc = _start(procutil.torchrun_argv(WORKER, str(tmp_path), "--check-every", "3"))
     _wait_progress(proc, tmp_path, [0, 1], random.randint(10, 40))
     os.kill(proc.pid, signal.SIGTERM)  # torchrun sends SIGTERM to both workers, then waits for them
     _finish(proc)  # torchrun itself exits non-zero: it re-raises the signal it got
@@ -226,8 +226,8 @@ def test_sigterm_forwarded_by_torchrun_to_every_worker(tmp_path):
 def test_no_signal_runs_to_the_end_and_close_finishes_the_collective_in_flight(tmp_path):
     # 150 calls with check points every 7 calls: the all-reduce launched at call 147 is still
     # pending when the loop ends; close() must finish it so the all_gather after it lines up.
-    p.check(p.run(p.torchrun_argv(WORKER, str(tmp_path), "--check-every", "7", "--max-steps", "150",
-                                  "--sleep", "0.001")))
+    procutil.check(procutil.run(procutil.torchrun_argv(WORKER, str(tmp_path), "--check-every", "7",
+                                                       "--max-steps", "150", "--sleep", "0.001")))
     results = _read_results(tmp_path, 2)
     for record in results:
         assert record["stopped_at"] is None and not record["preempted"] and record["received"] is None
@@ -240,8 +240,8 @@ def test_deepspeed_launcher_signals_one_worker_at_a_time(tmp_path):
     # exited. Without an agreement rank 0 would stop alone and rank 1 would hang in a collective.
     import psutil  # a DeepSpeed dependency
 
-    proc = subprocess.Popen(p.deepspeed_argv(WORKER, str(tmp_path), "--check-every", "2"),
-                            env=p.child_env(LOCAL_SIZE="2"), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(procutil.deepspeed_argv(WORKER, str(tmp_path), "--check-every", "2"),
+                            env=procutil.child_env(LOCAL_SIZE="2"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     _wait_progress(proc, tmp_path, [0, 1], random.randint(10, 40))
     (launch,) = [child for child in psutil.Process(proc.pid).children()
@@ -261,7 +261,7 @@ def test_rare_checks_answer_at_the_first_call_after_the_signal(tmp_path):
     # 25: the pipelined check would answer at step 60, the synchronous one at step 40.
     args = ["--call-every", "20", "--sleep", "0.1", "--check-interval", "1", "--signal-after", "25",
             "--max-steps", "200"]
-    code, output = _finish(_start(p.torchrun_argv(WORKER, str(tmp_path), *args)))
+    code, output = _finish(_start(procutil.torchrun_argv(WORKER, str(tmp_path), *args)))
     assert code == 0, output[-4000:]
     results = _read_results(tmp_path, 2)
     assert [r["stopped_at"] for r in results] == [40, 40], results
@@ -272,7 +272,7 @@ def test_rare_checks_answer_at_the_first_call_after_the_signal(tmp_path):
 def test_sigterm_to_torchrun_with_dataloader_workers_stops_saves_and_resumes(tmp_path, loader):
     # num_workers=2, started before watch_preemption; torchrun signals each rank's process group,
     # so the workers get SIGTERM too. They must survive until the ranks stop through should_preempt.
-    argv = p.torchrun_argv(p.WORKERS / "preempt_workers.py", str(tmp_path), "--loader", loader)
+    argv = procutil.torchrun_argv(procutil.WORKERS / "preempt_workers.py", str(tmp_path), "--loader", loader)
     proc = _start(argv)
     _wait_progress(proc, tmp_path, [0, 1], 5)
     proc.send_signal(signal.SIGTERM)   # to torchrun itself
@@ -281,6 +281,6 @@ def test_sigterm_to_torchrun_with_dataloader_workers_stops_saves_and_resumes(tmp
     stopped = [int((tmp_path / f"stopped{r}").read_text()) for r in (0, 1)]
     assert stopped[0] == stopped[1] and 0 < stopped[0] < 400, output[-4000:]
     assert not list(tmp_path.glob("finished*"))
-    out = p.check(p.run(argv))  # the rerun resumes from the committed checkpoint and finishes
+    out = procutil.check(procutil.run(argv))  # the rerun resumes from the committed checkpoint and finishes
     assert [int((tmp_path / f"resumed{r}").read_text()) for r in (0, 1)] == stopped, out[-4000:]
     assert [int((tmp_path / f"finished{r}").read_text()) for r in (0, 1)] == [400, 400]

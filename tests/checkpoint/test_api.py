@@ -20,16 +20,16 @@ import numpy as np
 import pytest
 import torch
 
-import procutil as p
+from helpers import procutil
 from toolkit._files import atomic_write, atomic_write_json
 from toolkit.checkpoint import layout
 from toolkit.checkpoint.api import consolidate_checkpoint, load_checkpoint, save_checkpoint
 from toolkit.checkpoint.rng import capture_rng_state, restore_rng_state
 from toolkit.errors import CheckpointError, ConfigError
 
-ROUNDTRIP = p.WORKERS / "ckpt_roundtrip.py"
-SINGLE = p.WORKERS / "ckpt_single.py"
-KILL = p.WORKERS / "ckpt_kill.py"
+ROUNDTRIP = procutil.WORKERS / "ckpt_roundtrip.py"
+SINGLE = procutil.WORKERS / "ckpt_single.py"
+KILL = procutil.WORKERS / "ckpt_kill.py"
 CASES = ("zero0", "zero1", "zero2", "zero3", "pipe")
 KILL_MODES = ("ds_write", "before_commit", "before_latest")
 
@@ -280,12 +280,13 @@ def _read(path):
 def roundtrip(tmp_path_factory):
     """Run the 2-rank round-trip worker, convert zero1 to a universal checkpoint, run the 1-rank worker."""
     out = tmp_path_factory.mktemp("roundtrip")
-    p.check(p.run(p.torchrun_argv(ROUNDTRIP, str(out))))
+    procutil.check(procutil.run(procutil.torchrun_argv(ROUNDTRIP, str(out))))
     step = out / "zero1" / "step_2"
-    p.check(p.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(step),
-                   "--output_folder", f"{step}_universal", "--inject_missing_state",
-                   "--num_extract_workers", "1", "--num_merge_workers", "1"]))
-    p.check(p.run([sys.executable, str(SINGLE), str(out)]))
+    procutil.check(procutil.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                                 "--input_folder", str(step),
+                                 "--output_folder", f"{step}_universal", "--inject_missing_state",
+                                 "--num_extract_workers", "1", "--num_merge_workers", "1"]))
+    procutil.check(procutil.run([sys.executable, str(SINGLE), str(out)]))
     return out, [_read(out / f"rank{r}.json") for r in range(2)], _read(out / "single.json")
 
 
@@ -373,8 +374,9 @@ def _kill_mid_save(out, mode):
     """Start the first run, SIGKILL both ranks while they are inside the second save."""
     log = out / "first.log"
     with open(log, "w") as fh:
-        proc = subprocess.Popen(p.torchrun_argv(KILL, "first", str(out), mode), env=p.child_env(),
-                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(procutil.torchrun_argv(KILL, "first", str(out), mode),
+                                env=procutil.child_env(), stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     pids = []
     try:
         _wait_for([out / f"paused_rank{r}" for r in range(2)], proc, log)
@@ -405,7 +407,8 @@ def killed(tmp_path_factory):
         (base / mode).mkdir()
         snapshots[mode] = _kill_mid_save(base / mode, mode)
         states[mode] = layout.resolve_tag(layout.scan_dir(base / mode / "ckpt"), None)[0].tag
-    p.check(p.run(p.torchrun_argv(KILL, "resume", *(str(base / mode) for mode in KILL_MODES))))
+    resume = procutil.torchrun_argv(KILL, "resume", *(str(base / mode) for mode in KILL_MODES))
+    procutil.check(procutil.run(resume))
     return base, snapshots, states
 
 

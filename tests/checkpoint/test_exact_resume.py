@@ -25,9 +25,9 @@ import uuid
 
 import pytest
 
-import procutil as p
+from helpers import procutil
 
-WORKER = p.WORKERS / "ckpt_exact_resume.py"
+WORKER = procutil.WORKERS / "ckpt_exact_resume.py"
 # Resumes at 5 and at 19 or 20: the first step after each is one where float32 pow(0.999, step)
 # differs from 0.999**step by running product (steps 6, 19-40, ...), so a missing replay shows.
 STEPS, FIXED, POINT = 42, 5, 19
@@ -41,8 +41,9 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("exact")
     common = ["--cases", ",".join(CASES), "--steps", str(STEPS), "--fixed", str(FIXED),
               "--points", str(POINT)]
-    p.check(p.run(p.torchrun_argv(WORKER, str(out), "train", *common)))
-    p.check(p.run(p.torchrun_argv(WORKER, str(out), "resume", *common, "--without-replay")))
+    procutil.check(procutil.run(procutil.torchrun_argv(WORKER, str(out), "train", *common)))
+    procutil.check(procutil.run(procutil.torchrun_argv(WORKER, str(out), "resume", *common,
+                                                       "--without-replay")))
     return [(json.loads((out / f"train_rank{rank}.json").read_text()),
              json.loads((out / f"resume_rank{rank}.json").read_text())) for rank in range(2)]
 
@@ -92,7 +93,7 @@ TWO_NODE_CASES, TWO_NODE_STEPS, TWO_NODE_POINT = ("zero3-ds",), 40, 18
 def _two_nodes(out, *args):
     """Two ``torchrun --nnodes 2`` agents with the c10d rendezvous on 127.0.0.1, one rank each (the
     launch tests/runtime/test_multinode.py checks), running the worker to the end."""
-    port, run_id = p.free_port(), uuid.uuid4().hex[:8]
+    port, run_id = procutil.free_port(), uuid.uuid4().hex[:8]
     procs = []
     for node in (0, 1):
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
@@ -100,8 +101,8 @@ def _two_nodes(out, *args):
                 "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1",
                 "--max-restarts", "0", str(WORKER), str(out), *args]
         with open(out / f"{args[0]}_node{node}.log", "w") as log:
-            procs.append(subprocess.Popen(argv, env=p.child_env(), stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(subprocess.Popen(argv, env=procutil.child_env(), stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
     try:
         codes = [proc.wait(timeout=300) for proc in procs]
     finally:

@@ -6,14 +6,14 @@ import sys
 
 from realsshd import mpirun_argv
 
-import procutil as p
+from helpers import procutil
 
 
 def test_mpirun_two_ranks_read_the_real_ompi_variables(cluster_packages, tmp_path):
     # MASTER_PORT: the default (29500) is one fixed port for every mpirun job on the machine
-    result = p.run(mpirun_argv(2, sys.executable, str(p.WORKERS / "cluster_ctx.py"), str(tmp_path)),
-                   env=p.child_env(MASTER_PORT=str(p.free_port())), timeout=300)
-    p.check(result)
+    argv = mpirun_argv(2, sys.executable, str(procutil.WORKERS / "cluster_ctx.py"), str(tmp_path))
+    result = procutil.run(argv, env=procutil.child_env(MASTER_PORT=str(procutil.free_port())), timeout=300)
+    procutil.check(result)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, record in enumerate(ranks):
         env = record["env"]

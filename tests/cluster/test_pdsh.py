@@ -17,7 +17,7 @@ from unittest import mock
 
 from hostprocs import pid_alive
 
-import procutil as p
+from helpers import procutil
 from toolkit.dsat.contract import TrialStatus
 from toolkit.dsat.execution import slots as slots_module
 from toolkit.dsat.execution.hosts import Host
@@ -28,7 +28,7 @@ from toolkit.launch.procs import find_trial_processes, kill_until_gone
 
 def test_pdsh_runs_a_command_on_both_loopback_names(sshd):
     result = subprocess.run(["pdsh", "-R", "ssh", "-w", "127.0.0.1,localhost", "echo %n"],
-                            env=sshd.env(p.child_env()), capture_output=True, text=True, timeout=60,
+                            env=sshd.env(procutil.child_env()), capture_output=True, text=True, timeout=60,
                             stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.splitlines()) == ["127.0.0.1: 0", "localhost: 1"]
@@ -43,11 +43,11 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 def test_dsat_trial_through_pdsh_and_ssh_and_its_timeout(sshd, tmp_path):
     out = tmp_path / "out"
-    settings = RunnerSettings(entrypoint=("python3", "dsat_fake_trial.py"), model_dir=p.WORKERS,
+    settings = RunnerSettings(entrypoint=("python3", "dsat_fake_trial.py"), model_dir=procutil.WORKERS,
                               slots_per_trial=2, max_slots=2, max_concurrent=1, timeout_s=120, grace_s=3,
                               poll_s=0.1, hosts=(Host("localhost", 2),), multihost_launcher="pdsh")
     try:
-        with mock.patch.dict(os.environ, sshd.env(p.child_env()), clear=True), \
+        with mock.patch.dict(os.environ, sshd.env(procutil.child_env()), clear=True), \
                 mock.patch.object(slots_module, "is_local_host", lambda name: False):
             with TrialRunner(settings, output_dir=out) as runner:
                 runner.start(TrialSpec(1, 1, {"stage": 1}, line=0), ds_config={}, hparams={"behaviour": "ok"})

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from unittest import mock
 
-import procutil as p
+from helpers import procutil
 from toolkit.dsat.contract import TrialStatus
 from toolkit.dsat.execution import slots as slots_module
 from toolkit.dsat.execution.hosts import Host
@@ -35,13 +35,13 @@ def test_shell_syntax_in_a_remote_trial_arrives_as_literal_arguments(sshd, tmp_p
     stray = f"toolkit-pdsh-quoting-{uuid.uuid4().hex[:12]}"
     model_dir = tmp_path / f"model dir;$(touch {stray}-cwd)"
     model_dir.mkdir()
-    shutil.copy(p.WORKERS / "dsat_fake_trial.py", model_dir)
+    shutil.copy(procutil.WORKERS / "dsat_fake_trial.py", model_dir)
     out = tmp_path / f"out `touch {stray}-out`"
     settings = RunnerSettings(entrypoint=("python3", "dsat_fake_trial.py", *args), model_dir=model_dir,
                               slots_per_trial=1, max_slots=1, max_concurrent=1, timeout_s=120, grace_s=3,
                               poll_s=0.1, hosts=(Host("localhost", 1),), multihost_launcher="pdsh")
     try:
-        with mock.patch.dict(os.environ, sshd.env(p.child_env()), clear=True), \
+        with mock.patch.dict(os.environ, sshd.env(procutil.child_env()), clear=True), \
                 mock.patch.object(slots_module, "is_local_host", lambda name: False):
             with TrialRunner(settings, output_dir=out) as runner:
                 runner.start(TrialSpec(1, 1, {"stage": 1}, line=0), ds_config={}, hparams={"behaviour": "ok"})

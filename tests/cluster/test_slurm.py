@@ -18,11 +18,11 @@ from pathlib import Path
 import yaml
 from hostprocs import owner_mark, owner_of, pid_alive
 
-import procutil as p
+from helpers import procutil
 from toolkit.launch.procs import find_trial_processes, kill_until_gone
 
-CTX = p.WORKERS / "cluster_ctx.py"
-TRAIN = p.WORKERS / "cluster_train.py"
+CTX = procutil.WORKERS / "cluster_ctx.py"
+TRAIN = procutil.WORKERS / "cluster_train.py"
 START_S = 300  # a toolkit rank's start (torch, DeepSpeed) on 2 busy cores; normally about 10 s
 
 
@@ -52,7 +52,7 @@ def job_script(tmp_path: Path, name: str, *args: str) -> Path:
 
 def submit(slurm, tmp_path: Path, script: Path, *flags: str) -> str:
     return slurm.sbatch("--ntasks=2", f"--output={tmp_path / (script.stem + '.out')}", f"--chdir={tmp_path}",
-                        *flags, str(script), env=slurm.env(p.child_env()))
+                        *flags, str(script), env=slurm.env(procutil.child_env()))
 
 
 def job_log(tmp_path: Path, script: Path) -> str:
@@ -69,14 +69,14 @@ def test_slurm_daemons_carry_the_owner_mark_not_the_test_session_mark(slurm, ssh
     daemons = [proc.pid for proc in slurm.procs.values()] + [slurm.munge.proc.pid, sshd.proc.pid]
     for pid in daemons:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        assert not [e for e in environ if e.startswith(f"{p.SESSION_ENV}=".encode())], pid
+        assert not [e for e in environ if e.startswith(f"{procutil.SESSION_ENV}=".encode())], pid
         # what hostprocs.reap_orphans reads (from the argv for sshd, which overwrites its environment)
         assert owner_of(pid) == owner_mark(), pid
 
 
 def test_srun_two_tasks_read_the_real_slurm_variables(slurm, tmp_path):
     result = slurm.run("srun", "--ntasks=2", "--immediate=60", sys.executable, str(CTX), str(tmp_path),
-                       env=slurm.env(p.child_env()), check=False, timeout=START_S)
+                       env=slurm.env(procutil.child_env()), check=False, timeout=START_S)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [read(tmp_path / f"rank{rank}.json") for rank in range(2)]
     job = int(records[0]["env"]["SLURM_JOB_ID"])
@@ -152,7 +152,7 @@ def test_signal_before_the_time_limit_stops_every_task_with_a_checkpoint(slurm, 
 def dsat_model_dir(tmp_path: Path, *, profile: str) -> Path:
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    p.install_sim_model(p.WORKERS / "cluster_dsat_trial.py", model_dir)
+    procutil.install_sim_model(procutil.WORKERS / "cluster_dsat_trial.py", model_dir)
     (model_dir / "ds_config.json").write_text(json.dumps({
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}}))
@@ -167,10 +167,11 @@ def salloc_dsat(slurm, model_dir: Path, out: Path, *flags: str, timeout: float):
     """``salloc --ntasks 2 python -m toolkit.dsat binary ...`` (every host taken as remote: see the
     wrapper)."""
     argv = ["salloc", "--ntasks=2", "--immediate=60", sys.executable,
-            str(p.WORKERS / "cluster_dsat_remote.py"),
+            str(procutil.WORKERS / "cluster_dsat_remote.py"),
             "binary", str(model_dir / "deepspeed.yaml"), str(model_dir), "--output-dir", str(out),
             "--zero-stages", "1", "--memory-per-slot", "1GiB", *flags]
-    return slurm.run(*argv, env=slurm.env(p.child_env()), check=False, timeout=timeout, cwd=model_dir.parent)
+    return slurm.run(*argv, env=slurm.env(procutil.child_env()), check=False, timeout=timeout,
+                     cwd=model_dir.parent)
 
 
 def test_dsat_inside_salloc_places_its_trials_with_srun(slurm, tmp_path):
@@ -222,8 +223,8 @@ def test_toolkit_run_inside_salloc(slurm, tmp_path):
         "max_restarts": 0, "hyperparameters": {}}))
     out = tmp_path / "out"
     result = slurm.run("salloc", "--ntasks=2", "--immediate=60", sys.executable, "-m", "toolkit.run",
-                       str(config), str(p.WORKERS), "--output-dir", str(out), env=slurm.env(p.child_env()),
-                       check=False, timeout=START_S)
+                       str(config), str(procutil.WORKERS), "--output-dir", str(out),
+                       env=slurm.env(procutil.child_env()), check=False, timeout=START_S)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     done = [read(out / f"done{rank}.json") for rank in range(2)]
     assert [(d["step"], d["steps"]) for d in done] == [(5, [5, 5])] * 2
@@ -245,7 +246,7 @@ def test_toolkit_run_as_the_batch_script_stops_on_the_batch_signal(slurm, tmp_pa
         "searcher": {"name": "single", "metric": "loss", "max_length": 5}}))
     out = tmp_path / "out"
     script = tmp_path / "batch.sh"
-    command = f"{sys.executable} -m toolkit.run {config} {p.WORKERS} --output-dir {out}"
+    command = f"{sys.executable} -m toolkit.run {config} {procutil.WORKERS} --output-dir {out}"
     script.write_text(f"#!/bin/sh\nexec {command}\n")
     job = submit(slurm, tmp_path, script)
     pids = []
@@ -271,7 +272,7 @@ def test_two_concurrent_steps_of_one_job_each_rendezvous(slurm, tmp_path):
     script.write_text(f"#!/bin/sh\n{steps}wait\n")
     for name in "AB":
         (tmp_path / name).mkdir()
-    env = p.child_env(CLUSTER_CTX_TIMEOUT_S="20", TOOLKIT_COLLECTIVE_TIMEOUT_S="20")
+    env = procutil.child_env(CLUSTER_CTX_TIMEOUT_S="20", TOOLKIT_COLLECTIVE_TIMEOUT_S="20")
     job = slurm.sbatch("--ntasks=2", f"--output={tmp_path / 'steps.out'}", f"--chdir={tmp_path}", str(script),
                        env=slurm.env(env))
     try:  # a failed step ends the test at once (the other may wait minutes on a peer that is gone)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-import procutil
+from helpers import procutil
 from toolkit.compat.determined import storage
 from toolkit.launch.procs import find_trial_processes
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-import procutil
+from helpers import procutil
 from toolkit.compat.determined import storage, wrap_rank
 from toolkit.compat.determined.wrap_rank import SHIM_DIR, WRAPPED_ENV, shim_pythonpath
 from toolkit.errors import ConfigError, LaunchEnvError

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-import procutil
+from helpers import procutil
 from toolkit.compat.determined import hparams, storage
 from toolkit.compat.determined.core.checkpoint import CheckpointContext
 from toolkit.compat.determined.core.distributed import DummyDistributedContext

@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-import procutil
 import toolkit
+from helpers import procutil
 from toolkit.config.ds_engine_rules import cpu_supports_fp16
 from toolkit.config.ds_schema import (
     CPU_ADAM_KWARGS,

@@ -11,17 +11,17 @@ import time
 import pytest
 import yaml
 
-import procutil as p
+from helpers import procutil
 from toolkit.dsat.orchestrator import profile_spec, trial_ds_config
 from toolkit.dsat.search.types import TrialSpec
 
-MODEL = p.WORKERS / "dsat_model_trial.py"
+MODEL = procutil.WORKERS / "dsat_model_trial.py"
 
 
 def make_model_dir(tmp_path, *, slots=1, hparams=None, ds=None, experiment=None):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    p.install_sim_model(MODEL, model_dir)
+    procutil.install_sim_model(MODEL, model_dir)
     (model_dir / "ds_config.json").write_text(json.dumps(ds or {
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1},
@@ -37,7 +37,7 @@ def make_model_dir(tmp_path, *, slots=1, hparams=None, ds=None, experiment=None)
 def dsat(model_dir, *flags, method="binary", output=None, timeout=300):
     argv = [sys.executable, "-m", "toolkit.dsat", method, str(model_dir / "deepspeed.yaml"), str(model_dir),
             "--output-dir", str(output or model_dir.parent / "out"), "--trial-timeout", "60", *flags]
-    return p.run(argv, timeout=timeout)
+    return procutil.run(argv, timeout=timeout)
 
 
 def dsat_in_process(model_dir, *flags, method="binary", capsys):
@@ -235,9 +235,10 @@ def test_bad_config_exits_2_before_launch(tmp_path, change, fragment, capsys):
 
 def test_missing_paths(tmp_path):
     model_dir = make_model_dir(tmp_path)
-    result = p.run([sys.executable, "-m", "toolkit.dsat", "binary", str(tmp_path / "x.yaml"), str(model_dir)])
+    result = procutil.run([sys.executable, "-m", "toolkit.dsat", "binary", str(tmp_path / "x.yaml"),
+                           str(model_dir)])
     assert result.returncode == 2 and "x.yaml" in result.stdout and "not found" in result.stdout
-    result = p.run([sys.executable, "-m", "toolkit.dsat", "binary", str(model_dir / "deepspeed.yaml"),
+    result = procutil.run([sys.executable, "-m", "toolkit.dsat", "binary", str(model_dir / "deepspeed.yaml"),
                     str(tmp_path / "nodir")])
     assert result.returncode == 2 and "is not a directory" in result.stdout
 
@@ -336,8 +337,8 @@ def test_sigkilled_search_resumes_without_rerunning_finished_trials(tmp_path):
     argv = [sys.executable, "-m", "toolkit.dsat", "random", str(model_dir / "deepspeed.yaml"), str(model_dir),
             "--output-dir", str(out), "--max-trials", "7", "--zero-stages", "1", "2", "--trial-timeout", "60",
             "--memory-per-slot", "100MiB"]
-    proc = subprocess.Popen(argv, env=p.child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(argv, env=procutil.child_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 120
     while not (out / "events.jsonl").exists() or \
             sum('"event": "result"' in line for line in (out / "events.jsonl").read_text().splitlines()) < 3:
@@ -347,7 +348,7 @@ def test_sigkilled_search_resumes_without_rerunning_finished_trials(tmp_path):
     proc.wait(timeout=30)
     finished = {json.loads(line)["trial_id"] for line in (out / "events.jsonl").read_text().splitlines()
                 if '"event": "result"' in line}
-    result = p.run(argv + ["--resume"])
+    result = procutil.run(argv + ["--resume"])
     assert result.returncode == 0, result.stdout[-3000:]
     rows = trial_rows(out)
     assert [int(r["trial_id"]) for r in rows] == list(range(7))
@@ -355,7 +356,7 @@ def test_sigkilled_search_resumes_without_rerunning_finished_trials(tmp_path):
         starts = (out / "trials" / f"trial_{trial_id}" / "starts.log").read_text().splitlines()
         assert len(starts) == 1, (trial_id, starts)
     # the same flags are required to resume
-    changed = p.run(argv + ["--resume", "--random-seed", "7"])
+    changed = procutil.run(argv + ["--resume", "--random-seed", "7"])
     assert changed.returncode == 2 and "settings differ" in changed.stdout
 
 

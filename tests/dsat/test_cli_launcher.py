@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-import procutil as p
+from helpers import procutil
 from toolkit.config.experiment import entrypoint_argv
 from toolkit.dsat.cli import choose_launcher
 from toolkit.dsat.contract import TrialStatus
@@ -55,7 +55,7 @@ def _model_dir(tmp_path, entrypoint):
     deepspeed launcher's own variables are set (as Determined's DistributedContext.from_deepspeed)."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    p.install_sim_model(p.WORKERS / "dsat_model_trial.py", model_dir)
+    procutil.install_sim_model(procutil.WORKERS / "dsat_model_trial.py", model_dir)
     (model_dir / "sim.py").write_text((model_dir / "model.py").read_text())
     (model_dir / "model.py").write_text(
         "import os, runpy, sys\n"
@@ -135,7 +135,7 @@ def test_the_wrapped_example_is_tuned_without_a_flag(tmp_path):
             str(model_dir), "--output-dir", str(tmp_path / "out"), "--trial-timeout", "60",
             "--max-trials", "3",
             "--zero-stages", "1", "--memory-per-slot", "100MiB", "--max-concurrent-trials", "2"]
-    result = p.run(argv, timeout=300)
+    result = procutil.run(argv, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]
     assert result.stdout.splitlines()[0] == (
         "dsat: trials on this machine start with deepspeed: the entrypoint runs determined.launch.deepspeed; "

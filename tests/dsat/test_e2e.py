@@ -7,9 +7,9 @@ import sys
 import pytest
 import yaml
 
-import procutil as p
+from helpers import procutil
 
-EXAMPLES = p.REPO / "examples" / "core_api"
+EXAMPLES = procutil.REPO / "examples" / "core_api"
 
 
 def small_setup(tmp_path):
@@ -39,7 +39,7 @@ def small_setup(tmp_path):
 def test_binary_search_on_the_example_then_train_with_the_best_config(tmp_path):
     config = small_setup(tmp_path)
     out = tmp_path / "dsat"
-    result = p.run([sys.executable, "-m", "toolkit.dsat", "binary", str(config), str(EXAMPLES),
+    result = procutil.run([sys.executable, "-m", "toolkit.dsat", "binary", str(config), str(EXAMPLES),
                     # 600 MiB per rank: a boundary near 260 (0.73 MiB per example above ~400 MiB),
                     # well below the data's and the trial timeout's caps on a loaded machine
                     "--max-trials", "6", "--memory-per-slot", "600MiB", "--search-range-factor", "3",
@@ -85,8 +85,9 @@ def test_binary_search_on_the_example_then_train_with_the_best_config(tmp_path):
     experiment["hyperparameters"]["deepspeed_config"] = str(out / "best_ds_config.json")
     experiment["hyperparameters"].pop("overwrite_deepspeed_args")
     (tmp_path / "best.yaml").write_text(yaml.safe_dump(experiment))
-    train = p.run(p.torchrun_argv(EXAMPLES / "train.py", "--config", str(tmp_path / "best.yaml"),
-                                  "--output-dir", str(tmp_path / "run"), "--max-steps", "3"), timeout=600)
+    argv = procutil.torchrun_argv(EXAMPLES / "train.py", "--config", str(tmp_path / "best.yaml"),
+                                  "--output-dir", str(tmp_path / "run"), "--max-steps", "3")
+    train = procutil.run(argv, timeout=600)
     assert train.returncode == 0, train.stdout[-4000:]
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_3"
 
@@ -97,7 +98,7 @@ def test_an_offload_trial_runs_on_cpu(tmp_path):
     DeepSpeed steps it with DeepSpeedCPUAdam; the global batch 16 kept on 2 ranks."""
     config = small_setup(tmp_path)
     out = tmp_path / "dsat"
-    result = p.run([sys.executable, "-m", "toolkit.dsat", "binary", str(config), str(EXAMPLES),
+    result = procutil.run([sys.executable, "-m", "toolkit.dsat", "binary", str(config), str(EXAMPLES),
                     "--max-trials", "2", "--memory-per-slot", "1400MiB", "--zero-stages", "2",
                     "--offload", "always", "--global-batch", "16", "--start-profile-step", "2",
                     "--end-profile-step", "3", "--trial-timeout", "240", "--output-dir", str(out)],

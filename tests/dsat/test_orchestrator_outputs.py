@@ -9,7 +9,7 @@ import json
 
 import yaml
 
-import procutil as p
+from helpers import procutil
 from toolkit.dsat.cli import build_parser, make_plan
 from toolkit.dsat.contract import METRICS, TrialStatus
 from toolkit.dsat.full_run import run_full_experiment
@@ -27,7 +27,7 @@ def _metrics(scale: float) -> dict[str, float]:
 def _tuner(tmp_path, ds, *flags):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    p.install_sim_model(p.WORKERS / "dsat_model_trial.py", model_dir)
+    procutil.install_sim_model(procutil.WORKERS / "dsat_model_trial.py", model_dir)
     (model_dir / "ds_config.json").write_text(json.dumps(ds))
     (model_dir / "deepspeed.yaml").write_text(yaml.safe_dump({
         "name": "sim", "entrypoint": "python3 model.py", "resources": {"slots_per_trial": 1},

@@ -18,8 +18,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing import event_accumulator
 
-import procutil
 import toolkit.metrics.writer as metrics_module
+from helpers import procutil
 from toolkit.errors import ConfigError
 from toolkit.metrics.writer import SAMPLES_PER_SECOND, MetricsSettings, MetricsWriter
 from toolkit.runtime.context import DistributedContext

@@ -14,12 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # reliability helpers: import relutil
 
 FULL = os.environ.get("TOOLKIT_RELIABILITY_FULL") == "1"
 REPORT_ENV = "TOOLKIT_RELIABILITY_REPORT"

@@ -26,13 +26,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-import procutil as p
 import toolkit
 import toolkit.checkpoint.layout as layout
+from helpers import procutil
 from toolkit.errors import CheckpointError, ConfigError
 
 CATEGORY = "bad input"
-MODEL = p.WORKERS / "dsat_model_trial.py"
+MODEL = procutil.WORKERS / "dsat_model_trial.py"
 BASE_DS = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}}
 
@@ -254,7 +254,7 @@ def _tree(root: Path) -> dict[str, str]:
 def _model_dir(tmp_path: Path, payload: dict) -> Path:
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    p.install_sim_model(MODEL, model_dir)
+    procutil.install_sim_model(MODEL, model_dir)
     ds = {**BASE_DS, **payload.get("ds", {})}
     (model_dir / "ds_config.json").write_text(payload.get("ds_text") or json.dumps(ds))
     config = {"name": "sim", "entrypoint": payload.get("entrypoint", "python3 model.py"),

@@ -29,16 +29,15 @@ import random
 import signal
 
 import pytest
-import relutil as r
 
-import procutil as p
+from helpers import procutil, relutil
 
 FULL = os.environ.get("TOOLKIT_RELIABILITY_FULL") == "1"  # set by scripts/reliability.py
 SEED = int(os.environ.get("TOOLKIT_RELIABILITY_SEED", "20261121"))
 TERM_CATEGORY = "preemption chaos (SIGTERM)"
 KILL_CATEGORY = "crash during save (SIGKILL)"
 MATRIX_CATEGORY = "exact resume, ZeRO 0-3"
-EXACT = p.WORKERS / "ckpt_exact_resume.py"
+EXACT = procutil.WORKERS / "ckpt_exact_resume.py"
 MATRIX_STEPS, MATRIX_POINTS = 40, 20
 EVERY = 2  # checkpoint every 2 steps: saves are frequent, so "during a save" is hit often
 
@@ -59,19 +58,19 @@ def _term_plan(rng: random.Random, count: int) -> list[str]:
 
 def _run(tmp_path, tally, plan: list[tuple[signal.Signals, str]], max_steps: int, reference, rng) -> None:
     tallies = {signal.SIGTERM: tally(TERM_CATEGORY), signal.SIGKILL: tally(KILL_CATEGORY)}
-    config = r.small_config(tmp_path, checkpoint_every=EVERY)
-    campaign = r.Campaign(tmp_path, config, max_steps=max_steps, rng=rng)
+    config = relutil.small_config(tmp_path, checkpoint_every=EVERY)
+    campaign = relutil.Campaign(tmp_path, config, max_steps=max_steps, rng=rng)
     for sig, moment in plan:
         campaign.shoot(sig, moment)
     code, text = campaign.run_to_end()
     final = []
     if code != 0:
         final.append(f"the final launch exited {code}: {text[-1500:]}")
-    elif r.committed_step(campaign.checkpoints) != max_steps:
-        final.append(f"the final launch ended at step {r.committed_step(campaign.checkpoints)}, "
+    elif relutil.committed_step(campaign.checkpoints) != max_steps:
+        final.append(f"the final launch ended at step {relutil.committed_step(campaign.checkpoints)}, "
                      f"not {max_steps}")
     else:
-        differing = r.compare_weights(reference(max_steps), campaign.checkpoints, tmp_path)
+        differing = relutil.compare_weights(reference(max_steps), campaign.checkpoints, tmp_path)
         if differing:
             final.append(f"final weights differ from the uninterrupted run: {differing[:5]}")
     for shot in campaign.shots:
@@ -102,7 +101,7 @@ def reference(tmp_path_factory):
     def get(max_steps: int):
         if max_steps not in made:
             base = tmp_path_factory.mktemp(f"reference{max_steps}")
-            made[max_steps] = r.run_reference(base, r.small_config(base, checkpoint_every=EVERY),
+            made[max_steps] = relutil.run_reference(base, relutil.small_config(base, checkpoint_every=EVERY),
                                               max_steps=max_steps)
         return made[max_steps]
     return get
@@ -153,8 +152,9 @@ def test_stage_matrix_20_random_preemptions_resume_bitwise(tmp_path, tally, stag
     points = sorted(rng.sample(range(1, MATRIX_STEPS - 1), MATRIX_POINTS))
     case = f"zero{stage}-ds"
     common = ["--cases", case, "--steps", str(MATRIX_STEPS), "--points", ",".join(map(str, points))]
-    p.check(p.run(p.torchrun_argv(EXACT, str(tmp_path), "train", *common), timeout=900))
-    p.check(p.run(p.torchrun_argv(EXACT, str(tmp_path), "resume", *common), timeout=900))  # a new process
+    procutil.check(procutil.run(procutil.torchrun_argv(EXACT, str(tmp_path), "train", *common), timeout=900))
+    # a new process:
+    procutil.check(procutil.run(procutil.torchrun_argv(EXACT, str(tmp_path), "resume", *common), timeout=900))
     runs = [tuple(json.loads((tmp_path / f"{mode}_rank{rank}.json").read_text())
                   for mode in ("train", "resume")) for rank in range(2)]
     t = tally(MATRIX_CATEGORY)

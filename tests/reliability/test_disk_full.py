@@ -17,10 +17,10 @@ import subprocess
 
 import pytest
 
-import procutil as p
+from helpers import procutil
 
 CATEGORY = "disk full during save"
-WORKER = p.REPO / "tests" / "reliability" / "workers" / "ckpt_disk_full.py"
+WORKER = procutil.REPO / "tests" / "reliability" / "workers" / "ckpt_disk_full.py"
 MODES = ("tmpfs", "rlimit", "rlimit1")
 
 
@@ -43,7 +43,8 @@ def disk_full(tmp_path_factory):
     no_tmpfs = _mount_tmpfs(ckpt)
     modes = [m for m in MODES if m != "tmpfs" or no_tmpfs is None]
     try:
-        result = p.run(p.torchrun_argv(WORKER, str(ckpt), str(out), ",".join(modes)), timeout=300)
+        argv = procutil.torchrun_argv(WORKER, str(ckpt), str(out), ",".join(modes))
+        result = procutil.run(argv, timeout=300)
     finally:
         if no_tmpfs is None:
             subprocess.run(["umount", str(ckpt)], capture_output=True, timeout=60)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-import procutil as p
+from helpers import procutil
 
 FULL = os.environ.get("TOOLKIT_RELIABILITY_FULL") == "1"  # set by scripts/reliability.py
 CATEGORY = "dsat fault injection"
@@ -39,7 +39,7 @@ MAX_TRIALS = 9
 def _model_dir(base: Path) -> Path:
     model_dir = base / "model"
     model_dir.mkdir(parents=True)
-    p.install_sim_model(MODEL, model_dir)
+    procutil.install_sim_model(MODEL, model_dir)
     (model_dir / "ds_config.json").write_text(json.dumps({
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}}))
@@ -98,7 +98,7 @@ def _search(base: Path, *, kill_after: int, seed: int) -> dict:
             "--trial-timeout", "15", "--memory-per-slot", "150MiB", "--random-seed", str(seed)]
     with open(base / "first.log", "w") as log:
         proc = subprocess.Popen(
-            argv, env=p.child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            argv, env=procutil.child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
         deadline = time.monotonic() + 240
@@ -111,7 +111,7 @@ def _search(base: Path, *, kill_after: int, seed: int) -> dict:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
-    resumed = p.run(argv + ["--resume"], timeout=400)
+    resumed = procutil.run(argv + ["--resume"], timeout=400)
     rows = []
     if (out / "trials.csv").exists():
         import csv

@@ -24,15 +24,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import procutil as p
 import toolkit
 import toolkit.checkpoint.layout as layout
+from helpers import procutil
 from toolkit.config.experiment import entrypoint_argv
 from toolkit.errors import CheckpointError, ConfigError
 
 CATEGORY = "security"
-SOURCES = sorted([*(p.REPO / "toolkit").rglob("*.py"), *(p.REPO / "examples").rglob("*.py"),
-                  *(p.REPO / "scripts").glob("*.py")])
+SOURCES = sorted([*(procutil.REPO / "toolkit").rglob("*.py"), *(procutil.REPO / "examples").rglob("*.py"),
+                  *(procutil.REPO / "scripts").glob("*.py")])
 
 
 def _calls(path: Path):
@@ -65,10 +65,10 @@ def test_no_shell_anywhere_in_the_sources():
             name = _name(call.func)
             if name in ("os.system", "os.popen", "subprocess.getoutput", "subprocess.getstatusoutput", "eval",
                         "exec", "yaml.load", "yaml.unsafe_load", "pickle.load", "pickle.loads"):
-                offences.append(f"{path.relative_to(p.REPO)}:{call.lineno} {name}()")
+                offences.append(f"{path.relative_to(procutil.REPO)}:{call.lineno} {name}()")
             for keyword in call.keywords:
                 if keyword.arg == "shell" and not (isinstance(keyword.value, ast.Constant) and not keyword.value.value):
-                    offences.append(f"{path.relative_to(p.REPO)}:{call.lineno} {name}(shell=...)")
+                    offences.append(f"{path.relative_to(procutil.REPO)}:{call.lineno} {name}(shell=...)")
     assert offences == []
 
 
@@ -86,18 +86,18 @@ def test_an_entrypoint_with_shell_syntax_stays_inert_words():
 
 def test_every_torch_load_is_weights_only_but_the_documented_one():
     loose = []
-    for path in sorted((p.REPO / "toolkit").rglob("*.py")):
+    for path in sorted((procutil.REPO / "toolkit").rglob("*.py")):
         for call in _calls(path):
             if _name(call.func) != "torch.load":
                 continue
             safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
                        for k in call.keywords)
             if not safe:
-                loose.append(f"{path.relative_to(p.REPO)}:{call.lineno}")
+                loose.append(f"{path.relative_to(procutil.REPO)}:{call.lineno}")
     # consolidate_checkpoint reads DeepSpeed's ZeRO-0 model file, which pickles more than tensors;
     # it is documented as "trusted checkpoints only" in its docstring and in the module's Trust note.
     assert len(loose) == 1 and loose[0].startswith("toolkit/checkpoint/consolidate.py"), loose
-    source = (p.REPO / "toolkit" / "checkpoint" / "consolidate.py").read_text()
+    source = (procutil.REPO / "toolkit" / "checkpoint" / "consolidate.py").read_text()
     assert "trusted" in source and "weights_only=False" in source
 
 
@@ -138,5 +138,5 @@ def test_unsafe_names_are_refused(name):
 
 
 def test_dsat_trial_directories_are_numbered_not_named_by_users():
-    source = (p.REPO / "toolkit" / "dsat" / "execution" / "runner.py").read_text()
+    source = (procutil.REPO / "toolkit" / "dsat" / "execution" / "runner.py").read_text()
     assert 'f"trial_{' in source  # trial_<int id>: no user string reaches a trial's path

@@ -22,8 +22,8 @@ import yaml
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import procutil as p
 import toolkit
+from helpers import procutil
 from toolkit.bounded_load import MAX_DEPTH, MAX_YAML_NODES, load_json, load_yaml, parse_json, parse_yaml
 from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state
 from toolkit.dsat.cli import main as dsat_main
@@ -35,7 +35,7 @@ from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.errors import ConfigError
 from toolkit.run.cli import main as run_main
 
-MODEL = p.WORKERS / "dsat_model_trial.py"
+MODEL = procutil.WORKERS / "dsat_model_trial.py"
 DS = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
       "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}}
 CAP_BYTES = 3 * 2**30
@@ -50,7 +50,7 @@ def alias_bomb(levels: int = 9, width: int = 10) -> str:
 
 def experiment(model_dir: Path, *, head: str = "", name: str = "sim", ds: str | None = None) -> Path:
     """A dsat-ready model directory; ``head`` goes first in the YAML, ``ds`` replaces the JSON."""
-    p.install_sim_model(MODEL, model_dir)
+    procutil.install_sim_model(MODEL, model_dir)
     (model_dir / "ds_config.json").write_text(ds if ds is not None else json.dumps(DS))
     body = yaml.safe_dump({"entrypoint": "python3 model.py", "resources": {"slots_per_trial": 1},
                            "searcher": {"max_length": 10},
@@ -87,8 +87,8 @@ def test_hostile_files_make_the_dsat_cli_exit_2_fast_under_a_3gb_cap(tmp_path):
     before = {k: _tree(d) for k, (d, _) in cases.items()}
     started = time.monotonic()
     procs = {k: subprocess.Popen([sys.executable, "-m", "toolkit.dsat", "binary", "deepspeed.yaml", "."],
-                                 cwd=d, env=p.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, preexec_fn=_capped)
+                                 cwd=d, env=procutil.child_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, preexec_fn=_capped)
              for k, (d, _) in cases.items()}
     outs = {k: proc.communicate(timeout=60)[0] for k, proc in procs.items()}
     assert time.monotonic() - started < 60

@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import procutil as p
+from helpers import procutil
 from toolkit import _names
 from toolkit.checkpoint import layout
 from toolkit.compat import determined as det
@@ -381,7 +381,8 @@ def test_end_to_end_with_a_real_engine(tmp_path):
     (tmp_path / "secret.txt").write_text(SECRET)
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    p.check(p.run([sys.executable, str(script), str(tmp_path), str(p.WORKERS)], timeout=240))
+    procutil.check(procutil.run([sys.executable, str(script), str(tmp_path), str(procutil.WORKERS)],
+                                timeout=240))
     record = json.loads((tmp_path / "record.json").read_text())
     kind, message = record["forged_tag"]
     assert kind == "error" and "CheckpointError" in message and "'../A/step_3'" in message, record

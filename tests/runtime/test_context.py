@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-import procutil as p
+from helpers import procutil
 
-WORKER = p.WORKERS / "ctx_worker.py"
+WORKER = procutil.WORKERS / "ctx_worker.py"
 
 
 def _records(out_dir, n):
@@ -32,30 +32,31 @@ def _check_two_ranks(records, *, launcher, num_nodes=1):
 
 
 def test_plain_python_is_world_of_one(tmp_path):
-    p.check(p.run([sys.executable, str(WORKER), str(tmp_path)]))
+    procutil.check(procutil.run([sys.executable, str(WORKER), str(tmp_path)]))
     (rec,) = _records(tmp_path, 1)
     assert rec["launcher"] == "none" and rec["world_size"] == 1 and rec["is_chief"]
     assert rec["gathered"] == [0] and rec["mean"] == [0.0, 1.0] and rec["idempotent"]
 
 
 def test_torchrun_two_ranks(tmp_path):
-    p.check(p.run(p.torchrun_argv(WORKER, str(tmp_path))))
+    procutil.check(procutil.run(procutil.torchrun_argv(WORKER, str(tmp_path))))
     records = _records(tmp_path, 2)
     _check_two_ranks(records, launcher="torchrun")
     assert [r["local_rank"] for r in records] == [0, 1] and records[0]["local_world_size"] == 2
 
 
 def test_deepspeed_launcher_two_ranks(tmp_path):
-    p.check(p.run(p.deepspeed_argv(WORKER, str(tmp_path)), env=p.child_env(LOCAL_SIZE="2")))
+    procutil.check(procutil.run(procutil.deepspeed_argv(WORKER, str(tmp_path)),
+                                env=procutil.child_env(LOCAL_SIZE="2")))
     _check_two_ranks(_records(tmp_path, 2), launcher="deepspeed")
 
 
 def test_two_simulated_nodes_on_loopback(tmp_path):
-    port = p.free_port()
+    port = procutil.free_port()
     procs = [subprocess.Popen(
-        p.torchrun_argv(WORKER, str(tmp_path), nproc=1, port=port,
+        procutil.torchrun_argv(WORKER, str(tmp_path), nproc=1, port=port,
                         extra=["--nnodes", "2", "--node_rank", str(node)]),
-        env=p.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env=procutil.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for node in (0, 1)]
     for proc in procs:
         out, _ = proc.communicate(timeout=300)
@@ -67,7 +68,7 @@ def test_two_simulated_nodes_on_loopback(tmp_path):
 
 
 def _spawn_with_env(tmp_path, envs):
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp_path)], env=p.child_env(**env),
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp_path)], env=procutil.child_env(**env),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for env in envs]
     for proc in procs:
         out, _ = proc.communicate(timeout=300)
@@ -76,7 +77,7 @@ def _spawn_with_env(tmp_path, envs):
 
 def test_mpirun_variables(tmp_path):
     # mpirun is not installed here: two real processes get exactly the variables Open MPI sets.
-    port = str(p.free_port())
+    port = str(procutil.free_port())
     _spawn_with_env(tmp_path, [{"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": "2",
                                 "OMPI_COMM_WORLD_LOCAL_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
                                 "MASTER_PORT": port} for r in (0, 1)])
@@ -85,7 +86,7 @@ def test_mpirun_variables(tmp_path):
 
 def test_srun_variables(tmp_path):
     # No Slurm allocation here: two real processes get the variables an srun step sets.
-    port = str(p.free_port())
+    port = str(procutil.free_port())
     _spawn_with_env(tmp_path, [{"SLURM_PROCID": str(r), "SLURM_STEP_ID": "0",
                                 "SLURM_STEP_NUM_TASKS": "2",
                                 "SLURM_LOCALID": str(r), "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "1",
@@ -95,8 +96,8 @@ def test_srun_variables(tmp_path):
 
 
 def test_bad_variable_stops_before_anything_starts(tmp_path):
-    result = p.run([sys.executable, str(WORKER), str(tmp_path)],
-                   env=p.child_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="x", MASTER_ADDR="127.0.0.1",
+    result = procutil.run([sys.executable, str(WORKER), str(tmp_path)],
+                   env=procutil.child_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="x", MASTER_ADDR="127.0.0.1",
                                    MASTER_PORT="1"))
     assert result.returncode != 0
     assert "LOCAL_RANK='x' is not an integer" in result.stdout
@@ -116,7 +117,7 @@ def test_bad_variable_stops_before_anything_starts(tmp_path):
     ("toolkit.get_context()", "init_distributed() has not been called"),
 ])
 def test_bad_arguments(code, message):
-    result = p.run([sys.executable, "-c", f"import toolkit; {code}"])
+    result = procutil.run([sys.executable, "-c", f"import toolkit; {code}"])
     assert result.returncode != 0 and message in result.stdout
 
 
@@ -128,7 +129,7 @@ def test_adopts_process_group_made_by_deepspeed(tmp_path):
             "sys.stdout.write(f'ADOPTED {ctx.rank} {ctx.world_size} {ctx.backend}\\n'); sys.stdout.flush()")
     script = tmp_path / "adopt.py"
     script.write_text(code)
-    out = p.check(p.run(p.torchrun_argv(script)))
+    out = procutil.check(procutil.run(procutil.torchrun_argv(script)))
     assert "ADOPTED 0 2 gloo" in out and "ADOPTED 1 2 gloo" in out
 
 
@@ -147,8 +148,8 @@ def test_collective_called_on_one_rank_raises_naming_the_call(tmp_path, call):
     script = tmp_path / "lone.py"
     script.write_text(LONE)
     start = time.monotonic()
-    result = p.run(p.torchrun_argv(script, call), env=p.child_env(TOOLKIT_COLLECTIVE_TIMEOUT_S="4"),
-                   timeout=120)
+    result = procutil.run(procutil.torchrun_argv(script, call),
+                          env=procutil.child_env(TOOLKIT_COLLECTIVE_TIMEOUT_S="4"), timeout=120)
     assert result.returncode != 0
     assert time.monotonic() - start < 60, "the lone rank must fail within about the bound"
     assert f"CollectiveTimeoutError: ctx.{call} (toolkit collective #1) did not complete within 4 s " \

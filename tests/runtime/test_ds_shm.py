@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-import procutil as p
+from helpers import procutil
 from toolkit.runtime.ds_shm import SHM_DIR, buffer_name, remove_buffers, remove_stale_buffers, unlink_buffer
 
-WORKER = p.WORKERS / "shm_worker.py"
+WORKER = procutil.WORKERS / "shm_worker.py"
 
 
 def _segments(port) -> list[str]:
@@ -33,9 +33,10 @@ def ports():
 
 
 def _run(tmp_path, mode, ports):
-    port = p.free_port()
+    port = procutil.free_port()
     ports.append(port)
-    result = p.run(p.deepspeed_argv(WORKER, mode, str(tmp_path), port=port), env=p.child_env(LOCAL_SIZE="2"))
+    result = procutil.run(procutil.deepspeed_argv(WORKER, mode, str(tmp_path), port=port),
+                          env=procutil.child_env(LOCAL_SIZE="2"))
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     return port, result, records
 
@@ -101,7 +102,7 @@ def test_stale_means_old_and_mapped_by_no_process(tmp_path):
 def test_deepspeed_alone_leaves_its_segments_behind(tmp_path, ports):
     """The defect being worked around (DeepSpeed 0.19), and remove_buffers on real segments."""
     port, result, records = _run(tmp_path, "deepspeed", ports)
-    p.check(result)
+    procutil.check(result)
     assert _segments(port) == [buffer_name(addr="127.0.0.1", port=port, rank=r) for r in (0, 1)]
     assert records[0]["sum"] == [3.0] * 8
     removed = remove_buffers(addr="127.0.0.1", port=port)
@@ -125,10 +126,10 @@ def test_the_dsat_runner_removes_what_a_trial_left(tmp_path, monkeypatch, ports,
     from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
     from toolkit.dsat.search.types import TrialSpec
 
-    p.clean_launch_env(monkeypatch)
+    procutil.clean_launch_env(monkeypatch)
     # The hanging trial ends by its timeout, long enough for torchrun and both ranks to start on a
     # loaded 2-core machine (4 s was not, in a suite run beside a benchmark); the other has time.
-    settings = RunnerSettings(entrypoint=("python3", "dsat_fake_trial.py"), model_dir=p.WORKERS,
+    settings = RunnerSettings(entrypoint=("python3", "dsat_fake_trial.py"), model_dir=procutil.WORKERS,
                               slots_per_trial=2, max_slots=2, max_concurrent=1, grace_s=1.0, poll_s=0.1,
                               timeout_s=120.0 if behaviour == "ok" else 15.0)
     out = tmp_path / "out"

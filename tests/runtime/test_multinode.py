@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-import procutil as p
+from helpers import procutil
 
-WORKER = p.WORKERS / "multinode_train.py"
+WORKER = procutil.WORKERS / "multinode_train.py"
 
 
 def agent_argv(node: int, port: int, run_id: str, *args: str, script: Path = WORKER) -> list[str]:
@@ -34,8 +34,8 @@ def agent_argv(node: int, port: int, run_id: str, *args: str, script: Path = WOR
 
 
 def start_nodes(out: Path, ckpt: Path, *args: str) -> list[subprocess.Popen]:
-    port, run_id = p.free_port(), uuid.uuid4().hex[:8]
-    env = p.child_env(PYTHONPATH=f"{p.REPO}{os.pathsep}{p.WORKERS}")
+    port, run_id = procutil.free_port(), uuid.uuid4().hex[:8]
+    env = procutil.child_env(PYTHONPATH=f"{procutil.REPO}{os.pathsep}{procutil.WORKERS}")
     logs = [open(out / f"agent{node}.log", "w") for node in (0, 1)]
     try:
         return [subprocess.Popen(agent_argv(node, port, run_id, str(out), str(ckpt), *args), env=env,
@@ -153,14 +153,14 @@ def test_the_example_runs_unchanged_on_two_nodes(tmp_path):
     from test_examples import EXAMPLES, small_config
 
     config, out = small_config(tmp_path, "train.py"), tmp_path / "out"
-    port, run_id = p.free_port(), uuid.uuid4().hex[:8]
+    port, run_id = procutil.free_port(), uuid.uuid4().hex[:8]
     procs = []
     for node in (0, 1):
         with open(tmp_path / f"agent{node}.log", "w") as log:
             procs.append(subprocess.Popen(
                 agent_argv(node, port, run_id, "--config", str(config), "--output-dir", str(out), "--max-steps", "10",
                            script=EXAMPLES / "train.py"),
-                env=p.child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                env=procutil.child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     assert wait_all(procs, tmp_path) == [0, 0], (tmp_path / "agent0.log").read_text()[-3000:]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_10"
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-import procutil
+from helpers import procutil
 from toolkit.runtime import op_builds
 from toolkit.runtime.op_builds import builders_for, clear_dead_locks, extensions_root, judge_lock
 

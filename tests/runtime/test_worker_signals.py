@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-import procutil as p
+from helpers import procutil
 
 ORPHAN = """
 import os, signal, sys, time
@@ -54,7 +54,7 @@ def _alive(pid: int) -> bool:
 def test_protected_workers_ignore_sigterm_and_die_with_their_rank(tmp_path):
     script = tmp_path / "orphan.py"
     script.write_text(ORPHAN)
-    proc = subprocess.Popen([sys.executable, str(script)], env=p.child_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(script)], env=procutil.child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         line = proc.stdout.readline()

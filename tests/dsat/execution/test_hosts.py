@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import procutil as p
+from helpers import procutil
 from toolkit.dsat.contract import TrialStatus
 from toolkit.dsat.execution.argv import build_multihost_argv, build_remote_kill_argv
 from toolkit.dsat.execution.hosts import (
@@ -278,8 +278,8 @@ def test_deepspeed_reads_our_argv_as_meant(tmp_path):
 # ---------------------------------------------------------------- real trials on a 2-"host" hostfile
 @pytest.fixture()
 def clean_env(monkeypatch):
-    p.clean_launch_env(monkeypatch)
-    monkeypatch.setenv(p.SESSION_ENV, p.SESSION_ID)
+    procutil.clean_launch_env(monkeypatch)
+    monkeypatch.setenv(procutil.SESSION_ENV, procutil.SESSION_ID)
 
 
 LOCAL_HOSTS = (Host("localhost", 2), Host("127.0.0.1", 2))
@@ -287,25 +287,27 @@ LOCAL_HOSTS = (Host("localhost", 2), Host("127.0.0.1", 2))
 
 def test_capacity_follows_placement(tmp_path):
     def runner(slots):
-        return TrialRunner(RunnerSettings(entrypoint=("python3", "dsat_fake_trial.py"), model_dir=p.WORKERS,
-                                          slots_per_trial=slots, max_slots=4, max_concurrent=4, timeout_s=60,
-                                          hosts=LOCAL_HOSTS), output_dir=tmp_path / str(slots))
+        return TrialRunner(RunnerSettings(entrypoint=("python3", "dsat_fake_trial.py"),
+                                          model_dir=procutil.WORKERS, slots_per_trial=slots, max_slots=4,
+                                          max_concurrent=4, timeout_s=60, hosts=LOCAL_HOSTS),
+                           output_dir=tmp_path / str(slots))
     assert runner(2).capacity() == 2
     assert runner(3).capacity() == 1
     assert runner(1).capacity() == 4
     with pytest.raises(ConfigError, match="max_slots=5 but the hosts have 4 slot"):
-        RunnerSettings(entrypoint=("python3", "t.py"), model_dir=p.WORKERS, slots_per_trial=1, max_slots=5,
-                       max_concurrent=1, timeout_s=1, hosts=LOCAL_HOSTS)
+        RunnerSettings(entrypoint=("python3", "t.py"), model_dir=procutil.WORKERS, slots_per_trial=1,
+                       max_slots=5, max_concurrent=1, timeout_s=1, hosts=LOCAL_HOSTS)
     with pytest.raises(ConfigError, match="slots_per_trial=3 cannot be placed .* on each host \\(srun\\)"):
-        RunnerSettings(entrypoint=("python3", "t.py"), model_dir=p.WORKERS, slots_per_trial=3, max_slots=4,
-                       max_concurrent=1, timeout_s=1, hosts=LOCAL_HOSTS, multihost_launcher="srun")
+        RunnerSettings(entrypoint=("python3", "t.py"), model_dir=procutil.WORKERS, slots_per_trial=3,
+                       max_slots=4, max_concurrent=1, timeout_s=1, hosts=LOCAL_HOSTS,
+                       multihost_launcher="srun")
 
 
 def test_trials_are_placed_on_both_hosts_and_recorded(tmp_path, clean_env):
     """4 trials of 2 slots, 2 at a time, on localhost:2 + 127.0.0.1:2; then one of 3 slots spans both."""
     settings_ = RunnerSettings(
         entrypoint=("python3", "dsat_fake_trial.py"),
-        model_dir=p.WORKERS,
+        model_dir=procutil.WORKERS,
         slots_per_trial=2,
         max_slots=4,
         max_concurrent=2,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import procutil
+from helpers import procutil
 from toolkit.dsat.contract import METRICS, TrialStatus
 from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
 from toolkit.dsat.search.types import TrialSpec

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import textwrap
 
-import procutil as p
+from helpers import procutil
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def run(tmp_path, *, in_trial):
-    env = p.child_env()
+    env = procutil.child_env()
     env.pop("TOOLKIT_DSAT_TRIAL", None)
     result = tmp_path / "result.json"
     if in_trial:

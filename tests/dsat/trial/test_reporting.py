@@ -14,7 +14,7 @@ import timeit
 
 import pytest
 
-import procutil
+from helpers import procutil
 from toolkit.dsat.contract import METRICS, ProfileInfo, TrialContract, TrialStatus
 from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
 from toolkit.dsat.search.types import TrialSpec

@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 import yaml
 
-import procutil as p
 import toolkit
 import toolkit.checkpoint.layout as layout
+from helpers import procutil
 from toolkit.launch.procs import find_trial_processes, kill_until_gone
 
-EXAMPLES = p.REPO / "examples" / "core_api"
+EXAMPLES = procutil.REPO / "examples" / "core_api"
 SCRIPT = EXAMPLES / "train.py"
 LAUNCH_ENV = "TOOLKIT_RELIABILITY_LAUNCH"  # marks every process of one launch, to kill it on a hang
 LAUNCH_TIMEOUT_S = 300.0
@@ -133,8 +133,8 @@ class Campaign:
         log = self.workdir / f"launch{self.launches:02d}.log"
         mark = f"{self.workdir}/launch{self.launches}"
         with open(log, "w") as fh:
-            proc = subprocess.Popen(p.torchrun_argv(SCRIPT, *self.argv_tail),
-                                    env=p.child_env(**{LAUNCH_ENV: mark}), stdout=fh,
+            proc = subprocess.Popen(procutil.torchrun_argv(SCRIPT, *self.argv_tail),
+                                    env=procutil.child_env(**{LAUNCH_ENV: mark}), stdout=fh,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         return proc, log, mark
 
@@ -263,8 +263,9 @@ class Campaign:
 
 def run_reference(workdir: Path, config: Path, *, max_steps: int) -> Path:
     out = workdir / "reference"
-    p.check(p.run(p.torchrun_argv(SCRIPT, "--config", str(config), "--output-dir", str(out), "--max-steps",
-                                  str(max_steps)), timeout=LAUNCH_TIMEOUT_S))
+    argv = procutil.torchrun_argv(SCRIPT, "--config", str(config), "--output-dir", str(out),
+                                  "--max-steps", str(max_steps))
+    procutil.check(procutil.run(argv, timeout=LAUNCH_TIMEOUT_S))
     return out / "checkpoints"
 
 

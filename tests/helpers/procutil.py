@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-WORKERS = Path(__file__).resolve().parent / "workers"
+REPO = Path(__file__).resolve().parents[2]
+WORKERS = REPO / "tests" / "workers"
 #: Marks every process this test run starts (conftest.py kills those still alive after a module).
 #: Unique per pytest process, so that two test runs on one machine leave each other alone.
 SESSION_ENV = "TOOLKIT_TEST_SESSION"
@@ -41,8 +41,8 @@ def clean_launch_env(monkeypatch) -> None:
     OpenMP thread, toolkit importable (a pytest fixture's body; undone by ``monkeypatch``)."""
     for key in list(os.environ):
         if key.startswith(("TOOLKIT_", "OMPI_", "PMI_", "SLURM_")) or key in (
-                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE",
-                "CUDA_VISIBLE_DEVICES"):
+                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "LOCAL_SIZE", "CUDA_VISIBLE_DEVICES"):
             monkeypatch.delenv(key)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -72,11 +72,11 @@ def run(argv: list[str], *, env: dict[str, str] | None = None, timeout: float = 
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as timed_out:
         import signal
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=30)
-        raise AssertionError(f"{argv} timed out after {timeout} s; output:\n{out[-4000:]}")
+        raise AssertionError(f"{argv} timed out after {timeout} s; output:\n{out[-4000:]}") from timed_out
     return subprocess.CompletedProcess(argv, proc.returncode, out, "")
 
 

@@ -1,23 +1,9 @@
 """What an exact resume needs from the data side: the same order, from the same position.
 
-A run stopped after ``steps_completed`` optimizer steps and restarted from its checkpoint must see
-exactly the micro-batches the uninterrupted run would have seen next. Three things make that so:
-
-1. :class:`ResumableDistributedSampler`: a :class:`torch.utils.data.DistributedSampler` whose
-   order depends only on ``(seed, epoch)`` (as upstream) and which can start an epoch part-way
-   through: ``set_epoch(epoch, skip=n)``.
-2. :func:`resume_position`: a pure function from ``steps_completed`` to ``(epoch, batches to skip)``
-   for the micro-batch size, gradient accumulation and per-rank epoch length.
-3. A DataLoader that does not draw from the global torch RNG: every ``iter(loader)`` draws a seed
-   for its workers from ``loader.generator``, or from the *global* torch RNG when that is None
-   (even with ``num_workers=0``). A run resumed mid-epoch calls ``iter`` at a different point of
-   the global stream than the uninterrupted run, so dropout and every later random op would differ.
-   Pass ``generator=sampler.loader_generator``, which ``set_epoch`` re-seeds from ``(seed, epoch)``.
-
-Random augmentation in DataLoader *workers* is only reproducible across a mid-epoch resume when
-it is seeded per sample (for example from the sample index and epoch): which worker loads which
-batch depends on where the epoch started. With ``num_workers=0`` transforms draw from the global
-RNG, which the checkpoint restores.
+A run restarted from its checkpoint after ``steps_completed`` optimizer steps must see exactly
+the micro-batches the uninterrupted run would have seen next; :class:`ResumableDistributedSampler`,
+:func:`resume_position` and :func:`micro_batches` give it that. Call on all ranks (no collective;
+each rank iterates its own share). Why each part is needed: docs/exact-resume.md.
 
 Example::
 
@@ -27,15 +13,8 @@ Example::
                                                   rank=ctx.rank, seed=seed, drop_last=True)
     loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True,
                         generator=sampler.loader_generator)
-    steps_completed = 0                                      # or from toolkit.load_checkpoint
-    start = sampler.resume_position(steps_completed, micro_batch_size=micro_batch,
-                                    gradient_accumulation_steps=grad_acc, drop_last=True)
-    epoch = start.epoch
-    while steps_completed < max_steps:
-        sampler.set_epoch(epoch, skip=start.samples_to_skip if epoch == start.epoch else 0)
-        for batch in loader:
-            ...                                              # engine.backward / engine.step
-        epoch += 1
+    stream = toolkit.micro_batches(loader, sampler, steps_completed=steps_completed,
+                                   gradient_accumulation_steps=grad_acc)
 """
 
 from __future__ import annotations
@@ -236,27 +215,14 @@ def seed_everything(seed: int, *, deterministic: bool = False) -> None:
     """Seed Python's ``random``, numpy's global RNG and torch (CPU and every CUDA device). Call on all ranks.
 
     Call it once, first thing, with the same seed on every rank, so that every rank builds the
-    same initial weights. A resumed run still calls it (the model is built before the checkpoint
-    is loaded); ``toolkit.load_checkpoint`` then restores each rank's RNG states.
-
-    On CPU that is all an exact resume needs: with seeds, :class:`ResumableDistributedSampler`
-    and ``toolkit.load_checkpoint``, the examples' ResNet (oneDNN convolutions on) and Transformer,
-    stopped at steps 2, 4, 13, 17 or 22 and resumed in a new process, end with weights bitwise
-    equal to an uninterrupted run's, with ``deterministic`` left False. (An earlier suspicion
-    that oneDNN rounds differently in a fresh process was a misreading: the drift came from
-    DeepSpeed's CPU Adam kernel, which ``toolkit.load_checkpoint`` repairs; see
-    :mod:`toolkit.checkpoint.cpu_adam`.)
-
-    ``deterministic=True`` is for GPUs: it turns off cuDNN's benchmark mode, which picks
-    convolution kernels by timing them in each process (so a resumed process may round
-    differently), asks cuDNN for deterministic kernels and makes torch use deterministic
-    algorithms where it has them (a warning, not an error, for ops that have none; CUDA's
-    atomics-based backward passes otherwise sum in a varying order). It costs GPU speed; CPU
-    runs do not need it, and oneDNN is left on.
+    same initial weights; a resumed run still calls it (``toolkit.load_checkpoint`` then restores
+    each rank's RNG states). On CPU an exact resume needs nothing more; ``deterministic=True`` is
+    for GPUs and costs speed (why: docs/exact-resume.md).
 
     Args:
         seed: a whole number in ``[0, 2**32)`` (numpy's limit).
-        deterministic: on GPUs, trade speed for bitwise-reproducible kernels (see above).
+        deterministic: on GPUs, trade speed for bitwise-reproducible kernels: cuDNN's benchmark
+            mode off, deterministic cuDNN kernels, torch's deterministic algorithms (warn only).
 
     Example::
 

@@ -1,13 +1,8 @@
-"""Stop every rank at the same step when a scheduler asks the job to stop.
+"""Stop every rank at the same step when a scheduler asks the job to stop. Call on all ranks.
 
-A scheduler announces preemption with a signal, usually SIGTERM (Kubernetes, Slurm at the time
-limit, ``torchrun`` forwarding its own SIGTERM), or a signal chosen with Slurm's
-``--signal=USR1@120``. It may reach one node, or one process, before the others. The loop has
-to stop on *every* rank at the *same* step, save a checkpoint there (a collective) and exit 0.
-
-:func:`watch_preemption` installs handlers that only record the signal, and
-:meth:`PreemptionWatcher.should_preempt` turns "some rank saw a signal" into one answer that is
-the same on every rank at the same call::
+A preemption signal (SIGTERM, or Slurm's ``--signal=USR1@120``) may reach one rank before the
+others, but the loop must stop, save a checkpoint (a collective) and exit 0 on every rank at the
+same step. :func:`watch_preemption` records the signal; ``should_preempt()`` agrees on it::
 
     # torchrun --nproc_per_node 2 train.py      (SIGTERM to any one worker stops both cleanly)
     ctx = toolkit.init_distributed()
@@ -19,68 +14,8 @@ the same on every rank at the same call::
                 toolkit.save_checkpoint(engine, ckpt_dir, steps_completed=steps_completed)
                 break
 
-How the answer is agreed, cheaply
----------------------------------
-A blocking all-reduce on every call costs a network round trip per step and makes every rank
-wait for the slowest at that point, a cost that shows against short steps. Instead the watcher
-runs a pipeline of *non-blocking* all-reduces (MAX) of a three-integer CPU tensor (signal number,
-stop request, time per call) on its own gloo group (also under nccl):
-
-* at a *check point* it waits on the all-reduce launched at the previous check point, then
-  launches the next one; every other call is a counter increment and a comparison;
-* every rank has the same check points, because the distance to the next one is computed from
-  the *reduced* values, which are identical on every rank; so every rank reads the same result
-  at the same call, however the ranks drift in time;
-* by the time a rank reaches the next check point, every rank launched the previous all-reduce
-  a whole interval earlier, so ``wait()`` normally returns at once.
-
-Check points are ``check_every`` calls apart, or, by default (``check_every=None``), adaptively
-about ``check_interval`` seconds apart: the interval in calls is
-``clamp(check_interval // slowest rank's seconds per call, 1, 1000)``. A fixed number of calls
-suits either short steps (cost) or long steps (delay), not both: what a scheduler grants is a
-grace period in *seconds*, and what a check costs matters relative to the step *time*. Launching
-a non-blocking gloo all-reduce costs the caller a fraction of a millisecond, and gloo's threads,
-woken for it, take about as much again; at one check point a second that is a small fraction of
-a percent of the step time (``scripts/bench_overhead.py --only preempt`` measures it; the
-figures are in docs/benchmarks.md), while the answer comes within about two seconds for short steps and
-within two steps for long ones, well inside the grace period schedulers give (torchrun and
-Kubernetes: 30 s).
-
-*An answer at the call.* When calls are rare (the slowest rank's time between check points, as
-agreed at the last check point, is at least ``check_interval``; for example a loop that checks
-once per checkpoint, every few seconds), the pipeline would answer one call late, a whole
-interval of steps after the signal. Then each check point agrees *synchronously* instead
-(launch and wait at the same call): its cost is one round trip per call, negligible against
-that gap, and the answer is True at the first call after the signal. The switch is decided from
-the reduced values, so every rank switches at the same call.
-
-Delay bound: if a signal is handled before call ``m``, ``should_preempt()`` returns True on every
-rank at call ``m + 2 * I - 1`` at the latest, where ``I`` is the interval in calls (``check_every``,
-or at most 1000 when adaptive; in seconds about ``2 * max(check_interval, step time)``); at call
-``m`` itself when calls are rare (above). At world size 1 there is no collective and the answer
-is True at call ``m``.
-
-A rank that stops calling (an exception, a misplaced ``if``) makes the others fail with
-:class:`~toolkit.runtime.collectives.CollectiveTimeoutError` after the collective timeout
-(``init_distributed(collective_timeout=...)``, default 60 s), naming ``should_preempt``.
-
-DataLoader workers
-------------------
-A signal to the whole process group (torchrun, Ctrl-C, Slurm) also reaches each rank's
-DataLoader worker processes. Workers started after :func:`toolkit.init_distributed` or
-:func:`watch_preemption` ignore the watched signals (:mod:`toolkit.runtime.worker_signals`), so
-they keep loading until the rank stops through ``should_preempt()``; nothing to do in the loop.
-
-Which process gets the signal
------------------------------
-* ``torchrun`` forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to every worker at once, then kills
-  them after 30 s.
-* ``deepspeed.launcher.launch`` (what ``deepspeed`` runs on each node) terminates its workers
-  *one at a time* with SIGTERM, waiting up to 30 s for each to exit: rank 1 hears nothing until
-  rank 0 has finished, which is why the ranks must agree.
-* The single-node ``deepspeed`` command does not forward signals at all: signal the whole
-  process group (``kill -TERM -<pgid>``), as Slurm and a terminal's Ctrl-C do, or use torchrun.
-* Slurm signals every task of the job steps (with ``--signal=B:...`` only the batch shell).
+How the ranks agree cheaply, the delay bound and which launcher signals whom: docs/training.md
+(Preemption) and docs/start.md (Stop a job).
 """
 
 from __future__ import annotations
@@ -232,7 +167,7 @@ class PreemptionWatcher:
         Call it once per step (or once per any unit of work that all ranks share). With gradient
         accumulation, call it once per optimizer step (when ``engine.global_steps`` has just
         grown), so that a stop lands on a step boundary, where a checkpoint resumes exactly.
-        Once True it stays True. See the module docstring for the cost and the delay bound. After
+        Once True it stays True (cost and delay bound: docs/training.md, Preemption). After
         :meth:`close` it returns the last agreed answer and does no collective.
 
         Example::
@@ -387,7 +322,7 @@ def watch_preemption(ctx: DistributedContext, *, signals: Iterable[Any] = DEFAUL
         TypeError: ``ctx`` is not the context of ``init_distributed``.
         RuntimeError: not in the main thread, or torch.distributed is not initialised.
 
-    Example (see the module docstring for a whole loop)::
+    Example (the module docstring has a whole loop)::
 
         # sbatch --signal=USR1@120 job.sh    (job.sh: srun python train.py)
         with toolkit.watch_preemption(ctx, signals=(signal.SIGUSR1, signal.SIGTERM)) as preemption:

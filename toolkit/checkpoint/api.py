@@ -1,39 +1,19 @@
-"""Crash-safe DeepSpeed checkpoints for your own training loop: save, load, consolidate.
+"""Crash-safe DeepSpeed checkpoints for your own training loop: save, load, consolidate. Call on all ranks.
 
-:func:`save_checkpoint` writes DeepSpeed's engine checkpoint (ZeRO 0-3 shards, pipeline layers)
-plus toolkit's metadata and every rank's RNG states, and makes it the latest only once every rank
-has finished writing. :func:`load_checkpoint` checks that the checkpoint fits the engine before
-DeepSpeed reads anything, loads it and restores the RNG states, so a restarted script continues
-exactly where it stopped. See :mod:`toolkit.checkpoint.layout` for the files and the protocol.
+:func:`save_checkpoint` writes DeepSpeed's checkpoint plus every rank's RNG states and makes it
+the latest only once every rank has written, so a crash at any moment leaves the previous one
+loadable; :func:`load_checkpoint` checks that it fits the engine before DeepSpeed reads anything,
+so a restarted script continues exactly where it stopped. A directory belongs to one run, on
+storage every rank sees; loading unpickles DeepSpeed's files, so load only checkpoints you or
+your team wrote. The layout, the commit protocol and run ownership: docs/training.md.
 
-**Runs and directories.** A checkpoint directory belongs to one run, recorded by a run id in
-``toolkit_run.json``. The natural resume flow needs nothing more::
+Example::
 
     # torchrun --nproc_per_node 2 train.py      (run it again after a crash: it resumes)
-    ctx = toolkit.init_distributed()
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     resumed = toolkit.load_checkpoint(engine, "checkpoints")          # call on all ranks
     steps_completed, state = resumed if resumed else (0, {})
-    for step in range(steps_completed, max_steps):
-        ...
-        if (step + 1) % 100 == 0:
-            toolkit.save_checkpoint(engine, "checkpoints", steps_completed=step + 1,
-                                    client_state={"epoch": epoch}, keep_last=3)
-
-:func:`load_checkpoint` adopts the directory's run, so the saves that follow continue it. A new
-run (one that did not load from the directory) saving into a directory that already holds
-another run's committed checkpoints gets a :class:`~toolkit.errors.CheckpointError` instead of
-silently mixing with them and, with ``keep_last``, deleting them; pass ``overwrite=True`` to take
-the directory over, or the same ``run_id`` to continue a run without loading (for example when a
-scheduler provides a stable job id). Saving a tag that this run already committed replaces it.
-
-**Trust.** Loading unpickles DeepSpeed's files with ``torch.load(weights_only=False)`` (DeepSpeed's
-own choice: they hold optimizer state and your ``client_state``), which can run arbitrary code:
-load only checkpoints you or your team wrote. toolkit's own files are JSON, or tensors read with
-``weights_only=True``.
-
-``checkpoint_dir`` must be on a filesystem every rank sees (the usual DeepSpeed setup); DeepSpeed's
-``use_node_local_storage`` and decoupled (asynchronous) checkpoint engines are refused.
+    ...
+    toolkit.save_checkpoint(engine, "checkpoints", steps_completed=step + 1, keep_last=3)
 """
 
 from __future__ import annotations
@@ -95,12 +75,8 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
                     tag: str | None = None, run_id: str | None = None, overwrite: bool = False) -> str:
     """Save a DeepSpeed engine checkpoint and commit it once every rank has written. Call on all ranks.
 
-    Protocol: the chief checks the directory and marks the tag as started; every rank writes its
-    RNG states and DeepSpeed writes its files; after a barrier the chief writes the metadata (the
-    commit marker) and then atomically replaces DeepSpeed's ``latest`` file, so DeepSpeed's own
-    tools (``zero_to_fp32.py``, ``ds_to_universal``) find it too. A process killed at any moment
-    leaves the previous checkpoint as the latest and loadable. Returns on every rank only after
-    the commit.
+    A process killed at any moment leaves the previous checkpoint as the latest and loadable;
+    returns on every rank only after the commit (the protocol: docs/training.md, Checkpoints).
 
     Args:
         engine: the engine from ``deepspeed.initialize`` (data parallel with ZeRO 0-3, or pipeline).
@@ -273,18 +249,12 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
                     tag: str | None = None) -> tuple[int, dict[str, Any]] | None:
     """Load the latest (or the given) committed checkpoint into ``engine``. Call on all ranks.
 
-    Before DeepSpeed reads anything, the checkpoint's metadata is compared with the engine: a
-    different data-parallel size, ZeRO stage, tensor-parallel size, or pipeline layout raises,
-    naming the fix (a DeepSpeed universal checkpoint). Then DeepSpeed loads the weights, optimizer
-    and scheduler states, this rank's RNG states are restored, and the optimizer state an
-    uninterrupted run holds but DeepSpeed's checkpoint lacks is rebuilt (the CPU Adam kernels'
-    ``beta**step`` products, see :mod:`toolkit.checkpoint.cpu_adam`). The directory's run is
-    adopted, so later :func:`save_checkpoint` calls into it continue that run. DeepSpeed's files
-    are unpickled: load only checkpoints from a trusted source.
-
-    With ``"checkpoint": {"load_universal": true}`` in the DeepSpeed config, ``tag`` (or DeepSpeed's
-    ``latest_universal`` file) names a universal checkpoint made by ``ds_to_universal``; it loads
-    at any world size, and the RNG states are not restored (the ranks differ).
+    A checkpoint that does not fit the engine (data-parallel size, ZeRO stage, tensor-parallel
+    size, pipeline layout) is refused before DeepSpeed reads anything, naming the fix (a universal
+    checkpoint); then the weights, optimizer, scheduler and RNG states are restored, and the
+    directory's run is adopted. ``"checkpoint": {"load_universal": true}`` loads a universal
+    checkpoint at any world size, without RNG states. DeepSpeed's files are unpickled: load only
+    checkpoints from a trusted source. Details: docs/training.md, Checkpoints.
 
     Args:
         engine: a freshly initialised engine (under ZeRO-3 DeepSpeed cannot load into an engine

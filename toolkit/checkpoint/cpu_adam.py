@@ -1,26 +1,9 @@
 """Rebuild the hidden step state of DeepSpeed's CPU Adam kernels after a checkpoint load.
 
-DeepSpeed's CPU Adam kernels (``FusedAdam`` on the CPU accelerator, which ``"optimizer": {"type":
-"Adam"}`` selects there, and ``DeepSpeedCPUAdam``, which ZeRO-Offload selects on every accelerator)
-keep the bias-correction terms ``beta1**step`` and ``beta2**step`` as *running float32 products*
-inside a C++ object that lives for the whole process (``Adam_Optimizer::IncrementStep`` in
-``deepspeed/ops/csrc/includes/cpu_adam.h``): a step that follows the previous one multiplies by
-``beta``, any other step (the first one after a resume, in a new process) computes
-``std::pow(beta, step)`` instead. The two round differently, so the first update after a resume
-uses a bias correction 1 ulp off and the weights drift from the uninterrupted run's, although
-the checkpoint restored every saved tensor exactly (for ``beta2=0.999`` the running product and
-``pow`` differ at most steps, 19 to 36 among them). None of this is in DeepSpeed's checkpoint.
-
-:func:`replay_cpu_adam_state` drives those kernels through steps ``1 .. step`` on empty tensors, the
-same calls the uninterrupted run made (per parameter group at ZeRO 0-2; per sub-group at ZeRO 3,
-whose base optimizer holds its fp32 partitions only while it steps, so its parameter groups look
-empty after a load), so their running products end bitwise where that run's did,
-at a cost of microseconds per replayed step. :func:`toolkit.load_checkpoint` calls it; call it
-yourself only after loading with ``engine.load_checkpoint`` directly. It assumes each parameter
-group's betas did not change up to the checkpoint: with a momentum schedule (DeepSpeed's
-``OneCycle`` with ``cycle_momentum``) the first steps after a resume may still round differently.
-Other optimizers (``torch.optim``, CUDA ``FusedAdam``) compute ``beta**step`` from the step at every
-call, and CPU Lion and Adagrad keep no such product: they need nothing.
+DeepSpeed's CPU Adam kernels keep ``beta**step`` as running float32 products outside the
+checkpoint, so without a replay the first update after a resume is 1 ulp off and the weights
+drift. :func:`replay_cpu_adam_state` replays them; :func:`toolkit.load_checkpoint` calls it, so
+call it yourself only after ``engine.load_checkpoint``. Why and how: docs/exact-resume.md.
 
 Example::
 

@@ -1,32 +1,16 @@
 """The on-disk layout and commit protocol of toolkit checkpoints; no DeepSpeed and no collectives here.
 
-A checkpoint directory, as :func:`toolkit.save_checkpoint` leaves it::
+A tag directory counts as a checkpoint only once its commit marker ``toolkit_checkpoint.json``
+exists; anything without toolkit's markers is never chosen, replaced or deleted. The decisions
+(:func:`resolve_tag`, :func:`plan_save`, :func:`plan_keep_last`, :func:`compatibility_problems`)
+are pure, any rank; :func:`scan_dir` and the ``write``/``discard`` helpers are the thin effectful
+shell the chief calls (rank 0 only). The layout and the protocol: docs/training.md.
 
-    checkpoint_dir/
-      toolkit_run.json              which run owns the directory (its run id), written by the chief
-      latest                        DeepSpeed's pointer to the newest tag, replaced atomically on commit
-      zero_to_fp32.py               DeepSpeed's own recovery script (ZeRO stages 1-3)
-      step_200/                     one tag directory per checkpoint
-        toolkit_save_started.json   written before any rank writes: "toolkit owns this tag"
-        mp_rank_00_model_states.pt  DeepSpeed's files (model, ZeRO shards, pipeline layers)
-        toolkit_rng/rank_00000.pt   each rank's RNG states
-        toolkit_checkpoint.json     the commit marker and metadata, written last, atomically
+Example::
 
-A tag directory counts as a checkpoint only once ``toolkit_checkpoint.json`` exists; it is written
-by the chief after every rank has finished writing, and ``latest`` is replaced only after it. A tag
-directory with the started marker but no commit marker is the leftover of an interrupted save.
-Anything without toolkit markers is not toolkit's and is never chosen, replaced or deleted
-(except ``overwrite=True`` on a tag directory that holds DeepSpeed files only).
-
-Names: tags and run ids follow toolkit's one rule for names that become paths
-(:mod:`toolkit.checkpoint.records`, :mod:`toolkit._names`), whether a user passes them, a file
-holds them or another rank sends them. A commit record counts only for the directory that holds
-it (its ``tag`` must be that directory's name); symlinks are never toolkit's: not chosen, not
-written through, not deleted, and ``latest`` is never read through one.
-
-The decision functions (:func:`resolve_tag`, :func:`plan_save`, :func:`plan_keep_last`,
-:func:`compatibility_problems`) are pure; :func:`scan_dir` and the ``write``/``discard`` helpers
-are the thin effectful shell around them.
+    # rank 0 only, as toolkit.load_checkpoint's chief does
+    if ctx.is_chief:
+        info, warning = resolve_tag(scan_dir(root), None)   # None: no committed checkpoint
 """
 
 from __future__ import annotations

@@ -1,33 +1,16 @@
 """Bounded collectives: a toolkit collective that one rank calls alone fails fast, with a name.
 
-A collective documented as "call on all ranks" that is called on some ranks only (for example
-``if ctx.is_chief: writer.report(...)``) would wait for the process group's timeout, 30 minutes
-by default, with nothing in the logs. Toolkit's own collectives instead run on a separate gloo
-group whose timeout is the *collective timeout* (default 60 s), and when one does not complete
-in that time every waiting rank raises :class:`CollectiveTimeoutError`, naming the call and the
-ranks that had not reached it::
+A "call on all ranks" collective called on some ranks only (``if ctx.is_chief:
+writer.report(...)``) would wait out the process group's 30-minute timeout in silence. Toolkit's
+own collectives run on a gloo group of their own with a short timeout (default 60 s), after which
+every waiting rank raises :class:`CollectiveTimeoutError`, naming the call and the ranks that
+never reached it. How the missing ranks are found, and how to set the timeout: docs/training.md.
 
-    CollectiveTimeoutError: ctx.all_gather_object (toolkit collective #12) did not complete within
-    60 s on rank 0: rank(s) [1] never reached it. It must be called on all ranks, the same number
-    of times, in the same order ...
+Example::
 
-The timeout is chosen, in this order, by ``init_distributed(collective_timeout=...)``, the
-environment variable ``TOOLKIT_COLLECTIVE_TIMEOUT_S`` (seconds), or :data:`DEFAULT_COLLECTIVE_TIMEOUT_S`.
-Raise it when a legitimate wait can be longer (ranks reaching a metrics report minutes apart).
-
-How the missing ranks are found: every rank counts the toolkit collectives it has started. A rank
-whose wait in one of them lasts longer than a moment (:data:`RECORD_AFTER_S`, or an eighth of the
-timeout if shorter) writes its count to the launcher's key-value store (one key per rank and
-group, overwritten), from a helper thread, while it keeps waiting. When a collective fails, the
-rank writes its own count, gives the others that moment to write theirs, and compares: a rank
-whose recorded count is below the failed collective's number never reached it (a rank that did
-reach it is waiting too, so it has written). A collective that completes at once (the usual
-case, and the preemption check's pipelined all-reduce) writes nothing: a store write is a round
-trip to the launcher's process, which would cost every check point more than the check itself.
-
-DeepSpeed's own collectives (``engine.backward``, ``engine.step``, ``deepspeed.comm``) run on
-DeepSpeed's groups, with the timeout given to ``init_distributed(timeout=...)``: toolkit does not
-bound them.
+    # torchrun --nproc_per_node 2 train.py      (call on all ranks, the same number of times)
+    ctx = toolkit.init_distributed(collective_timeout=300)   # or TOOLKIT_COLLECTIVE_TIMEOUT_S=300
+    totals = ctx.all_gather_object(local_count)
 """
 
 from __future__ import annotations

@@ -283,18 +283,11 @@ def init_distributed(*, backend: str | None = None, timeout: timedelta = DEFAULT
                      collective_timeout: float | timedelta | None = None) -> DistributedContext:
     """Initialise torch.distributed from the launcher's variables, once. Call on all ranks.
 
-    Reads the variables of torchrun, the deepspeed launcher, mpirun (Open MPI, MPICH/Intel MPI)
-    or an ``srun`` step (see :mod:`toolkit.runtime.launch_env`). With none of them set, the world has
-    size 1 and needs no set-up from the user: a one-rank process group is made on an in-memory
-    store (no port, no network) so that ``deepspeed.initialize`` finds torch.distributed ready
-    instead of trying MPI discovery.
-
-    ``deepspeed.comm`` is handed the same process group (on the CPU that loads DeepSpeed's
-    shared-memory op, through the guard of :mod:`toolkit.runtime.op_builds`). DataLoader workers started
-    from then on ignore SIGTERM, SIGINT and SIGUSR1: a preemption stops the rank through
-    ``should_preempt()`` instead of killing its workers (:mod:`toolkit.runtime.worker_signals`).
-    A second call returns the same context; a process group made before (for example by
-    ``deepspeed.init_distributed``) is adopted once checked against the launcher's variables.
+    Reads the variables of torchrun, the deepspeed launcher, mpirun or an ``srun`` step; with none
+    set, makes a one-rank group on an in-memory store (no port), so ``deepspeed.initialize`` finds
+    torch.distributed ready. Hands the group to ``deepspeed.comm`` and makes DataLoader workers
+    started afterwards ignore the stop signals. A second call returns the same context; a process
+    group made before is adopted once checked. Details: docs/start.md (Launch it).
 
     Args:
         backend: ``"nccl"``, ``"gloo"``, ``"mpi"`` or ``"ucc"``; ``None`` picks nccl when CUDA is

@@ -1,28 +1,16 @@
 """DeepSpeed's shared-memory all-reduce buffers, which DeepSpeed itself never removes.
 
-On the CPU accelerator, when every rank runs on one machine (``LOCAL_SIZE`` equal to the world
-size; the deepspeed launcher sets it), DeepSpeed 0.19 creates one POSIX shared-memory segment per
-rank while it sets up its communication backend::
+On the CPU accelerator with every rank on one machine, DeepSpeed 0.19 creates a 69 MB segment
+per rank in /dev/shm (memory) and never unlinks it, so every run used to leave its segments
+behind. :func:`unlink_buffer` (all ranks, after a barrier: :func:`toolkit.init_distributed` does
+it) frees them when the job ends, however it ends; :func:`remove_buffers` and
+:func:`remove_stale_buffers` (any process) clear what other runs left. Only this user's segments
+are touched. Details: docs/start.md (DeepSpeed's shared-memory segments).
 
-    /dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>    (69 MB each)
+Example::
 
-(``shm_initialize`` in ``deepspeed/ops/csrc/cpu/comm/shm.cpp``, for its low-latency inference
-all-reduce). It never calls ``shm_unlink``, so every run leaves its segments behind, and /dev/shm
-is memory: a few hundred 2-rank runs on a fresh port each (tests, autotuner trials) held 20 GB of
-a 24 GB machine, until compilers were killed for memory.
-
-Three ways out, all used by toolkit:
-
-* :func:`unlink_buffer`: once every rank has mapped every peer's segment, its name is no longer
-  needed; the mappings stay valid, and the kernel frees the memory when the last rank exits,
-  however it exits (SIGKILL included). :func:`toolkit.init_distributed` does this after a barrier.
-* :func:`remove_buffers`: the autotuner, after a trial's processes are gone, removes what a trial
-  left on its own port (a script that calls ``deepspeed.initialize`` without
-  ``toolkit.init_distributed``, or one killed during its start-up).
-* :func:`remove_stale_buffers`: segments of this user that no live process maps, left by earlier
-  runs; ``scripts/setup.sh`` (run by the test and main commands) clears them by running this file.
-
-Only this user's segments are ever touched (the uid is part of the name).
+    # bash: clear segments no live process maps (scripts/setup.sh does this)
+    .venv/bin/python -P toolkit/runtime/ds_shm.py
 """
 
 from __future__ import annotations

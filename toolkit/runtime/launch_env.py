@@ -1,37 +1,15 @@
 """Read where this process sits in a distributed job from the launcher's environment variables.
 
-Pure logic: :func:`detect_launch` takes a mapping (``os.environ`` by default) and returns a
-:class:`LaunchInfo`; it never touches ``torch.distributed``. Supported launchers, in the order
-they are recognised (the first one whose variables are present wins, because a torchrun started
-inside an ``srun`` step sees both torchrun's and Slurm's variables and torchrun's are the truth):
+Pure logic, any rank: :func:`detect_launch` takes a mapping (``os.environ`` by default) and
+returns a :class:`LaunchInfo` for torchrun, the deepspeed launcher, a plain ``RANK``/``WORLD_SIZE``
+environment, mpirun (Open MPI, MPICH), an ``srun`` step, or none (world size 1); it never touches
+``torch.distributed``. A bad variable is named: ``LOCAL_RANK='x' is not an integer``. Which
+variables each launcher sets and which one wins: docs/start.md (How the launcher is recognised).
 
-========== ======================================================================================
-launcher   variables read
-========== ======================================================================================
-torchrun   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,
-           MASTER_ADDR, MASTER_PORT
-deepspeed  RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE, MASTER_ADDR/PORT
-env        RANK, WORLD_SIZE (+ LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK), e.g. a hand-written launcher
-mpirun     OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE} (Open MPI) or
-           PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS (MPICH, Intel MPI)
-slurm      SLURM_PROCID, SLURM_STEP_NUM_TASKS or SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID,
-           SLURM_STEP_NUM_NODES or SLURM_NNODES, SLURM_STEP_NODELIST or SLURM_JOB_NODELIST,
-           SLURM_JOB_ID; only inside an ``srun`` step (SLURM_STEP_ID set), because a plain
-           ``python`` in an sbatch script also sees SLURM_PROCID=0 and SLURM_NTASKS=N but is
-           a single process
-none       nothing set: a world of size 1
-========== ======================================================================================
+Example::
 
-Node rank and number of nodes: torchrun's GROUP_RANK / GROUP_WORLD_SIZE (one agent per node; its
-rendezvous assigns GROUP_RANK, so a node's rank can differ from its ``--node-rank`` under c10d),
-the deepspeed launcher's CROSS_RANK / CROSS_SIZE, Slurm's SLURM_NODEID / SLURM_STEP_NUM_NODES.
-Under mpirun they are derived (``rank // local size``): Open MPI's OMPI_COMM_WORLD_NODE_RANK is
-*not* the node's index but "the relative rank of this process on this node looking across all
-jobs", and MPICH sets no node index; both launchers place ranks by slot (consecutive ranks on a
-node) by default. Under srun, the local world size is this node's entry of
-SLURM_STEP_TASKS_PER_NODE (``2(x3),1``: 1 on the fourth node).
-
-Every variable read is validated, and a bad one is named: ``LOCAL_RANK='x' is not an integer``.
+    # torchrun --nproc_per_node 2 train.py      (any rank; init_distributed calls it for you)
+    info = detect_launch()                      # info.launcher == "torchrun", info.world_size == 2
 """
 
 from __future__ import annotations

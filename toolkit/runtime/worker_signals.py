@@ -1,30 +1,17 @@
 """DataLoader worker processes ignore the stop signals, so that a preemption stops the rank cleanly.
 
-``torchrun`` stops a job by signalling each rank's whole process group (``os.killpg``), and a
-terminal's Ctrl-C or Slurm reach the same group. A rank's DataLoader workers (``num_workers > 0``,
-also DeepSpeed's ``deepspeed.initialize(training_data=...)`` loader) are in that group. With the
-default action they die at once, and the rank, which meant to finish its step and save a
-checkpoint through ``should_preempt()``, fails instead with ``RuntimeError: DataLoader worker
-(pid ...) is killed by signal: Terminated``.
+torchrun, Ctrl-C and Slurm signal a rank's whole process group, DataLoader workers included; with
+the default action the workers die and the rank fails before it can save through
+``should_preempt()``. :func:`protect_dataloader_workers` makes workers started afterwards ignore
+SIGTERM, SIGINT and SIGUSR1, and a forked worker dies with its rank (:func:`die_with_parent`).
+Any rank; :func:`toolkit.init_distributed` and :func:`toolkit.watch_preemption` call it for you.
+How, and what it does not cover: docs/training.md (DataLoader workers).
 
-:func:`protect_dataloader_workers` makes every DataLoader worker started *afterwards* ignore
-SIGTERM, SIGINT and SIGUSR1 (and any other signals passed): it wraps torch's worker entry point
-(``torch.utils.data._utils.worker._worker_loop``, which the DataLoader looks up each time it
-starts workers) so that, right after torch's loop has installed its own handlers (its SIGTERM
-handler re-raises the default action), the worker sets these signals to SIG_IGN.
-:func:`toolkit.init_distributed` and :func:`toolkit.watch_preemption` call it, so a
-user has nothing to do: every loader's workers start after ``init_distributed`` (they need the
-rank). Workers still stop when they should: the DataLoader shuts them down through its queues,
-the workers of a loader still alive when the rank exits are killed at exit (multiprocessing would
-otherwise wait for them forever, having sent them a SIGTERM they ignore), and a forked worker is
-killed by the kernel the moment its rank ends in any other way (``PR_SET_PDEATHSIG`` on Linux,
-see :func:`die_with_parent`), so that no worker that ignores SIGTERM outlives its rank.
+Example::
 
-What this does not cover: workers started before ``init_distributed`` (a ``persistent_workers``
-loader iterated before it); a signal that reaches a worker in the first moments after its fork,
-before it ignores the signals, while the rank itself still has the default action (a loader
-iterated before ``watch_preemption``): that worker dies and the rank reports it; and a
-``SIGKILL``, which nothing can catch.
+    # torchrun --nproc_per_node 2 train.py      (nothing to do after init_distributed)
+    ctx = toolkit.init_distributed()
+    loader = DataLoader(dataset, batch_size=8, num_workers=2)   # its workers ignore SIGTERM
 """
 
 from __future__ import annotations

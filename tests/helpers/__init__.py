@@ -8,5 +8,5 @@
 ``tests/`` is on ``sys.path`` (pytest puts the directory of the top ``conftest.py`` there), so
 ``helpers`` is found from any test directory. Worker scripts under tests/workers run as separate
 processes and do not import these modules. Helpers used by one directory only stay beside its
-tests (tests/cluster/hostprocs.py, realcluster.py, realsshd.py).
+tests (tests/cluster/hostprocs.py, realcluster.py, realsshd.py; tests/dsat/search/searchsim.py).
 """

@@ -1,19 +1,9 @@
 """Experiment YAML and DeepSpeed configs: load, merge, resolve, validate.
 
-Modules, one concern each:
-
-* ``experiment``: the experiment YAML, hyperparameters, unknown-key warnings;
-* ``ds_schema``: what a DeepSpeed config is (key names, the batch triple, the mapping check);
-* ``deepspeed``: load and merge DeepSpeed configs, and :func:`build_ds_config` (re-exports the
-  names of the two below, so ``toolkit.config.deepspeed`` keeps its public names);
-* ``resolve``: "auto" values and the exact batch triple;
-* ``validate``: what DeepSpeed cannot run, every problem at once, with ``ds_engine_rules`` (the
-  optimizer, scheduler, communication and checkpoint rules DeepSpeed's engine applies).
-
-Everything here is pure (apart from reading the named files) and any rank may call it; no function
-mutates its inputs. Every wrong config, hyperparameter or argument, a config that is not a mapping
-included, raises :class:`toolkit.ConfigError` listing every problem (the rule of
-:mod:`toolkit.errors`).
+Pure (apart from reading the named files), any rank, and no function mutates its inputs. Every
+wrong config, hyperparameter or argument, a config that is not a mapping included, raises one
+:class:`toolkit.ConfigError` listing every problem (the rule of :mod:`toolkit.errors`), before
+anything is launched. What is accepted, warned about and refused: docs/configs.md.
 
 Example::
 

@@ -1,25 +1,19 @@
 """DeepSpeed configs: load and merge, and the one-call path from hyperparameters to a checked config.
 
 DeepSpeed configs stay plain dicts and are never mutated: every function here returns a new dict.
-The usual path from hyperparameters to a runnable config is :func:`build_ds_config`::
+:func:`build_ds_config` is :func:`get_ds_config_from_hparams`, then :func:`resolve_ds_config`,
+then :func:`validate_ds_config`; this module re-exports those and the key names, so
+``toolkit.config.deepspeed`` keeps its public names. Pure (reading a JSON file aside), any rank;
+a wrong config of any kind is a :class:`~toolkit.errors.ConfigError`, a missing JSON file a
+``FileNotFoundError`` naming the path looked at.
 
-    # torchrun --nproc_per_node 2 train.py
+Example::
+
+    # torchrun --nproc_per_node 2 train.py      (any rank: the same result on every rank)
     ctx = toolkit.init_distributed()
     hparams = toolkit.get_hparams("deepspeed.yaml")
     ds_config = toolkit.build_ds_config(hparams, data_parallel_size=ctx.world_size,
                                         base_dir=Path(__file__).parent, device=ctx.device)
-
-which is :func:`get_ds_config_from_hparams`, then :func:`resolve_ds_config` (module
-:mod:`toolkit.config.resolve`), then :func:`validate_ds_config` (:mod:`toolkit.config.validate`).
-The key names (``BATCH_KEYS``, ``DS_TOP_LEVEL_KEYS``) live in :mod:`toolkit.config.ds_schema`;
-this module re-exports them and both functions, so ``toolkit.config.deepspeed`` keeps its names.
-
-Every function is pure (reading a JSON file aside) and any rank may call it.
-
-Errors follow :mod:`toolkit.errors`: a config argument of the wrong kind (a base config that is
-neither a path nor a mapping, a source or hyperparameters that are not a mapping) is the user's
-configuration, so it is a :class:`~toolkit.errors.ConfigError`, as is every problem inside a
-config; a missing JSON file is a ``FileNotFoundError`` naming the path looked at.
 """
 
 from __future__ import annotations

@@ -1,34 +1,15 @@
 """Experiment configs (the Determined-compatible ``deepspeed.yaml``) and hyperparameters.
 
-An experiment config looks like this (every key optional unless a tool needs it)::
+:func:`get_hparams` returns the YAML's ``hyperparameters``, or, inside a dsat trial, the trial's
+own (from ``TOOLKIT_TRIAL_HPARAMS``), so a script runs unchanged as a trial or on its own.
+Pure apart from reading the named files and environment variables; any rank (every rank reads the
+same files). Everything wrong is one :class:`~toolkit.errors.ConfigError` naming each key; unknown
+keys only warn (:class:`ConfigWarning`). The YAML's keys: docs/configs.md.
 
-    name: cifar-zero1
-    entrypoint: python3 train.py            # or a list: [python3, train.py]
-    resources:
-      slots_per_trial: 2
-    searcher:
-      metric: loss
-      smaller_is_better: true
-      max_length: 500                       # or {batches: 500}, {records: N}, {epochs: N}
-    checkpoint_storage:
-      storage_path: checkpoints
-    hyperparameters:
-      deepspeed_config: ds_config.json
-      overwrite_deepspeed_args:
-        train_micro_batch_size_per_gpu: 16
+Example::
 
-Inside a dsat trial, :func:`get_hparams` returns the trial's hyperparameters instead: the
-autotuner writes them to a JSON file and passes its path in the environment variable
-``TOOLKIT_TRIAL_HPARAMS`` (:data:`TRIAL_HPARAMS_ENV`). A script therefore runs unchanged as a
-trial or on its own.
-
-Every function here is pure apart from reading the named files and environment variables, and
-any rank may call it (every rank reads the same files).
-
-Errors follow :mod:`toolkit.errors`: everything wrong in a config, hyperparameters file or argument
-(a config that is not a mapping included) is a :class:`~toolkit.errors.ConfigError` listing every
-problem, each naming its key; a missing experiment file is a ``FileNotFoundError`` naming the path
-looked at. Unknown keys only warn (:class:`ConfigWarning`).
+    # torchrun --nproc_per_node 2 train.py      (any rank: every rank reads the same file)
+    hparams = toolkit.get_hparams(Path(__file__).with_name("deepspeed.yaml"))
 """
 
 from __future__ import annotations

@@ -61,21 +61,11 @@ def validate_ds_config(ds_config: Mapping[str, Any], *, pipeline: bool = False,
                        device: Any = None, data_parallel_size: int | None = None) -> None:
     """Judge a DeepSpeed config as DeepSpeed 0.19 would, listing every problem. Pure; any rank.
 
-    Refused (``deepspeed.initialize`` or the first steps fail): removed sections (``amp``, ...);
-    unknown keys in ``zero_optimization``, its offload sections, ``fp16``, ``bf16``; a stage
-    outside 0..3; NVMe offload at stage 3 without ``nvme_path`` (or, on this machine, libaio);
-    an offload ``ratio`` below stage 3; fp16 with bf16, or on a CPU without fp16; an optimizer
-    type DeepSpeed does not build, an argument its class does not take, a GPU-only kernel on
-    a CPU, an optimizer ZeRO does not support; a scheduler it does not find or ``params`` its
-    constructor refuses; pre-scaling or predivide with ZeRO 2/3 reduce-scatter; bad communication,
-    all-reduce, checkpoint or batch values; "auto" outside the sections that drop it; and a
-    number that is NaN or infinite anywhere (DeepSpeed would train with it).
-
-    Warned (:class:`toolkit.ConfigWarning`; DeepSpeed runs it): ``offload_param`` below stage 3
-    (ignored); ``offload_optimizer`` at stage 0 (nothing is partitioned; only the CPU optimizer
-    kernel is used) and NVMe at stages 1-2 (kept in CPU memory); "auto" inside ``zero_optimization``,
-    ``fp16`` or ``bf16`` (dropped for DeepSpeed's default); a stage written as a string or float;
-    unknown top-level keys (ignored; the closest known key is suggested).
+    Refused, one :class:`ConfigError` for all: what ``deepspeed.initialize`` or the first steps
+    would fail on (removed sections, unknown ZeRO/fp16/bf16 keys, impossible offload, optimizer or
+    scheduler settings, bad batch values, NaN or infinity anywhere). Warned
+    (:class:`toolkit.ConfigWarning`): what DeepSpeed runs but ignores or reinterprets. The full
+    list: docs/configs.md.
 
     Args:
         ds_config: the config (not modified).

@@ -1,15 +1,8 @@
 """Averaging a batch of metric reports across ranks in one all-reduce, with the ranks' agreement checked.
 
-Used by :class:`toolkit.MetricsWriter`. Call on all ranks, with the same reports in the same order.
-
-The reduced vector is this rank's seconds since the previous batch, then the reports' vectors one
-after the other, each ``[flag, step mod 2**16, (step mod 2**16)**2, values...]``. The sum and the
-sum of squares of a small integer tell, exactly in float64, whether every rank passed the same
-step (Cauchy-Schwarz: ``n * sum(x*x) == sum(x)**2`` iff all x are equal); the sums stay below
-2**53, so exact, for up to 2**21 ranks. A report whose names differ from the ones agreed for its
-group sets its flag and sends the header plus zeros of the agreed size, so the collective stays
-well formed; a flag anywhere sends every rank to the slow path together (one all-gather of the
-names, then the all-reduce again).
+Used by :class:`toolkit.MetricsWriter`. Call on all ranks, with the same reports in the same
+order; ranks that passed different steps or names are found in the same all-reduce, exactly.
+The vector's layout and why the check is exact: docs/training.md (What a report costs).
 
 Example::
 

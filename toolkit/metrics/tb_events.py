@@ -1,19 +1,16 @@
 """TensorBoard event files written by the calling thread, for :class:`toolkit.MetricsWriter`.
 
-Why not ``torch.utils.tensorboard.SummaryWriter``: its background writer thread (Python, holding
-the GIL while it serialises and checksums each event) contends with the training loop for the
-GIL, which ``scripts/bench_overhead.py`` measures as a visible slowdown (figures in
-docs/benchmarks.md). Here the same events are written in one burst per batch of reports, by the
-thread that reports them. The files are the format TensorBoard reads
-(records framed with masked CRC-32C, ``brain.Event:2``), one new file per writer.
+``torch.utils.tensorboard.SummaryWriter``'s writer thread contends with the training loop for the
+GIL; here the same events are written in one burst per batch of reports, by the thread that
+reports them, with ``google_crc32c`` checksums, one new file per writer. Rank 0 only by use (no
+collective). Why: docs/training.md (What a report costs).
 
-Why google-crc32c: TensorBoard's own record writer (without TensorFlow) computes each record's two
-CRC-32C checksums in Python, byte by byte; for the small events of a training report that was
-the largest part of writing one. ``google_crc32c`` (Google's C implementation, hardware-assisted
-where the CPU has it) gives the same checksums; the framing below is byte for byte
-``tensorboard.summary.writer.record_writer.RecordWriter``'s.
+Example::
 
-Chief only by use (no collective).
+    # rank 0 only, as MetricsWriter's chief does
+    if ctx.is_chief:
+        events = EventFile("runs/exp1")
+        events.add_scalars(10, {"training/loss": 0.25}, wall_time=time.time())
 """
 
 from __future__ import annotations

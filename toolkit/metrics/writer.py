@@ -1,18 +1,10 @@
 """Training and validation metrics, averaged across ranks, for TensorBoard and a JSON-lines file.
 
-Every rank reports its own values; the writer averages them across ranks and the chief alone
-writes them. Training reports are averaged in batches: one small collective per batch instead
-of one per step, because a blocking collective every step makes every rank wait for the slowest
-at that point (a measurable share of a small step; see docs/benchmarks.md). By
-default the batch adapts so that a collective happens about every ``reduce_secs`` seconds
-(``reduce_every`` fixes it instead). Validation reports, and ``close()``, average whatever is
-pending at once. Files: TensorBoard event files (tags ``training/<name>``,
-``validation/<name>``, ``training_batch/<name>``, x axis = ``steps_completed``) and
-``metrics.jsonl`` beside them, one line per report::
-
-    {"group": "training", "steps_completed": 100, "metrics": {"loss": 0.25}, "time": 1700000000.0}
-
-Non-finite values are written as JSON ``NaN`` / ``Infinity`` (Python's ``json`` reads them).
+Every rank reports its own values; the writer averages them and the chief alone writes them.
+Training reports are averaged in batches, one small collective about every ``reduce_secs``
+seconds (``reduce_every`` fixes the batch), because a blocking collective every step makes every
+rank wait for the slowest; validation reports and ``close()`` average what is pending at once.
+Files, costs and failure modes: docs/training.md (Metrics).
 
 Example::
 
@@ -22,7 +14,6 @@ Example::
         for step, batch in enumerate(loader, start=1):
             loss = engine(batch); engine.backward(loss); engine.step()
             metrics.report_training_metrics(step, {"loss": loss}, samples=len(batch))
-    # tensorboard --logdir runs
 """
 
 from __future__ import annotations
@@ -121,17 +112,9 @@ class MetricsWriter:
     the directory and files. Every ``report_*`` call, and ``close()``, is a collective: call them
     on all ranks, in the same order, with the same metric names and the same ``steps_completed``.
 
-    Cost: one all-reduce per batch of training reports (and per validation report) of
-    ``len(metrics) + 3`` floats per report (+2 with ``samples``, + the batch metrics), plus one
-    all-gather and one more all-reduce when the set of names changes; on the chief, buffering one
-    TensorBoard event and one JSON line per report, done by the reporting thread itself (there is
-    no writer thread). Files are flushed every ``flush_every`` reports, every ``flush_secs``
-    seconds, and on close.
-
-    A value of the wrong kind raises on the rank that has it, before any collective: when every
-    rank passes the same bad input, every rank raises. Ranks that disagree about the metric
-    names or ``steps_completed`` all raise a ValueError (no hang). A bad value on some ranks
-    only leaves the others waiting in the collective until the launcher stops the job.
+    Cost: one small all-reduce per batch of reports; on the chief, one buffered TensorBoard event
+    and JSON line per report, written by the reporting thread. A bad value raises before any
+    collective; ranks that disagree about names or steps all raise ValueError (docs/training.md).
 
     Args:
         ctx: the context from :func:`toolkit.init_distributed`.

@@ -1,24 +1,13 @@
-"""Pure search logic: the ZeRO space, the memory model, the line bookkeeping, and the binary,
-random and ASHA methods. Nothing here starts a process or touches a file: a searcher takes
-results and returns the next trials.
+"""Pure search logic: the ZeRO space, the memory model, and the binary, random and ASHA methods.
 
-Modules: :mod:`~toolkit.dsat.search.types` (trials, results, settings, the :class:`Searcher`
-protocol), :mod:`~toolkit.dsat.search.space` (ZeRO configurations), :mod:`~toolkit.dsat.search.memory`
-(the memory model), :mod:`~toolkit.dsat.search.lines` (what every method shares),
-:mod:`~toolkit.dsat.search.binary`, :mod:`~toolkit.dsat.search.random_search`,
-:mod:`~toolkit.dsat.search.asha` (one method each), :mod:`~toolkit.dsat.search.peak` (where
-``binary`` looks next for a configuration's throughput peak), :mod:`~toolkit.dsat.search.replay`,
-:mod:`~toolkit.dsat.search.batch` (the global batch policy: which micro-batches a trial may use) and
-:mod:`~toolkit.dsat.search.offload` (the offload levels walked when nothing fits).
-
-Trial ids start at 1 (0 is the orchestrator's profiling trial) and follow proposal order; at most
-``max_trials - 1`` trials are proposed. ``observe_profiling`` (before the first ``propose``) hands
-the profiling trials to the searcher: ``binary`` takes those at configurations of its search as
-results. Each searcher owns a ``random.Random(random_seed)``, and
-nothing else is random, so the same seed and the same calls give the same trials.
-``propose(a)`` followed by ``propose(b)`` gives the same trials as ``propose(a + b)``, and a
-``propose`` that returns nothing changes nothing: :func:`replay` rebuilds a searcher from the
-recorded results and, for each trial, the number of results observed when it was proposed.
+Nothing here starts a process or touches a file: a searcher takes results and returns the next
+trials. Trial ids start at 1 (0 is the profiling trial) and follow proposal order; at most
+``max_trials - 1`` are proposed. ``observe_profiling`` (before the first ``propose``) hands the
+profiling trials over, and ``binary`` takes those at configurations of its search as results.
+Each searcher owns a ``random.Random(random_seed)`` and nothing else is random, so the same seed
+and calls give the same trials; ``propose(a)`` then ``propose(b)`` equals ``propose(a + b)``, and
+an empty ``propose`` changes nothing, so :func:`replay` rebuilds a searcher from the recorded
+results and, for each trial, the number of results observed when it was proposed.
 
 Example (rank 0 only: the orchestrator drives the search)::
 

@@ -1,26 +1,19 @@
-"""Exceptions raised by toolkit, and the one rule for which to raise.
+"""Exceptions raised by toolkit, and the one rule for which to raise (any rank).
 
-Every error a user can cause says what was given, what was expected and how to fix it.
+Every error a user can cause says what was given, what was expected and how to fix it:
 
-The rule:
-
-* **A value the user chose is wrong** (a key of the experiment YAML or the DeepSpeed config, a
-  hyperparameter, a command-line flag, an argument of a public function such as
-  ``keep_last=0`` or a checkpoint tag): :class:`ConfigError`, with *every* problem of that
-  input listed, raised once, before anything is launched or written. It is a ``ValueError``.
-* **The state on disk or across ranks does not allow what was asked** (no checkpoint to load,
-  another run's directory, another world size, a failed write on some rank):
-  :class:`CheckpointError`. It is a ``RuntimeError``.
-* **The launcher's environment is malformed** (``LOCAL_RANK='x'``): :class:`LaunchEnvError`, a
-  ``RuntimeError``: the user did not write it in a config, the launcher did.
-* **A DeepSpeed op build lock that no process of this machine can be shown to hold** (the
-  extension directory is another user's, or on a network filesystem): :class:`BuildLockError`, a
-  ``RuntimeError`` naming the lock file and the fix.
-* **A programming error** (an object of the wrong kind where toolkit needs a specific one, such
-  as a module passed as the engine; a call out of order, such as a report after ``close()``):
-  the built-in ``TypeError`` or ``ValueError``.
-
-Nothing in toolkit uses ``assert`` for any of these.
+* a value the user chose is wrong (a YAML or DeepSpeed key, a hyperparameter, a flag, an argument
+  such as ``keep_last=0``): :class:`ConfigError` (a ``ValueError``), every problem of that input
+  listed, raised once, before anything is launched or written;
+* the state on disk or across ranks does not allow it (no checkpoint, another run's directory,
+  another world size, a failed write): :class:`CheckpointError` (a ``RuntimeError``);
+* the launcher's environment is malformed (``LOCAL_RANK='x'``): :class:`LaunchEnvError`, a
+  ``RuntimeError``, since the launcher wrote it, not the user;
+* a DeepSpeed op build lock no process of this machine can be shown to hold (another user's, or on
+  a network filesystem): :class:`BuildLockError` (a ``RuntimeError``), naming the lock file and the
+  fix;
+* a programming error (a module passed as the engine, a report after ``close()``): ``TypeError``
+  or ``ValueError``. Nothing in toolkit uses ``assert`` for any of these.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Crash-safe DeepSpeed checkpoints with an exact resume.
 
-``api`` saves and loads (call on all ranks); ``consolidate`` writes one fp32 ``state_dict``
-(rank 0 only); ``layout`` is the pure commit protocol (which directory is the latest, what a save
-may delete); ``ranks`` makes every rank fail together; ``engine`` checks the engine and records
-its layout; ``universal`` finds a ``ds_to_universal`` checkpoint; ``rng`` captures and restores
-every rank's random streams; ``cpu_adam`` rebuilds the state DeepSpeed's CPU Adam keeps outside
-the checkpoint.
+Saving and loading are collectives: call on all ranks; consolidating into one fp32
+``state_dict`` is rank 0 only. How a save commits and what a load checks: docs/training.md;
+what an exact resume needs: docs/exact-resume.md.
 
 Example::
 
     # torchrun --nproc_per_node 2 train.py
     save_checkpoint(engine, "ckpt", steps_completed=step)     # call on all ranks
-    meta = load_checkpoint(engine, "ckpt")                     # call on all ranks
+    resumed = load_checkpoint(engine, "ckpt")                  # call on all ranks
 """
 
 from toolkit.checkpoint.api import load_checkpoint, save_checkpoint

@@ -1,9 +1,5 @@
 """Training and validation metrics, averaged across ranks and written by the chief to
-TensorBoard and ``metrics.jsonl``.
-
-``writer`` is the public :class:`MetricsWriter`; ``values`` checks what a report holds;
-``pending`` keeps the training reports that wait for the next batched all-reduce;
-``tb_events`` writes TensorBoard event files.
+TensorBoard and ``metrics.jsonl``; :class:`MetricsWriter` is the public entry (docs/training.md).
 
 Example::
 

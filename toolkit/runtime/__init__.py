@@ -1,8 +1,7 @@
-"""Where a rank sits and how ranks talk: the launcher's environment (``launch_env``), the
-process group and toolkit's collectives (``context``), their bounded wait (``collectives``),
-DataLoader workers that survive a preemption signal (``worker_signals``), rank-aware logging
-(``rank_logging``), DeepSpeed's CPU shared-memory segments (``ds_shm``) and its JIT-built ops
-(``op_builds``: importing toolkit installs the guard that never waits silently on their build lock).
+"""Where a rank sits and how ranks talk: the launcher's environment, the process group, and
+toolkit's bounded collectives, plus what keeps a job healthy around them (DataLoader workers that
+survive a preemption signal, rank-aware logging, DeepSpeed's shared-memory segments and build
+locks). :func:`init_distributed` is called on all ranks; see docs/start.md (Launch it).
 
 Example::
 
@@ -10,7 +9,7 @@ Example::
     from toolkit.runtime import init_distributed
     ctx = init_distributed()            # call on all ranks
     if ctx.is_chief:                    # rank 0 only below
-        print(ctx.world_size)
+        logger.info("world size %d", ctx.world_size)
 """
 
 from toolkit.runtime.collectives import COLLECTIVE_TIMEOUT_ENV, CollectiveTimeoutError

@@ -130,14 +130,9 @@ def resume_position(steps_completed: int, *, samples_per_rank: int, micro_batch_
 class ResumableDistributedSampler(DistributedSampler):
     """A DistributedSampler that can start an epoch part-way through. Call on all ranks.
 
-    The order of an epoch is upstream's: a permutation from ``seed + epoch`` (or ``range`` when
-    not shuffling), padded by repetition or truncated (``drop_last``) to a multiple of
-    ``num_replicas``, and dealt round-robin to the ranks. ``set_epoch(epoch, skip=n)`` makes the
-    next iteration start at this rank's ``n``-th sample of that epoch; ranks stay disjoint
-    because every rank skips the same number of samples from its own share.
-
-    Use the same ``seed`` on every rank. With pipeline or tensor parallelism pass the
-    *data-parallel* size and rank, not the world's.
+    The order of an epoch is upstream's; ``set_epoch(epoch, skip=n)`` makes the next iteration
+    start at this rank's ``n``-th sample of it (docs/exact-resume.md). Use the same ``seed`` on
+    every rank; with pipeline or tensor parallelism pass the *data-parallel* size and rank.
 
     Args:
         dataset: a sized dataset.

@@ -115,7 +115,7 @@ class BoundedGroup:
     def arrive(self, call: str) -> int:
         """Count this rank's next toolkit collective (``call``); returns its number. Any rank.
 
-        No I/O: the count reaches the store only if the wait for it is slow (module docstring).
+        No I/O: the count reaches the store only if the wait for it is slow (docs/training.md).
         """
         self._count += 1
         self._call = call

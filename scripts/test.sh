@@ -3,6 +3,10 @@
 #
 #   bash scripts/test.sh                 # everything CI runs
 #   bash scripts/test.sh -k config -x    # a subset
+#   bash scripts/test.sh -n 0 tests/x.py # one process, e.g. for pdb
+#
+# The tests run in TOOLKIT_TEST_WORKERS pytest-xdist workers (default 2), a test file per worker at
+# a time (tests/conftest.py groups them), the slowest files first.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup.sh"
@@ -15,4 +19,9 @@ cd "$root"
 # Lint, import order and types first (configured in pyproject.toml): a new violation fails CI.
 "$root/.venv/bin/ruff" check toolkit
 "$root/.venv/bin/mypy"
-exec "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider --durations=30 "$@"
+start=$(date +%s)
+status=0
+"$root/.venv/bin/python" -m pytest -q -p no:cacheprovider --durations=30 \
+  -n "${TOOLKIT_TEST_WORKERS:-2}" --dist loadgroup "$@" || status=$?
+echo "test.sh: the suite took $(( $(date +%s) - start )) s of wall time (exit $status)"
+exit "$status"

@@ -1,8 +1,9 @@
 """Suite-wide guards: no test may hang the run, and no process a test started may outlive it.
 
-* A watchdog per test (a timer thread and ``faulthandler``, standard library): a test (its fixtures included) that
-  runs past ``TOOLKIT_TEST_LIMIT_S`` seconds (default 900) dumps every thread's stack and ends
-  pytest, so CI fails in minutes with the place it hung instead of timing out silently.
+* A watchdog per test (a timer thread and ``faulthandler``, standard library): a test (its
+  fixtures included) that runs past ``TOOLKIT_TEST_LIMIT_S`` seconds (default 900) dumps every
+  thread's stack and ends pytest, so CI fails in minutes with the place it hung instead of timing
+  out silently.
 * Every process started through ``procutil`` carries ``TOOLKIT_TEST_SESSION=<id>`` in its
   environment; after each test module any of them still alive is killed. torchrun starts its
   workers in sessions of their own, so killing a launcher's process group does not reach them,
@@ -10,6 +11,10 @@
 * ``tests/site`` on ``PYTHONPATH``: py-cpuinfo's answer, which DeepSpeed asks for twice in every
   process that loads a CPU op and which takes a second each time, is cached in a file for the run
   (``tests/site/sitecustomize.py`` says why; it changes no value, only the wait).
+* pytest-xdist (``scripts/test.sh`` runs 2 workers): a test file is one unit of work, so that its
+  module fixtures (a trained run, a search) run once; the real-cluster tests are one unit, since
+  their session fixtures own the Slurm daemons and the sshd. The slowest files are handed out
+  first (:data:`SLOW_FILES`), so that no worker starts one at the end while the other idles.
 """
 
 from __future__ import annotations
@@ -55,6 +60,25 @@ def _hung(item) -> None:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)  # no orphan may keep the CI job (or a lock) alive
     os._exit(3)
+
+
+#: Test files (or directories) that take a minute or more, slowest first, from ``--durations=0``.
+#: Only the order of hand-out depends on it; a file missing here runs after them.
+SLOW_FILES: tuple[str, ...] = ()
+
+
+def _unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return "tests/cluster/" if path.startswith("tests/cluster/") else path
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    # Before xdist's own hook, which turns the xdist_group mark into the unit of work.
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(_unit(item.nodeid), len(rank)))  # stable: file order kept
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_unit(item.nodeid)))
 
 
 @pytest.hookimpl(hookwrapper=True)

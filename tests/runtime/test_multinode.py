@@ -150,7 +150,7 @@ def test_two_nodes_report_their_place_stop_together_commit_once_and_resume(tmp_p
 def test_the_example_runs_unchanged_on_two_nodes(tmp_path):
     """examples/core_api/train.py, as it is, under two torchrun agents (one rank per "node"):
     it trains, writes TensorBoard logs and commits its checkpoints on the shared directory."""
-    from test_examples import EXAMPLES, small_config
+    from helpers.examples import EXAMPLES, small_config
 
     config, out = small_config(tmp_path, "train.py"), tmp_path / "out"
     port, run_id = procutil.free_port(), uuid.uuid4().hex[:8]

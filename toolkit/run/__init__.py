@@ -22,17 +22,20 @@ TensorBoard, metrics; default ``runs/<name>``), which ``det.get_cluster_info()``
   Determined container of one slot, so a script that launches its own workers
   (``python3 -m determined.launch.wrap_rank``, provided by a shim directory on ``PYTHONPATH``
   when the real package is absent) starts one worker per rank (:mod:`toolkit.run.process`).
-* ``searcher: random / grid / adaptive_asha`` runs the search's trials one after another, each
-  in ``<output_dir>/trial-NNNN`` with its own trial id; ``<output_dir>/search.json`` holds each
-  trial's values, seed, state and metric and the best; the same command again continues the
-  search (a changed searcher section, search space or experiment seed exits 2: use a new
-  ``--output-dir``). ASHA stops a trial through the preemption signal
-  (:mod:`toolkit.compat.determined.search`). A signal received between two trials, or before a
-  run has started, starts nothing more.
+* ``searcher: random / grid / adaptive_asha`` runs the search's trials several at once on the
+  free slots of this machine (``searcher.max_concurrent_trials``, ``--max-slots``: see
+  :mod:`toolkit.run.scheduler`), each in ``<output_dir>/trial-NNNN`` with its own trial id;
+  ``<output_dir>/search.json`` holds each trial's values, seed, state and metric and the best;
+  the same command again continues the search (a changed searcher section, search space or
+  experiment seed exits 2: use a new ``--output-dir``). ASHA (asynchronous, Determined's brackets
+  by ``mode``) stops a trial through the preemption signal
+  (:mod:`toolkit.compat.determined.search`). A signal pauses every trial in flight and starts
+  nothing more.
 
 Modules: :mod:`~toolkit.run.plan` (pure decisions), :mod:`~toolkit.run.process` (one run's
 processes and signals), :mod:`~toolkit.run.trial` (one trial's runs and restarts),
-:mod:`~toolkit.run.search` (a search's trials), :mod:`~toolkit.run.cli` (the command line).
+:mod:`~toolkit.run.search` (a search's records), :mod:`~toolkit.run.scheduler` (its trials in
+flight on the slots), :mod:`~toolkit.run.cli` (the command line).
 
 Example::
 

@@ -13,7 +13,7 @@ from toolkit.compat.determined.core.searcher import SEARCHER_FILE
 from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state
 from toolkit.errors import CheckpointError, ConfigError
 from toolkit.run.plan import plan_run
-from toolkit.run.search import run_search
+from toolkit.run.scheduler import run_search
 from toolkit.run.trial import execute
 
 __all__ = ["main"]
@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--grace", type=float, default=60.0, help="seconds the ranks get to stop after a signal"
     )
+    parser.add_argument(
+        "--max-slots", type=int, default=None,
+        help="slots a search's trials share, resources.slots_per_trial each (default: this machine's GPUs, "
+             "or on CPU its cores); searcher.max_concurrent_trials limits the trials at once further",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: [toolkit.run] %(message)s")
     config_path, model_dir = Path(args.config), Path(args.model_dir)
@@ -44,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"MODEL_DIR={args.model_dir!r}: not a directory")
     if args.grace <= 0:
         parser.error(f"--grace={args.grace!r}: expected a number of seconds > 0")
+    if args.max_slots is not None and args.max_slots < 1:
+        parser.error(f"--max-slots={args.max_slots!r}: expected an integer >= 1")
     try:
         config = hparams.load_config(config_path)
         plan = plan_run(
@@ -57,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if (plan.config.get("searcher") or {}).get("name", "single") != "single":
         try:
-            return run_search(plan, grace_s=args.grace)
+            return run_search(plan, grace_s=args.grace, max_slots=args.max_slots)
         except (ConfigError, CheckpointError) as err:  # search.json: another search, or not one
             print(f"python -m toolkit.run: error: {err}", file=sys.stderr)
             return 2

@@ -24,9 +24,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from toolkit.compat.determined.info import CONTAINER_PER_RANK_ENV
 from toolkit.compat.determined.wrap_rank import WRAPPED_ENV, shim_pythonpath
@@ -44,13 +45,15 @@ from toolkit.launch.procs import (
 from toolkit.run.plan import RunPlan
 from toolkit.runtime.trial_env import EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV
 
-__all__ = ["MARK_ENV", "Forwarder", "check_slots", "environment", "run_once", "signal_targets"]
+__all__ = ["MARK_ENV", "STOP_SIGNALS", "Forwarder", "check_slots", "environment", "run_once",
+           "signal_targets"]
 
 logger = logging.getLogger("toolkit.run")
 
 #: Marks every process of one run (Determined's name for one run of a trial), to find them all.
 MARK_ENV = "DET_ALLOCATION_ID"
-_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # what toolkit.watch_preemption watches
+#: What toolkit.watch_preemption watches: passed to the ranks.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 def signal_targets(table: Mapping[int, tuple[int, bytes]], pids: set[int]) -> list[int]:
@@ -79,9 +82,11 @@ class Forwarder:
     Runner only (it installs this process's signal handlers; :meth:`restore` puts them back). A
     signal that arrives before a run has started is remembered: :func:`run_once` then starts
     nothing, or passes it on as soon as the run's process exists (:meth:`attach`).
+    ``install=False``: no handlers of its own; a search's main thread passes each signal on
+    (:meth:`handle`) to the forwarder of every trial in flight.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, install: bool = True) -> None:
         self.proc: subprocess.Popen | None = None
         self.mark = ""
         self.received: int | None = None
@@ -89,9 +94,10 @@ class Forwarder:
         self.searcher_stopped = False
         #: ... and the signal was sent to a live run (False: the run had already ended).
         self.searcher_sent = False
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in _FORWARDED}
+        self._previous = {sig: signal.signal(sig, self.handle) for sig in STOP_SIGNALS} if install else {}
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def handle(self, signum: int, frame: Any = None) -> None:
+        """A stop signal for this run: remembered, and passed to its ranks (a signal handler)."""
         if self.received is None:
             logger.warning(
                 "received %s: passing it to the ranks, which save and stop", signal.Signals(signum).name
@@ -104,15 +110,13 @@ class Forwarder:
         self.proc, self.mark = proc, mark
         if self.received is not None:
             self._send(self.received)
+        elif self.searcher_stopped and not self.searcher_sent:  # the searcher's stop came between two runs
+            self.searcher_sent = self._send(signal.SIGTERM)
 
     def searcher_stop(self) -> None:
         """Stop the current run as a preemption does (SIGTERM to its ranks), for the searcher."""
         self.searcher_stopped = True
         self.searcher_sent = self._send(signal.SIGTERM)
-
-    def new_trial(self) -> None:
-        """Forget the searcher's stop of the previous trial (a search's next trial)."""
-        self.searcher_stopped = self.searcher_sent = False
 
     @property
     def stopping(self) -> bool:
@@ -165,38 +169,56 @@ def check_slots(plan: RunPlan, *, gpus: int | None = None) -> None:
                       f"most {most}", source=str(plan.config_path))
 
 
-def _launch_argv(plan: RunPlan) -> list[str]:
-    argv = build_trial_argv(plan.command, launcher=plan.launcher, nproc=plan.nproc, master_port=free_port())
+_ports_lock = threading.Lock()
+_ports_in_use: set[int] = set()  # the rendezvous ports of the runs in flight (a search runs several)
+
+
+def _take_port() -> int:
+    with _ports_lock:
+        for _ in range(100):
+            port = free_port()
+            if port not in _ports_in_use:
+                _ports_in_use.add(port)
+                return port
+    raise RuntimeError("could not find a free TCP port on 127.0.0.1")
+
+
+def _launch_argv(plan: RunPlan, port: int) -> list[str]:
+    argv = build_trial_argv(plan.command, launcher=plan.launcher, nproc=plan.nproc, master_port=port)
     if plan.launcher == "torchrun" and "--max_restarts" not in argv:
         argv.insert(3, "--max_restarts=0")  # restarts are this runner's (with a resume)
     return argv
 
 
-def run_once(plan: RunPlan, env: dict[str, str], *, forwarder: Forwarder, grace_s: float,
-             watch: Callable[[], bool] | None = None) -> int:
+def run_once(plan: RunPlan, env: dict[str, str], *, forwarder: Forwarder, grace_s: float) -> int:
     """Start the run, wait for it, kill what is left; its exit status. Runner only.
 
-    ``watch()`` True: the searcher stops the run (preemption signal). When ``forwarder`` has
-    already received a signal, nothing is started and 0 is returned (a stop before the start).
+    A search's thread runs it; the searcher's stop comes through ``forwarder`` (preemption
+    signal). When ``forwarder`` has already received a signal, nothing is started and 0 is
+    returned (a stop before the start).
     """
     if forwarder.received is not None:
         logger.info("%s received before the run started: not starting it",
                     signal.Signals(forwarder.received).name)
         return 0
     mark = f"toolkit-run-{uuid.uuid4().hex[:12]}"
-    argv = _launch_argv(plan)
+    port = _take_port()
+    argv = _launch_argv(plan, port)
     logger.info("starting %s", shlex.join(argv))
-    proc = subprocess.Popen(argv, cwd=plan.model_dir, env={**env, MARK_ENV: mark}, start_new_session=True)
+    try:
+        proc = subprocess.Popen(argv, cwd=plan.model_dir, env={**env, MARK_ENV: mark}, start_new_session=True)
+    except BaseException:
+        with _ports_lock:
+            _ports_in_use.discard(port)
+        raise
     forwarder.attach(proc, mark)
     deadline: float | None = None
     try:
         while True:
             try:
-                return proc.wait(timeout=0.5)
+                return proc.wait(timeout=0.1)
             except subprocess.TimeoutExpired:
                 pass
-            if watch is not None and not forwarder.stopping and watch():
-                forwarder.searcher_stop()
             if forwarder.stopping and deadline is None:
                 deadline = time.monotonic() + grace_s
             if deadline is not None and time.monotonic() > deadline:
@@ -210,9 +232,12 @@ def run_once(plan: RunPlan, env: dict[str, str], *, forwarder: Forwarder, grace_
             reap=[proc],
             what="run",
         )
+        with _ports_lock:
+            _ports_in_use.discard(port)
 
 
-def environment(plan: RunPlan, base: Mapping[str, str] | None = None) -> dict[str, str]:
+def environment(plan: RunPlan, base: Mapping[str, str] | None = None,
+                extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The entrypoint's environment (runner only): this one's, plus the experiment, the output directory, and
 
     * the YAML's ``environment.environment_variables`` (the ``cpu`` or ``cuda`` list by this
@@ -223,7 +248,8 @@ def environment(plan: RunPlan, base: Mapping[str, str] | None = None) -> dict[st
     * the ``determined.launch.wrap_rank`` shim on ``PYTHONPATH`` when no real ``determined``
       package is importable;
     * this interpreter's directory first on ``PATH`` when ``python3`` there is another Python
-      (an unactivated virtual environment): Determined's scripts start ``python3`` by name.
+      (an unactivated virtual environment): Determined's scripts start ``python3`` by name;
+    * ``extra``: what a search sets for one trial (its GPUs, threads, the searcher's handshake).
     """
     import torch  # already loaded by the CLI
 
@@ -232,6 +258,7 @@ def environment(plan: RunPlan, base: Mapping[str, str] | None = None) -> dict[st
     env[CONFIG_WARNED_ENV] = "1"
     env[EXPERIMENT_CONFIG_ENV] = str(plan.config_path)
     env[OUTPUT_DIR_ENV] = str(plan.output_dir)
+    env.update(extra or {})
     env.setdefault("PYTHONUNBUFFERED", "1")
     if not plan.wrapped:
         env[CONTAINER_PER_RANK_ENV] = "1"

@@ -1,15 +1,17 @@
-"""A hyperparameter search under ``python -m toolkit.run``: its trials one after another. Runner only.
+"""A hyperparameter search's records under ``python -m toolkit.run``: ``search.json`` and the trials' reports.
 
-The decisions are :mod:`toolkit.compat.determined.search`'s; this shell runs each trial with
-:func:`toolkit.run.trial.execute` in ``<output_dir>/trial-NNNN`` (its own trial id, the
-experiment's id, its values recorded for every rank), and keeps ``<output_dir>/search.json``::
+The decisions are :mod:`toolkit.compat.determined.search`'s; the trials run several at once on
+free slots (:mod:`toolkit.run.scheduler`), each in ``<output_dir>/trial-NNNN`` (its own trial id,
+the experiment's id, its values recorded for every rank). This module keeps
+``<output_dir>/search.json``::
 
     {"searcher": "adaptive_asha", "seed": 123, "metric": "x", "smaller_is_better": true,
      "searcher_config": {...}, "hyperparameters": {...}, "experiment_seed": 123,
      "trials": [{"index": 0, "dir": "trial-0000", "trial_id": 5123, "hparams": {...},
                  "seed": 123000369, "state": "COMPLETED", "metric": 700, "time": 100,
-                 "stopped_early": false}, ...],
-     "asha": {"rungs": [25, 100], ...}, "best": {...}}
+                 "stopped_early": false, "bracket": 0}, ...],
+     "asha": {"brackets": [{"rungs": [25, 100], "max_trials": 7, "metrics": [...]}, ...], ...},
+     "best": {...}}
 
 ``metric`` is the trial's last reported validation value of ``searcher.metric`` (a report whose
 metric or ``time_metric`` is not a number is skipped, with a warning; a NaN or infinite metric
@@ -18,13 +20,10 @@ values were drawn with (also ``hparams_seed`` in the trial's ``determined_trial.
 ``stopped_early`` that the searcher's stop reached the trial before it ended by itself. A rerun
 refuses (exit 2) a YAML whose searcher section, hyperparameters or experiment seed differ from
 those recorded. The file is rewritten when something in it changed. Under ASHA the
-shell reads each validation line of the running trial's ``metrics.jsonl`` (written at once by
-``report_validation_metrics``) and, when the searcher says so, stops the trial through the
-preemption signal: the script saves and exits 0 as on a preemption. A SIGTERM/SIGINT/SIGUSR1 to
-the runner pauses the current trial and ends the command; the same command again resumes that
-trial from its checkpoint and continues the search. Exit status: 0, or the last failed trial's.
+:class:`_Watcher` reads each validation line of a running trial's ``metrics.jsonl`` (written at
+once by ``report_validation_metrics``) and says when the searcher stops the trial.
 
-Example::
+Runner process only. Example::
 
     python -m toolkit.run 3_hpsearch.yaml . --output-dir runs/hp    # searcher: adaptive_asha
     cat runs/hp/search.json
@@ -43,13 +42,11 @@ from toolkit._checks import is_number
 from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
 from toolkit.compat.determined import search
-from toolkit.compat.determined.info import load_trial_state
+from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state
 from toolkit.errors import CheckpointError, ConfigError
-from toolkit.run.plan import RunPlan
-from toolkit.run.process import Forwarder, check_slots
-from toolkit.run.trial import execute
+from toolkit.run.process import Forwarder
 
-__all__ = ["SUMMARY", "run_search"]
+__all__ = ["SUMMARY", "finish_trial", "load_state", "save_state", "stopped_early"]
 
 logger = logging.getLogger("toolkit.run")
 
@@ -81,8 +78,10 @@ class _Watcher:
 
     Every report sets the trial's ``metric`` and ``time`` (the last reported values). While the
     trial runs, a report that ASHA stops the trial at ends the poll (True); the reports after it
-    are read later. :meth:`finish` reads the rest after the trial ended: they reach ASHA only
-    when no stop was sent (the trial ran on), and a rung decision there is no stop.
+    are read by the next polls, and no longer reach ASHA (the trial is stopping). :attr:`offset`
+    is how far ``metrics.jsonl`` was read (the searcher's handshake with the trial's chief).
+    :meth:`finish` reads the rest after the trial ended: they reach ASHA only when no stop was
+    sent (the trial ran on), and a rung decision there is no stop.
     """
 
     def __init__(self, state: dict[str, Any], trial: dict[str, Any], config: Mapping[str, Any],
@@ -95,8 +94,7 @@ class _Watcher:
         self.stop = False
 
     def __call__(self) -> bool:
-        if not self.stop:
-            self._read(feed=True, final=False)
+        self._read(feed=not self.stop, final=False)
         return self.stop
 
     def finish(self, *, stop_sent: bool) -> None:
@@ -132,7 +130,7 @@ class _Watcher:
             self.save()
 
 
-def _load(out: Path, config: Mapping[str, Any]) -> dict[str, Any]:
+def load_state(out: Path, config: Mapping[str, Any]) -> dict[str, Any]:
     """The search state of ``out/search.json`` (a fresh one when absent).
 
     Raises:
@@ -152,6 +150,7 @@ def _load(out: Path, config: Mapping[str, Any]) -> dict[str, Any]:
     if not (isinstance(state, dict) and isinstance(state.get("trials"), list) and "seed" in state):
         raise CheckpointError(f"{path} is not a search state (expected an object with 'seed' and 'trials'); "
                               "delete it to start the search over, or use a new --output-dir")
+    search.upgrade_state(state)
     changes = search.config_changes(state, config)
     if changes:
         raise ConfigError([f"{c} (recorded in {path}); continuing would mix two searches: use a new "
@@ -162,36 +161,29 @@ def _load(out: Path, config: Mapping[str, Any]) -> dict[str, Any]:
     return state
 
 
-def _save(out: Path, state: dict[str, Any], config: Mapping[str, Any]) -> None:
+def save_state(out: Path, state: dict[str, Any], config: Mapping[str, Any]) -> None:
+    """Write ``out/search.json``: the state, the metric, its direction and the best trial."""
     s = config.get("searcher") or {}
     summary = dict(state, metric=s.get("metric"), smaller_is_better=s.get("smaller_is_better", True),
                    best=search.best_trial(state, config))
     atomic_write_json(out / SUMMARY, summary)
 
 
-def _stopped_early(state: Mapping[str, Any], trial: Mapping[str, Any], forwarder: Forwarder) -> bool:
-    """The searcher's stop reached the run before it ended by itself (not at max_time)."""
+def stopped_early(state: Mapping[str, Any], trial: Mapping[str, Any], forwarder: Forwarder) -> bool:
+    """The searcher's stop reached the run before it ended by itself (not at max_time). Pure."""
     if not forwarder.searcher_sent:
         return False
-    rungs = (state.get("asha") or {}).get("rungs") or []
-    return not (rungs and trial["time"] is not None and trial["time"] >= rungs[-1])
+    max_time = (state.get("searcher_config") or {}).get("max_time")
+    return not (is_number(max_time) and trial["time"] is not None and trial["time"] >= max_time)
 
 
-def _run_trial(plan: RunPlan, state: dict[str, Any], trial: dict[str, Any], forwarder: Forwarder,
-               *, grace_s: float, experiment_id: int) -> int:
-    out = plan.output_dir
-    sub = plan.with_output_dir(out / trial["dir"])
-    trial["state"] = "RUNNING"
-    trial.setdefault("seed", search.trial_seed(state, trial["index"]))
-    _save(out, state, plan.config)
-    watcher = _Watcher(state, trial, plan.config, sub.output_dir, lambda: _save(out, state, plan.config))
-    logger.info("searcher: %s (trial %d) with %s", trial["dir"], trial["index"], json.dumps(trial["hparams"]))
-    forwarder.new_trial()
-    status = execute(sub, grace_s=grace_s, forwarder=forwarder, watch=watcher, hparams=trial["hparams"],
-                     hparams_seed=trial["seed"], experiment_id=experiment_id)
-    watcher.finish(stop_sent=forwarder.searcher_sent)  # the reports written since the last poll
-    trial["stopped_early"] = _stopped_early(state, trial, forwarder)
-    trial["trial_id"] = load_trial_state(sub.output_dir, write=False)["trial_id"]
+def finish_trial(state: dict[str, Any], trial: dict[str, Any], watcher: _Watcher, forwarder: Forwarder,
+                 status: int, trial_dir: Path) -> None:
+    """Record how a trial's runs ended: the reports since the last poll, its state, id and status."""
+    watcher.finish(stop_sent=forwarder.searcher_sent)
+    trial["stopped_early"] = stopped_early(state, trial, forwarder)
+    if (trial_dir / TRIAL_FILE).exists():
+        trial["trial_id"] = load_trial_state(trial_dir, write=False)["trial_id"]
     trial["exit_status"] = status
     if forwarder.received is not None:
         trial["state"] = "PAUSED"
@@ -201,37 +193,5 @@ def _run_trial(plan: RunPlan, state: dict[str, Any], trial: dict[str, Any], forw
         trial["state"] = "COMPLETED"
     else:
         trial["state"] = "COMPLETED" if status == 0 else "ERROR"
-    _save(out, state, plan.config)
-    return status
 
 
-def run_search(plan: RunPlan, *, grace_s: float = 60.0) -> int:
-    """Run (or continue) the search of ``plan.config``; the exit status. Runner only.
-
-    Raises:
-        ConfigError: ``search.json`` holds a search started from another searcher section,
-            search space or experiment seed, or the trials' process count is more than this
-            machine runs (nothing is started).
-        CheckpointError: ``search.json`` is not a search state (nothing is started).
-    """
-    check_slots(plan)  # before anything is written
-    out = plan.output_dir
-    out.mkdir(parents=True, exist_ok=True)
-    state = _load(out, plan.config)
-    experiment_id = load_trial_state(out, write=False)["experiment_id"]
-    forwarder = Forwarder()
-    failed = 0
-    try:
-        while forwarder.received is None and (trial := search.next_trial(state, plan.config)) is not None:
-            status = _run_trial(plan, state, trial, forwarder, grace_s=grace_s, experiment_id=experiment_id)
-            if trial["state"] == "ERROR":
-                failed = status
-            if forwarder.received is not None:
-                logger.info("search paused at %s; run the same command again to continue", trial["dir"])
-                return status
-    finally:
-        forwarder.restore()
-    best = search.best_trial(state, plan.config)
-    logger.info("search done: %d trials; best %s", len(state["trials"]),
-                json.dumps({k: best[k] for k in ("dir", "hparams", "metric")}) if best else None)
-    return failed

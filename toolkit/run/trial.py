@@ -11,7 +11,7 @@ import logging
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from toolkit._files import atomic_write_json
 from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state, record_hparams
@@ -58,17 +58,17 @@ def execute(
     *,
     grace_s: float = 60.0,
     forwarder: Forwarder | None = None,
-    watch: Callable[[], bool] | None = None,
     hparams: Mapping[str, Any] | None = None,
     hparams_seed: int | None = None,
     experiment_id: int | None = None,
+    extra_env: Mapping[str, str] | None = None,
 ) -> int:
     """Run the plan, restarting failed runs; return the exit status. Runner only.
 
-    A search's shell (:mod:`toolkit.run.search`) passes its own ``forwarder`` (to see who
-    stopped the run), ``watch`` (the searcher's early stop), the trial's ``hparams`` and the seed
-    they were drawn with (``hparams_seed``, recorded in ``determined_trial.json``), and the
-    experiment's id. A signal received before a run starts starts nothing (exit 0, as a stop).
+    A search (:mod:`toolkit.run.scheduler`) passes the trial's ``forwarder`` (its signals and the
+    searcher's stop), ``hparams`` and the seed they were drawn with (``hparams_seed``, recorded in
+    ``determined_trial.json``), the experiment's id, and ``extra_env`` (its GPUs or threads, the
+    searcher's handshake). A signal received before a run starts starts nothing (exit 0, a stop).
     A process count this machine cannot run (:func:`~toolkit.run.process.check_slots`) starts
     and writes nothing: exit 2.
     """
@@ -86,7 +86,7 @@ def execute(
     except ConfigError as err:
         logger.error("%s", err)
         return 2
-    env = environment(plan)
+    env = environment(plan, extra=extra_env)
     own = forwarder is None
     forwarder = forwarder or Forwarder()
     try:
@@ -94,7 +94,7 @@ def execute(
         while True:
             if attempt:
                 _next_attempt(plan.output_dir)
-            status = run_once(plan, env, forwarder=forwarder, grace_s=grace_s, watch=watch)
+            status = run_once(plan, env, forwarder=forwarder, grace_s=grace_s)
             if status == 0 or forwarder.stopping:
                 if forwarder.received is not None:
                     logger.info("stopped by %s (exit status %d); run the same command again to continue from "

@@ -1,25 +1,33 @@
 """Determined's searchers as pure decisions: which trials to run, and when ASHA stops one.
 
-``python -m toolkit.run`` runs a search's trials one after another (:mod:`toolkit.run.search`,
-the shell); this module decides, on a JSON-able state dict that the shell keeps in
-``<output_dir>/search.json``, so a rerun continues where the search stopped:
+``python -m toolkit.run`` runs a search's trials, several at once on free slots
+(:mod:`toolkit.run.search`, the shell); this module decides, on a JSON-able state dict that the
+shell keeps in ``<output_dir>/search.json``, so a rerun continues where the search stopped:
 
 * ``single``: one trial (its search spaces sampled, as Determined's master does);
 * ``random``: ``max_trials`` trials, each sampled from the search space;
 * ``grid``: one trial per point of :func:`toolkit.compat.determined.hparams.grid_points`;
-* ``adaptive_asha`` (Determined 0.38: ``time_metric`` and ``max_time`` required): ``max_trials``
-  sampled trials; each validation report carries the trial's ``time_metric``; when it reaches a
-  rung, the trial's ``metric`` is ranked among the trials that reached that rung, and the trial is
-  stopped unless it is in the top ``1/divisor`` (at least one continues); at the last rung
-  (``max_time``) it is stopped as finished. Rungs as Determined's: ``n = min(max_rungs,
-  log_divisor(max_time) + 1, log_divisor(max_trials) + 1)`` rungs at ``max_time / divisor**k``.
-  One bracket (Determined's ``mode: aggressive``); Determined's default ``standard`` mode also
-  runs brackets with fewer rungs side by side, which one-after-another trials cannot.
+* ``adaptive_asha`` (Determined 0.38: ``time_metric`` and ``max_time`` required): Determined's
+  asynchronous, stopping-based ASHA. ``mode`` (``aggressive``, ``standard`` (default),
+  ``conservative``) or ``bracket_rungs`` gives brackets of fewer and fewer rungs, and
+  ``max_trials`` is shared among them as Determined shares it (:func:`asha_brackets`); a trial
+  index belongs to one bracket (:func:`bracket_of`: the brackets are filled in order, the most
+  aggressive first). Each validation report carries the trial's ``time_metric``; when it reaches
+  a rung of the trial's bracket, the trial's ``metric`` is ranked among the reports that bracket
+  has *so far* at that rung (no waiting for the others: asynchronous), and the trial is stopped
+  unless it is in the top ``1/divisor`` (at least one continues); at the last rung
+  (``max_time``) it is finished. Rungs as Determined's: a bracket of ``n`` rungs has them at
+  ``max_time / divisor**k``.
 
-Trial states: ``PENDING`` (created, not run), ``PAUSED`` (stopped by a signal: a rerun resumes
-it), ``COMPLETED`` (``stopped_early`` when ASHA stopped it below the last rung), ``ERROR``.
+Trial states: ``PENDING`` (created, not run), ``RUNNING``, ``PAUSED`` (stopped by a signal: a
+rerun resumes it), ``COMPLETED`` (``stopped_early`` when ASHA stopped it below the last rung),
+``ERROR``.
 
-Any process; no file, no process. Example::
+A search under ``toolkit.run`` also makes the trial's chief wait, after each validation report,
+until the runner has read it (:func:`wait_for_searcher`): a stop the report earns is sent before
+the report returns, so the script's next ``should_preempt()`` sees it.
+
+Any process; no process started. Example::
 
     state = new_state(config, seed=3)
     trial = next_trial(state, config)        # {'index': 0, 'dir': 'trial-0000', 'hparams': {...}, ...}
@@ -30,18 +38,27 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import math
+import os
 import random
 import sys
+import time
+from pathlib import Path
 from typing import Any, Mapping
 
 from toolkit._checks import is_int, is_number
 from toolkit.compat.determined.hparams import check_space, grid_points, sample_hparams
 
 __all__ = [
+    "ACK_FILE",
+    "ASHA_MODES",
     "SEARCHERS",
+    "SEARCH_ACK_ENV",
+    "asha_brackets",
     "asha_report",
     "asha_rungs",
+    "bracket_of",
     "SEARCH_FILE",
     "best_trial",
     "best_validation",
@@ -50,12 +67,22 @@ __all__ = [
     "new_state",
     "next_trial",
     "trial_seed",
+    "wait_for_searcher",
 ]
+
+logger = logging.getLogger(__name__)
 
 SEARCHERS = ("single", "random", "grid", "adaptive_asha")
 #: The search's record, in the directory above its trials' (kept by ``toolkit.run``'s search).
 SEARCH_FILE = "search.json"
-_ASHA_DEFAULTS = {"divisor": 4, "max_rungs": 5}
+_ASHA_DEFAULTS = {"divisor": 4, "max_rungs": 5, "mode": "standard"}
+ASHA_MODES = ("aggressive", "standard", "conservative")
+#: Set by ``toolkit.run``'s search to the trial's output directory: its chief waits after each
+#: validation report until the runner has read it (the offset of ``metrics.jsonl`` in ``ACK_FILE``).
+SEARCH_ACK_ENV = "TOOLKIT_SEARCH_ACK"
+ACK_FILE = ".searcher_ack"
+#: How long a chief waits for the runner to read a validation report (then it goes on, warned).
+ACK_TIMEOUT_S = 30.0
 
 
 def _searcher(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -87,6 +114,17 @@ def check_searcher(config: Mapping[str, Any]) -> list[str]:
             problems.append(f"searcher.divisor={s['divisor']!r}: expected a number > 1 (default 4)")
         if "max_rungs" in s and not (is_int(s["max_rungs"]) and s["max_rungs"] >= 1):
             problems.append(f"searcher.max_rungs={s['max_rungs']!r}: expected an integer >= 1 (default 5)")
+        if "mode" in s and s["mode"] not in ASHA_MODES:
+            problems.append(f"searcher.mode={s['mode']!r}: expected one of {', '.join(ASHA_MODES)} "
+                            "(default standard)")
+        rungs = s.get("bracket_rungs")
+        if rungs not in (None, []) and not (isinstance(rungs, list)
+                                            and all(is_int(r) and r >= 1 for r in rungs)):
+            problems.append(f"searcher.bracket_rungs={rungs!r}: expected a list of rung counts >= 1")
+    concurrent = s.get("max_concurrent_trials")
+    if concurrent is not None and not (is_int(concurrent) and concurrent >= 0):
+        problems.append(f"searcher.max_concurrent_trials={concurrent!r}: expected an integer >= 0 "
+                        "(0: as many as the slots hold)")
     return problems
 
 
@@ -97,9 +135,59 @@ def asha_rungs(*, max_time: int, max_trials: int, divisor: float = 4, max_rungs:
         >>> asha_rungs(max_time=100, max_trials=10)
         [25, 100]
     """
-    n = min(max_rungs, int(math.log(max_time) / math.log(divisor)) + 1,
-            int(math.log(max_trials) / math.log(divisor)) + 1)
+    return _rung_times(max_time, _max_rungs(max_time=max_time, max_trials=max_trials, divisor=divisor,
+                                            max_rungs=max_rungs), divisor)
+
+
+def _max_rungs(*, max_time: int, max_trials: int, divisor: float, max_rungs: int) -> int:
+    return min(max_rungs, int(math.log(max_time) / math.log(divisor)) + 1,
+               int(math.log(max_trials) / math.log(divisor)) + 1)
+
+
+def _rung_times(max_time: int, n: int, divisor: float) -> list[int]:
     return [max(int(max_time / divisor ** (n - i - 1)), 1) for i in range(n)]
+
+
+def asha_brackets(*, max_time: int, max_trials: int, divisor: float = 4, max_rungs: int = 5,
+                  mode: str = "standard", bracket_rungs: list[int] | None = None) -> list[dict[str, Any]]:
+    """Adaptive ASHA's brackets as Determined makes them: ``[{"rungs": [...], "max_trials": n}, ...]``.
+
+    Pure; any rank. ``aggressive``: one bracket of the most rungs; ``standard``: the upper half of
+    the rung counts; ``conservative``: every count from the most down to 1 (``bracket_rungs``, when
+    given, instead). The brackets with more rungs (more early stopping) come first; ``max_trials`` is
+    shared so that each bracket gets about the same budget (``divisor**(n-1)/n`` weights, at least
+    one trial each, the remainder to the first).
+
+    Example:
+        >>> [(b["rungs"], b["max_trials"]) for b in asha_brackets(max_time=100, max_trials=10)]
+        [([25, 100], 7), ([100], 3)]
+    """
+    most = _max_rungs(max_time=max_time, max_trials=max_trials, divisor=divisor, max_rungs=max_rungs)
+    if bracket_rungs:
+        counts = list(bracket_rungs)
+    elif mode == "aggressive":
+        counts = [most]
+    elif mode == "conservative":
+        counts = list(range(1, most + 1))
+    else:
+        counts = list(range((most - 1) // 2 + 1, most + 1))
+    counts.sort(reverse=True)
+    weights = [divisor ** (n - 1) / n for n in counts]
+    trials = [max(int(w / sum(weights) * max_trials), 1) for w in weights]
+    trials[0] += max(max_trials - sum(trials), 0)
+    return [{"rungs": _rung_times(max_time, n, divisor), "max_trials": t}
+            for n, t in zip(counts, trials, strict=True)]
+
+
+def bracket_of(state: Mapping[str, Any], index: int) -> int:
+    """The ASHA bracket of trial ``index``: the brackets are filled in order. Pure; any rank."""
+    brackets = state["asha"]["brackets"]
+    end = 0
+    for number, bracket in enumerate(brackets):
+        end += int(bracket["max_trials"])
+        if index < end:
+            return number
+    return len(brackets) - 1
 
 
 def _recorded(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -120,10 +208,27 @@ def new_state(config: Mapping[str, Any], *, seed: int) -> dict[str, Any]:
     state: dict[str, Any] = {"searcher": s.get("name", "single"), "seed": int(seed), **_recorded(config),
                              "trials": []}
     if state["searcher"] == "adaptive_asha":
-        divisor = s.get("divisor", _ASHA_DEFAULTS["divisor"])
-        rungs = asha_rungs(max_time=s["max_time"], max_trials=s["max_trials"], divisor=divisor,
-                           max_rungs=s.get("max_rungs", _ASHA_DEFAULTS["max_rungs"]))
-        state["asha"] = {"rungs": rungs, "metrics": [[] for _ in rungs], "trial_rung": {}}
+        brackets = asha_brackets(max_time=s["max_time"], max_trials=s["max_trials"],
+                                 divisor=s.get("divisor", _ASHA_DEFAULTS["divisor"]),
+                                 max_rungs=s.get("max_rungs", _ASHA_DEFAULTS["max_rungs"]),
+                                 mode=s.get("mode", _ASHA_DEFAULTS["mode"]),
+                                 bracket_rungs=s.get("bracket_rungs"))
+        for bracket in brackets:
+            bracket["metrics"] = [[] for _ in bracket["rungs"]]
+        state["asha"] = {"brackets": brackets, "trial_rung": {}}
+    return state
+
+
+def upgrade_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A search state of an earlier toolkit (one ASHA bracket at the top of ``asha``) in today's form.
+
+    Pure; any rank. Such a search ran Determined's ``aggressive`` mode: one bracket of every trial.
+    """
+    asha = state.get("asha")
+    if isinstance(asha, dict) and "brackets" not in asha and "rungs" in asha:
+        max_trials = (state.get("searcher_config") or {}).get("max_trials", len(state.get("trials") or []))
+        asha["brackets"] = [{"rungs": asha.pop("rungs"), "metrics": asha.pop("metrics"),
+                             "max_trials": max_trials}]
     return state
 
 
@@ -163,7 +268,9 @@ def _planned(state: Mapping[str, Any], config: Mapping[str, Any]) -> int:
 
 
 def next_trial(state: dict[str, Any], config: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The trial to run next: a PENDING or PAUSED one, else a new one, else None (search done).
+    """The trial to run next: a PENDING or PAUSED one (the lowest index), else a new one, else None.
+
+    None: every planned trial exists and none waits (the search is done once none runs either).
 
     Pure; any rank. A new trial is appended to ``state["trials"]``; its values come from the grid or
     from a sample seeded by :func:`trial_seed` (the search seed and the trial's index, so a rerun
@@ -184,6 +291,8 @@ def next_trial(state: dict[str, Any], config: Mapping[str, Any]) -> dict[str, An
         values = sample_hparams(space, random.Random(seed))
     trial = {"index": index, "dir": f"trial-{index:04d}", "hparams": values, "seed": seed, "state": "PENDING",
              "metric": None, "time": None, "stopped_early": False}
+    if "asha" in state:
+        trial["bracket"] = bracket_of(state, index)
     state["trials"].append(trial)
     return trial
 
@@ -192,14 +301,14 @@ def asha_report(state: dict[str, Any], index: int, *, time_step: float, metric: 
                 config: Mapping[str, Any]) -> bool:
     """Record one validation report of trial ``index``; True: stop the trial now.
 
-    Pure (updates ``state``); any rank. Determined's doEarlyStopping: from the trial's current rung
-    upwards, each rung whose time the report reached takes the metric (negated when
-    ``smaller_is_better`` is false); the trial stops where it ranks outside the top ``max(1,
-    len(rung) // divisor)``. At the last rung (``max_time``) Determined stops the trial as finished;
-    here it is left to end by itself (0.38 scripts set their own length), so no stop races the
-    script's own exit. Reprocessing a report already seen changes nothing. A NaN or infinite
-    ``metric`` ranks last (stored as the largest finite float); a report at a ``time_step`` that
-    is not finite is ignored.
+    Pure (updates ``state``); any rank. Determined's asynchronous stopping ASHA: from the trial's
+    current rung of its bracket (:func:`bracket_of`) upwards, each rung whose time the report
+    reached takes the metric (negated when ``smaller_is_better`` is false); the trial stops where
+    it ranks outside the top ``max(1, len(rung) // divisor)`` of the reports that rung has so
+    far. At the last rung (``max_time``) Determined stops the trial as finished; here it is left
+    to end by itself (0.38 scripts set their own length), so no stop races the script's own exit.
+    Reprocessing a report already seen changes nothing. A NaN or infinite ``metric`` ranks last
+    (stored as the largest finite float); a report at a ``time_step`` that is not finite is ignored.
     """
     if not math.isfinite(time_step):
         return False
@@ -209,15 +318,17 @@ def asha_report(state: dict[str, Any], index: int, *, time_step: float, metric: 
     if not math.isfinite(value):  # NaN or infinity: the worst of its rungs, stored as a finite number
         value = sys.float_info.max
     divisor = float(s.get("divisor", _ASHA_DEFAULTS["divisor"]))
+    bracket = asha["brackets"][bracket_of(state, index)]
+    rungs = bracket["rungs"]
     rung = asha["trial_rung"].get(str(index), 0)
-    while rung < len(asha["rungs"]):
+    while rung < len(rungs):
         asha["trial_rung"][str(index)] = rung
-        if time_step < asha["rungs"][rung]:
+        if time_step < rungs[rung]:
             return False
-        entries = asha["metrics"][rung]
+        entries = bracket["metrics"][rung]
         at = bisect.bisect_left([v for _, v in entries], value)
         entries.insert(at, [index, value])
-        if rung == len(asha["rungs"]) - 1:  # max_time: Determined stops it there; here it ends itself
+        if rung == len(rungs) - 1:  # max_time: Determined stops it there; here it ends itself
             asha["trial_rung"][str(index)] = rung + 1
             return False
         if at >= max(int(len(entries) / divisor), 1):
@@ -261,3 +372,28 @@ def best_validation(state: Any, trial_dir: str) -> float | None:
     if not values:
         return None
     return min(values) if state.get("smaller_is_better", True) is not False else max(values)
+
+
+def wait_for_searcher(output_dir: Path, offset: int, *, timeout_s: float = ACK_TIMEOUT_S) -> None:
+    """After a validation report: wait until ``toolkit.run``'s search has read ``metrics.jsonl`` up to
+    ``offset``. Chief only; returns at once outside such a search (``TOOLKIT_SEARCH_ACK`` unset or
+    naming another directory).
+
+    The runner sends the searcher's stop (SIGTERM to the ranks) before it writes the offset, so
+    the next ``should_preempt()`` sees a stop this report earned. After ``timeout_s`` (a runner
+    that does not answer) it goes on, with a warning.
+    """
+    named = os.environ.get(SEARCH_ACK_ENV)
+    if not named or os.path.realpath(named) != os.path.realpath(output_dir):
+        return
+    ack, end = Path(output_dir) / ACK_FILE, time.monotonic() + timeout_s
+    delay = 0.002
+    while time.monotonic() < end:
+        try:
+            if int(ack.read_text(encoding="ascii") or 0) >= offset:
+                return
+        except (OSError, ValueError):  # not written yet, or being replaced
+            pass
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    logger.warning("the search did not read the validation report within %.0f s; going on", timeout_s)

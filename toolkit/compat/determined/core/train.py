@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from toolkit._checks import is_int
 from toolkit.bounded_load import load_json
-from toolkit.compat.determined.search import SEARCH_FILE, best_validation
+from toolkit.compat.determined.search import SEARCH_FILE, best_validation, wait_for_searcher
 from toolkit.errors import ConfigError
 
 __all__ = ["TrainContext", "EarlyExitReason", "TensorboardMode"]
@@ -161,6 +161,10 @@ class TrainContext:
     def report_validation_metrics(self, steps_completed: int, metrics: dict[str, Any]) -> None:
         """Write validation metrics at ``steps_completed``. Chief only.
 
+        Under ``toolkit.run``'s search it returns once the search has read the report, so a
+        stop the report earns reaches the next ``should_preempt()`` (:func:`~toolkit.compat.
+        determined.search.wait_for_searcher`).
+
         Raises:
             ConfigError: a metric value is None (Determined: an invalid scalar).
         """
@@ -171,6 +175,8 @@ class TrainContext:
                 [f"validation metric {k!r} returned an invalid scalar value: None" for k in bad]
             )
         self._write("validation", steps_completed, metrics)
+        if self._jsonl is not None:  # under toolkit.run's search: until it read the report (its stop sent)
+            wait_for_searcher(self._dir, self._jsonl.tell())
 
     def report_metrics(self, group: str, steps_completed: int, metrics: dict[str, Any]) -> None:
         """Write metrics of any group (``<group>/<name>`` in TensorBoard). Chief only."""

@@ -1,0 +1,113 @@
+"""A search's trials in flight (toolkit.run.scheduler): how many at once, and one adaptive_asha search
+of two 1-rank trials at once under python -m toolkit.run (Determined's 3_hpsearch.py style), paused
+by SIGTERM in both, continued by the same command with nothing lost or repeated, the worse trial
+stopped by the searcher at the report that ranked it out."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import procutil
+from toolkit.compat.determined import search
+from toolkit.run.scheduler import concurrency
+
+
+def test_how_many_trials_run_at_once():
+    assert concurrency({}, slots=2, nproc=1) == 2  # default: as many as the slots hold
+    assert concurrency({}, slots=8, nproc=3) == 2
+    assert concurrency({"searcher": {"max_concurrent_trials": 1}}, slots=8, nproc=1) == 1
+    assert concurrency({"searcher": {"max_concurrent_trials": 0}}, slots=4, nproc=2) == 2  # 0: no cap
+    assert concurrency({"searcher": {"max_concurrent_trials": 9}}, slots=4, nproc=1) == 4
+
+
+def test_max_slots_below_a_trial_exits_2_with_nothing_written(tmp_path, capsys):
+    from toolkit.run import main
+
+    yaml = tmp_path / "exp.yaml"
+    yaml.write_text(json.dumps({"entrypoint": "python3 x.py", "resources": {"slots_per_trial": 2},
+                                "searcher": {"name": "random", "metric": "x", "max_trials": 2}}))
+    assert main([str(yaml), str(tmp_path), "--output-dir", str(tmp_path / "out"), "--max-slots", "1"]) == 2
+    assert "--max-slots=1: a trial needs 2 slot(s)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit):
+        main([str(yaml), str(tmp_path), "--max-slots", "0"])
+
+
+YAML = """name: det-hpsearch
+entrypoint: python3 det_hpsearch.py
+hyperparameters:
+  increment_by: {{type: int, minval: 1, maxval: 8}}
+  max_length: 16
+  report_every: 4
+searcher: {{name: adaptive_asha, metric: x, max_trials: 2, time_metric: batches, max_time: 16, divisor: 2,
+           mode: aggressive, max_concurrent_trials: 2}}
+reproducibility: {{experiment_seed: {seed}}}
+max_restarts: 0
+"""
+
+
+def _seed_with_a_worse_second_trial():
+    """A seed whose second trial increments more than its first (so ASHA stops the second at batch 8)."""
+    config = {"searcher": {"name": "random", "max_trials": 2},
+              "hyperparameters": {"increment_by": {"type": "int", "minval": 1, "maxval": 8}}}
+    for seed in range(100):
+        state = search.new_state(config, seed=seed)
+        a = search.next_trial(state, config)
+        a["state"] = "COMPLETED"
+        b = search.next_trial(state, config)
+        if b["hparams"]["increment_by"] > a["hparams"]["increment_by"]:
+            return seed, a["hparams"]["increment_by"], b["hparams"]["increment_by"]
+    raise AssertionError("no seed found")
+
+
+def _steps(path):
+    return [json.loads(line)["steps_completed"] for line in path.read_text().splitlines()]
+
+
+def test_two_trials_at_once_pause_together_and_continue_with_nothing_lost_or_repeated(tmp_path):
+    seed, inc0, inc1 = _seed_with_a_worse_second_trial()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "det_hpsearch.py").write_text((procutil.WORKERS / "det_hpsearch.py").read_text())
+    (model / "exp.yaml").write_text(YAML.format(seed=seed))
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "toolkit.run", str(model / "exp.yaml"), str(model), "--output-dir",
+            str(out), "--max-slots", "2"]
+    proc = subprocess.Popen(argv, env=procutil.child_env(DET_TEST_STEP_SLEEP="0.5"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = [out / d / "metrics.jsonl" for d in ("trial-0000", "trial-0001")]
+    deadline = time.monotonic() + 120
+    while not all(m.exists() and m.read_text().strip() for m in metrics):  # both in flight, both reported
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # pause the search inside both trials
+    log = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, log[-4000:]
+    summary = json.loads((out / "search.json").read_text())
+    assert [t["state"] for t in summary["trials"]] == ["PAUSED", "PAUSED"], log[-4000:]
+    paused = [_steps(m)[-1] for m in metrics]
+    assert all(4 <= s < 16 for s in paused), paused
+    # trial 1's steps after 4 are slow: trial 0 reaches the rung (8) first, and trial 1 is judged there
+    slow = procutil.child_env(DET_TEST_STEP_SLEEP="0.05", DET_TEST_SLOW="trial-0001:4:1.0")
+    result = procutil.run(argv, env=slow, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    stop = re.search(r"searcher: stopping trial-0001 at batches=(\d+)", result.stdout)
+    assert stop, result.stdout[-4000:]
+    summary = json.loads((out / "search.json").read_text())
+    first, second = summary["trials"]
+    assert (first["hparams"]["increment_by"], second["hparams"]["increment_by"]) == (inc0, inc1)
+    assert first["state"] == "COMPLETED" and not first["stopped_early"] and first["metric"] == 16 * inc0
+    assert second["state"] == "COMPLETED" and second["stopped_early"]
+    # the stop reached the trial at its next should_preempt(): its last report is the one ranked out
+    assert _steps(metrics[1])[-1] == second["time"] == int(stop.group(1)) == 8
+    for m, start in zip(metrics, paused, strict=True):  # each continued from its checkpoint
+        steps = _steps(m)
+        assert steps == sorted(set(steps)) and start in steps, steps
+    ids = [json.loads((out / t["dir"] / "determined_trial.json").read_text()) for t in (first, second)]
+    assert [i["trial_run_id"] for i in ids] == [2, 2] and ids[0]["trial_id"] != ids[1]["trial_id"]
+    assert summary["best"]["dir"] == "trial-0000"

@@ -1,0 +1,240 @@
+"""A search's trials in flight on the free slots of this machine. Runner process only.
+
+``python -m toolkit.run`` runs up to :func:`concurrency` trials at once: ``searcher.max_concurrent_trials``
+(0 or absent: no limit of its own) within the slots (``--max-slots``; by default this machine's
+GPUs, or on CPU its cores) at ``resources.slots_per_trial`` each. The slots are handed out by
+dsat's slot pool (:class:`toolkit.dsat.execution.slots.SlotPool`): each trial on GPUs gets its
+own ``CUDA_VISIBLE_DEVICES``; on CPU each trial's ranks get ``OMP_NUM_THREADS`` = cores / slots
+(as dsat's trials), so that trials in flight share the cores instead of fighting for them.
+
+Each trial runs in a thread of its own (:func:`toolkit.run.trial.execute`: its runs, restarts
+and signals); this (main) thread does the rest, so the search state has one writer: it starts
+the next trial (:func:`toolkit.compat.determined.search.next_trial`, lowest index first) when a
+slot is free, reads every running trial's validation reports, sends the searcher's stop, answers
+the trials' chiefs that their report was read (``.searcher_ack``, after the stop was sent:
+:func:`toolkit.compat.determined.search.wait_for_searcher`), and records each trial that ended.
+A SIGTERM/SIGINT/SIGUSR1 to the runner goes to every trial in flight (each saves and stops: PAUSED)
+and starts nothing more; the same command again resumes those trials from their checkpoints,
+then continues the search. Exit status: 0, or the last failed (or paused) trial's.
+
+Example::
+
+    python -m toolkit.run 3_hpsearch.yaml . --output-dir runs/hp --max-slots 2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from toolkit._checks import is_int
+from toolkit._files import atomic_write
+from toolkit.compat.determined import search
+from toolkit.compat.determined.info import load_trial_state
+from toolkit.dsat.execution.settings import RunnerSettings
+from toolkit.dsat.execution.slots import SlotPool, Slots, device_ids
+from toolkit.errors import ConfigError
+from toolkit.launch.procs import cpu_slots
+from toolkit.run.plan import RunPlan
+from toolkit.run.process import STOP_SIGNALS, Forwarder, check_slots
+from toolkit.run.search import _Watcher, finish_trial, load_state, save_state
+from toolkit.run.trial import execute
+
+__all__ = ["POLL_S", "concurrency", "run_search"]
+
+logger = logging.getLogger("toolkit.run")
+
+#: How often the trials in flight are checked (their reports, their end).
+POLL_S = 0.05
+
+
+def concurrency(config: Mapping[str, Any], *, slots: int, nproc: int) -> int:
+    """How many trials may run at once: the slots' share at ``nproc`` each, at most
+    ``searcher.max_concurrent_trials`` (0 or absent: no limit of its own), at least 1. Pure.
+
+    Example:
+        >>> concurrency({"searcher": {"max_concurrent_trials": 2}}, slots=8, nproc=1)
+        2
+    """
+    cap = max(slots // max(nproc, 1), 1)
+    most = (config.get("searcher") or {}).get("max_concurrent_trials")
+    return min(cap, most) if is_int(most) and most > 0 else cap
+
+
+@dataclasses.dataclass
+class _InFlight:
+    trial: dict[str, Any]
+    plan: RunPlan
+    slots: Slots
+    forwarder: Forwarder
+    watcher: _Watcher
+    thread: threading.Thread
+    acked: int = -1
+    status: int | None = None
+
+
+class _Signals:
+    """The runner's handlers: a stop signal is remembered and passed to every trial in flight."""
+
+    def __init__(self, running: dict[int, _InFlight]) -> None:
+        self.received: int | None = None
+        self._running = running
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            logger.warning("received %s: passing it to the %d trial(s) in flight, which save and stop; "
+                           "the same command continues the search", signal.Signals(signum).name,
+                           len(self._running))
+        self.received = self.received or signum
+        for flight in list(self._running.values()):
+            flight.forwarder.handle(signum)
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+
+def _gpus() -> int:
+    import torch  # already loaded by the CLI
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _slot_pool(plan: RunPlan, *, slots: int, gpus: int, cap: int) -> SlotPool:
+    """dsat's pool of this machine's slots (GPU ids, or CPU slots counted)."""
+    settings = RunnerSettings(entrypoint=tuple(plan.command), model_dir=plan.model_dir,
+                              slots_per_trial=plan.nproc, max_slots=slots, max_concurrent=cap,
+                              timeout_s=float(2**31),
+                              launcher=plan.launcher, gpus=tuple(range(slots)) if gpus else None)
+    return SlotPool(settings)
+
+
+def _trial_env(trial_dir: Path, held: Slots, *, threads: int) -> dict[str, str]:
+    env = {search.SEARCH_ACK_ENV: str(trial_dir)}
+    if held.gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(device_ids(held.gpus).values())
+    elif "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def _ack(flight: _InFlight) -> None:
+    """Tell the trial's chief how far its reports were read (after any stop was sent)."""
+    if flight.watcher.offset != flight.acked:
+        flight.plan.output_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(flight.plan.output_dir / search.ACK_FILE, str(flight.watcher.offset))
+        flight.acked = flight.watcher.offset
+
+
+def run_search(plan: RunPlan, *, grace_s: float = 60.0, max_slots: int | None = None) -> int:
+    """Run (or continue) the search of ``plan.config``; the exit status. Runner only.
+
+    ``max_slots``: the slots of this machine the trials share (None: its GPUs, or its cores).
+
+    Raises:
+        ConfigError: ``search.json`` holds a search started from another searcher section,
+            search space or experiment seed, or the trials' process count is more than this
+            machine (or ``max_slots``) runs (nothing is started).
+        CheckpointError: ``search.json`` is not a search state (nothing is started).
+    """
+    check_slots(plan)  # before anything is written
+    gpus = _gpus()
+    slots = max_slots or gpus or cpu_slots()
+    if plan.nproc > slots:
+        raise ConfigError(f"--max-slots={slots}: a trial needs {plan.nproc} slot(s) "
+                          "(resources.slots_per_trial or the wrapper's --nproc_per_node); expected at least "
+                          "that many")
+    if gpus and slots > gpus:
+        raise ConfigError(f"--max-slots={slots}: this machine has {gpus} GPU(s); expected at most {gpus}")
+    cap = concurrency(plan.config, slots=slots, nproc=plan.nproc)
+    out = plan.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    state = load_state(out, plan.config)
+    experiment_id = load_trial_state(out, write=False)["experiment_id"]
+    pool = _slot_pool(plan, slots=slots, gpus=gpus, cap=cap)
+    threads = max(1, cpu_slots() // slots)
+    running: dict[int, _InFlight] = {}
+    signals = _Signals(running)
+    status = 0
+    logger.info("searcher: up to %d trial(s) at once on %d slot(s), %d per trial", cap, slots, plan.nproc)
+    try:
+        while True:
+            while signals.received is None and len(running) < cap and \
+                    (trial := search.next_trial(state, plan.config)) is not None:
+                flight = running[trial["index"]] = _start(plan, state, trial, pool, grace_s=grace_s,
+                                                          experiment_id=experiment_id, threads=threads)
+                if signals.received is not None:  # it came while the trial was being started
+                    flight.forwarder.handle(signals.received)
+            if not running:
+                break
+            time.sleep(POLL_S)
+            status = _poll(running, pool, state, plan) or status
+    finally:
+        signals.restore()
+        for flight in running.values():  # an exception in this thread: stop what runs, then leave
+            flight.forwarder.handle(signal.SIGTERM)
+        for flight in running.values():
+            flight.thread.join()
+    if signals.received is not None:
+        logger.info("search paused; run the same command again to continue")
+        return status
+    best = search.best_trial(state, plan.config)
+    logger.info("search done: %d trials; best %s", len(state["trials"]),
+                json.dumps({k: best[k] for k in ("dir", "hparams", "metric")}) if best else None)
+    return status
+
+
+def _poll(running: dict[int, _InFlight], pool: SlotPool, state: dict[str, Any], plan: RunPlan) -> int:
+    """One look at the trials in flight: their reports (the searcher's stops, the chiefs' answers),
+    and those that ended, recorded and their slots freed; the exit status of the last that failed
+    or paused with one (0: none)."""
+    status = 0
+    for index, flight in list(running.items()):
+        if flight.watcher() and not flight.forwarder.searcher_stopped:  # the watcher logs it
+            flight.forwarder.searcher_stop()
+        _ack(flight)
+        if flight.thread.is_alive():
+            continue
+        flight.thread.join()
+        del running[index]
+        pool.give_back(flight.slots)
+        code = 1 if flight.status is None else flight.status  # None: the thread raised
+        finish_trial(state, flight.trial, flight.watcher, flight.forwarder, code, flight.plan.output_dir)
+        save_state(plan.output_dir, state, plan.config)
+        if flight.trial["state"] in ("ERROR", "PAUSED") and code:
+            status = code
+    return status
+
+
+def _start(plan: RunPlan, state: dict[str, Any], trial: dict[str, Any], pool: SlotPool, *, grace_s: float,
+           experiment_id: int, threads: int) -> _InFlight:
+    """Start one trial's thread on free slots (marked RUNNING in ``search.json`` first)."""
+    out = plan.output_dir
+    sub = plan.with_output_dir(out / trial["dir"])
+    trial["state"] = "RUNNING"
+    trial.setdefault("seed", search.trial_seed(state, trial["index"]))
+    save_state(out, state, plan.config)
+    (sub.output_dir / search.ACK_FILE).unlink(missing_ok=True)  # an earlier run's: read afresh
+    held = pool.take(trial_id=trial["index"])
+    forwarder = Forwarder(install=False)
+    watcher = _Watcher(state, trial, plan.config, sub.output_dir, lambda: save_state(out, state, plan.config))
+    logger.info("searcher: %s (trial %d) with %s%s", trial["dir"], trial["index"],
+                json.dumps(trial["hparams"]), f" on GPUs {held.gpus}" if held.gpus else "")
+    flight = _InFlight(trial, sub, held, forwarder, watcher, threading.Thread(target=lambda: None))
+
+    def run() -> None:
+        flight.status = execute(sub, grace_s=grace_s, forwarder=forwarder, hparams=trial["hparams"],
+                                hparams_seed=trial["seed"], experiment_id=experiment_id,
+                                extra_env=_trial_env(sub.output_dir, held, threads=threads))
+
+    flight.thread = threading.Thread(target=run, name=f"toolkit.run {trial['dir']}", daemon=True)
+    flight.thread.start()
+    return flight

@@ -2,13 +2,15 @@
 ZeRO stage under a CPU budget, and the model FLOPs per sample per stage.
 
 For each example of ``examples/core_api`` (train.py data parallel, pipeline.py, mlm.py,
-causal_lm.py) and the MLP client ``scripts/clients/mlp.py`` (a user's plain loop) it runs dsat's own profiling step (the micro-batch-1 profiling trial, the
-calibration trial and one trial per other stage,
-:meth:`toolkit.dsat.orchestrator.Autotuner.run_profiling`), reads the predicted largest
-micro-batch of each stage from ``profile.json``, then finds the real boundary with 2-rank trials
-of that stage under the same budget (``--memory-per-slot``, enforced on each rank's resident
-size by dsat's runner): it probes the prediction, walks by 10% steps until the outcome flips,
-and bisects the bracket to ``--tolerance``. ``found`` = the largest micro-batch that ran;
+causal_lm.py) and the MLP client ``scripts/clients/mlp.py`` (a user's plain loop) it runs dsat's own
+profiling step (the micro-batch-1 profiling trial, the calibration trial and one trial per other
+stage, :meth:`toolkit.dsat.orchestrator.Autotuner.run_profiling`), reads the predicted largest
+micro-batch of each stage from ``profile.json`` (``dsat``), climbs the profiled stage's ladder of
+points near its boundary (:func:`toolkit.dsat.search.calibration.climb`, which adds no trial once
+the profiling phase climbs it itself; ``--no-climb``: none), then finds the real boundary with
+2-rank trials of that stage under the same budget (``--memory-per-slot``, enforced on each rank's
+resident size by dsat's runner): it probes the prediction, walks by 10% steps until the outcome
+flips, and bisects the bracket to ``--tolerance``. ``found`` = the largest micro-batch that ran;
 ``ratio`` = predicted / found (target: within 0.8-1.2).
 
 ``--flops MB`` instead runs every example at micro-batch ``MB`` at each stage and prints the model
@@ -38,9 +40,10 @@ import yaml
 
 from toolkit.config.deepspeed import overwrite_deepspeed_config
 from toolkit.dsat.cli import build_parser, make_plan, parse_bytes
-from toolkit.dsat.contract import TrialContract, TrialStatus
+from toolkit.dsat.contract import ProfileInfo, TrialContract, TrialStatus
 from toolkit.dsat.execution.runner import TrialRunner
 from toolkit.dsat.orchestrator import Autotuner, Plan, trial_ds_config
+from toolkit.dsat.search import calibration, memory
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.dsat.trial.reporting import instrumentation_overrides
 
@@ -77,18 +80,19 @@ class Trials:
     def __init__(self, plan: Plan, runner: TrialRunner) -> None:
         self.plan, self.runner, self.next_id = plan, runner, 1000
 
-    def run(self, stage: int, micro_batch: int) -> TrialResult:
+    def run(self, stage: int, micro_batch: int, *, profile: bool = False) -> TrialResult:
         zero = {**self.plan.search.base_zero, "stage": stage}
         if stage < 2:
             zero.pop("offload_optimizer", None)
         if stage < 3:
             zero.pop("offload_param", None)
         self.next_id += 1
-        spec = TrialSpec(self.next_id, micro_batch, zero, line=0)
+        spec = TrialSpec(self.next_id, micro_batch, zero, line=0, profile=profile)
         config = trial_ds_config(self.plan.base_ds_config, spec,
                                  data_parallel_size=self.plan.data_parallel_size)
         runner = self.plan.runner
-        contract = TrialContract(spec.trial_id, "", runner.start_profile_step, runner.end_profile_step)
+        contract = TrialContract(spec.trial_id, "", runner.start_profile_step, runner.end_profile_step,
+                                 profile=profile)
         config = overwrite_deepspeed_config(config, instrumentation_overrides(contract))
         self.runner.start(spec, ds_config=config, hparams=self.plan.hparams)
         done: list[TrialResult] = []
@@ -96,9 +100,46 @@ class Trials:
             done = self.runner.wait(timeout=1.0)
         result = done[0]
         why = f": {result.error[:100]}" if result.error else ""
-        print(f"    stage {stage} mb {micro_batch}: {result.status.value} ({result.duration_s:.0f} s){why}",
-              flush=True)
+        peak = f", peak {result.profile['peak_bytes'] / 2**20:.1f} MiB" if result.profile else ""
+        print(f"    stage {stage} mb {micro_batch}: {result.status.value} ({result.duration_s:.0f} s{peak})"
+              f"{why}", flush=True)
         return result
+
+
+def ms_per_micro_batch(result: TrialResult, data_parallel_size: int) -> float | None:
+    """A trial's milliseconds per micro-batch from its throughput (as the profiling phase takes it)."""
+    throughput = float(result.metrics.get("throughput") or 0.0) if result.metrics else 0.0
+    return 1000.0 * result.spec.micro_batch * data_parallel_size / throughput if throughput > 0 else None
+
+
+def climbed_prediction(plan: Plan, trials: Trials, out: Path) -> tuple[int, dict[int, int]]:
+    """The profiled stage and the predictions after :func:`calibration.climb` continued dsat's
+    profiling phase (``profile.json``) with its ladder of points near the boundary: what
+    ``profiling_phase`` does once it calls ``climb`` for the profiled stage (a ladder already
+    climbed there adds no trial here). Other stages keep their measured extras."""
+    recorded = json.loads((out / "profile.json").read_text())
+    profile = ProfileInfo.from_json(recorded["profile"])
+    first = ProfileInfo.from_json(recorded["measured"][0])
+    rows = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines() if line.strip()]
+    stage, dp = int(next(r["stage"] for r in rows if r["trial_id"] == 0)), plan.data_parallel_size
+    profiled = sorted((r for r in rows if r["profile"] and r["status"] == "ok" and r["stage"] == stage),
+                      key=lambda r: r["micro_batch"])
+    times = [(int(r["micro_batch"]), 1000.0 * r["micro_batch"] * dp / r["throughput"]) for r in profiled
+             if r.get("throughput")]
+    model = memory.model_memory_bytes(profile, stage, data_parallel_size=dp)
+
+    def measure(m: int) -> tuple[str, ProfileInfo | None, float | None]:
+        result = trials.run(stage, m, profile=True)
+        measured = None
+        if result.profile:
+            measured = ProfileInfo.from_json({**result.profile, "micro_batch": m,
+                                              "memory_per_slot": int(profile.memory_per_slot)})
+        return result.status.value, measured, ms_per_micro_batch(result, dp)
+
+    climbed = calibration.climb(profile, stage, data_parallel_size=dp, first=first, times=times,
+                                model_memory=model, measure=measure)
+    prediction = memory.predict(climbed, data_parallel_size=dp, zero_stages=plan.search.zero_stages)
+    return stage, {s: int(row["approx_max_micro_batch"]) for s, row in prediction.items()}
 
 
 def find_boundary(trials: Trials, stage: int, predicted: int, *,
@@ -144,11 +185,17 @@ def bench_example(example: str, args: argparse.Namespace, work: Path) -> list[di
     rows = []
     with TrialRunner(plan.runner, output_dir=work / example / "boundary") as runner:
         trials = Trials(plan, runner)
+        climbed: dict[int, int] = {}
+        if args.climb:
+            profiled, climbed = climbed_prediction(plan, trials, work / example)
+            print(f"  climbed (stage {profiled}): {climbed}", flush=True)
         for stage in stages:
-            predicted = int(prediction[str(stage)]["approx_max_micro_batch"])
+            dsat = int(prediction[str(stage)]["approx_max_micro_batch"])
+            predicted = climbed.get(stage, dsat)
             ok, oom = find_boundary(trials, stage, predicted, tolerance=args.tolerance)
-            rows.append({"example": example, "stage": stage, "predicted": predicted, "largest_ok": ok,
-                         "smallest_oom": oom, "ratio": predicted / ok if ok else None})
+            rows.append({"example": example, "stage": stage, "dsat": dsat, "predicted": predicted,
+                         "largest_ok": ok, "smallest_oom": oom, "ratio": predicted / ok if ok else None,
+                         "dsat_ratio": dsat / ok if ok else None})
     print(f"  {example}: {time.monotonic() - started:.0f} s", flush=True)
     return rows
 
@@ -182,6 +229,9 @@ def main() -> int:
                         help="instead: model FLOPs per sample per stage at micro-batch MB")
     parser.add_argument("--set", dest="hparams", nargs="+", default=[], metavar="KEY=VALUE",
                         help="hyperparameters to set in every example's YAML, e.g. d_model=128 seq_len=128")
+    parser.add_argument("--climb", action=argparse.BooleanOptionalAction, default=True,
+                        help="after dsat's profiling phase, climb the profiled stage's ladder of points "
+                             "(calibration.climb; default on); --no-climb: dsat's prediction alone")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
     parser.add_argument("--work", type=Path, default=None,
                         help="keep the trials' directories here (default: a temporary directory)")
@@ -201,12 +251,14 @@ def main() -> int:
         for r in rows:
             print(f"{r['example']:<10} {r['stage']:>5} {r['micro_batch']:>4} {r['flops_per_sample']:>19.4e}")
     else:
-        print(f"budget {args.memory_per_slot} per rank\n"
-              f"{'example':<10} {'stage':>5} {'predicted':>9} {'found':>6} {'oom at':>6} {'ratio':>6}")
+        print(f"budget {args.memory_per_slot} per rank (dsat: profile.json's prediction; predicted: after "
+              f"the climb)\n{'example':<10} {'stage':>5} {'dsat':>7} {'predicted':>9} {'found':>6} "
+              f"{'oom at':>6} {'ratio':>6} {'dsat ratio':>10}")
         for r in rows:
             ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
-            print(f"{r['example']:<10} {r['stage']:>5} {r['predicted']:>9} {str(r['largest_ok']):>6} "
-                  f"{str(r['smallest_oom']):>6} {ratio:>6}")
+            dsat_ratio = f"{r['dsat_ratio']:.2f}" if r["dsat_ratio"] else "-"
+            print(f"{r['example']:<10} {r['stage']:>5} {r['dsat']:>7} {r['predicted']:>9} "
+                  f"{str(r['largest_ok']):>6} {str(r['smallest_oom']):>6} {ratio:>6} {dsat_ratio:>10}")
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r
                                          for r in rows], indent=1))

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from toolkit.dsat.contract import ProfileInfo
+from toolkit.dsat.search import calibration
 from toolkit.dsat.search.memory import (
     approx_max_micro_batch,
     format_prediction,
@@ -122,3 +123,139 @@ def test_predict_and_table():
     assert len(lines) == 2 + 1 + 3
     assert lines[3].split()[0] == "0" and lines[3].endswith("(does not fit)")
     assert lines[5].split()[0] == "3" and lines[5].split()[-1] == "80"
+
+
+# -- the ladder of points near the boundary (calibration.climb) and refits from trials ------------
+# A simulated CPU process measured on the MLP client (width 1024, depth 4, 900 MB budget, ZeRO 1):
+# the step's fixed buffers set the peak up to a knee near 1300 examples, then 32 KiB per example.
+MIB, BUDGET = 2**20, 900 * 10**6
+
+
+def _mlp_peak(m):
+    return max(480 * MIB, 439 * MIB + 32 * 1024 * m)
+
+
+def _concave_peak(m):  # bench_dsat's kind: one-off buffers fill the first 14 examples
+    return 400 * MIB + 2 * MIB * min(m, 14) + 90 * 1024 * m
+
+
+def _simulate(peak, *, leaf, step_ms):
+    """(first profile, calibrated profile at k, the times, a measure(m) that runs the simulation)."""
+    trials = []
+
+    def profile_at(m):
+        return ProfileInfo(num_params=5_258_250, trainable_params=5_258_250,
+                           activation_bytes_per_example=leaf, memory_per_slot=BUDGET, baseline_bytes=0,
+                           micro_batch=m, peak_bytes=peak(m))
+
+    def measure(m):
+        trials.append(m)
+        if peak(m) > BUDGET:
+            return "oom", None, None
+        return "ok", profile_at(m), step_ms(m)
+
+    first = profile_at(1)
+    model = model_memory_bytes(first, 1, data_parallel_size=2)
+    k = calibration.calibration_micro_batch(first, 1, data_parallel_size=2, latency_ms=step_ms(1))
+    calibrated = calibration.calibrate(first, profile_at(k), model_memory=model)
+    return first, calibrated, [(1, step_ms(1)), (k, step_ms(k))], measure, model, trials
+
+
+def _boundary(peak):
+    m = 1
+    while peak(m + 1) <= BUDGET:
+        m += 1
+    return m
+
+
+@pytest.mark.parametrize("peak,leaf,step_ms", [
+    (_mlp_peak, 41_000, lambda m: 300.0 + 0.9 * m),       # the MLP: a step of fixed cost, a knee
+    (_mlp_peak, 20_000, lambda m: 300.0 + 0.9 * m),       # leaf outputs that count half (the hidden client's)
+    (_concave_peak, 30_000, lambda m: 20.0 + 3.0 * m),    # one-off buffers at small steps
+    (_mlp_peak, 41_000, lambda m: 5.0 + 10.0 * m),        # slow examples: the time holds the ladder
+])
+def test_the_ladder_brings_the_prediction_within_20_percent(peak, leaf, step_ms):
+    first, calibrated, times, measure, model, trials = _simulate(peak, leaf=leaf, step_ms=step_ms)
+    before = approx_max_micro_batch(calibrated, 1, data_parallel_size=2)
+    climbed = calibration.climb(calibrated, 1, data_parallel_size=2, first=first, times=times,
+                                model_memory=model, measure=measure)
+    after, found = approx_max_micro_batch(climbed, 1, data_parallel_size=2), _boundary(peak)
+    assert len(trials) <= calibration.MAX_LADDER_POINTS
+    ladder = [m for m, _ in times] + trials
+    for a, b in zip(ladder[1:], ladder[2:], strict=False):   # each rung within 4x the last or 1 s
+        assert step_ms(b) <= max(4 * step_ms(a), calibration.POINT_STEP_MS) * 1.01
+    if step_ms(1) > 100:   # cheap examples: the ladder reaches near the boundary
+        assert 0.8 <= after / found <= 1.2, (before, after, found, trials)
+    else:                  # 10 ms an example: held by time, the ladder stops short, never worse than before
+        assert abs(after / found - 1) <= abs(before / found - 1) + 0.01, (before, after, found, trials)
+
+
+def test_a_ladder_point_out_of_memory_is_an_upper_bound_and_the_ladder_goes_on_below_it():
+    # 30 KiB per example, then 400 KiB beyond 4000 (a buffer that appears only at large steps)
+    steep = lambda m: 400 * MIB + 30 * 1024 * m + 400 * 1024 * max(m - 4000, 0)   # noqa: E731
+    first, calibrated, times, measure, model, trials = _simulate(steep, leaf=40_000,
+                                                                 step_ms=lambda m: 300.0 + 0.01 * m)
+    climbed = calibration.climb(calibrated, 1, data_parallel_size=2, first=first, times=times,
+                                model_memory=model, measure=measure)
+    after, found = approx_max_micro_batch(climbed, 1, data_parallel_size=2), _boundary(steep)
+    oom = [m for m in trials if steep(m) > BUDGET]
+    ok = [m for m in trials if steep(m) <= BUDGET]
+    assert oom and ok and max(ok) <= found < after < min(oom) <= 2 * max(ok), (after, found, trials)
+    # a jump beyond every point can only be bracketed: the prediction is the bracket's top
+
+
+def test_the_time_cap_counts_growth_below_the_noise_as_the_noise():
+    assert calibration.time_capped_point((1, 309.0), (9, 301.0)) is None       # the single point's rule
+    assert calibration.time_capped_point((1, 309.0), (9, 301.0), noise=0.1) == 9 + int(903 / (30.1 / 8))
+    # real growth above the noise is taken as measured
+    assert calibration.time_capped_point((1, 20.0), (100, 25.0), noise=0.1) == \
+        calibration.time_capped_point((1, 20.0), (100, 25.0))
+
+
+def test_next_point_stops_near_the_boundary_and_when_time_holds_it():
+    p = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=40_000,
+                    memory_per_slot=900 * 10**6, baseline_bytes=500 * 10**6, micro_batch=4500,
+                    calibrated=True)
+    assert calibration.next_point(p, 1, data_parallel_size=2, times=[(1, 300.0), (4500, 4000.0)]) is None
+    near = ProfileInfo.from_json({**p.to_json(), "micro_batch": 100})
+    # half of 10000, held by the time: 4 x 400 ms at 100 + 1200 / (100 / 99)
+    assert calibration.next_point(near, 1, data_parallel_size=2, times=[(1, 300.0), (100, 400.0)]) == 1288
+    # an out-of-memory above the point: halve the bracket until within 25%
+    fast = [(1, 300.0), (100, 300.5)]
+    assert calibration.next_point(near, 1, data_parallel_size=2, times=fast, oom_at=300) == 200
+    assert calibration.next_point(near, 1, data_parallel_size=2, times=fast, oom_at=126) is None
+    assert calibration.next_point(near, 1, data_parallel_size=2, times=[(100, 400.0)]) is None
+
+
+def test_a_fitting_trial_refits_the_profiled_stage_and_remeasures_another_stages_extra():
+    k_peak = 500 * MIB
+    p = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=41_000,
+                    memory_per_slot=BUDGET, baseline_bytes=k_peak - 41_000 * 1000, micro_batch=1000,
+                    peak_bytes=k_peak, calibrated=True, stage_extra_bytes={"3": 10 * MIB})
+    # the profiled stage (no extra of its own): the chord from k's peak
+    q = calibration.with_trial(p, 1, micro_batch=6000, peak_bytes=k_peak + 5000 * 32_000, model_memory=0)
+    assert (q.activation_bytes_per_example, q.micro_batch) == (32_000, 6000)
+    # within the noise of k's peak, or below k: nothing is learnt
+    assert calibration.with_trial(p, 1, micro_batch=6000, peak_bytes=k_peak + MIB, model_memory=0) == p
+    assert calibration.with_trial(p, 1, micro_batch=10, peak_bytes=k_peak + 100 * MIB, model_memory=0) == p
+    # another stage: its extra measured again at this micro-batch, referred to k
+    r = calibration.with_trial(p, 3, micro_batch=2000, peak_bytes=p.baseline_bytes + 41_000 * 2000 + 8 * MIB,
+                               model_memory=0)
+    assert r.stage_extra_bytes["3"] == 4 * MIB
+
+
+@pytest.mark.parametrize("stage,m", [(1, 20_000), (1, 500), (3, 20_000), (3, 500), (2, 7000)])
+def test_an_out_of_memory_trial_caps_the_prediction_below_it(stage, m):
+    p = ProfileInfo(num_params=10**6, trainable_params=10**6, activation_bytes_per_example=20_000,
+                    memory_per_slot=BUDGET, baseline_bytes=400 * MIB, micro_batch=1000,
+                    peak_bytes=400 * MIB + 16 * 10**6 + 20_000 * 1000, calibrated=True,
+                    stage_extra_bytes={"3": 10 * MIB, "2": -MIB})
+    model = model_memory_bytes(p, stage, data_parallel_size=2)
+    before = approx_max_micro_batch(p, stage, data_parallel_size=2)
+    q = calibration.with_oom(p, stage, micro_batch=m, model_memory=model, data_parallel_size=2)
+    after = approx_max_micro_batch(q, stage, data_parallel_size=2)
+    assert after < m
+    assert after >= 0.95 * (m - 1) or before < m
+    # a prediction already below it is left as it is
+    low = calibration.with_oom(p, stage, micro_batch=10**7, model_memory=model, data_parallel_size=2)
+    assert low == p

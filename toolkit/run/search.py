@@ -185,7 +185,7 @@ def finish_trial(state: dict[str, Any], trial: dict[str, Any], watcher: _Watcher
     if (trial_dir / TRIAL_FILE).exists():
         trial["trial_id"] = load_trial_state(trial_dir, write=False)["trial_id"]
     trial["exit_status"] = status
-    if forwarder.received is not None:
+    if forwarder.received is not None and not trial["stopped_early"]:  # stopped by the searcher: done
         trial["state"] = "PAUSED"
     elif status != 0 and trial["stopped_early"]:
         logger.warning("%s exited with status %d after the searcher's stop; counted as stopped early",

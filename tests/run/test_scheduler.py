@@ -99,7 +99,7 @@ def test_two_trials_at_once_pause_together_and_continue_with_nothing_lost_or_rep
     argv = [sys.executable, "-m", "toolkit.run", str(model / "exp.yaml"), str(model), "--output-dir",
             str(out), "--max-slots", "2"]
     # trial 1's steps after 4 are slow: trial 0 reaches the rung (8) first, trial 1 is judged there
-    slow = procutil.child_env(DET_TEST_STEP_SLEEP="0.5", DET_TEST_SLOW="trial-0001:4:3.0")
+    slow = procutil.child_env(DET_TEST_STEP_SLEEP="1.0", DET_TEST_SLOW="trial-0001:4:3.0")
     proc = subprocess.Popen(argv, env=slow, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     metrics = [out / d / "metrics.jsonl" for d in ("trial-0000", "trial-0001")]
@@ -107,14 +107,14 @@ def test_two_trials_at_once_pause_together_and_continue_with_nothing_lost_or_rep
     while not all(m.exists() and m.read_text().strip() for m in metrics):  # both in flight, both reported
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)  # pause the search inside both trials: each stops at step 8
+    proc.send_signal(signal.SIGTERM)  # pause the search inside both trials: each stops at its next report
     log = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, log[-4000:]
     stop = re.search(r"searcher: stopping trial-0001 at batches=(\d+)", log)
     assert stop, log[-4000:]
     summary = json.loads((out / "search.json").read_text())
     first, second = summary["trials"]
-    assert first["state"] == "PAUSED" and _steps(metrics[0])[-1] == 8, log[-4000:]
+    assert first["state"] == "PAUSED" and _steps(metrics[0])[-1] in (8, 12), log[-4000:]  # 12: a late start
     # the searcher's stop reached trial 1 at its next should_preempt(): its last report is the one ranked
     # out, and it is done (not paused: the search will not resume it)
     assert second["state"] == "COMPLETED" and second["stopped_early"]

@@ -45,8 +45,8 @@ from toolkit.launch.procs import (
 from toolkit.run.plan import RunPlan
 from toolkit.runtime.trial_env import EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV
 
-__all__ = ["MARK_ENV", "STOP_SIGNALS", "Forwarder", "check_slots", "environment", "run_once",
-           "signal_targets"]
+__all__ = ["MARK_ENV", "STOP_SIGNALS", "Forwarder", "check_slots", "deepspeed_include", "environment",
+           "run_once", "signal_targets"]
 
 logger = logging.getLogger("toolkit.run")
 
@@ -183,8 +183,25 @@ def _take_port() -> int:
     raise RuntimeError("could not find a free TCP port on 127.0.0.1")
 
 
-def _launch_argv(plan: RunPlan, port: int) -> list[str]:
-    argv = build_trial_argv(plan.command, launcher=plan.launcher, nproc=plan.nproc, master_port=port)
+def deepspeed_include(plan: RunPlan, env: Mapping[str, str]) -> str | None:
+    """DeepSpeed's ``--include`` for the run's GPUs, or None. Pure; any process.
+
+    DeepSpeed's per-node launcher writes ``CUDA_VISIBLE_DEVICES`` of each rank from its slot ids
+    (``0..n-1`` by default), which would replace the GPUs the run was given (a search's trial on
+    GPU 1, a user's ``CUDA_VISIBLE_DEVICES=2,3``): the first ``nproc`` ids of the environment's
+    ``CUDA_VISIBLE_DEVICES`` become its slots, as dsat's trials do. None under torchrun, without
+    the variable, or when its entries are not all integers (UUIDs: the launcher's default stays).
+    """
+    ids = [x.strip() for x in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    ids = ids[: plan.nproc]
+    if plan.launcher != "deepspeed" or len(set(ids)) < plan.nproc or not all(x.isdigit() for x in ids):
+        return None
+    return "localhost:" + ",".join(ids)
+
+
+def _launch_argv(plan: RunPlan, port: int, env: Mapping[str, str]) -> list[str]:
+    argv = build_trial_argv(plan.command, launcher=plan.launcher, nproc=plan.nproc, master_port=port,
+                            include=deepspeed_include(plan, env))
     if plan.launcher == "torchrun" and "--max_restarts" not in argv:
         argv.insert(3, "--max_restarts=0")  # restarts are this runner's (with a resume)
     return argv
@@ -203,7 +220,7 @@ def run_once(plan: RunPlan, env: dict[str, str], *, forwarder: Forwarder, grace_
         return 0
     mark = f"toolkit-run-{uuid.uuid4().hex[:12]}"
     port = _take_port()
-    argv = _launch_argv(plan, port)
+    argv = _launch_argv(plan, port, env)
     logger.info("starting %s", shlex.join(argv))
     try:
         proc = subprocess.Popen(argv, cwd=plan.model_dir, env={**env, MARK_ENV: mark}, start_new_session=True)

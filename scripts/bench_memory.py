@@ -22,6 +22,7 @@ Run it from the repository root (CPU; minutes per example)::
     python scripts/bench_memory.py --examples causal_lm --stages 1 2 3
     python scripts/bench_memory.py --flops 8
     python scripts/bench_memory.py --examples causal_lm --set d_model=128 seq_len=128   # the issue's GPT-2
+    python scripts/bench_memory.py --examples mlp-1024x4 --stages 1 --memory-per-slot 900MB   # issue 29's MLP
 """
 
 from __future__ import annotations
@@ -54,16 +55,29 @@ CLIENTS = ROOT / "scripts" / "clients"
 CASES = {"train": (EXAMPLES, "deepspeed.yaml", (1, 2, 3)), "pipeline": (EXAMPLES, "pipeline.yaml", (0, 1)),
          "mlm": (EXAMPLES, "mlm.yaml", (1, 2, 3)), "causal_lm": (EXAMPLES, "causal_lm.yaml", (1, 2, 3)),
          "mlp": (CLIENTS, "mlp.yaml", (1, 2, 3))}
+#: named shapes: name -> (example, hyperparameters); ``--set`` still wins over them
+SHAPES = {"mlp-256x2": ("mlp", {"width": 256, "depth": 2, "inputs": 256}),
+          "mlp-1024x4": ("mlp", {"width": 1024, "depth": 4, "inputs": 1024}),
+          "mlp-2048x8": ("mlp", {"width": 2048, "depth": 8, "inputs": 1024}),
+          "gpt2-s64": ("causal_lm", {"d_model": 128, "seq_len": 64}),
+          "gpt2-s128": ("causal_lm", {"d_model": 128, "seq_len": 128})}
+
+
+def resolve(example: str, hparams: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``example`` (a case or a named shape) as its case and hyperparameters (``hparams`` win)."""
+    case, preset = SHAPES.get(example, (example, {}))
+    return case, {**preset, **hparams}
 
 
 def make_example_plan(example: str, *, out: Path, stages: tuple[int, ...], budget: str,
                       hparams: dict[str, Any]) -> Plan:
     """dsat's plan for ``example`` (as ``python -m toolkit.dsat binary ...`` would build it), its
     experiment YAML copied beside ``out`` with ``hparams`` set in its hyperparameters."""
-    model_dir, yaml_name, _ = CASES[example]
+    case, hparams = resolve(example, hparams)
+    model_dir, yaml_name, _ = CASES[case]
     experiment = yaml.safe_load((model_dir / yaml_name).read_text())
     experiment["hyperparameters"].update(hparams)
-    if example == "pipeline":  # 2 pipeline stages on 2 ranks: one data-parallel replica
+    if case == "pipeline":  # 2 pipeline stages on 2 ranks: one data-parallel replica
         experiment["hyperparameters"].setdefault("data_parallel_world_size", 1)
     config = out.parent / f"{example}.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
@@ -174,7 +188,8 @@ def find_boundary(trials: Trials, stage: int, predicted: int, *,
 
 def bench_example(example: str, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     """Profile ``example`` with dsat, then find each stage's boundary; one row per stage."""
-    stages = tuple(s for s in (args.stages or CASES[example][2]) if s in CASES[example][2])
+    supported = CASES[resolve(example, {})[0]][2]
+    stages = tuple(s for s in (args.stages or supported) if s in supported)
     plan = make_example_plan(example, out=work / example, stages=stages, budget=args.memory_per_slot,
                              hparams=args.hparams)
     tuner = Autotuner(plan, say=lambda line: print("  " + line.replace("\n", "\n  "), flush=True))
@@ -202,7 +217,8 @@ def bench_example(example: str, args: argparse.Namespace, work: Path) -> list[di
 
 def flops_rows(example: str, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     """Model FLOPs per sample at each stage of ``example``, at micro-batch ``args.flops``."""
-    stages = tuple(s for s in (args.stages or CASES[example][2]) if s in CASES[example][2])
+    supported = CASES[resolve(example, {})[0]][2]
+    stages = tuple(s for s in (args.stages or supported) if s in supported)
     plan = make_example_plan(example, out=work / example, stages=stages, budget=args.memory_per_slot,
                              hparams=args.hparams)
     rows = []
@@ -219,7 +235,10 @@ def flops_rows(example: str, args: argparse.Namespace, work: Path) -> list[dict[
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--examples", nargs="+", choices=sorted(CASES), default=list(CASES))
+    parser.add_argument("--examples", nargs="+", choices=sorted(CASES) + sorted(SHAPES), default=list(CASES),
+                        help="examples, or named shapes: " + ", ".join(
+                            f"{name} ({case} {' '.join(f'{k}={v}' for k, v in hp.items())})"
+                            for name, (case, hp) in SHAPES.items()))
     parser.add_argument("--stages", nargs="+", type=int, default=None,
                         help="ZeRO stages (default: each example's supported stages)")
     parser.add_argument("--memory-per-slot", default="1GiB", help="CPU budget per rank (default 1GiB)")

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from helpers import procutil
-from toolkit.dsat.orchestrator import profile_spec, trial_ds_config
+from toolkit.dsat.plan import profile_spec, trial_ds_config
+from toolkit.dsat.profiling_phase import ProfilingPhase
 from toolkit.dsat.search.types import TrialSpec
 
 MODEL = procutil.WORKERS / "dsat_model_trial.py"
@@ -35,8 +36,12 @@ def make_model_dir(tmp_path, *, slots=1, hparams=None, ds=None, experiment=None)
 
 
 def dsat(model_dir, *flags, method="binary", output=None, timeout=300):
+    # No re-runs of the best unless a test asks (--confirm): each search here stays as short as it was;
+    # test_binary_search_finds_the_limit_and_writes_everything confirms its best.
+    confirm = () if "--confirm" in flags else ("--confirm", "0")
     argv = [sys.executable, "-m", "toolkit.dsat", method, str(model_dir / "deepspeed.yaml"), str(model_dir),
-            "--output-dir", str(output or model_dir.parent / "out"), "--trial-timeout", "60", *flags]
+            "--output-dir", str(output or model_dir.parent / "out"), "--trial-timeout", "60", *flags,
+            *confirm]
     return procutil.run(argv, timeout=timeout)
 
 
@@ -260,16 +265,27 @@ def test_trial_config_keeps_the_batch_relation_and_replaces_zero():
 def test_binary_search_finds_the_limit_and_writes_everything(tmp_path):
     model_dir = make_model_dir(tmp_path, slots=2)
     out = tmp_path / "out"
-    result = dsat(model_dir, "--max-trials", "8", "--zero-stages", "1", "2", "--memory-per-slot", "100MiB")
+    result = dsat(model_dir, "--max-trials", "6", "--zero-stages", "1", "2", "--memory-per-slot", "100MiB",
+                  "--confirm", "1")
     assert result.returncode == 0, result.stdout[-4000:]
     rows = trial_rows(out)
+    # 6 trials of the search (--max-trials), then the best configuration re-run twice (--confirm 1)
     assert len(rows) == 8 and rows[0]["status"] == "ok" and rows[0]["profile"] == "True"
-    statuses = {row["status"] for row in rows[1:]}
+    assert (rows[0]["trial"], rows[0]["role"]) == ("p1", "profiling")
+    assert [r["role"] for r in rows[6:]] == ["re-run", "re-run"]
+    statuses = {row["status"] for row in rows[1:6]}
     assert "oom" in statuses and "ok" in statuses
     best = json.loads((out / "best_ds_config.json").read_text())
     metrics = json.loads((out / "best_ds_metrics.json").read_text())
-    ok_rows = [r for r in rows[1:] if r["status"] == "ok"]
-    assert metrics["FLOPS_per_gpu"] == max(float(r["FLOPS_per_gpu"]) for r in ok_rows)
+    ok_rows = [r for r in rows[1:6] if r["status"] == "ok"]
+    top = max(ok_rows, key=lambda r: float(r["FLOPS_per_gpu"]))
+    # the best was measured three times (its trial and two re-runs); the median's trial is reported
+    measured = metrics["measurements"]
+    assert len(measured["values"]) == 3 and measured["trials"][0] == top["trial"]
+    assert metrics["FLOPS_per_gpu"] == measured["median"] == sorted(measured["values"])[1]
+    assert best["train_micro_batch_size_per_gpu"] == int(top["micro_batch"])
+    assert "the median of 3 measurements" in result.stdout
+    assert "-- re-runs (confirming the best): 2" in result.stdout
     assert best["train_micro_batch_size_per_gpu"] <= 37
     assert (
         best["train_batch_size"]
@@ -336,7 +352,7 @@ def test_sigkilled_search_resumes_without_rerunning_finished_trials(tmp_path):
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "toolkit.dsat", "random", str(model_dir / "deepspeed.yaml"), str(model_dir),
             "--output-dir", str(out), "--max-trials", "7", "--zero-stages", "1", "2", "--trial-timeout", "60",
-            "--memory-per-slot", "100MiB"]
+            "--memory-per-slot", "100MiB", "--confirm", "0"]
     proc = subprocess.Popen(argv, env=procutil.child_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 120
@@ -375,10 +391,10 @@ def test_run_full_experiment_trains_with_the_best_config(tmp_path):
 
 
 # ---------------------------------------------------------------- the global batch policy (issue 12)
-def _plan(tmp_path, model_dir, *flags):
+def _plan(tmp_path, model_dir, *flags, method="binary"):
     from toolkit.dsat.cli import build_parser, make_plan
 
-    args = build_parser().parse_args(["binary", str(model_dir / "deepspeed.yaml"), str(model_dir),
+    args = build_parser().parse_args([method, str(model_dir / "deepspeed.yaml"), str(model_dir),
                                       "--output-dir", str(tmp_path / "out"), "--memory-per-slot", "100MiB",
                                       *flags])
     return make_plan(args)  # checks and plans only: launches and writes nothing
@@ -544,30 +560,29 @@ def test_each_other_stage_is_measured_near_its_boundary(tmp_path, oom_at_point):
     # at stage 1 and micro-batch 10 (20 MiB + 1 MiB per example, 100 MiB budget), stage 3 is measured
     # at half its predicted boundary (40); after an out-of-memory there, once more at 10 (id -23).
     from toolkit.dsat.contract import ProfileInfo, TrialStatus
-    from toolkit.dsat.orchestrator import Autotuner
     from toolkit.dsat.search import memory
     from toolkit.dsat.search.types import TrialResult
 
     mib = 2 ** 20
     plan = _plan(tmp_path, make_model_dir(tmp_path, slots=2), "--zero-stages", "3")
-    tuner = object.__new__(Autotuner)
-    tuner.plan, tuner.say, tuner.results = plan, lambda line: None, {}   # no timings: points at most 4 k
     profile = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=mib,
                           memory_per_slot=100 * mib, baseline_bytes=20 * mib, micro_batch=10,
                           peak_bytes=30 * mib, calibrated=True)
     ran = []
 
-    def trial(runner, events, spec):  # stage 3 holds 0.1 MiB more per example than the line
+    def trial(spec):  # stage 3 holds 0.1 MiB more per example than the line
         ran.append((spec.trial_id, spec.stage, spec.micro_batch))
         if oom_at_point and spec.micro_batch == 40 and spec.stage == 3:
             return TrialResult(spec, TrialStatus.OOM)
         peak = 20 * mib + spec.micro_batch * mib + (spec.micro_batch * mib // 10 if spec.stage == 3 else 0)
         return TrialResult(spec, TrialStatus.OK, profile={**profile.to_json(), "peak_bytes": peak})
 
-    tuner._run_profiling_trial = trial
+    # no timings: points at most 4 k
+    phase = ProfilingPhase(plan, out=tmp_path, say=lambda line: None, run_trial=trial, keep=ran.append,
+                           events=[])
     calibration = TrialSpec(-1, 10, {"stage": 1}, line=-1, profile=True)
     measured: list = []
-    out = tuner._stage_extras(None, [], calibration, profile, measured)
+    out = phase._stage_extras(calibration, profile, measured)
     predicted = memory.approx_max_micro_batch(out, 3, data_parallel_size=2)
     # stage 1, calibrated but not searched, is not measured again
     if oom_at_point:
@@ -580,27 +595,28 @@ def test_each_other_stage_is_measured_near_its_boundary(tmp_path, oom_at_point):
 
 
 def _tuner_on_a_bending_peak(tmp_path, results):
-    """An Autotuner searching stage 1 (no processes: simulated profiling trials, whose peak grows as
-    20 + m + m^2/400 MiB, as a CPU rank's does when the C allocator keeps freed activations in its
-    heap), and the (id, stage, micro-batch) list of the trials it ran."""
+    """A profiling phase searching stage 1 (no processes: simulated profiling trials, whose peak grows
+    as 20 + m + m^2/400 MiB, as a CPU rank's does when the C allocator keeps freed activations in its
+    heap), with ``results`` as the profiling trials run so far, and the (id, stage, micro-batch) list
+    of the trials it ran."""
     from toolkit.dsat.contract import ProfileInfo, TrialStatus
-    from toolkit.dsat.orchestrator import Autotuner
     from toolkit.dsat.search.types import TrialResult
 
     mib = 2 ** 20
-    tuner = object.__new__(Autotuner)
-    tuner.plan = _plan(tmp_path, make_model_dir(tmp_path, slots=2), "--zero-stages", "1")
-    tuner.say, tuner.results, ran = (lambda line: None), results, []
+    plan = _plan(tmp_path, make_model_dir(tmp_path, slots=2), "--zero-stages", "1")
+    ran: list = []
     measured = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=mib,
                            memory_per_slot=mib, micro_batch=1)
 
-    def trial(runner, events, spec):
+    def trial(spec):
         ran.append((spec.trial_id, spec.stage, spec.micro_batch))
         peak = 20 * mib + spec.micro_batch * mib + spec.micro_batch ** 2 * mib // 400
         return TrialResult(spec, TrialStatus.OK, profile={**measured.to_json(), "peak_bytes": peak})
 
-    tuner._run_profiling_trial = trial
-    return tuner, ran
+    phase = ProfilingPhase(plan, out=tmp_path, say=lambda line: None, run_trial=trial, keep=ran.append,
+                           events=[])
+    phase.results = dict(results)
+    return phase, ran
 
 
 def _calibrated_at_10(budget_mib):
@@ -621,7 +637,7 @@ def test_the_profiled_stage_is_measured_again_where_its_peak_bends(tmp_path):
     for budget, expected_runs, expected in ((100, [(-11, 1, 40)], 71), (30, [], 10)):
         (tmp_path / str(budget)).mkdir()
         tuner, ran = _tuner_on_a_bending_peak(tmp_path / str(budget), {})
-        out = tuner._stage_extras(None, [], calibration, _calibrated_at_10(budget), [])
+        out = tuner._stage_extras(calibration, _calibrated_at_10(budget), [])
         assert ran == expected_runs
         assert memory.approx_max_micro_batch(out, 1, data_parallel_size=2) == expected
 
@@ -641,39 +657,43 @@ def test_a_cheap_step_lets_the_point_come_near_the_boundary(tmp_path):
     results = {i: TrialResult(spec, TrialStatus.OK, {"throughput": spec.micro_batch * 2 * 1000 / ms})
                for i, (spec, ms) in timed.items()}
     tuner, ran = _tuner_on_a_bending_peak(tmp_path, results)
-    out = tuner._stage_extras(None, [], calibration, _calibrated_at_10(1000), [])
+    out = tuner._stage_extras(calibration, _calibrated_at_10(1000), [])
     assert ran == [(-11, 1, 490)]
     assert memory.approx_max_micro_batch(out, 1, data_parallel_size=2) == 441
 
 
-def test_profiling_trials_at_configurations_of_the_search_count_as_results(tmp_path):
+@pytest.mark.parametrize("method", ["binary", "random", "asha"])
+def test_profiling_trials_at_configurations_of_the_search_count_as_results(tmp_path, method):
     # The orchestrator hands the profiling trials to the searcher (no processes): those at the
-    # user's ZeRO section of a searched stage are results of the search and may be its best.
+    # user's ZeRO section of a searched stage are results of the search and may be its best, for
+    # every method alike (random did not count them: its best was below its own profiling trials').
     from toolkit.dsat.contract import ProfileInfo, TrialStatus
     from toolkit.dsat.orchestrator import Autotuner
     from toolkit.dsat.search import make_searcher
     from toolkit.dsat.search.types import TrialResult
 
     plan = _plan(tmp_path, make_model_dir(tmp_path, slots=2), "--zero-stages", "1", "2",
-                 "--metric", "throughput")
+                 "--metric", "throughput", method=method)
     said: list[str] = []
     tuner = object.__new__(Autotuner)
     tuner.plan, tuner.say = plan, said.append
 
-    def result(trial_id, stage, mb, value, zero=None):
-        return TrialResult(TrialSpec(trial_id, mb, zero or {"stage": stage}, profile=True), TrialStatus.OK,
-                           {"throughput": value, "FLOPS_per_gpu": value, "latency": 1.0, "forward": 1.0,
-                            "backward": 1.0})
+    def result(trial_id, stage, mb, value, label, zero=None):
+        return TrialResult(TrialSpec(trial_id, mb, zero or {"stage": stage}, profile=True, label=label),
+                           TrialStatus.OK, {"throughput": value, "FLOPS_per_gpu": value, "latency": 1.0,
+                                            "forward": 1.0, "backward": 1.0})
 
-    tuner.results = {0: result(0, 1, 1, 10.0), -1: result(-1, 1, 8, 80.0), -12: result(-12, 2, 8, 90.0),
-                     -13: result(-13, 3, 8, 99.0, {"stage": 3})}  # stage 3 is not searched
+    tuner.results = {0: result(0, 1, 1, 10.0, "p1"), -1: result(-1, 1, 8, 80.0, "p2"),
+                     -12: result(-12, 2, 8, 90.0, "p3"),
+                     -13: result(-13, 3, 8, 99.0, "p4", {"stage": 3})}  # stage 3 is not searched
     profile = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=1,
                           memory_per_slot=64)
     searcher = make_searcher(plan.search, profile)
     tuner._take_profiling(searcher)
     assert tuner.taken == {0, -1, -12} and searcher.best is tuner.results[-12]
-    assert said == ["profiling trials taken as results of the search: 0 (stage 1, mb 1), -1 (stage 1, mb 8), "
-                    "-12 (stage 2, mb 8)"]
+    assert said == ["profiling trials taken as results of the search: p1 (stage 1, mb 1), p2 (stage 1, "
+                    "mb 8), p3 (stage 2, mb 8)"]
     assert [r.spec.trial_id for r in tuner._candidates()] == [0, -1, -12]
-    (spec,) = searcher.propose(1)  # the best's line goes on: 4x its micro-batch, up to the top
-    assert spec.stage == 2 and spec.micro_batch > 8
+    if method == "binary":
+        (spec,) = searcher.propose(1)  # the best's line goes on: 4x its micro-batch, up to the top
+        assert spec.stage == 2 and spec.micro_batch > 8

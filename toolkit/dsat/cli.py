@@ -30,8 +30,8 @@ from toolkit.dsat.search.types import SearchSettings
 from toolkit.errors import ConfigError
 from toolkit.launch.wrappers import entrypoint_launcher
 
-if TYPE_CHECKING:  # the orchestrator imports the runner and the search; the CLI loads them on use
-    from toolkit.dsat.orchestrator import Plan
+if TYPE_CHECKING:  # the plan imports the records and the search; the CLI loads them on use
+    from toolkit.dsat.plan import Plan
 
 __all__ = ["build_parser", "choose_launcher", "make_plan", "main", "parse_bytes", "user_terms", "UsageError",
            "USER_NAMES"]
@@ -218,7 +218,7 @@ def _check_ds_config(args: argparse.Namespace, inputs: _Inputs, dp: Any, *, devi
     """The user's DeepSpeed config (JSON + overwrite_deepspeed_args) as written, against every rule
     of ``validate_ds_config``, before dsat substitutes its own values; then the global batch policy
     and the profiling trial's config. Returns (the policy, ``hidden_size``); None: a problem."""
-    from toolkit.dsat.orchestrator import profile_spec, trial_ds_config
+    from toolkit.dsat.plan import profile_spec, trial_ds_config
     hidden = _hidden_size(inputs, problems)
     if not (is_int(dp) and dp >= 1):
         return None, hidden  # reported as a value; the config cannot be checked without it
@@ -284,7 +284,7 @@ def _output_dir_problem(output_dir: Path, *, resume: bool) -> str | None:
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
-    """Check every input and build the :class:`~toolkit.dsat.orchestrator.Plan`. Launches nothing.
+    """Check every input and build the :class:`~toolkit.dsat.plan.Plan`. Launches nothing.
 
     Each value is checked once, where its rule lives (the experiment loader, the settings, or
     here for what involves several inputs); every problem is collected and raised together.
@@ -293,7 +293,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     Raises:
         UsageError: listing every problem found, in the user's words (flags, config keys).
     """
-    from toolkit.dsat.orchestrator import Plan
+    from toolkit.dsat.plan import Plan
 
     problems: list[str] = []
     inputs = _load_inputs(args, problems)
@@ -306,12 +306,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
     problem = _output_dir_problem(output_dir, resume=args.resume)
     if problem:
         problems.append(problem)
+    if args.confirm < 0:
+        problems.append(f"--confirm {args.confirm}: expected an integer >= 0 (how many of the best "
+                        "configurations are re-run; 0: none)")
     if problems or search is None or runner is None or policy is None:
         raise UsageError(problems)
     plan = Plan(config_path=args.config.resolve(), experiment=inputs.experiment, base_ds_config=inputs.base,
                 hparams=inputs.hparams, data_parallel_size=dp, search=search, runner=runner,
                 output_dir=output_dir, resume=args.resume, run_full_experiment=args.run_full_experiment,
-                memory_per_slot=machines.memory_per_slot, global_batch=policy, hidden_size=hidden)
+                memory_per_slot=machines.memory_per_slot, global_batch=policy, hidden_size=hidden,
+                confirm=args.confirm)
     problem = plan.resume_problem() if args.resume else None
     if problem:
         raise UsageError(problem)

@@ -17,6 +17,7 @@ from pathlib import Path
 from toolkit.dsat.contract import METRICS
 from toolkit.dsat.execution.argv import MULTIHOST_LAUNCHERS
 from toolkit.dsat.execution.settings import WINDOW_STEPS_FACTOR
+from toolkit.dsat.search.confirm import CONFIRM_MEASUREMENTS
 from toolkit.dsat.search.offload import OFFLOAD_MODES
 
 __all__ = ["build_parser", "parse_bytes"]
@@ -107,6 +108,11 @@ def _add_search_flags(g: argparse._ArgumentGroup) -> None:
     """What is searched and how it is judged."""
     g.add_argument("--max-trials", type=_integer, default=50, metavar="N",
                    help="trials in all, the profiling trials included (default: %(default)s)")
+    g.add_argument("--confirm", type=_integer, default=2, metavar="N",
+                   help="after the search, re-run the N best configurations until each has "
+                        f"{CONFIRM_MEASUREMENTS} trials and pick the best by the median, so that the best "
+                        f"was measured more than once; at most {CONFIRM_MEASUREMENTS - 1} x N re-runs, not "
+                        "counted in --max-trials; 0: the best single measurement (default: %(default)s)")
     g.add_argument("--metric", choices=METRICS, default="FLOPS_per_gpu",
                    help="what the best trial maximises (FLOPS_per_gpu, throughput in samples/s) or minimises "
                         "(forward, backward, latency in ms per step) (default: %(default)s)")

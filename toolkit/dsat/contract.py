@@ -89,9 +89,13 @@ class ProfileInfo:
         half_precision: fp16 or bf16 enabled in the user's config.
         device: ``"cuda"`` or ``"cpu"``.
         micro_batch: the micro-batch the trial ran (0 in a record older than this field).
-        peak_bytes: the largest rank's peak memory over the trial: on CPU its peak resident
-            size (``VmHWM``), on GPU PyTorch's peak reserved memory plus what PyTorch does not
-            hold (CUDA context, communication buffers); 0 where not measured.
+        peak_bytes: the largest rank's peak memory over the trial's training steps: on CPU its
+            peak resident size (``VmHWM``, reset before the first step), on GPU PyTorch's peak
+            reserved memory plus what PyTorch does not hold (CUDA context, communication
+            buffers); 0 where not measured.
+        startup_peak_bytes: the largest rank's peak memory before the first step (imports, model
+            construction, ``deepspeed.initialize``), measured the same way; 0 where not measured.
+            A start-up near the budget makes verdicts at small micro-batches flip.
         calibrated: the per-example and baseline figures come from two trials' peaks.
         stage_extra_bytes: per ZeRO stage (key: the stage as a string), the peak memory that a
             profiling trial at that stage measured beyond the calibrated line and the model-state
@@ -110,6 +114,7 @@ class ProfileInfo:
     device: str = "cpu"
     micro_batch: int = 0
     peak_bytes: int = 0
+    startup_peak_bytes: int = 0
     calibrated: bool = False
     stage_extra_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
@@ -136,7 +141,7 @@ class ProfileInfo:
         missing = [name for name in required if name not in data]
         if missing:
             return f"missing {', '.join(missing)}"
-        for name in (*required, "baseline_bytes", "micro_batch", "peak_bytes"):
+        for name in (*required, "baseline_bytes", "micro_batch", "peak_bytes", "startup_peak_bytes"):
             value = data.get(name, 0)
             if type(value) is not int or value < 0:  # parsed JSON: bool is its only int subclass
                 return f"{name}={value!r:.60}: expected an integer count >= 0"

@@ -14,13 +14,14 @@ from toolkit.bounded_load import load_json
 from toolkit.config.experiment import max_length_steps
 from toolkit.dsat.contract import trial_hparams
 from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV
+from toolkit.dsat.plan import Plan
 from toolkit.launch.argv import LOOPBACK, build_trial_argv
 from toolkit.launch.procs import free_port, run_to_completion
 from toolkit.runtime.ds_shm import remove_buffers
 from toolkit.runtime.trial_env import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV
 
 if TYPE_CHECKING:  # the orchestrator imports this module's callers; no cycle at run time
-    from toolkit.dsat.orchestrator import Plan, SearchOutcome
+    from toolkit.dsat.orchestrator import SearchOutcome
 
 __all__ = ["run_full_experiment", "FULL_RUN_TIMEOUT_S"]
 

@@ -1,8 +1,10 @@
-"""The search loop: profiling trial, memory model, search method, trials, outputs, resume (the
-profiling trials themselves in :mod:`toolkit.dsat.profiling_phase`).
+"""The search loop: the profiling phase, the search method, the confirmation of the best, the
+outputs, resume.
 
 Rank 0 only: this runs in the autotuner's own process (``python -m toolkit.dsat ...``); the
-trials are separate launches of the user's entrypoint (see :mod:`toolkit.dsat.execution.runner`).
+trials are separate launches of the user's entrypoint (see :mod:`toolkit.dsat.execution.runner`);
+the profiling trials are :class:`~toolkit.dsat.profiling_phase.ProfilingPhase`'s, the decisions of
+the confirmation :mod:`toolkit.dsat.search.confirm`'s.
 """
 
 from __future__ import annotations
@@ -20,14 +22,10 @@ from toolkit.dsat import search
 from toolkit.dsat.contract import ProfileInfo, TrialContract, TrialStatus
 from toolkit.dsat.execution.runner import TrialRunner
 from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV
-from toolkit.dsat.plan import Plan, profile_spec, trial_ds_config
-from toolkit.dsat.profiling_phase import ProfilingPhase
-from toolkit.dsat.records import (
-    EventLog,
-    TensorBoardTrials,
-    summary_table,
-    write_trial_tables,
-)
+from toolkit.dsat.plan import Plan, trial_ds_config
+from toolkit.dsat.profiling_phase import ProfilingPhase, budget_share, budget_share_line, record_boundaries
+from toolkit.dsat.records import EventLog, TensorBoardTrials, summary_table, write_trial_tables
+from toolkit.dsat.search import confirm
 from toolkit.dsat.search.batch import (
     global_batch_change,
     implied_global_batch,
@@ -37,14 +35,13 @@ from toolkit.dsat.search.batch import (
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
 from toolkit.dsat.trial.reporting import instrumentation_overrides
 
-__all__ = ["Plan", "trial_ds_config", "profile_spec", "Autotuner", "SearchOutcome", "best_metrics_record",
-           "BEST_METRICS_EXTRA_KEYS"]
+__all__ = ["Autotuner", "SearchOutcome", "best_metrics_record", "BEST_METRICS_EXTRA_KEYS"]
 
 logger = logging.getLogger(__name__)
 TBS, MBS, GAS = BATCH_KEYS
 
 #: What ``best_ds_metrics.json`` holds beside the best trial's metrics (never a metric's name).
-BEST_METRICS_EXTRA_KEYS = ("trial_id", "metric", "global_batch")
+BEST_METRICS_EXTRA_KEYS = ("trial_id", "trial", "metric", "global_batch", "measurements")
 
 
 @dataclasses.dataclass
@@ -60,11 +57,17 @@ class SearchOutcome:
 
 
 def best_metrics_record(metrics: Mapping[str, Any], *, trial_id: int, metric: str,
-                        global_batch: Mapping[str, Any]) -> dict[str, Any]:
+                        global_batch: Mapping[str, Any], trial: str | None = None,
+                        measurements: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``best_ds_metrics.json`` as Determined's dsat wrote it: the best trial's metrics at the top
     level (``{"throughput": ..., "FLOPS_per_gpu": ...}``), with :data:`BEST_METRICS_EXTRA_KEYS`
-    beside them. A metric of the trial never gives way to an extra key. Pure; any rank."""
-    extras = dict(zip(BEST_METRICS_EXTRA_KEYS, (trial_id, metric, dict(global_batch)), strict=True))
+    beside them: ``trial_id`` (the trial at the best configuration's median; its directory is
+    ``trials/trial_<trial_id>``), ``trial`` (its name as shown: ``p1`` for a profiling trial),
+    ``measurements`` (the configuration's values of the metric, their median and trials). A
+    metric of the trial never gives way to an extra key. Pure; any rank."""
+    values = (trial_id, trial if trial is not None else str(trial_id), metric, dict(global_batch),
+              dict(measurements or {}))
+    extras = dict(zip(BEST_METRICS_EXTRA_KEYS, values, strict=True))
     return {**{k: v for k, v in extras.items() if k not in metrics}, **metrics}
 
 
@@ -76,8 +79,8 @@ def _dsat_argv() -> list[str] | None:
     return None
 
 
-class Autotuner(ProfilingPhase):
-    """Runs a :class:`Plan`. Rank 0 only.
+class Autotuner:
+    """Runs a :class:`~toolkit.dsat.plan.Plan`. Rank 0 only.
 
     Args:
         plan: the checked plan.
@@ -118,13 +121,6 @@ class Autotuner(ProfilingPhase):
         config = self._config_for(spec, instrumented=False)
         return {**spec.ds_overrides(), TBS: config[TBS], GAS: config[GAS]}
 
-    def _allowed_at_most(self, m: int | None) -> int | None:
-        """The largest micro-batch the global batch policy allows that is ``<= m`` (None stays None)."""
-        allowed = self.plan.search.micro_batches
-        if m is None or allowed is None or m < 1:
-            return m
-        return max(a for a in allowed if a <= m)
-
     def _start(self, runner: TrialRunner, spec: TrialSpec, *, observed_before: int, log: bool = True) -> None:
         config = self._config_for(spec, instrumented=True)
         if log:
@@ -139,9 +135,19 @@ class Autotuner(ProfilingPhase):
             self.tensorboard.add(result)
         write_trial_tables(self.out, self.results.values(), overrides=self._overrides)
 
+    def _run_one(self, runner: TrialRunner, spec: TrialSpec) -> TrialResult:
+        """Start one trial, wait for its end, record and show it (the profiling trials run so)."""
+        self._start(runner, spec, observed_before=0)
+        done: list[TrialResult] = []
+        while not done:
+            done = runner.wait(timeout=1.0)
+        self._record(done[0])
+        self._progress(done[0], 0)
+        return done[0]
+
     def _candidates(self) -> list[TrialResult]:
-        """The results the best is chosen from: the tuning trials and the profiling trials the
-        searcher took as results (configurations of the search, timed like any trial)."""
+        """The results the best is chosen from: the tuning trials, their re-runs, and the profiling
+        trials the searcher took as results (configurations of the search, timed like any trial)."""
         return [r for r in self.results.values() if not r.spec.profile or r.spec.trial_id in self.taken]
 
     def _progress(self, result: TrialResult, running: int) -> None:
@@ -149,12 +155,22 @@ class Autotuner(ProfilingPhase):
         best = search.best_result(self._candidates(), metric)
         value = result.metrics.get(metric)
         shown = f"{metric}={value:.4g}" if value is not None else (result.error or "")[:120]
-        best_text = f"best {best.metrics[metric]:.4g} (trial {best.spec.trial_id})" if best else "no best yet"
-        self.say(f"[{len(self.results)}/{self.plan.search.max_trials}] trial {result.spec.trial_id} "
+        best_text = f"best {best.metrics[metric]:.4g} (trial {best.spec.name})" if best else "no best yet"
+        kind = "profiling trial" if result.spec.profile else "re-run" if result.spec.rerun else "trial"
+        limit = "" if result.spec.rerun else f"/{self.plan.search.max_trials}"
+        count = len([r for r in self.results.values() if r.spec.rerun is result.spec.rerun])
+        self.say(f"[{count}{limit}] {kind} {result.spec.name} "
                  f"stage {result.spec.stage} mb {result.spec.micro_batch}: {result.status.value} {shown} | "
                  f"{best_text} | running {running} | {time.monotonic() - self.started_at:.0f}s")
 
     # ---------------------------------------------------------------- phases
+    def _profile(self, runner: TrialRunner, events: list[dict[str, Any]]) -> ProfileInfo | None:
+        """The profiling phase (:class:`ProfilingPhase`) with this search's trials and records."""
+        phase = ProfilingPhase(self.plan, out=self.out, say=self.say, events=events,
+                               run_trial=lambda spec: self._run_one(runner, spec),
+                               keep=lambda result: self._record(result, replayed=True))
+        return phase.run()
+
     def run_profiling(self) -> ProfileInfo | None:
         """Only the profiling trials and the memory model (``profile.json``), no search: for
         benchmarks of the memory model (``scripts/bench_memory.py``). Rank 0 only.
@@ -190,6 +206,7 @@ class Autotuner(ProfilingPhase):
             searcher: search.Searcher = search.make_searcher(self._search_settings(), profile)
             self._take_profiling(searcher)
             observed = self._replay(searcher, runner, events)
+            self.say(f"search ({self.plan.search.method}): up to {searcher.budget_left} tuning trials")
             while not searcher.done:
                 for spec in searcher.propose(runner.capacity()):
                     self._start(runner, spec, observed_before=observed)
@@ -197,36 +214,32 @@ class Autotuner(ProfilingPhase):
                     break  # nothing in flight and nothing proposed: the method has finished
                 for result in runner.wait(timeout=1.0):
                     self._record(result)
+                    notes = len(searcher.notes)
                     searcher.observe(result)
                     observed += 1
                     self._progress(result, runner.running())
+                    for note in searcher.notes[notes:]:
+                        self.say(note)
+            self._confirm(runner, events)
         return self._conclude()
 
     def _take_profiling(self, searcher: search.Searcher) -> None:
         """Give the profiling trials to the searcher (in the order they ran, also on --resume):
-        those at configurations of the search count as its results, not as trials lost."""
+        those at configurations of the search count as its results, not as trials lost (every
+        method alike)."""
         taken = searcher.observe_profiling([r for r in self.results.values() if r.spec.profile])
         self.taken = {r.spec.trial_id for r in taken}
         if taken:
             self.say("profiling trials taken as results of the search: " + ", ".join(
-                f"{r.spec.trial_id} (stage {r.spec.stage}, mb {r.spec.micro_batch})" for r in taken))
+                f"{r.spec.name} (stage {r.spec.stage}, mb {r.spec.micro_batch})" for r in taken))
 
     def _search_settings(self) -> SearchSettings:
         """The plan's search settings for the searcher: the micro-batch capped by the trial timeout
         (:meth:`_time_cap`), and ``max_trials`` less the extra profiling (calibration) trials, so that
-        ``--max-trials`` counts every trial of the search."""
+        ``--max-trials`` counts every trial of the search (the re-runs of ``--confirm`` not)."""
         extra = sum(1 for trial_id in self.results if trial_id < 0)
         return dataclasses.replace(self.plan.search, max_micro_batch=self._time_cap(),
                                    max_trials=max(self.plan.search.max_trials - extra, 2))
-
-    def _step_grows_with_micro_batch(self, profiled: TrialResult) -> bool:
-        """Whether a timed step's examples grow with the micro-batch: not when the global batch is
-        kept and the profiling trial's timed step spanned its accumulation steps (more than one
-        micro-batch per step): then every step is ``train_batch_size`` examples."""
-        latency = float(profiled.metrics.get("latency") or 0.0)
-        micro_per_step = (float(profiled.metrics.get("throughput") or 0.0) * latency / 1000.0
-                          / self.plan.data_parallel_size / max(profiled.spec.micro_batch, 1))
-        return self.plan.global_batch.train_batch_size is None or micro_per_step <= 1.5
 
     def _time_cap(self) -> int | None:
         """The largest micro-batch no trial is predicted to run past the trial timeout with: the
@@ -238,7 +251,7 @@ class Autotuner(ProfilingPhase):
         one micro-batch per step), a step's examples do not grow with the micro-batch: no cap."""
         runner, profiled = self.plan.runner, self.results[0]
         latency = float(profiled.metrics.get("latency") or 0.0)
-        if not self._step_grows_with_micro_batch(profiled):
+        if not self.plan.step_grows_with_micro_batch(profiled):
             return None
         steps = runner.end_profile_step
         overhead = profiled.duration_s - steps * latency / 1000.0
@@ -261,12 +274,17 @@ class Autotuner(ProfilingPhase):
         return cap
 
     def _replay(self, searcher: search.Searcher, runner: TrialRunner, events: list[dict[str, Any]]) -> int:
-        """Feed a resumed search's recorded results through the fresh searcher; rerun the unfinished."""
+        """Feed a resumed search's recorded results through the fresh searcher; rerun the unfinished.
+        The recorded re-runs of the confirmation are kept for it (:meth:`_confirm`)."""
         results, observed_before, seen = [], {}, set()
         for event in events:
             if event["trial_id"] <= 0:  # the profiling trials
                 continue
-            if event["event"] == "start":
+            spec = event["spec"] if event["event"] == "start" else event["result"]["spec"]
+            if spec.get("rerun"):
+                if event["event"] == "result":
+                    self._record(TrialResult.from_json(event["result"]), replayed=True)
+            elif event["event"] == "start":
                 observed_before[event["trial_id"]] = event["observed_before"]
             elif event["trial_id"] not in seen:
                 seen.add(event["trial_id"])
@@ -282,35 +300,100 @@ class Autotuner(ProfilingPhase):
             self._start(runner, spec, observed_before=observed_before[spec.trial_id], log=False)
         return len(results)
 
+    def _confirm(self, runner: TrialRunner, events: list[dict[str, Any]]) -> None:
+        """Re-run the ``--confirm`` best configurations until each has
+        :data:`~toolkit.dsat.search.confirm.CONFIRM_MEASUREMENTS` trials (their own budget, beside
+        ``--max-trials``), so that the best is picked by a median (:meth:`_conclude`). The ids
+        follow the search's; a resumed search keeps the re-runs it recorded."""
+        metric, top = self.plan.search.metric, self.plan.confirm
+        if self._broken():
+            return
+        chosen = confirm.to_confirm(confirm.group(self._candidates()), metric, top=top)
+        next_id = max([*self.results, *(e["trial_id"] for e in events)], default=0) + 1
+        specs = []
+        for candidate in chosen:
+            for _ in range(candidate.reruns_needed()):
+                specs.append(dataclasses.replace(candidate.spec, trial_id=next_id, label="", rerun=True,
+                                                 profile=False))
+                next_id += 1
+        if not specs:
+            return
+        self.say(f"confirming the best {len(chosen)} configuration(s): {len(specs)} re-run(s) (--confirm "
+                 f"{top}; each measured {confirm.CONFIRM_MEASUREMENTS} times in all, picked by the median)")
+        pending = list(specs)
+        while pending or runner.running():
+            while pending and runner.capacity() > 0:
+                self._start(runner, pending.pop(0), observed_before=0)
+            for result in runner.wait(timeout=1.0):
+                self._record(result)
+                self._progress(result, runner.running())
+
+    def _share_line(self) -> str:
+        """What micro-batch 1 takes of the budget (the closing lines), or nothing when unmeasured."""
+        first = self.results.get(0)
+        share = budget_share({**(first.profile or {}), **(
+            {"memory_per_slot": self.plan.memory_per_slot} if self.plan.memory_per_slot else {})}) \
+            if first is not None and first.profile else None
+        return "" if share is None else "\n" + budget_share_line(share)
+
+    def _broken(self) -> bool:
+        """Tuning trials that all crashed say the trials are broken: no best, nothing confirmed.
+        Tuning trials that only ran out of memory or time leave the profiling trials the searcher
+        took as its results."""
+        tuning = [r for r in self.results.values() if not r.spec.profile and not r.spec.rerun]
+        return bool(tuning) and all(r.status is TrialStatus.FAILED for r in tuning)
+
     def _conclude(self) -> SearchOutcome:
         results = list(self.results.values())
-        tuning = [r for r in results if not r.spec.profile]
-        # Tuning trials that all crashed say the trials are broken: no best. Tuning trials that only
-        # ran out of memory or time leave the profiling trials the searcher took as its results.
-        broken = bool(tuning) and all(r.status is TrialStatus.FAILED for r in tuning)
-        best = None if broken else search.best_result(self._candidates(), self.plan.search.metric)
-        table = summary_table(results, metric=self.plan.search.metric,
-                              best_id=best.spec.trial_id if best else None)
-        self.say(table)
-        self._record_boundaries(results)
-        if best is None:
+        tuning = [r for r in results if not r.spec.profile and not r.spec.rerun]
+        metric = self.plan.search.metric
+        broken = self._broken()
+        candidates = [] if broken else confirm.group(self._candidates())
+        for c in candidates:
+            if c.conflicting:
+                verdicts = ", ".join(f"{r.spec.name}: {r.status.value}" for r in c.results)
+                self.say(f"stage {c.spec.stage} micro-batch {c.spec.micro_batch} was judged both fitting and "
+                         f"out of memory ({verdicts}): "
+                         f"{'fits' if c.fits else 'does not fit'} by the majority of its verdicts")
+        chosen = confirm.pick(candidates, metric, confirmed=self.plan.confirm > 0)
+        unconfirmed = chosen is None and self.plan.confirm > 0
+        if unconfirmed:  # no configuration ran twice: the best single measurement, said
+            chosen = confirm.pick(candidates, metric, confirmed=False)
+        best = chosen.representative(metric) if chosen is not None else None
+        shown = [c for c in candidates if len(c.results) > 1 and c.values(metric)]
+        self.say(summary_table(results, metric=metric, best_id=best.spec.trial_id if best else None,
+                               spreads=[(c.spec, c.spread(metric)) for c in shown]))
+        record_boundaries(self.out, results, self.say)
+        if best is None or chosen is None:
             return SearchOutcome(1, results, None,
                                  f"no tuning trial succeeded ({len(tuning)} run, "
                                  f"{'all failed' if broken else 'no result to choose from'}); see trials.csv "
-                                 "and each trial's stderr.log")
+                                 "and each trial's stderr.log" + self._share_line())
         best_config = self._config_for(best.spec, instrumented=False)
         change = global_batch_change(self.plan.base_ds_config, best_config, policy=self.plan.global_batch,
                                      data_parallel_size=self.plan.data_parallel_size, argv=self.argv,
                                      output_dir=str(self.out))
+        values = chosen.values(metric)
+        measurements = {"median": chosen.median(metric), "values": values,
+                        "trials": [r.spec.name for r in chosen.results],
+                        "statuses": [r.status.value for r in chosen.results]}
         atomic_write_json(self.out / "best_ds_config.json", best_config)
         atomic_write_json(self.out / "best_ds_metrics.json", best_metrics_record(
-            best.metrics, trial_id=best.spec.trial_id, metric=self.plan.search.metric,
+            best.metrics, trial_id=best.spec.trial_id, trial=best.spec.name, metric=metric,
+            measurements=measurements,
             global_batch={**self.plan.global_batch.to_json(), **{k: best_config[k] for k in (TBS, GAS, MBS)},
                           **change.to_json()}))
         counts = {s.value: sum(r.status is s for r in tuning) for s in TrialStatus}
-        message = (f"best {self.plan.search.metric} = {best.metrics[self.plan.search.metric]:.4g} (trial "
-                   f"{best.spec.trial_id}: stage {best.spec.stage}, micro-batch {best.spec.micro_batch}); "
-                   f"{len(tuning)} tuning trials: {counts}; wrote {self.out / 'best_ds_config.json'}")
+        profiling = sum(r.spec.profile for r in results)
+        reruns = sum(r.spec.rerun for r in results)
+        how = (f"the median of {len(values)} measurements, {min(values):.4g} to {max(values):.4g}"
+               if len(values) > 1 else "measured once: " + (
+                   "no configuration could be re-run" if unconfirmed else "--confirm 0"))
+        spec = best.spec
+        message = (f"best {metric} = {best.metrics[metric]:.4g} (trial {spec.name}: stage {spec.stage}, "
+                   f"micro-batch {spec.micro_batch}; {how}); {profiling} profiling trials, {len(tuning)} "
+                   f"tuning trials: {counts}, {reruns} re-runs; wrote {self.out / 'best_ds_config.json'}")
+        message += self._share_line()
         notice = change.notice()
         if notice:  # the last line the CLI prints (and the full run's, after it)
             message += "\n" + notice

@@ -2,7 +2,7 @@
 
 Pure values and functions: :func:`trial_ds_config` is the one place a trial's (and the best
 trial's) complete DeepSpeed config is made, following the global batch policy. Rank 0 only by
-use (the autotuner's process); re-exported by :mod:`toolkit.dsat.orchestrator`. Example::
+use (the autotuner's process). Example::
 
     config = trial_ds_config(plan.base_ds_config, spec, data_parallel_size=2, train_batch_size=64)
 """
@@ -21,7 +21,7 @@ from toolkit.dsat.execution.settings import RunnerSettings
 from toolkit.dsat.records import EventLog
 from toolkit.dsat.search.batch import GlobalBatch
 from toolkit.dsat.search.space import default_zero_autos
-from toolkit.dsat.search.types import SearchSettings, TrialSpec
+from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
 from toolkit.errors import ConfigError
 
 __all__ = ["Plan", "profile_spec", "trial_ds_config"]
@@ -50,6 +50,10 @@ class Plan:
         global_batch: the global batch policy (keep the user's ``train_batch_size``, fix it, or
             free it); every trial and the best config follow it.
         hidden_size: ``hyperparameters.hidden_size``, which resolves ZeRO's "auto" sizes.
+        confirm: after the search, the best this many configurations are re-run until each has
+            :data:`~toolkit.dsat.search.confirm.CONFIRM_MEASUREMENTS` trials, and the best is
+            picked by the median (``--confirm``; the re-runs are not counted in ``--max-trials``);
+            0: the best single measurement.
     """
 
     config_path: Path
@@ -65,6 +69,7 @@ class Plan:
     memory_per_slot: int | None = None
     global_batch: GlobalBatch = GlobalBatch("free")
     hidden_size: int | None = None
+    confirm: int = 2
 
     def fingerprint(self) -> dict[str, Any]:
         """What must not change between a search and its ``--resume``."""
@@ -79,6 +84,22 @@ class Plan:
                 "end_profile_step": self.runner.end_profile_step,
                 "timed_window_s": self.runner.timed_window_s,
                 "global_batch": self.global_batch.to_json(), "hidden_size": self.hidden_size}
+
+    def allowed_at_most(self, m: int | None) -> int | None:
+        """The largest micro-batch the global batch policy allows that is ``<= m`` (None stays None)."""
+        allowed = self.search.micro_batches
+        if m is None or allowed is None or m < 1:
+            return m
+        return max(a for a in allowed if a <= m)
+
+    def step_grows_with_micro_batch(self, profiled: TrialResult) -> bool:
+        """Whether a timed step's examples grow with the micro-batch: not when the global batch is
+        kept and the profiling trial's timed step spanned its accumulation steps (more than one
+        micro-batch per step): then every step is ``train_batch_size`` examples."""
+        latency = float(profiled.metrics.get("latency") or 0.0)
+        micro_per_step = (float(profiled.metrics.get("throughput") or 0.0) * latency / 1000.0
+                          / self.data_parallel_size / max(profiled.spec.micro_batch, 1))
+        return self.global_batch.train_batch_size is None or micro_per_step <= 1.5
 
     def resume_problem(self) -> str | None:
         """Why ``--resume`` cannot continue the search recorded in ``output_dir``, or None.

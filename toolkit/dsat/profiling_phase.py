@@ -1,11 +1,13 @@
 """The autotuner's profiling phase: the profiling trials and the memory model they calibrate.
 
-A mixin of :class:`toolkit.dsat.orchestrator.Autotuner`, apart because it is one concern: the
-micro-batch-1 profiling trial, the calibration trial at ``k``, one trial per searched stage at
-half its predicted boundary, ``profile.json`` with the prediction, and at the end the boundary
-the trials found beside it. The decisions (where to measure, how a measurement changes the
-model) are the pure functions of :mod:`toolkit.dsat.search.calibration` and
-:mod:`toolkit.dsat.search.memory`; this runs the trials.
+The micro-batch-1 profiling trial, the calibration trial at ``k``, one trial per searched stage
+at half its predicted boundary, ``profile.json`` with the prediction and the start-up and step
+peaks of micro-batch 1 against the budget, and at the end the boundary the trials found beside
+them. The decisions (where to measure, how a measurement changes the model) are the pure
+functions of :mod:`toolkit.dsat.search.calibration` and :mod:`toolkit.dsat.search.memory`; this
+runs the trials, through the autotuner's ``run_trial`` (start one trial, wait, record it).
+Profiling trials are shown as ``p1``, ``p2``, ... in the order they ran (their ids stay 0 and
+below: the first is 0, calibration -1 and -2, stage points -10 - stage and -20 - stage).
 Rank 0 only (the autotuner's own process).
 """
 
@@ -13,65 +15,112 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
 from toolkit.dsat.contract import ProfileInfo, TrialStatus
-from toolkit.dsat.execution.runner import TrialRunner
 from toolkit.dsat.plan import Plan, profile_spec
 from toolkit.dsat.search import boundaries, calibration, memory
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.errors import ConfigError
 
-__all__ = ["ProfilingPhase"]
+__all__ = ["ProfilingPhase", "budget_share", "budget_share_line", "record_boundaries"]
+
+_MIB = 2**20
+
+
+def budget_share(profile: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What micro-batch 1 takes of the budget per slot, from the first profiling trial's profile
+    (as JSON): the start-up peak (after the engine was built, before the first step), the
+    training steps' peak, and the larger one's share of ``memory_per_slot`` (on CPU
+    ``--memory-per-slot``, on GPUs the device's memory). None without a budget or a peak. Pure.
+
+    >>> budget_share({"memory_per_slot": 1000, "startup_peak_bytes": 500, "peak_bytes": 620})
+    {'budget_bytes': 1000, 'startup_peak_bytes': 500, 'step_peak_bytes': 620, 'share': 0.62}
+    """
+    budget, startup = int(profile.get("memory_per_slot") or 0), int(profile.get("startup_peak_bytes") or 0)
+    step = int(profile.get("peak_bytes") or 0)
+    if budget <= 0 or max(startup, step) <= 0:
+        return None
+    return {"budget_bytes": budget, "startup_peak_bytes": startup, "step_peak_bytes": step,
+            "share": round(max(startup, step) / budget, 4)}
+
+
+def budget_share_line(share: Mapping[str, Any]) -> str:
+    """The closing line of :func:`budget_share`. Pure.
+
+    >>> budget_share_line(budget_share({"memory_per_slot": 2**30, "startup_peak_bytes": 500 * 2**20,
+    ...                                 "peak_bytes": 620 * 2**20}))[:60]
+    'micro-batch 1 takes 61% of the 1024 MiB budget per slot (sta'
+    """
+    startup, step = share["startup_peak_bytes"], share["step_peak_bytes"]
+    parts = ([f"start-up peak {startup / _MIB:.0f} MiB"] if startup else []) + \
+        ([f"training steps' peak {step / _MIB:.0f} MiB"] if step else [])
+    return (f"micro-batch 1 takes {100 * share['share']:.0f}% of the {share['budget_bytes'] / _MIB:.0f} MiB "
+            f"budget per slot ({', '.join(parts)})")
+
+
+def record_boundaries(out: Path, results: list[TrialResult], say: Callable[[str], None]) -> None:
+    """Add the boundary the trials found per stage beside the prediction in ``out/profile.json``;
+    say it. A damaged record is rewritten with the boundaries alone (said)."""
+    path = out / "profile.json"
+    if not path.exists():
+        return
+    try:
+        recorded = load_json(path, what="profile record")
+    except ConfigError as err:  # damaged by hand or by another program: the boundaries go in a new one
+        say(f"{path} is damaged ({'; '.join(err.problems)}); it is rewritten with the boundaries "
+            "found only (the prediction is in the log above)")
+        recorded = {}
+    found = boundaries.found_boundaries(results)
+    recorded["found"] = {str(stage): row for stage, row in found.items()}
+    atomic_write_json(path, recorded)
+    if found:
+        prediction = recorded.get("prediction")
+        prediction = {k: v for k, v in prediction.items() if isinstance(v, dict)} \
+            if isinstance(prediction, dict) else {}
+        say("memory model, predicted vs found:\n" + boundaries.format_boundaries(prediction, found))
 
 
 class ProfilingPhase:
-    """The profiling trials of an :class:`~toolkit.dsat.orchestrator.Autotuner`. Rank 0 only.
+    """The profiling trials of one search. Rank 0 only.
 
-    The autotuner provides the plan, the results so far, and how a trial is started and
-    recorded (the methods below that raise)."""
+    Args:
+        plan: the search's plan.
+        out: the output directory (``profile.json``).
+        say: where progress lines go.
+        run_trial: runs one trial to its end and records it (the autotuner's).
+        keep: records a result reused from the event log (``--resume``) without running it.
+        events: the event log so far (a resumed search's profiling trials that succeeded are reused).
+    """
 
-    plan: Plan
-    out: Path
-    results: dict[int, TrialResult]
-    say: Callable[[str], None]
+    def __init__(self, plan: Plan, *, out: Path, say: Callable[[str], None],
+                 run_trial: Callable[[TrialSpec], TrialResult], keep: Callable[[TrialResult], None],
+                 events: list[dict[str, Any]]) -> None:
+        self.plan, self.out, self.say = plan, out, say
+        self._run, self._keep, self._events = run_trial, keep, events
+        self.results: dict[int, TrialResult] = {}  # the profiling trials, in the order they ran
 
-    def _start(self, runner: TrialRunner, spec: TrialSpec, *, observed_before: int, log: bool = True) -> None:
-        raise NotImplementedError
-
-    def _record(self, result: TrialResult, *, replayed: bool = False) -> None:
-        raise NotImplementedError
-
-    def _progress(self, result: TrialResult, running: int) -> None:
-        raise NotImplementedError
-
-    def _allowed_at_most(self, m: int | None) -> int | None:
-        raise NotImplementedError
-
-    def _step_grows_with_micro_batch(self, profiled: TrialResult) -> bool:
-        raise NotImplementedError
-
-    def _run_profiling_trial(self, runner: TrialRunner, events: list[dict[str, Any]],
-                             spec: TrialSpec) -> TrialResult:
+    def _run_profiling_trial(self, spec: TrialSpec) -> TrialResult:
         """A profiling trial's result: the recorded one (--resume) when it succeeded, or for the
-        calibration trial (id < 0) when it ran out of memory at the same micro-batch; else a new run."""
-        recorded = [TrialResult.from_json(e["result"]) for e in events
+        calibration trial (id < 0) when it ran out of memory at the same micro-batch; else a new
+        run. Labelled ``p<n>``, ``n`` its place in the order the profiling trials ran."""
+        spec = dataclasses.replace(spec, label=f"p{len(self.results) + 1}")
+        recorded = [TrialResult.from_json(e["result"]) for e in self._events
                     if e["event"] == "result" and e["trial_id"] == spec.trial_id]
         reusable = (TrialStatus.OK,) if spec.trial_id == 0 else (TrialStatus.OK, TrialStatus.OOM)
         if recorded and recorded[-1].status in reusable and recorded[-1].spec.micro_batch == spec.micro_batch:
-            self._record(recorded[-1], replayed=True)
-            self.say(f"profiling trial {spec.trial_id}: reusing the recorded result")
-            return recorded[-1]
-        self.say(f"profiling trial {spec.trial_id} (micro-batch {spec.micro_batch}) ...")
-        self._start(runner, spec, observed_before=0)
-        done: list[TrialResult] = []
-        while not done:
-            done = runner.wait(timeout=1.0)
-        self._record(done[0])
-        self._progress(done[0], 0)
-        return done[0]
+            result = dataclasses.replace(recorded[-1], spec=dataclasses.replace(recorded[-1].spec,
+                                                                                label=spec.label))
+            self.results[spec.trial_id] = result
+            self._keep(result)
+            self.say(f"profiling trial {spec.name}: reusing the recorded result")
+            return result
+        self.say(f"profiling trial {spec.name} (stage {spec.stage}, micro-batch {spec.micro_batch}) ...")
+        result = self._run(spec)
+        self.results[spec.trial_id] = result
+        return result
 
     def _measured(self, result: TrialResult) -> ProfileInfo:
         """A profiling trial's profile with the CPU budget of the plan and the trial's micro-batch."""
@@ -81,40 +130,39 @@ class ProfilingPhase:
         fields["micro_batch"] = result.spec.micro_batch
         return ProfileInfo.from_json(fields)
 
-    def _calibrate(self, runner: TrialRunner, events: list[dict[str, Any]],
-                   first: TrialResult) -> tuple[ProfileInfo, list[dict[str, Any]]]:
+    def _calibrate(self, first: TrialResult) -> tuple[ProfileInfo, list[dict[str, Any]]]:
         """The memory model's profile: calibrated by a second profiling trial of the same ZeRO
         section at a larger micro-batch (trial -1; after an out-of-memory, once more at a quarter
         of it, trial -2), or the first profile alone when that is impossible. Also the measured
         profiles, for ``profile.json``."""
         profile, dp = self._measured(first), self.plan.data_parallel_size
         off_opt, off_par = memory.offload_flags(first.spec.zero)
-        latency = first.metrics.get("latency") if self._step_grows_with_micro_batch(first) else None
+        latency = first.metrics.get("latency") if self.plan.step_grows_with_micro_batch(first) else None
         k = calibration.calibration_micro_batch(profile, first.spec.stage, data_parallel_size=dp,
                                            latency_ms=latency,
                                            offload_optimizer=off_opt, offload_param=off_par)
         measured, why = [profile.to_json()], "the first profile has no peak-memory measurement"
         for trial_id in (-1, -2):
-            k = self._allowed_at_most(k)  # the global batch policy: a micro-batch that keeps it
+            k = self.plan.allowed_at_most(k)  # the global batch policy: a micro-batch that keeps it
             if k is None or k <= profile.micro_batch:
                 break
             result = self._run_profiling_trial(
-                runner, events, dataclasses.replace(first.spec, trial_id=trial_id, micro_batch=k))
+                dataclasses.replace(first.spec, trial_id=trial_id, micro_batch=k))
             if result.status is TrialStatus.OK and result.profile:
                 second = self._measured(result)
                 measured.append(second.to_json())
                 model = memory.model_memory_bytes(profile, first.spec.stage, data_parallel_size=dp,
                                                   offload_optimizer=off_opt, offload_param=off_par)
                 calibrated = calibration.calibrate(profile, second, model_memory=model)
-                return self._stage_extras(runner, events, result.spec, calibrated, measured), measured
+                return self._stage_extras(result.spec, calibrated, measured), measured
             why = f"the calibration trial at micro-batch {k} ended {result.status.value}"
             k = k // 4 if result.status is TrialStatus.OOM and k // 4 >= 2 else None
         self.say(f"memory model not calibrated ({why}): the estimate from the leaf outputs alone may be "
                  "several times too large")
         return profile, measured
 
-    def _stage_extras(self, runner: TrialRunner, events: list[dict[str, Any]], spec: TrialSpec,
-                      profile: ProfileInfo, measured: list[dict[str, Any]]) -> ProfileInfo:
+    def _stage_extras(self, spec: TrialSpec, profile: ProfileInfo,
+                      measured: list[dict[str, Any]]) -> ProfileInfo:
         """``profile`` with each searched stage's measured extra: one profiling trial per stage
         (id -10 - stage) at half its predicted boundary (``calibration.stage_point_micro_batch``;
         after an out-of-memory there, once more at the calibration point, id -20 - stage), the
@@ -133,7 +181,7 @@ class ProfilingPhase:
             off_opt, off_par = memory.offload_flags(zero)
             model = memory.model_memory_bytes(profile, stage, data_parallel_size=dp,
                                               offload_optimizer=off_opt, offload_param=off_par)
-            point = self._allowed_at_most(calibration.stage_point_micro_batch(
+            point = self.plan.allowed_at_most(calibration.stage_point_micro_batch(
                 profile, stage, data_parallel_size=dp, offload_optimizer=off_opt, offload_param=off_par,
                 at_most=at_most)) or k
             readings: list[ProfileInfo] = []
@@ -144,7 +192,7 @@ class ProfilingPhase:
                 points = points[:1]
             for trial_id, m in points:
                 result = self._run_profiling_trial(
-                    runner, events, dataclasses.replace(spec, trial_id=trial_id, zero=zero, micro_batch=m))
+                    dataclasses.replace(spec, trial_id=trial_id, zero=zero, micro_batch=m))
                 if result.status is TrialStatus.OK and result.profile:
                     at_stage = self._measured(result)
                     measured.append({**at_stage.to_json(), "zero_stage": stage})
@@ -180,45 +228,33 @@ class ProfilingPhase:
             points.append((result.spec.micro_batch, ms))
         return calibration.time_capped_point(points[0], points[1])
 
-    def _profile(self, runner: TrialRunner, events: list[dict[str, Any]]) -> ProfileInfo | None:
-        """Run (or reuse) the profiling trials; the memory model's profile, with its prediction and
-        the measured profiles written to ``profile.json``. None when the profiling trial failed."""
-        result = self._run_profiling_trial(runner, events, profile_spec(self.plan.base_ds_config))
+    def run(self) -> ProfileInfo | None:
+        """Run (or reuse) the profiling trials; the memory model's profile, with its prediction,
+        the measured profiles and what micro-batch 1 takes of the budget written to
+        ``profile.json``. None when the first profiling trial failed."""
+        result = self._run_profiling_trial(profile_spec(self.plan.base_ds_config))
         if result.status is not TrialStatus.OK or not result.profile:
             return None
-        profile, measured = self._calibrate(runner, events, result)
+        profile, measured = self._calibrate(result)
         # The user's offload intent, as if at stage 3; predict applies what each stage allows.
         offload_optimizer, offload_param = memory.offload_flags({**self.plan.search.base_zero, "stage": 3})
         prediction = memory.predict(profile, data_parallel_size=self.plan.data_parallel_size,
                                     zero_stages=self.plan.search.zero_stages,
                                     offload_optimizer=offload_optimizer, offload_param=offload_param)
+        share = budget_share(measured[0])
         atomic_write_json(self.out / "profile.json",
                           {"profile": profile.to_json(), "measured": measured,
-                           "prediction": {str(k): v for k, v in prediction.items()}})
+                           "prediction": {str(k): v for k, v in prediction.items()},
+                           "micro_batch_1": share})
         kind = "peak memory" if profile.calibrated else "activations"
         self.say(f"model: {profile.num_params:,} parameters ({profile.trainable_params:,} trainable), "
                  f"{kind} {profile.activation_bytes_per_example:,} bytes/example, "
                  f"{profile.memory_per_slot:,} bytes per slot ({profile.device})")
+        if share is not None:
+            self.say(budget_share_line(share))
         self.say(memory.format_prediction(prediction, profile=profile))
         return profile
 
     def _record_boundaries(self, results: list[TrialResult]) -> None:
-        """Add the boundary the trials found per stage beside the prediction in ``profile.json``; say it."""
-        path = self.out / "profile.json"
-        if not path.exists():
-            return
-        try:
-            recorded = load_json(path, what="profile record")
-        except ConfigError as err:  # damaged by hand or by another program: the boundaries go in a new one
-            self.say(f"{path} is damaged ({'; '.join(err.problems)}); it is rewritten with the boundaries "
-                     "found only (the prediction is in the log above)")
-            recorded = {}
-        found = boundaries.found_boundaries(results)
-        recorded["found"] = {str(stage): row for stage, row in found.items()}
-        atomic_write_json(path, recorded)
-        if found:
-            prediction = recorded.get("prediction")
-            prediction = {k: v for k, v in prediction.items() if isinstance(v, dict)} \
-                if isinstance(prediction, dict) else {}
-            self.say("memory model, predicted vs found:\n" + boundaries.format_boundaries(prediction, found))
-
+        """:func:`record_boundaries` into this phase's output directory."""
+        record_boundaries(self.out, results, self.say)

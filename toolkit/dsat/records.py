@@ -5,11 +5,14 @@ Layout of ``OUTPUT_DIR``::
     search.json            the settings of the search (checked on --resume)
     events.jsonl           append-only log: one "start" and one "result" line per trial
     profile.json           the profiling numbers and the memory model's prediction
-    trials.jsonl           one record per finished trial: config, status, metrics, duration
+    trials.jsonl           one record per finished trial: trial (its name: p1, p2, ... for the
+                           profiling trials), role (profiling, tuning or re-run), config, status,
+                           metrics, duration; trial_id is the internal id (profiling: 0 and below)
     trials.csv             the same as a table
     best_ds_config.json    the best DeepSpeed config: complete, no autotuning leftovers
-    best_ds_metrics.json   its metrics at the top level (Determined's shape), with trial_id, metric
-                           and global_batch (the user's batch, the best's, and any change) beside them
+    best_ds_metrics.json   its metrics at the top level (Determined's shape), with trial_id, trial,
+                           metric, measurements (the best configuration's values and median) and
+                           global_batch (the user's batch, the best's, and any change) beside them
     tensorboard/           each trial's metrics, with its config in TensorBoard's HParams view
     trials/trial_<id>/     each trial's ds_config.json, hparams.json, logs and result
     full_experiment/       with --run-full-experiment: the run with the best config
@@ -25,7 +28,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from toolkit._checks import is_number
 from toolkit._files import atomic_write
@@ -35,7 +38,7 @@ from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.errors import ConfigError
 
 __all__ = ["EventLog", "event_problem", "write_trial_tables", "TensorBoardTrials", "summary_table",
-           "flatten_zero"]
+           "flatten_zero", "role"]
 
 
 #: The largest event log read (a line is a few hundred bytes; a trial's error text is cut).
@@ -202,8 +205,24 @@ def flatten_zero(spec: TrialSpec) -> dict[str, Any]:
     return row
 
 
+def role(spec: TrialSpec) -> str:
+    """What a trial was for: ``profiling`` (the memory model's), ``re-run`` (confirming the best)
+    or ``tuning`` (the search method's). Pure."""
+    return "profiling" if spec.profile else "re-run" if spec.rerun else "tuning"
+
+
+def _order(result: TrialResult) -> tuple[int, int]:
+    """Profiling trials first in the order they ran (their label), then the others by id."""
+    spec = result.spec
+    if spec.profile:
+        label = spec.label[1:]
+        return 0, int(label) if label.isdigit() else -spec.trial_id
+    return 1, spec.trial_id
+
+
 def _record(result: TrialResult) -> dict[str, Any]:
-    return {"trial_id": result.spec.trial_id, "line": result.spec.line, "profile": result.spec.profile,
+    return {"trial": result.spec.name, "role": role(result.spec), "trial_id": result.spec.trial_id,
+            "line": result.spec.line, "profile": result.spec.profile,
             "status": result.status.value, **flatten_zero(result.spec),
             **{m: result.metrics.get(m) for m in METRICS}, "duration_s": round(result.duration_s, 3),
             "error": result.error}
@@ -211,11 +230,12 @@ def _record(result: TrialResult) -> dict[str, Any]:
 
 def write_trial_tables(output_dir: Path, results: Iterable[TrialResult], *,
                        overrides: Callable[[TrialSpec], Mapping[str, Any]] | None = None) -> None:
-    """Rewrite trials.jsonl and trials.csv from all finished trials (sorted by trial id).
+    """Rewrite trials.jsonl and trials.csv from all finished trials (the profiling trials first,
+    in the order they ran, then the others by id).
 
     ``overrides``: a trial's ``ds_overrides`` in trials.jsonl (default: ``spec.ds_overrides()``;
     the orchestrator adds the batch triple the global batch policy gave the trial)."""
-    ordered = sorted(results, key=lambda r: r.spec.trial_id)
+    ordered = sorted(results, key=_order)
     records = [_record(r) for r in ordered]
     over = overrides or (lambda spec: spec.ds_overrides())
     jsonl = "".join(json.dumps({**rec, "ds_overrides": dict(over(r.spec))}, sort_keys=True) + "\n"
@@ -243,14 +263,17 @@ class TensorBoardTrials:
         hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                    for k, v in flatten_zero(result.spec).items()}
         hparams["status"] = result.status.value
+        hparams["role"] = role(result.spec)
         metrics = {f"dsat/{m}": float(result.metrics[m]) for m in METRICS if m in result.metrics}
         if not metrics:
             metrics = {f"dsat/{METRICS[0]}": float("nan")}  # failed trials still appear in the table
-        writer = SummaryWriter(log_dir=str(self.log_dir / f"trial_{result.spec.trial_id:04d}"))
+        spec = result.spec
+        name = spec.name if spec.label else f"{spec.trial_id:04d}"
+        writer = SummaryWriter(log_dir=str(self.log_dir / f"trial_{name}"))
         try:
             writer.add_hparams(hparams, metrics, run_name=".")
             for name, value in metrics.items():
-                writer.add_scalar(name, value, global_step=result.spec.trial_id)
+                writer.add_scalar(name, value, global_step=max(result.spec.trial_id, 0))
         finally:
             writer.close()
 
@@ -263,18 +286,29 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def summary_table(results: Iterable[TrialResult], *, metric: str, best_id: int | None) -> str:
-    """A plain-text table of all trials, the best marked with ``*``."""
-    header = ["id", "stage", "mb", "status", *METRICS, "secs"]
-    rows = []
-    for r in sorted(results, key=lambda r: r.spec.trial_id):
+def summary_table(results: Iterable[TrialResult], *, metric: str, best_id: int | None,
+                  spreads: Sequence[tuple[TrialSpec, str]] = ()) -> str:
+    """A plain-text table of all trials in sections (profiling trials, tuning trials, re-runs),
+    the best marked with ``*``; then ``spreads``: each configuration measured more than once, with
+    its measurements (``confirm.Candidate.spread``)."""
+    header = ["trial", "stage", "mb", "status", *METRICS, "secs"]
+    sections: dict[str, list[list[str]]] = {"profiling": [], "tuning": [], "re-run": []}
+    for r in sorted(results, key=_order):
         mark = "*" if r.spec.trial_id == best_id else ""
-        rows.append([f"{r.spec.trial_id}{mark}", str(r.spec.stage), str(r.spec.micro_batch),
-                     r.status.value + (" (profile)" if r.spec.profile else ""),
-                     *[_fmt(r.metrics.get(m)) for m in METRICS], f"{r.duration_s:.1f}"])
+        sections[role(r.spec)].append([f"{r.spec.name}{mark}", str(r.spec.stage), str(r.spec.micro_batch),
+                                       r.status.value, *[_fmt(r.metrics.get(m)) for m in METRICS],
+                                       f"{r.duration_s:.1f}"])
+    rows = [row for section in sections.values() for row in section]
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    lines.append(f"metric: {metric}; * = best")
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
+    titles = {"profiling": "profiling trials (the memory model's; p1 is micro-batch 1)",
+              "tuning": "tuning trials (the search's)", "re-run": "re-runs (confirming the best)"}
+    for kind, section in sections.items():
+        if section:
+            lines.append(f"-- {titles[kind]}: {len(section)}")
+            lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in section]
+    if spreads:
+        lines.append(f"-- configurations measured more than once ({metric}):")
+        lines += [f"stage {spec.stage} mb {spec.micro_batch}: {text}" for spec, text in spreads]
+    lines.append(f"metric: {metric}; * = best (the trial at its configuration's median)")
     return "\n".join(lines)

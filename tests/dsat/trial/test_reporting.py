@@ -192,6 +192,8 @@ def test_profiling_trial_reports_the_model_under_zero3(trials):
     assert info.half_precision is False and info.device == "cpu"
     # the peak resident size over the whole trial (VmHWM), what the calibrated memory model uses
     assert info.micro_batch == 1 and info.baseline_bytes < info.peak_bytes < 4 * GIB and not info.calibrated
+    # the start-up's peak apart (engine built, before the first step): the interpreter, torch, DeepSpeed
+    assert 50 * 1024 ** 2 < info.startup_peak_bytes < 4 * GIB
     written = json.loads((trials_dir / "trial_0" / "result.json").read_text())
     assert written["status"] == "ok" and written["profile"] == results[0].profile
 

@@ -15,23 +15,20 @@ Pure logic, rank 0 only by use (the orchestrator drives it through
 A line without a success yet bisects ``[lo, hi]`` (for throughput and FLOPS, at the grid's
 micro-batch nearest the middle; its first trial: the search's best micro-batch when there is
 one). The profiling trials at
-configurations of the search (:meth:`BinarySearcher.observe_profiling`) count as the lines'
-first results.
+configurations of the search (taken by every method alike,
+:meth:`~toolkit.dsat.search.lines.LineSearcher.observe_profiling`) count as the lines' first results.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 from typing import Any, Sequence
 
 from toolkit.dsat.contract import TrialStatus
-from toolkit.dsat.search import offload
 from toolkit.dsat.search.lines import Line, LineSearcher, metric_value
 from toolkit.dsat.search.peak import NOISE, log_grid, next_probe
-from toolkit.dsat.search.space import zero_config_for_stage
 from toolkit.dsat.search.types import SMALLER_IS_BETTER, TrialResult, is_better
 
 __all__ = ["BinaryLine", "BinarySearcher"]
@@ -86,37 +83,21 @@ class BinarySearcher(LineSearcher[BinaryLine]):
 
     # -- the profiling trials as results -------------------------------------------------------
     def observe_profiling(self, results: Sequence[TrialResult]) -> list[TrialResult]:
-        """Take the profiling trials that ran a configuration of this search as its first results.
-
-        For ``throughput`` and ``FLOPS_per_gpu`` (the peak search), a profiling trial counts when
-        its ZeRO section is the user's own at a searched stage of the first offload level and its
-        micro-batch is one a trial may use (the global batch policy): its throughput is timed
-        over the same steps as any trial's (the profiling probes run in the first step only). It
-        starts (or extends) that stage's line and may be the search's best. Forward, backward
-        and latency take none (Determined's upward bisection; micro-batch 1 would win
-        trivially). Call once, before the first :meth:`propose`; returns those taken.
-        Rank 0 only.
-        """
-        if self._proposed or self._lines:
-            raise ValueError("observe_profiling: call it once, before the first propose")
-        if self.settings.metric in SMALLER_IS_BETTER:
-            return []
-        base = offload.offload_zero(self.settings.base_zero, self.level)
-        allowed = self.settings.micro_batches
-        taken: list[TrialResult] = []
-        for stage in self._space.stages:
-            zero = json.dumps(zero_config_for_stage(base, stage), sort_keys=True, default=str)
-            mine = [r for r in results if json.dumps(dict(r.spec.zero), sort_keys=True, default=str) == zero
-                    and (allowed is None or r.spec.micro_batch in allowed)]
-            if not mine:
-                continue
-            line = self._new_line(user_stage=stage)
-            assert line is not None  # a user section is always available
-            for result in mine:
-                self._take(line, result)
-                taken.append(result)
+        """The profiling trials taken as results, as every method takes them
+        (:meth:`~toolkit.dsat.search.lines.LineSearcher.observe_profiling`); here each stage's
+        taken trials also start its line (:meth:`_take_profiling`). Rank 0 only."""
+        taken = super().observe_profiling(results)
         self._settle()
         return taken
+
+    def _take_profiling(self, stage: int, results: list[TrialResult]) -> None:
+        """Start (or extend) ``stage``'s line with the user's own section from the profiling
+        trials taken there: they count as the line's first results."""
+        line = next((x for x in self._lines if x.stage == stage and x.offload == self.level), None) \
+            or self._new_line(user_stage=stage)
+        assert line is not None  # a user section is always available
+        for result in results:
+            self._take(line, result)
 
     def _take(self, line: BinaryLine, result: TrialResult) -> None:
         """Record ``result`` on ``line``: bounds, values, line and search best."""

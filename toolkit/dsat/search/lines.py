@@ -43,7 +43,7 @@ from toolkit.dsat.contract import ProfileInfo, TrialStatus
 from toolkit.dsat.search import memory, offload
 from toolkit.dsat.search.memory import approx_max_micro_batch, offload_flags
 from toolkit.dsat.search.space import ZeroSpace, zero_config_for_stage
-from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec, is_better
+from toolkit.dsat.search.types import SMALLER_IS_BETTER, SearchSettings, TrialResult, TrialSpec, is_better
 
 __all__ = ["best_result", "metric_value", "Line", "LineSearcher"]
 
@@ -58,6 +58,14 @@ def metric_value(result: TrialResult, metric: str) -> float | None:
     if value is None or not is_number(value) or not math.isfinite(value):
         return None
     return float(value)
+
+
+_VERDICT = {TrialStatus.OK: "fitting (it ran)", TrialStatus.OOM: "out of memory"}
+
+
+def _config(spec: TrialSpec) -> tuple[int, str]:
+    """A configuration: its micro-batch and ZeRO section (the same key as the confirmation's)."""
+    return spec.micro_batch, json.dumps(dict(spec.zero), sort_keys=True, default=str)
 
 
 def _fingerprint(spec: TrialSpec) -> tuple[int, int, str]:
@@ -97,6 +105,8 @@ class Line:
         best: its best successful result so far.
         stopped: why the line takes no more trials (None while it may).
         offload: its offload level (``none``, ``optimizer`` or ``param``).
+        repeat_mb: a micro-batch judged both fitting and out of memory, to run once more before
+            anything else on the line (its result decides; None: none pending).
     """
 
     line_id: int
@@ -108,6 +118,7 @@ class Line:
     best: TrialResult | None = None
     stopped: str | None = None
     offload: str = "none"
+    repeat_mb: int | None = None
 
     @property
     def stage(self) -> int:
@@ -155,6 +166,9 @@ class LineSearcher(Generic[LineT]):
         self._results: list[TrialResult] = []
         self._proposed = 0
         self._best: TrialResult | None = None
+        self._verdicts: dict[tuple[int, str], list[TrialResult]] = {}  # config -> its OK/OOM results
+        self._repeats: set[int] = set()  # trial ids proposed to settle conflicting verdicts
+        self.notes: list[str] = []       # what the user should read: conflicting verdicts and their repeat
 
     # -- public (the Searcher protocol) -------------------------------------------------------
     def propose(self, capacity: int) -> list[TrialSpec]:
@@ -166,6 +180,13 @@ class LineSearcher(Generic[LineT]):
             raise ValueError(f"capacity={capacity!r}: expected an integer >= 0 (free trial slots)")
         specs: list[TrialSpec] = []
         while len(specs) < capacity and self.budget_left > 0:
+            repeat = next((line for line in self._lines if line.repeat_mb is not None and not line.in_flight),
+                          None)
+            if repeat is not None:
+                specs.append(self._propose_on(repeat, micro_batch=repeat.repeat_mb))
+                repeat.repeat_mb = None
+                self._repeats.add(specs[-1].trial_id)
+                continue
             line = self._next_line()
             if line is None:
                 break
@@ -185,6 +206,8 @@ class LineSearcher(Generic[LineT]):
         line, spec = self._take_in_flight(result.spec)
         line.in_flight = False
         self._results.append(result)
+        if self._conflicts(line, result):
+            return  # decided by the repeat, not by this verdict
         metric = self.settings.metric
         value = metric_value(result, metric)
         improved = value is not None and is_better(metric, value, self._best_value())
@@ -208,16 +231,72 @@ class LineSearcher(Generic[LineT]):
                      f", stopped: {line.stopped}" if line.stopped else "")
 
     def observe_profiling(self, results: Sequence[TrialResult]) -> list[TrialResult]:
-        """Take profiling trials that ran configurations of the search as results; returns those
-        taken. None here (``random`` and ``asha`` start from the memory model alone); ``binary``
-        takes them (:meth:`~toolkit.dsat.search.binary.BinarySearcher.observe_profiling`).
-        Call once, before the first :meth:`propose`. Rank 0 only."""
-        return []
+        """Take the profiling trials that ran configurations of the search as its results (every
+        method alike); returns those taken. Call once, before the first :meth:`propose`. Rank 0 only.
+
+        A profiling trial is at a configuration of the search when its ZeRO section is the user's
+        own at a searched stage of the first offload level. Its verdict (fits or out of memory)
+        counts against the search's trials of the same configuration (:meth:`_conflicts`); for
+        ``throughput`` and ``FLOPS_per_gpu``, when it ran and its micro-batch is one a trial may
+        use (the global batch policy), it is also a result: it may be the search's best (its
+        throughput is timed over the same steps as any trial's; the profiling probes run in the
+        first step only), and ``binary`` starts that stage's line from it
+        (:meth:`_take_profiling`). Forward, backward and latency take none as results
+        (micro-batch 1 would win trivially).
+        """
+        if self._proposed or self._lines:
+            raise ValueError("observe_profiling: call it once, before the first propose")
+        base = offload.offload_zero(self.settings.base_zero, self.level)
+        allowed, metric = self.settings.micro_batches, self.settings.metric
+        taken: list[TrialResult] = []
+        for stage in self._space.stages:
+            zero = json.dumps(zero_config_for_stage(base, stage), sort_keys=True, default=str)
+            mine = [r for r in results if json.dumps(dict(r.spec.zero), sort_keys=True, default=str) == zero]
+            for result in mine:
+                if result.status in (TrialStatus.OK, TrialStatus.OOM):
+                    self._verdicts.setdefault(_config(result.spec), []).append(result)
+            mine = [r for r in mine if (allowed is None or r.spec.micro_batch in allowed)
+                    and metric not in SMALLER_IS_BETTER]
+            for result in mine:
+                value = metric_value(result, metric)
+                if value is not None and is_better(metric, value, self._best_value()):
+                    self._best = result
+            if mine:
+                self._take_profiling(stage, mine)
+                taken += mine
+        return taken
+
+    def _take_profiling(self, stage: int, results: list[TrialResult]) -> None:
+        """What a method does with the profiling trials taken as results at ``stage`` besides
+        the search's best (:meth:`observe_profiling`): nothing by default."""
+
+    def _conflicts(self, line: LineT, result: TrialResult) -> bool:
+        """Whether ``result`` (a tuning trial's) is judged out of memory where a trial of the same
+        configuration ran, or the reverse, and was not itself the repeat: then the line runs that
+        micro-batch once more first, and its verdict decides (2 of 3), not this one (said in
+        :attr:`notes`). The verdict is kept either way."""
+        if result.status not in (TrialStatus.OK, TrialStatus.OOM):
+            return False
+        earlier = self._verdicts.setdefault(_config(result.spec), [])
+        other = next((r for r in earlier if r.status is not result.status), None)
+        earlier.append(result)
+        if other is None or result.spec.trial_id in self._repeats:
+            return False
+        spec = result.spec
+        note = (f"trial {spec.name} (stage {spec.stage}, micro-batch {spec.micro_batch}) was judged "
+                f"{_VERDICT[result.status]}, trial {other.spec.name} of the same config "
+                f"{_VERDICT[other.status]}: running it once more to decide, rather than trusting the "
+                "last verdict")
+        self.notes.append(note)
+        logger.warning("%s", note)
+        line.repeat_mb = spec.micro_batch
+        return True
 
     @property
     def done(self) -> bool:
         """No trial is in flight, and the trial cap is reached or nothing is left to propose."""
-        return not self._in_flight and (self.budget_left <= 0 or not self._has_work())
+        repeats = any(line.repeat_mb is not None for line in self._lines)
+        return not self._in_flight and (self.budget_left <= 0 or not (repeats or self._has_work()))
 
     @property
     def budget_left(self) -> int:
@@ -262,11 +341,12 @@ class LineSearcher(Generic[LineT]):
     def _best_value(self) -> float | None:
         return None if self._best is None else metric_value(self._best, self.settings.metric)
 
-    def _propose_on(self, line: LineT) -> TrialSpec:
-        """The next trial of ``line``, now in flight."""
+    def _propose_on(self, line: LineT, *, micro_batch: int | None = None) -> TrialSpec:
+        """The next trial of ``line`` (at ``micro_batch``, else the method's choice), now in flight."""
         self._proposed += 1
-        spec = TrialSpec(trial_id=self._proposed, micro_batch=self._micro_batch(line),
-                         zero=copy.deepcopy(line.zero), line=line.line_id)
+        m = self._micro_batch(line) if micro_batch is None else micro_batch
+        spec = TrialSpec(trial_id=self._proposed, micro_batch=m, zero=copy.deepcopy(line.zero),
+                         line=line.line_id)
         line.trials += 1
         line.in_flight = True
         self._in_flight[spec.trial_id] = (line, spec)

@@ -62,7 +62,12 @@ class TrialSpec:
         micro_batch: ``train_micro_batch_size_per_gpu``.
         zero: the ``zero_optimization`` section to use (merged over the user's).
         line: the search line (one random ZeRO config explored by bisection); -1 for profiling.
-        profile: the profiling trial (micro-batch 1, collects model and memory numbers).
+        profile: a profiling trial (the memory model's measurements; 0 the first, at micro-batch 1,
+            the others below 0).
+        label: what the user sees for a profiling trial (``p1``, ``p2``, ... in the order they
+            ran; the orchestrator sets it); empty: the trial id.
+        rerun: a re-run of a configuration already measured, to confirm the best (the
+            orchestrator's, after the search; no searcher proposed it).
     """
 
     trial_id: int
@@ -70,10 +75,17 @@ class TrialSpec:
     zero: Mapping[str, Any]
     line: int = -1
     profile: bool = False
+    label: str = ""
+    rerun: bool = False
 
     @property
     def stage(self) -> int:
         return int(self.zero.get("stage", 0))
+
+    @property
+    def name(self) -> str:
+        """The trial as the user sees it: its label (profiling trials: ``p1``, ...), else its id."""
+        return self.label or str(self.trial_id)
 
     def ds_overrides(self) -> dict[str, Any]:
         """What to merge over the user's DeepSpeed config for this trial."""
@@ -81,14 +93,16 @@ class TrialSpec:
                 "zero_optimization": json.loads(json.dumps(dict(self.zero)))}
 
     def to_json(self) -> dict[str, Any]:
+        extra = {**({"label": self.label} if self.label else {}), **({"rerun": True} if self.rerun else {})}
         return {"trial_id": self.trial_id, "micro_batch": self.micro_batch,
                 "zero": json.loads(json.dumps(dict(self.zero))), "line": self.line,
-                "profile": self.profile}
+                "profile": self.profile, **extra}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "TrialSpec":
         return cls(int(data["trial_id"]), int(data["micro_batch"]), dict(data["zero"]),
-                   int(data.get("line", -1)), bool(data.get("profile", False)))
+                   int(data.get("line", -1)), bool(data.get("profile", False)),
+                   str(data.get("label") or ""), bool(data.get("rerun", False)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +274,17 @@ class Searcher(Protocol):
     @property
     def observed_count(self) -> int:
         """Results observed so far (recorded with each proposed trial, for the replay)."""
+        ...
+
+    @property
+    def budget_left(self) -> int:
+        """Trials it may still propose."""
+        ...
+
+    @property
+    def notes(self) -> list[str]:
+        """What the user should read, in the order it happened (a config judged both fitting and
+        out of memory, and its repeat)."""
         ...
 
     @property

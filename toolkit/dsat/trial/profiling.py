@@ -215,7 +215,7 @@ def merge_profiles(profiles: list[dict[str, Any] | None]) -> dict[str, Any] | No
         return None
     merged = dict(known[0])
     for key in ("num_params", "trainable_params", "activation_bytes_per_example", "baseline_bytes",
-                "peak_bytes"):
+                "peak_bytes", "startup_peak_bytes"):
         merged[key] = max(p.get(key, 0) for p in known)
     merged["memory_per_slot"] = min(p["memory_per_slot"] for p in known)
     return merged

@@ -119,7 +119,8 @@ class TrialSession:
         self.counting = False                   # a forward is running under the FLOP counter
         self.profile: dict[str, Any] | None = None
         self.rss_start = profiling.rss_bytes()
-        self.startup_peak = profiling.rss_bytes("VmHWM")  # before a profiling trial resets the peak
+        # the start-up's peak (engine built, no step yet), before a profiling trial resets it
+        self.startup_peak = profiling.peak_memory_bytes(getattr(engine, "device", "cpu"))
         self.first_step: int | None = None   # steps are counted from the first one seen (resumed loops)
         self.step_calls = 0                   # calls of step(): the position when no count is given
         self.last_step = -1
@@ -254,6 +255,7 @@ class TrialSession:
         if self.profile is not None:  # the peak over every step of the trial, not just the first
             peak = profiling.peak_memory_bytes(getattr(self.engine, "device", "cpu"))
             self.profile["peak_bytes"] = max(int(self.profile.get("peak_bytes", 0)), peak)
+            self.profile["startup_peak_bytes"] = int(self.startup_peak)
         # forward/backward seconds only accumulate while a timed step runs
         return {"latency": 1000.0 * sum(self.step_s) / steps,
                 "forward": 1000.0 * self.seconds["forward"] / steps,
@@ -267,7 +269,7 @@ class TrialSession:
         import torch
         if budget is None or torch.device(getattr(self.engine, "device", "cpu")).type != "cpu":
             return None
-        peak = max(profiling.rss_bytes("VmHWM"), self.startup_peak)
+        peak = max(profiling.rss_bytes("VmHWM"), self.startup_peak)  # on CPU both are VmHWM
         if peak <= budget:
             return None
         return (f"peak RSS {peak / 2**20:.0f} MiB on rank {self.ctx.rank} exceeded the memory budget "

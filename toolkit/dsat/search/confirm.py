@@ -1,0 +1,142 @@
+"""The best is confirmed: each configuration's measurements, the re-runs of the top candidates,
+and the pick by the median.
+
+One timed measurement on a shared machine is noisy (the same config measured 1.053e10 and
+8.598e9 FLOPS per GPU on the HelloDeepSpeed port), so the search's best is not one lucky run:
+the orchestrator re-runs the ``--confirm`` best configurations until each has
+:data:`CONFIRM_MEASUREMENTS` trials, and picks the configuration whose median is best among those
+measured more than once. A configuration judged both fitting and out of memory is decided by the
+majority of its verdicts (its re-runs break the tie), never by the last one. Pure functions;
+rank 0 only by use (the orchestrator).
+
+Example (rank 0, after the search)::
+
+    candidates = group(results)                                   # every measured configuration
+    for c in to_confirm(candidates, metric, top=2):
+        run c.reruns_needed() more trials of c.spec
+    best = pick(group(results + reruns), metric)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from typing import Iterable, Sequence
+
+from toolkit.dsat.contract import TrialStatus
+from toolkit.dsat.search.lines import metric_value
+from toolkit.dsat.search.types import SMALLER_IS_BETTER, TrialResult, TrialSpec
+
+__all__ = ["CONFIRM_MEASUREMENTS", "Candidate", "config_key", "group", "pick", "to_confirm"]
+
+#: Trials a confirmed configuration has in all (its search trials and its re-runs): an odd number,
+#: so that its median is one of its measurements and its verdicts have a majority.
+CONFIRM_MEASUREMENTS = 3
+
+
+def config_key(spec: TrialSpec) -> tuple[int, str]:
+    """What makes two trials the same configuration: the micro-batch and the ZeRO section. Pure."""
+    return spec.micro_batch, json.dumps(dict(spec.zero), sort_keys=True, default=str)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One configuration and every finished trial of it, in the order they ran.
+
+    Attributes:
+        results: its trials (search trials, profiling trials taken as results, re-runs).
+    """
+
+    results: tuple[TrialResult, ...]
+
+    @property
+    def spec(self) -> TrialSpec:
+        """Its first trial's spec (the configuration)."""
+        return self.results[0].spec
+
+    def values(self, metric: str) -> list[float]:
+        """The finite ``metric`` of its successful trials, in run order."""
+        return [v for v in (metric_value(r, metric) for r in self.results) if v is not None]
+
+    @property
+    def fits(self) -> bool:
+        """Most of its verdicts are "ran" (OK): a config judged out of memory (or failed) as often
+        as it ran does not fit."""
+        ok = sum(r.status is TrialStatus.OK for r in self.results)
+        return ok > len(self.results) - ok
+
+    @property
+    def conflicting(self) -> bool:
+        """Judged both fitting (OK) and out of memory at least once each."""
+        statuses = {r.status for r in self.results}
+        return TrialStatus.OK in statuses and TrialStatus.OOM in statuses
+
+    def median(self, metric: str) -> float | None:
+        """The median of :meth:`values` (None without one)."""
+        values = self.values(metric)
+        return statistics.median(values) if values else None
+
+    def representative(self, metric: str) -> TrialResult | None:
+        """The successful trial at the median: its metrics are the ones reported. With an even
+        count, the worse of the two middle ones (the conservative figure)."""
+        ok = [(v, r) for r in self.results if (v := metric_value(r, metric)) is not None]
+        if not ok:
+            return None
+        worse_first = sorted(ok, key=lambda vr: -vr[0] if metric in SMALLER_IS_BETTER else vr[0])
+        return worse_first[(len(worse_first) - 1) // 2][1]
+
+    def reruns_needed(self) -> int:
+        """Re-runs that bring it to :data:`CONFIRM_MEASUREMENTS` trials."""
+        return max(0, CONFIRM_MEASUREMENTS - len(self.results))
+
+    def spread(self, metric: str) -> str:
+        """Its measurements for the summary: ``median (min-max; all values; trials)``."""
+        values = self.values(metric)
+        names = ", ".join(r.spec.name for r in self.results)
+        if not values:
+            return f"no result (trials {names})"
+        verdicts = "" if not self.conflicting else (
+            f"; verdicts {', '.join(r.status.value for r in self.results)}: "
+            f"{'fits' if self.fits else 'does not fit'} by majority")
+        return (f"median {statistics.median(values):.4g} (min {min(values):.4g}, max {max(values):.4g}; "
+                f"{', '.join(f'{v:.4g}' for v in values)}; trials {names}{verdicts})")
+
+
+def group(results: Iterable[TrialResult]) -> list[Candidate]:
+    """Every configuration measured, with its trials (OK, out of memory, failed or timed out), in
+    the order each configuration first ran. Pure."""
+    by_key: dict[tuple[int, str], list[TrialResult]] = {}
+    for result in results:
+        by_key.setdefault(config_key(result.spec), []).append(result)
+    return [Candidate(tuple(rs)) for rs in by_key.values()]
+
+
+def _ranked(candidates: Sequence[Candidate], metric: str) -> list[Candidate]:
+    """The fitting candidates with a result, best median first (ties: the one that ran first)."""
+    scored = [(m, i, c) for i, c in enumerate(candidates) if c.fits and (m := c.median(metric)) is not None]
+    sign = 1.0 if metric in SMALLER_IS_BETTER else -1.0
+    return [c for _, _, c in sorted(scored, key=lambda mic: (sign * mic[0], mic[1]))]
+
+
+def to_confirm(candidates: Sequence[Candidate], metric: str, *, top: int) -> list[Candidate]:
+    """The ``top`` best fitting configurations by their median so far (``top`` 0: none). Pure."""
+    return _ranked(candidates, metric)[:max(top, 0)]
+
+
+def pick(candidates: Sequence[Candidate], metric: str, *, confirmed: bool = True) -> Candidate | None:
+    """The configuration with the best median among the fitting ones measured more than once
+    (``confirmed``), or among all fitting ones (``confirmed=False``: the search's single
+    measurements, when no re-run was asked for). None when there is none. Pure.
+
+    >>> from toolkit.dsat.search.types import TrialSpec
+    >>> def r(i, mb, v): return TrialResult(TrialSpec(i, mb, {"stage": 1}), TrialStatus.OK, {"throughput": v})
+    >>> lucky = [r(1, 8, 90.0), r(2, 16, 100.0), r(3, 16, 60.0), r(4, 16, 70.0), r(5, 8, 85.0), r(6, 8, 80.0)]
+    >>> pick(group(lucky), "throughput").spec.micro_batch
+    8
+    """
+    ranked = _ranked(candidates, metric)
+    if confirmed:
+        ranked = [c for c in ranked if len(c.values(metric)) > 1]
+    return ranked[0] if ranked else None
+

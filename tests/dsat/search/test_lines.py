@@ -198,3 +198,28 @@ def test_make_searcher_picks_the_method_class():
     assert isinstance(make_searcher(settings_for("asha"), p), AshaSearcher)
     with pytest.raises(TypeError, match="expected SearchSettings and ProfileInfo"):
         make_searcher({"method": "binary"}, p)
+
+
+# -- a config judged both fitting and out of memory: decided by a repeat (issue 29 item 2) ---------
+@pytest.mark.parametrize("repeat", [OK, OOM])
+def test_a_conflicting_verdict_is_decided_by_a_repeat_not_by_the_last_one(repeat):
+    # The profiling trial ran the user's config at micro-batch 2; the search's trial at the same
+    # config is judged out of memory there (a start-up peak near the budget). The searcher moves no
+    # bound on it, says so, and runs micro-batch 2 again first: that repeat decides (2 of 3).
+    settings = dict(zero_stages=(1,), metric="throughput", max_trials=10)
+    zero = make_searcher(settings_for("asha", **settings), profile_with_range(4)).propose(1)[0].zero
+    searcher = make_searcher(settings_for("asha", base_zero=zero, **settings), profile_with_range(4))
+    ran = TrialResult(TrialSpec(0, 2, zero, profile=True, label="p1"), OK, {"throughput": 1.0})
+    assert searcher.observe_profiling([ran]) == [ran]
+    (first,) = searcher.propose(1)
+    assert (first.zero, first.micro_batch) == (zero, 2)
+    searcher.observe(TrialResult(first, OOM))
+    (note,) = searcher.notes
+    assert note.startswith("trial 1 (stage 1, micro-batch 2) was judged out of memory, trial p1 of the same "
+                           "config fitting (it ran): running it once more")
+    again, other = searcher.propose(2)  # the repeat first, then the method's own next trial
+    assert (again.trial_id, again.line, again.micro_batch) == (2, first.line, 2) and other.line != first.line
+    searcher.observe(TrialResult(again, repeat, {"throughput": 1.0} if repeat is OK else {}))
+    line = searcher._lines[first.line]
+    assert (line.lo, line.hi) == ((3, 4) if repeat is OK else (1, 1))
+    assert len(searcher.notes) == 1  # the repeat's own verdict is not a new conflict

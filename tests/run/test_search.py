@@ -22,6 +22,8 @@ def test_a_rerun_refuses_a_changed_search_or_a_corrupt_search_json(tmp_path, cap
 
     state = search.new_state(ASHA, seed=5)
     assert search.config_changes(state, ASHA) == []
+    more_at_once = dict(ASHA, searcher=dict(ASHA["searcher"], max_concurrent_trials=4))
+    assert search.config_changes(state, more_at_once) == []  # how many at once, not which: may change
     changed = dict(ASHA, searcher=dict(ASHA["searcher"], name="random", max_trials=4),
                    hyperparameters={"inc": {"type": "int", "minval": 1, "maxval": 9}},
                    reproducibility={"experiment_seed": 7})

@@ -235,13 +235,16 @@ def upgrade_state(state: dict[str, Any]) -> dict[str, Any]:
 def config_changes(state: Mapping[str, Any], config: Mapping[str, Any]) -> list[str]:
     """What differs between the config a search state was started with and ``config``. Pure; any rank.
 
-    Each entry names the key and both values; empty when the search can continue. Example::
+    Each entry names the key and both values; empty when the search can continue.
+    ``max_concurrent_trials`` may change (it decides how many trials run at once, not which).
+    Example::
 
         config_changes(state, config)   # ["searcher.max_trials: 2 when the search started, now 3"]
     """
     now = _recorded(config)
     before = state.get("searcher_config", {"name": state.get("searcher")})  # older files: the name only
     keys = set(before) | set(now["searcher_config"]) if "searcher_config" in state else {"name"}
+    keys.discard("max_concurrent_trials")
     after = now["searcher_config"]
     changes = [f"searcher.{key}: {before.get(key)!r} when the search started, now {after.get(key)!r}"
                for key in sorted(keys) if before.get(key) != after.get(key)]

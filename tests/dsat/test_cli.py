@@ -81,6 +81,7 @@ def trial_rows(out):
         (["--max-concurrent-trials", "0"], "--max-concurrent-trials 0: expected an integer >= 1"),
         (["--zero-stages", "4"], "argument --zero-stages: '4' is not a ZeRO stage"),
         (["--metric", "speed"], "argument --metric: invalid choice: 'speed'"),
+        (["--confirm", "-1"], "--confirm -1: expected an integer >= 0"),
         (["--trial-timeout", "0"], "--trial-timeout 0.0: expected a number of seconds > 0"),
         (["--memory-per-slot", "3XB"], "argument --memory-per-slot: '3XB' is not a size"),
         (["--start-profile-step", "0"], "--start-profile-step 0: expected an integer >= 1"),

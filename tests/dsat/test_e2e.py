@@ -47,11 +47,20 @@ def test_binary_search_on_the_example_then_train_with_the_best_config(tmp_path):
                     # model's boundary) runs out of memory; throughput brackets its peak below
                     "--metric", "latency",
                     "--zero-stages", "1", "2", "--start-profile-step", "2", "--end-profile-step", "3",
-                    "--trial-timeout", "240", "--output-dir", str(out)], timeout=1200)
+                    # no re-runs of the best here (tests/dsat/test_cli.py confirms one on the simulated model)
+                    "--confirm", "0", "--trial-timeout", "240", "--output-dir", str(out)], timeout=1200)
     assert result.returncode == 0, result.stdout[-5000:]
     with open(out / "trials.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == 6  # 4 profiling trials (1, k, and each stage near its boundary), 2 tuning trials
+    assert [r["trial"] for r in rows[:4]] == ["p1", "p2", "p3", "p4"]  # in the order they ran
+    assert {r["role"] for r in rows[:4]} == {"profiling"} and {r["role"] for r in rows[4:]} == {"tuning"}
+    # what micro-batch 1 takes of the budget: the start-up's peak and the steps' apart, in the closing lines
+    share = json.loads((out / "profile.json").read_text())["micro_batch_1"]
+    assert share["budget_bytes"] == 600 * 2**20 and 0 < share["startup_peak_bytes"] <= share["budget_bytes"]
+    assert 0 < share["step_peak_bytes"] and share["share"] < 1
+    assert f"micro-batch 1 takes {100 * share['share']:.0f}% of the 600 MiB budget per slot" in result.stdout
+    assert "-- profiling trials" in result.stdout and "-- tuning trials (the search's): 2" in result.stdout
     statuses = [r["status"] for r in rows[1:]]
     assert "oom" in statuses, statuses          # some trials exceeded the budget ...
     assert "ok" in statuses, statuses           # ... and some fit
@@ -78,7 +87,7 @@ def test_binary_search_on_the_example_then_train_with_the_best_config(tmp_path):
         assert last.startswith(f"global batch changed from 16 to {best['train_batch_size']} samples per step")
         assert "--global-batch 16 --output-dir" in last
     else:
-        assert last.startswith("dsat: best latency") and batch["notice"] is None
+        assert last.startswith("micro-batch 1 takes") and batch["notice"] is None
 
     # The best config, passed back to the example through its own YAML, trains it.
     experiment = yaml.safe_load(config.read_text())
@@ -101,8 +110,8 @@ def test_an_offload_trial_runs_on_cpu(tmp_path):
     result = procutil.run([sys.executable, "-m", "toolkit.dsat", "binary", str(config), str(EXAMPLES),
                     "--max-trials", "2", "--memory-per-slot", "1400MiB", "--zero-stages", "2",
                     "--offload", "always", "--global-batch", "16", "--start-profile-step", "2",
-                    "--end-profile-step", "3", "--trial-timeout", "240", "--output-dir", str(out)],
-                   timeout=900)
+                    "--end-profile-step", "3", "--confirm", "0", "--trial-timeout", "240",
+                    "--output-dir", str(out)], timeout=900)
     assert result.returncode == 0, result.stdout[-5000:]
     assert "global batch: fixed train_batch_size=16" in result.stdout
     records = {r["trial_id"]: r for r in map(json.loads, (out / "trials.jsonl").read_text().splitlines())}
@@ -119,7 +128,8 @@ def test_an_offload_trial_runs_on_cpu(tmp_path):
     best = json.loads((out / "best_ds_config.json").read_text())
     assert best["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
     assert best["train_batch_size"] == 16
-    # 16 is also what the example's config implies (8 x 1 x 2): no notice, the summary is the last line
+    # 16 is also what the example's config implies (8 x 1 x 2): no notice, the summary's lines are the last
     batch = json.loads((out / "best_ds_metrics.json").read_text())["global_batch"]
     assert (batch["user_train_batch_size"], batch["changed"], batch["notice"]) == (16, False, None)
-    assert result.stdout.rstrip().splitlines()[-1].startswith("dsat: best FLOPS_per_gpu")
+    summary, share = result.stdout.rstrip().splitlines()[-2:]
+    assert summary.startswith("dsat: best FLOPS_per_gpu") and share.startswith("micro-batch 1 takes")

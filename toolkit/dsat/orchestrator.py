@@ -329,11 +329,15 @@ class Autotuner:
                 self._progress(result, runner.running())
 
     def _share_line(self) -> str:
-        """What micro-batch 1 takes of the budget (the closing lines), or nothing when unmeasured."""
+        """What micro-batch 1 takes of the budget (the closing lines), or nothing when unmeasured:
+        on CPU the budget is the plan's, on GPUs the device's memory (as the memory model's)."""
         first = self.results.get(0)
-        share = budget_share({**(first.profile or {}), **(
-            {"memory_per_slot": self.plan.memory_per_slot} if self.plan.memory_per_slot else {})}) \
-            if first is not None and first.profile else None
+        if first is None or not first.profile:
+            return ""
+        profile = dict(first.profile)
+        if self.plan.memory_per_slot is not None and profile.get("device", "cpu") == "cpu":
+            profile["memory_per_slot"] = self.plan.memory_per_slot
+        share = budget_share(profile)
         return "" if share is None else "\n" + budget_share_line(share)
 
     def _broken(self) -> bool:

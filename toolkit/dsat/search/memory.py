@@ -24,9 +24,12 @@ predicted to fit up to
 stages' model-state differences coming from the formula above. The calibrated profile carries the
 slope as ``activation_bytes_per_example``, the intercept as ``baseline_bytes`` and the calibration
 point ``k`` as ``micro_batch``, so :func:`approx_max_micro_batch` computes exactly that. The
-profiled stage is then measured once more at its point near the boundary (below), and the line
-refitted through ``peak(k)`` and that point, which becomes ``k``: the peak does not grow
-linearly (small steps carry one-off buffers; on CPU the C allocator bends the curve).
+profiled stage is then measured at points nearer the boundary (``calibration.climb``: a ladder,
+each point at half the predicted boundary, until the largest is 40% of it), and the line refitted
+through the two largest, the larger becoming ``k``: the peak does not grow linearly (small steps
+carry one-off buffers; the step's fixed buffers set the peak of small steps, so an MLP's peak was
+flat to a knee near 1300 examples; on CPU the C allocator bends the curve). A tuning trial refits
+it the same way (``calibration.with_trial``, ``with_oom``).
 
 What the formula misses between stages (ZeRO-3's gather and prefetch buffers, a stage's own
 buckets) is measured by one more profiling trial per other searched stage, at half the stage's

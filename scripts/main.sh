@@ -27,7 +27,8 @@ echo "== 2/3 start it again: it resumes from its last checkpoint and has nothing
 "$py" -m torch.distributed.run --nproc_per_node "$nproc" --master_port "$(port)" \
   "$root/examples/core_api/train.py" --output-dir "$out/train"
 
-echo "== 3/3 a short autotune (binary search, 6 trials, 1 GiB budget per slot)"
+echo "== 3/3 a short autotune (binary search of ZeRO stage 1 under 1 GiB per slot: 3 profiling trials p1-p3,"
+echo "   3 tuning trials, then the best configuration re-run twice and picked by the median)"
 rm -rf "$out/dsat"
 # The example's YAML with a dataset large enough for the micro-batches the search tries (its
 # random images are made lazily, so the size costs nothing); everything else as in the example.
@@ -37,8 +38,14 @@ config = yaml.safe_load(open(sys.argv[1], encoding="utf-8"))
 config["hyperparameters"]["dataset_size"] = 65536
 yaml.safe_dump(config, open(sys.argv[2], "w", encoding="utf-8"), sort_keys=False)
 PY
+# --max-trials 6 counts the profiling trials (micro-batch 1, the calibration, stage 1 near its
+# boundary): 3 tuning trials. --confirm 1: the best configuration is re-run until it has 3
+# measurements (2 re-runs, beside --max-trials). One stage, and 2 timed steps (2, 3) spanning at least
+# 1 s, keep its 8 trials near the time of the 6 it ran before (5 of them profiling, every stage
+# measured near its boundary, 1 tuning trial): a trial is mostly its start-up.
 "$py" -m toolkit.dsat binary "$out/dsat_experiment.yaml" "$root/examples/core_api" \
-  --max-trials 6 --memory-per-slot 1GiB --metric throughput --trial-timeout 300 --output-dir "$out/dsat"
+  --max-trials 6 --zero-stages 1 --confirm 1 --start-profile-step 2 --end-profile-step 3 --timed-window 1 \
+  --memory-per-slot 1GiB --metric throughput --trial-timeout 300 --output-dir "$out/dsat"
 
 echo
 echo "Done. Best DeepSpeed config: $out/dsat/best_ds_config.json"

@@ -15,11 +15,13 @@ trial, seeded (``reproducibility.experiment_seed``), so both arms draw the same 
 
 Both arms are ``python -m toolkit.run`` with ``--max-slots 2`` on this machine, one after the
 other, each in a fresh output directory: **sequential** with ``max_concurrent_trials: 1``,
-**concurrent** with ``max_concurrent_trials: 2``. Printed: each arm's wall time (the command's,
-start-up included), the ratio concurrent / sequential (target <= 0.6; the acceptance bound 0.7),
-and the best trial each found (its hyperparameters and metric, from ``search.json``), with
-whether they agree. ASHA decides on the reports in the order they arrive, so two arms may stop
-different trials; the best of a seeded search is the same when its trial is never stopped.
+**concurrent** with ``max_concurrent_trials: 2``; ``--repeats N`` runs both N times, the order
+alternating, and compares the medians (on a shared machine the load changes between arms).
+Printed: each arm's wall time (the command's, start-up included), the ratio concurrent /
+sequential (target <= 0.6; the acceptance bound 0.7), and the best trial each found (its
+hyperparameters and metric, from ``search.json``), with whether they agree. ASHA decides on the
+reports in the order they arrive, so two arms may stop different trials; the best of a seeded
+search is the same when its trial is never stopped.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,20 +90,24 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1, help="reproducibility.experiment_seed of both arms")
     parser.add_argument("--trials", type=int, default=10, help="searcher.max_trials (the tutorial's 10)")
     parser.add_argument("--step-s", type=float, default=0.1, help="seconds per batch (the tutorial's 0.1)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each arm, the order alternating")
     parser.add_argument("--output", help="also write the figures here as JSON")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-search-") as tmp:
-        arms = [run_arm(Path(tmp), concurrent=n, seed=args.seed, trials=args.trials, step_s=args.step_s)
-                for n in (1, 2)]
-    sequential, concurrent = arms
-    ratio = concurrent["wall_s"] / sequential["wall_s"]
-    same = (sequential["best"]["hparams"], sequential["best"]["metric"]) == \
-        (concurrent["best"]["hparams"], concurrent["best"]["metric"])
+    arms = []
+    for repeat in range(args.repeats):
+        for n in ((1, 2) if repeat % 2 == 0 else (2, 1)):
+            with tempfile.TemporaryDirectory(prefix="bench-search-") as tmp:
+                arms.append(run_arm(Path(tmp), concurrent=n, seed=args.seed, trials=args.trials,
+                                    step_s=args.step_s))
+    walls = {n: statistics.median(a["wall_s"] for a in arms if a["max_concurrent_trials"] == n)
+             for n in (1, 2)}
+    ratio = walls[2] / walls[1]
+    same = len({(json.dumps(a["best"]["hparams"], sort_keys=True), a["best"]["metric"]) for a in arms}) == 1
     for arm in arms:
         print(f"max_concurrent_trials={arm['max_concurrent_trials']}: {arm['wall_s']:.1f} s, exit status "
               f"{arm['exit_status']}, best {json.dumps(arm['best'])}")
-    print(f"wall-time ratio concurrent / sequential: {ratio:.2f} (target <= 0.6, acceptance <= 0.7); "
-          f"same best: {same}")
+    print(f"wall-time ratio concurrent / sequential (medians of {args.repeats}): {ratio:.2f} "
+          f"(target <= 0.6, acceptance <= 0.7); same best: {same}")
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps({"ratio": round(ratio, 3), "same_best": same, "arms": arms},

@@ -95,7 +95,8 @@ def _search(base: Path, *, kill_after: int, seed: int) -> dict:
     out = base / "out"
     argv = [sys.executable, "-m", "toolkit.dsat", "random", str(model_dir / "deepspeed.yaml"), str(model_dir),
             "--output-dir", str(out), "--max-trials", str(MAX_TRIALS), "--zero-stages", "1", "2",
-            "--trial-timeout", "15", "--memory-per-slot", "150MiB", "--random-seed", str(seed)]
+            "--trial-timeout", "15", "--memory-per-slot", "150MiB", "--random-seed", str(seed),
+            "--confirm", "0"]
     with open(base / "first.log", "w") as log:
         proc = subprocess.Popen(
             argv, env=procutil.child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True

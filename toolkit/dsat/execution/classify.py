@@ -161,7 +161,7 @@ def classify(spec: TrialSpec, *, directory: Path, code: int | None, duration_s: 
         if status is TrialStatus.FAILED and error is not None:
             error += launcher_hint(_read_tail(directory / "stderr.log"))
             error += stderr_tail(directory / "stderr.log")
-        logger.info("trial %d ended: %s%s", spec.trial_id, status.value, f" ({error})" if error else "")
+        logger.info("trial %s ended: %s%s", spec.name, status.value, f" ({error})" if error else "")
         return TrialResult(spec, status, duration_s=duration_s, error=error, **kw)
 
     if verdict is not None:

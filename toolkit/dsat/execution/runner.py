@@ -169,7 +169,8 @@ class TrialRunner:
             raise
         self._running[spec.trial_id] = _Trial(spec, directory, env[TRIAL_ENV], process, slots, port,
                                               time.monotonic())
-        logger.info("trial %d started (pid %d, port %d%s%s): %s", spec.trial_id, process.pid, port,
+        logger.info("trial %s started (%s, pid %d, port %d%s%s): %s", spec.name, directory.name,
+                    process.pid, port,
                     f", GPUs {slots.gpus}" if slots.gpus else "",
                     f", hosts {format_include(slots.placement)}" if slots.placement else "", " ".join(argv))
 
@@ -328,8 +329,8 @@ class TrialRunner:
             subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, timeout=max(self.settings.grace_s, 10.0), check=False)
         except (OSError, subprocess.TimeoutExpired) as err:
-            logger.warning("trial %d: stopping it on %s failed (%s); its ranks there may live on until their "
-                           "rendezvous times out", trial.spec.trial_id, ",".join(hosts), err)
+            logger.warning("trial %s: stopping it on %s failed (%s); its ranks there may live on until their "
+                           "rendezvous times out", trial.spec.name, ",".join(hosts), err)
 
     def _free_port(self) -> int:
         in_use = {t.port for t in self._running.values()}
@@ -393,7 +394,7 @@ class TrialRunner:
                             break
                 if trial.verdict is None:
                     continue
-                logger.info("trial %d: %s; killing its processes", trial.spec.trial_id, trial.verdict[1])
+                logger.info("trial %s: %s; killing its processes", trial.spec.name, trial.verdict[1])
             # Ended, or to be ended: no process of it may outlive it (orphans in their own session too).
             self._terminate([trial])
             self._release(trial)

@@ -279,7 +279,7 @@ class TrialArm:
         from toolkit.config.deepspeed import overwrite_deepspeed_config
         from toolkit.dsat.contract import TrialContract
         from toolkit.dsat.execution.runner import TrialRunner
-        from toolkit.dsat.orchestrator import trial_ds_config
+        from toolkit.dsat.plan import trial_ds_config
         from toolkit.dsat.trial.reporting import instrumentation_overrides
 
         plan, results = self.plan, list[TrialResult]()

@@ -3,7 +3,7 @@
 Nothing here starts a process or touches a file: a searcher takes results and returns the next
 trials. Trial ids start at 1 (0 is the profiling trial) and follow proposal order; at most
 ``max_trials - 1`` are proposed. ``observe_profiling`` (before the first ``propose``) hands the
-profiling trials over, and ``binary`` takes those at configurations of its search as results.
+profiling trials over, and every method takes those at configurations of its search as results.
 Each searcher owns a ``random.Random(random_seed)`` and nothing else is random, so the same seed
 and calls give the same trials; ``propose(a)`` then ``propose(b)`` equals ``propose(a + b)``, and
 an empty ``propose`` changes nothing, so :func:`replay` rebuilds a searcher from the recorded

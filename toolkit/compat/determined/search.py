@@ -1,8 +1,8 @@
 """Determined's searchers as pure decisions: which trials to run, and when ASHA stops one.
 
 ``python -m toolkit.run`` runs a search's trials, several at once on free slots
-(:mod:`toolkit.run.search`, the shell); this module decides, on a JSON-able state dict that the
-shell keeps in ``<output_dir>/search.json``, so a rerun continues where the search stopped:
+(:mod:`toolkit.run.scheduler`, the shell); this module decides, on a JSON-able state dict that
+the shell keeps in ``<output_dir>/search.json``, so a rerun continues where the search stopped:
 
 * ``single``: one trial (its search spaces sampled, as Determined's master does);
 * ``random``: ``max_trials`` trials, each sampled from the search space;

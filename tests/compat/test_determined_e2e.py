@@ -255,6 +255,8 @@ def _dsat(model_dir, out, *flags):
         "1",
         "--output-dir",
         str(out),
+        "--confirm",  # no re-runs of the best: this test is about the wrapper, not the confirmation
+        "0",
         *flags,
     ]
     return procutil.run(argv, timeout=500)

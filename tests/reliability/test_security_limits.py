@@ -50,8 +50,8 @@ def test_asha_ranks_a_non_finite_metric_last_and_stores_a_finite_number(bad):
     assert search.asha_report(state, 0, time_step=50, metric=5.0, config=config) is False
     assert search.asha_report(state, 1, time_step=50, metric=bad, config=config) is True  # stopped: last
     assert search.asha_report(state, 2, time_step=50, metric=4.0, config=config) is False
-    assert [i for i, _ in state["asha"]["metrics"][0]] == [2, 0, 1]
-    assert all(math.isfinite(v) for _, v in state["asha"]["metrics"][0])
+    assert [i for i, _ in state["asha"]["brackets"][0]["metrics"][0]] == [2, 0, 1]
+    assert all(math.isfinite(v) for _, v in state["asha"]["brackets"][0]["metrics"][0])
     json.dumps(state, allow_nan=False)  # search.json stays strict JSON
     assert search.asha_report(state, 3, time_step=math.nan, metric=1.0, config=config) is False
     assert "3" not in state["asha"]["trial_rung"]  # a report at no finite time counts nowhere

@@ -12,13 +12,13 @@ import dataclasses
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import procutil
+from helpers.dsatcli import dsat, dsat_in_process, make_model_dir, trial_rows
 from toolkit.dsat.contract import TrialStatus
 from toolkit.dsat.execution.argv import build_multihost_argv, build_remote_kill_argv
 from toolkit.dsat.execution.hosts import (
@@ -350,21 +350,8 @@ def test_trials_are_placed_on_both_hosts_and_recorded(tmp_path, clean_env):
     assert not find_trial_processes(f"{out / 'trials'}{os.sep}", prefix=True)
 
 
-def cli_helpers(*names):
-    """Helpers of tests/dsat/test_cli.py (not on sys.path when this file runs alone)."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "test_cli.py"
-    spec = importlib.util.spec_from_file_location("dsat_test_cli_helpers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return tuple(getattr(module, name) for name in names)
-
-
 def test_dsat_search_with_a_two_host_hostfile_uses_both_hosts(tmp_path):
     """Acceptance: the dsat CLI with a 2-host localhost hostfile completes; trials ran on both hosts."""
-    dsat, make_model_dir, trial_rows = cli_helpers("dsat", "make_model_dir", "trial_rows")
-
     model_dir = make_model_dir(tmp_path, slots=2, hparams={"sleep_s": 0.5})
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n127.0.0.1 slots=2\n")
@@ -382,8 +369,6 @@ def test_dsat_search_with_a_two_host_hostfile_uses_both_hosts(tmp_path):
 
 
 def test_bad_hostfile_is_a_usage_error(tmp_path, capsys):
-    dsat_in_process, make_model_dir = cli_helpers("dsat_in_process", "make_model_dir")
-
     model_dir = make_model_dir(tmp_path, slots=2)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\nnode slots=two\n")

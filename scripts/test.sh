@@ -22,6 +22,6 @@ cd "$root"
 start=$(date +%s)
 status=0
 "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider --durations=30 \
-  -n "${TOOLKIT_TEST_WORKERS:-2}" --dist loadgroup "$@" || status=$?
+  -n "${TOOLKIT_TEST_WORKERS:-2}" --dist loadscope "$@" || status=$?
 echo "test.sh: the suite took $(( $(date +%s) - start )) s of wall time (exit $status)"
 exit "$status"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import importlib.util
 import logging
 import os
 import signal
@@ -68,17 +69,30 @@ SLOW_FILES: tuple[str, ...] = ()
 
 
 def _unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or the real-cluster tests together."""
     path = nodeid.split("::", 1)[0]
     return "tests/cluster/" if path.startswith("tests/cluster/") else path
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    # Before xdist's own hook, which turns the xdist_group mark into the unit of work.
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
     items.sort(key=lambda item: rank.get(_unit(item.nodeid), len(rank)))  # stable: file order kept
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_unit(item.nodeid)))
+
+
+if importlib.util.find_spec("xdist") is not None:
+    def pytest_xdist_make_scheduler(config, log):
+        """Units of work by :func:`_unit`, handed out in collection order (slow files first).
+        (xdist's own ``--dist loadgroup`` marks do not take under pytest 9: its workers rename
+        ``item._nodeid``, which pytest 9 no longer reads.)"""
+        from xdist.scheduler import LoadScopeScheduling
+
+        class ByUnit(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return _unit(nodeid)
+
+        config.option.loadscopereorder = False
+        return ByUnit(config, log)
 
 
 @pytest.hookimpl(hookwrapper=True)

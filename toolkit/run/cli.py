@@ -12,8 +12,9 @@ from toolkit.compat.determined import hparams
 from toolkit.compat.determined.core.searcher import SEARCHER_FILE
 from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state
 from toolkit.errors import CheckpointError, ConfigError
-from toolkit.run.plan import plan_run
+from toolkit.run.plan import RunPlan, plan_run
 from toolkit.run.scheduler import run_search
+from toolkit.run.slurm_argv import parse_options
 from toolkit.run.trial import execute
 
 __all__ = ["main"]
@@ -42,7 +43,12 @@ def main(argv: list[str] | None = None) -> int:
         help="slots a search's trials share, resources.slots_per_trial each (default: this machine's GPUs, "
              "or on CPU its cores); searcher.max_concurrent_trials limits the trials at once further",
     )
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--slurm", metavar="OPTIONS", default=None,
+        help="run each trial of the search as its own Slurm job, submitted with these sbatch options "
+             "(one string, e.g. --slurm='--partition=gpu --time=60'; '' for none); see docs/multi-node.md",
+    )
+    args = parser.parse_args(_joined_slurm(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: [toolkit.run] %(message)s")
     config_path, model_dir = Path(args.config), Path(args.model_dir)
     if not model_dir.is_dir():
@@ -62,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError) as err:  # OSError: the YAML is missing, a directory or unreadable
         print(f"python -m toolkit.run: error: {err}", file=sys.stderr)
         return 2
-    if (plan.config.get("searcher") or {}).get("name", "single") != "single":
+    searching = (plan.config.get("searcher") or {}).get("name", "single") != "single"
+    if args.slurm is not None:
+        return _slurm(args, plan, searching=searching)
+    if searching:
         try:
             return run_search(plan, grace_s=args.grace, max_slots=args.max_slots)
         except (ConfigError, CheckpointError) as err:  # search.json: another search, or not one
@@ -73,6 +82,42 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m toolkit.run: error: {problem}", file=sys.stderr)
         return 2
     return execute(plan, grace_s=args.grace)
+
+
+def _joined_slurm(argv: list[str]) -> list[str]:
+    """``--slurm VALUE`` as ``--slurm=VALUE``: argparse takes a value that starts with ``-`` for a flag."""
+    joined, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--slurm" and i + 1 < len(argv):
+            joined.append(f"--slurm={argv[i + 1]}")
+            i += 2
+            continue
+        joined.append(argv[i])
+        i += 1
+    return joined
+
+
+def _slurm(args: argparse.Namespace, plan: RunPlan, *, searching: bool) -> int:
+    """The search as Slurm jobs (:mod:`toolkit.run.slurm_engine`); exit 2 for bad input, nothing submitted."""
+    from toolkit.run import slurm_engine  # the Slurm client commands, only with --slurm
+
+    try:
+        if not searching:
+            raise ConfigError("--slurm: runs a search's trials as Slurm jobs, and searcher.name is 'single'; "
+                              "expected a search (random, grid, adaptive_asha), or submit "
+                              "'python -m toolkit.run ...' itself in a batch script")
+        if args.max_slots is not None:
+            raise ConfigError(f"--max-slots={args.max_slots}: the slots of this machine, which --slurm does "
+                              "not use; leave one of them out")
+        options = parse_options(args.slurm)
+        slurm_engine.check_submission(options, nproc=plan.nproc)
+        return slurm_engine.run_slurm_search(plan, options, grace_s=args.grace)
+    except (ConfigError, CheckpointError) as err:
+        print(f"python -m toolkit.run: error: {err}", file=sys.stderr)
+        return 2
+    except slurm_engine.SlurmError as err:
+        print(f"python -m toolkit.run: error: {err}", file=sys.stderr)
+        return 1
 
 
 def _record_problem(output_dir: Path) -> str | None:

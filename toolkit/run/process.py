@@ -45,13 +45,17 @@ from toolkit.launch.procs import (
 from toolkit.run.plan import RunPlan
 from toolkit.runtime.trial_env import EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV
 
-__all__ = ["MARK_ENV", "STOP_SIGNALS", "Forwarder", "check_slots", "deepspeed_include", "environment",
-           "run_once", "signal_targets"]
+__all__ = ["MARK_ENV", "SHIELD_USR1_ENV", "STOP_SIGNALS", "Forwarder", "check_slots", "deepspeed_include",
+           "environment", "run_once", "signal_targets"]
 
 logger = logging.getLogger("toolkit.run")
 
 #: Marks every process of one run (Determined's name for one run of a trial), to find them all.
 MARK_ENV = "DET_ALLOCATION_ID"
+#: Set (to "1") in a run's environment: its launcher starts with SIGUSR1 ignored (inherited by the
+#: ranks until ``watch_preemption`` installs its handler). Slurm's ``scancel --signal=USR1 JOB``
+#: reaches every process of a step, torchrun too, which SIGUSR1 would kill (``--slurm`` trials).
+SHIELD_USR1_ENV = "TOOLKIT_RUN_SHIELD_USR1"
 #: What toolkit.watch_preemption watches: passed to the ranks.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -207,6 +211,10 @@ def _launch_argv(plan: RunPlan, port: int, env: Mapping[str, str]) -> list[str]:
     return argv
 
 
+def _ignore_usr1() -> None:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 def run_once(plan: RunPlan, env: dict[str, str], *, forwarder: Forwarder, grace_s: float) -> int:
     """Start the run, wait for it, kill what is left; its exit status. Runner only.
 
@@ -223,7 +231,9 @@ def run_once(plan: RunPlan, env: dict[str, str], *, forwarder: Forwarder, grace_
     argv = _launch_argv(plan, port, env)
     logger.info("starting %s", shlex.join(argv))
     try:
-        proc = subprocess.Popen(argv, cwd=plan.model_dir, env={**env, MARK_ENV: mark}, start_new_session=True)
+        shield = _ignore_usr1 if env.get(SHIELD_USR1_ENV) == "1" else None  # only in a Slurm job's runner
+        proc = subprocess.Popen(argv, cwd=plan.model_dir, env={**env, MARK_ENV: mark}, start_new_session=True,
+                                preexec_fn=shield)
     except BaseException:
         with _ports_lock:
             _ports_in_use.discard(port)

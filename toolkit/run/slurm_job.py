@@ -1,0 +1,59 @@
+"""One trial of a ``toolkit.run --slurm`` search inside its Slurm job (``toolkit.run.slurm_job SPEC``).
+
+The job's ``srun`` step runs this (:func:`toolkit.run.slurm_argv.job_script`). It runs the trial as
+``toolkit.run`` runs one locally (:func:`toolkit.run.trial.execute`: its values, ids, restarts,
+resumed from the trial's latest checkpoint) and writes ``<trial dir>/slurm_result.json``
+(:data:`~toolkit.run.slurm_argv.RESULT_FILE`: ``status``, ``received``: the stop signal's name or
+null, ``job``), which the search reads when the job has ended. SIGTERM/SIGINT/SIGUSR1 (``scancel
+--signal``, Slurm's ``--signal`` warning) stop the ranks through preemption, as locally; the
+launcher starts with SIGUSR1 ignored, since Slurm signals every process of the step
+(:data:`toolkit.run.process.SHIELD_USR1_ENV`); the job script blocks the stop signals from the
+interpreter's start until the handlers are installed, so that one that comes while Python starts
+waits instead of killing the trial. Runner process only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from toolkit._files import atomic_write_json
+from toolkit.bounded_load import load_json
+from toolkit.compat.determined import hparams
+from toolkit.run.plan import plan_run
+from toolkit.run.process import SHIELD_USR1_ENV, STOP_SIGNALS, Forwarder
+from toolkit.run.slurm_argv import RESULT_FILE
+from toolkit.run.trial import execute
+
+__all__ = ["main"]
+
+logger = logging.getLogger("toolkit.run")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the trial of the spec file ``argv[0]``; its exit status. Runner only (inside the job)."""
+    args = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: [toolkit.run slurm job] %(message)s")
+    spec = load_json(Path(args[0]), what="slurm trial spec")
+    config_path = Path(spec["config"])
+    plan = plan_run(hparams.load_config(config_path), config_path=config_path,
+                    model_dir=Path(spec["model_dir"]), output_dir=Path(spec["output_dir"]))
+    forwarder = Forwarder()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(STOP_SIGNALS))  # blocked by the job script until now
+    try:
+        status = execute(plan, grace_s=float(spec["grace_s"]), forwarder=forwarder, hparams=spec["hparams"],
+                         hparams_seed=spec["seed"], experiment_id=spec["experiment_id"],
+                         extra_env={**spec["env"], SHIELD_USR1_ENV: "1"})
+    finally:
+        forwarder.restore()
+    received = signal.Signals(forwarder.received).name if forwarder.received is not None else None
+    atomic_write_json(plan.output_dir / RESULT_FILE,
+                      {"status": status, "received": received, "job": os.environ.get("SLURM_JOB_ID")})
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

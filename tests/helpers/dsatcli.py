@@ -63,3 +63,16 @@ def dsat_in_process(model_dir, *flags, method="binary", capsys):
 def trial_rows(out):
     with open(out / "trials.csv") as fh:
         return list(csv.DictReader(fh))
+
+
+def plan_for(tmp_path, model_dir, *flags, method="binary"):
+    from toolkit.dsat.cli import build_parser, make_plan
+
+    args = build_parser().parse_args([method, str(model_dir / "deepspeed.yaml"), str(model_dir),
+                                      "--output-dir", str(tmp_path / "out"), "--memory-per-slot", "100MiB",
+                                      *flags])
+    return make_plan(args)  # checks and plans only: launches and writes nothing
+
+
+KEEP_64 = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}}

@@ -33,6 +33,14 @@ __all__ = ["main"]
 logger = logging.getLogger("toolkit.run")
 
 
+class _StepForwarder(Forwarder):
+    """Passes SIGUSR1 on to the ranks as SIGTERM: a rank that has not installed ``watch_preemption`` yet
+    ignores SIGUSR1 (inherited from the shielded launcher) but ends on SIGTERM, so the stop is never lost."""
+
+    def _send(self, signum: int) -> bool:
+        return super()._send(signal.SIGTERM if signum == signal.SIGUSR1 else signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the trial of the spec file ``argv[0]``; its exit status. Runner only (inside the job)."""
     args = sys.argv[1:] if argv is None else argv
@@ -41,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     config_path = Path(spec["config"])
     plan = plan_run(hparams.load_config(config_path), config_path=config_path,
                     model_dir=Path(spec["model_dir"]), output_dir=Path(spec["output_dir"]))
-    forwarder = Forwarder()
+    forwarder = _StepForwarder()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, set(STOP_SIGNALS))  # blocked by the job script until now
     try:
         status = execute(plan, grace_s=float(spec["grace_s"]), forwarder=forwarder, hparams=spec["hparams"],

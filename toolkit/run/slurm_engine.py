@@ -17,7 +17,8 @@ locally (:mod:`toolkit.run.slurm_job`). The search keeps its records as the loca
 * ASHA's stop is ``scancel --signal=USR1`` to the trial's job.
 * SIGTERM/SIGINT/SIGUSR1 to ``toolkit.run`` pause the search: the running jobs get
   ``scancel --signal=USR1`` (their trials save and stop), pending ones ``scancel``; jobs still there
-  ``grace`` + :data:`CANCEL_MARGIN_S` seconds later are cancelled. The same command continues.
+  ``grace`` + :data:`CANCEL_MARGIN_S` seconds later are cancelled. The same command continues; it
+  follows the jobs a killed ``toolkit.run`` left in the queue instead of submitting their trials again.
 
 The commands run through :func:`_command`, the only place that starts a Slurm client.
 """
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from toolkit._checks import is_int
 from toolkit._files import atomic_write, atomic_write_json
@@ -237,6 +238,29 @@ def _states(last_ok: list[float]) -> dict[str, str] | None:
     return states
 
 
+def _adopt(state: dict[str, Any], plan: RunPlan, save: Callable[[], None]) -> dict[int, _Job]:
+    """The jobs a killed ``toolkit.run`` left running or queued: followed again, not submitted twice."""
+    waiting = [t for t in state["trials"] if t["state"] == "PAUSED" and t.get("slurm_jobs")]
+    if not waiting:
+        return {}
+    queued = parse_squeue(_command(squeue_argv()))
+    jobs = {}
+    for trial in waiting:
+        job_id = trial["slurm_jobs"][-1]
+        if queued.get(job_id) in ACTIVE_STATES:
+            sub = plan.with_output_dir(plan.output_dir / trial["dir"])
+            job = jobs[trial["index"]] = _Job(trial, sub, _JobForwarder(),
+                                              _Watcher(state, trial, plan.config, sub.output_dir, save),
+                                              state=queued[job_id])
+            job.forwarder.job = job_id
+            trial["state"] = "RUNNING"
+            logger.info("%s: following Slurm job %s (%s), left by an earlier toolkit.run", trial["dir"],
+                        job_id, queued[job_id])
+    if jobs:
+        save()
+    return jobs
+
+
 def run_slurm_search(plan: RunPlan, options: list[str], *, grace_s: float = 60.0) -> int:
     """Run (or continue) the search of ``plan.config`` as Slurm jobs; the exit status. Runner only.
 
@@ -254,7 +278,7 @@ def run_slurm_search(plan: RunPlan, options: list[str], *, grace_s: float = 60.0
     def save() -> None:
         save_state(out, state, plan.config)
 
-    jobs: dict[int, _Job] = {}
+    jobs = _adopt(state, plan, save)
     signals = _Signals()
     status, paused_at, last_ok = 0, None, [time.monotonic()]
     try:

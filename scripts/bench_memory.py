@@ -6,8 +6,8 @@ causal_lm.py) and the MLP client ``scripts/clients/mlp.py`` (a user's plain loop
 profiling step (the micro-batch-1 profiling trial, the calibration trial and one trial per other
 stage, :meth:`toolkit.dsat.orchestrator.Autotuner.run_profiling`), reads the predicted largest
 micro-batch of each stage from ``profile.json`` (``dsat``), climbs the profiled stage's ladder of
-points near its boundary (:func:`toolkit.dsat.search.calibration.climb`, which adds no trial once
-the profiling phase climbs it itself; ``--no-climb``: none), then finds the real boundary with
+points near its boundary (:func:`toolkit.dsat.search.calibration.climb`; once the profiling phase
+climbs itself, only where its points stopped short; ``--no-climb``: none), then finds the real boundary with
 2-rank trials of that stage under the same budget (``--memory-per-slot``, enforced on each rank's
 resident size by dsat's runner): it probes the prediction, walks by 10% steps until the outcome
 flips, and bisects the bracket to ``--tolerance``. ``found`` = the largest micro-batch that ran;
@@ -130,7 +130,7 @@ def climbed_prediction(plan: Plan, trials: Trials, out: Path) -> tuple[int, dict
     """The profiled stage and the predictions after :func:`calibration.climb` continued dsat's
     profiling phase (``profile.json``) with its ladder of points near the boundary: what
     ``profiling_phase`` does once it calls ``climb`` for the profiled stage (a ladder already
-    climbed there adds no trial here). Other stages keep their measured extras."""
+    climbed there adds trials only where it stopped short). Other stages keep their measured extras."""
     recorded = json.loads((out / "profile.json").read_text())
     profile = ProfileInfo.from_json(recorded["profile"])
     first = ProfileInfo.from_json(recorded["measured"][0])

@@ -42,7 +42,7 @@ def test_binary_search_on_the_example_then_train_with_the_best_config(tmp_path):
     result = procutil.run([sys.executable, "-m", "toolkit.dsat", "binary", str(config), str(EXAMPLES),
                     # 600 MiB per rank: a boundary near 260 (0.73 MiB per example above ~400 MiB),
                     # well below the data's and the trial timeout's caps on a loaded machine
-                    "--max-trials", "6", "--memory-per-slot", "600MiB", "--search-range-factor", "3",
+                    "--max-trials", "8", "--memory-per-slot", "600MiB", "--search-range-factor", "3",
                     # latency: Determined's upward bisection, whose first trial (1.5x the memory
                     # model's boundary) runs out of memory; throughput brackets its peak below
                     "--metric", "latency",
@@ -52,15 +52,20 @@ def test_binary_search_on_the_example_then_train_with_the_best_config(tmp_path):
     assert result.returncode == 0, result.stdout[-5000:]
     with open(out / "trials.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert len(rows) == 6  # 4 profiling trials (1, k, and each stage near its boundary), 2 tuning trials
-    assert [r["trial"] for r in rows[:4]] == ["p1", "p2", "p3", "p4"]  # in the order they ran
-    assert {r["role"] for r in rows[:4]} == {"profiling"} and {r["role"] for r in rows[4:]} == {"tuning"}
+    # the profiling trials (1, k, stage 1's ladder nearer its boundary, stage 2's point), then tuning
+    profiling = [r for r in rows if r["role"] == "profiling"]
+    assert 4 <= len(profiling) <= 7 and rows[:len(profiling)] == profiling, [
+        (r["trial"], r["role"]) for r in rows]
+    assert [r["trial"] for r in profiling] == [f"p{i}" for i in range(1, len(profiling) + 1)]  # as they ran
+    tuning = rows[len(profiling):]
+    assert len(rows) == 8 and tuning and {r["role"] for r in tuning} == {"tuning"}
     # what micro-batch 1 takes of the budget: the start-up's peak and the steps' apart, in the closing lines
     share = json.loads((out / "profile.json").read_text())["micro_batch_1"]
     assert share["budget_bytes"] == 600 * 2**20 and 0 < share["startup_peak_bytes"] <= share["budget_bytes"]
     assert 0 < share["step_peak_bytes"] and share["share"] < 1
     assert f"micro-batch 1 takes {100 * share['share']:.0f}% of the 600 MiB budget per slot" in result.stdout
-    assert "-- profiling trials" in result.stdout and "-- tuning trials (the search's): 2" in result.stdout
+    assert "-- profiling trials" in result.stdout
+    assert f"-- tuning trials (the search's): {len(tuning)}" in result.stdout
     statuses = [r["status"] for r in rows[1:]]
     assert "oom" in statuses, statuses          # some trials exceeded the budget ...
     assert "ok" in statuses, statuses           # ... and some fit

@@ -124,6 +124,15 @@ def _tuner_on_a_bending_peak(tmp_path, results):
     return phase, ran
 
 
+def _first_profile():
+    """The micro-batch-1 profiling trial's record, as the phase keeps it (the ladder refits from it)."""
+    from toolkit.dsat.contract import ProfileInfo
+    mib = 2 ** 20
+    first = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=mib,
+                        memory_per_slot=100 * mib, micro_batch=1, peak_bytes=21 * mib)
+    return [{**first.to_json(), "zero_stage": 1}]
+
+
 def _calibrated_at_10(budget_mib):
     from toolkit.dsat.contract import ProfileInfo
     mib = 2 ** 20
@@ -142,7 +151,7 @@ def test_the_profiled_stage_is_measured_again_where_its_peak_bends(tmp_path):
     for budget, expected_runs, expected in ((100, [(-11, 1, 40)], 71), (30, [], 10)):
         (tmp_path / str(budget)).mkdir()
         tuner, ran = _tuner_on_a_bending_peak(tmp_path / str(budget), {})
-        out = tuner._stage_extras(calibration, _calibrated_at_10(budget), [])
+        out = tuner._stage_extras(calibration, _calibrated_at_10(budget), _first_profile())
         assert ran == expected_runs
         assert memory.approx_max_micro_batch(out, 1, data_parallel_size=2) == expected
 
@@ -162,7 +171,7 @@ def test_a_cheap_step_lets_the_point_come_near_the_boundary(tmp_path):
     results = {i: TrialResult(spec, TrialStatus.OK, {"throughput": spec.micro_batch * 2 * 1000 / ms})
                for i, (spec, ms) in timed.items()}
     tuner, ran = _tuner_on_a_bending_peak(tmp_path, results)
-    out = tuner._stage_extras(calibration, _calibrated_at_10(1000), [])
+    out = tuner._stage_extras(calibration, _calibrated_at_10(1000), _first_profile())
     assert ran == [(-11, 1, 490)]
     assert memory.approx_max_micro_batch(out, 1, data_parallel_size=2) == 441
 

@@ -186,10 +186,9 @@ class ProfilingPhase:
                 at_most=at_most)) or k
             readings: list[ProfileInfo] = []
             points: tuple[tuple[int, int], ...] = ((-10 - stage, max(point, k)), (-20 - stage, k))
-            if stage == spec.stage:  # measured at k already: only a point above it says more
-                if point <= k:
-                    continue
-                points = points[:1]
+            if stage == spec.stage:  # measured at k already: a ladder of points above it
+                profile = self._climb(spec, zero, profile, measured, model=model)
+                continue
             for trial_id, m in points:
                 result = self._run_profiling_trial(
                     dataclasses.replace(spec, trial_id=trial_id, zero=zero, micro_batch=m))
@@ -213,6 +212,35 @@ class ProfilingPhase:
                 profile = min(readings, key=lambda p: memory.approx_max_micro_batch(
                     p, stage, data_parallel_size=dp, offload_optimizer=off_opt, offload_param=off_par))
         return profile
+
+    def _climb(self, spec: TrialSpec, zero: dict[str, Any], profile: ProfileInfo,
+               measured: list[dict[str, Any]], *, model: int) -> ProfileInfo:
+        """The profiled stage's ladder (``calibration.climb``): up to 3 profiling trials (ids
+        -10, -30, -40 less the stage) nearer its boundary, each refitting the line."""
+        dp, stage = self.plan.data_parallel_size, spec.stage
+        off_opt, off_par = memory.offload_flags(zero)
+        ids = iter((-10 - stage, -30 - stage, -40 - stage))
+        times = []
+        for trial_id in (0, spec.trial_id):
+            result = self.results.get(trial_id)
+            throughput = float(result.metrics.get("throughput") or 0.0) if result else 0.0
+            if result is not None and throughput > 0:
+                times.append((result.spec.micro_batch, 1000.0 * result.spec.micro_batch * dp / throughput))
+
+        def measure(m: int) -> tuple[str, ProfileInfo | None, float | None]:
+            result = self._run_profiling_trial(dataclasses.replace(spec, trial_id=next(ids), zero=zero,
+                                                                   micro_batch=m))
+            at = self._measured(result) if result.status is TrialStatus.OK and result.profile else None
+            if at is not None:
+                measured.append({**at.to_json(), "zero_stage": stage})
+            throughput = float(result.metrics.get("throughput") or 0.0)
+            return result.status.value, at, (1000.0 * m * dp / throughput if throughput > 0 else None)
+
+        first = ProfileInfo.from_json(measured[0])
+        return calibration.climb(profile, stage, data_parallel_size=dp, first=first,
+                                 times=times, model_memory=model, measure=measure,
+                                 allowed=self.plan.allowed_at_most, offload_optimizer=off_opt,
+                                 offload_param=off_par)
 
     def _point_cap(self, spec: TrialSpec) -> int | None:
         """The stages' points at most (``calibration.time_capped_point``), from the time per

@@ -224,7 +224,8 @@ def test_next_point_stops_near_the_boundary_and_when_time_holds_it():
     fast = [(1, 300.0), (100, 300.5)]
     assert calibration.next_point(near, 1, data_parallel_size=2, times=fast, oom_at=300) == 200
     assert calibration.next_point(near, 1, data_parallel_size=2, times=fast, oom_at=126) is None
-    assert calibration.next_point(near, 1, data_parallel_size=2, times=[(100, 400.0)]) is None
+    # one timing says nothing of a larger step's cost: the rung is held to 4x the point
+    assert calibration.next_point(near, 1, data_parallel_size=2, times=[(100, 400.0)]) == 400
 
 
 def test_a_fitting_trial_refits_the_profiled_stage_and_remeasures_another_stages_extra():

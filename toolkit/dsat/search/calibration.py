@@ -122,7 +122,8 @@ def next_point(profile: ProfileInfo, stage: int, *, data_parallel_size: int,
 
     ``profile`` is calibrated and refitted through every point so far (its ``micro_batch`` is the
     largest one measured); ``times`` the ``(micro_batch, ms per micro-batch)`` of the profiling
-    trials of this configuration so far, ascending (at least two). The next point is half the
+    trials of this configuration so far, ascending (fewer than two: each rung is held to 4x the
+    last point). The next point is half the
     predicted boundary, held by :func:`time_capped_point` on the last two times (each rung's step
     within 4x the last one's or :data:`POINT_STEP_MS`); None once the largest point is at least
     :data:`POINT_FRACTION` of the prediction, or when the cap leaves no room above it. After an
@@ -139,8 +140,6 @@ def next_point(profile: ProfileInfo, stage: int, *, data_parallel_size: int,
     k = int(profile.micro_batch)
     approx = approx_max_micro_batch(profile, stage, data_parallel_size=data_parallel_size,
                                     offload_optimizer=offload_optimizer, offload_param=offload_param)
-    if len(times) < 2:
-        return None
     if oom_at is not None and oom_at > k:
         if oom_at - 1 <= 1.25 * k:
             return None
@@ -149,7 +148,8 @@ def next_point(profile: ProfileInfo, stage: int, *, data_parallel_size: int,
         return None
     else:
         target = approx // 2
-    cap = time_capped_point(times[-2], times[-1], noise=TIME_NOISE)
+    # Without two timings nothing says what a larger step costs: each rung at most 4x the last.
+    cap = time_capped_point(times[-2], times[-1], noise=TIME_NOISE) if len(times) >= 2 else 4 * k
     m = target if cap is None else min(target, cap)
     return m if m > k else None
 

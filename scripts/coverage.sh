@@ -13,7 +13,7 @@ cd "$root"
 rm -rf .coverage-data && mkdir .coverage-data
 status=0
 "$root/.venv/bin/python" -m coverage run --rcfile=setup.cfg -m pytest -q -p no:cacheprovider \
-  -n "${TOOLKIT_TEST_WORKERS:-2}" --dist loadscope "$@" || status=$?
+  -n "${TOOLKIT_TEST_WORKERS:-3}" --dist loadscope "$@" || status=$?
 "$root/.venv/bin/python" -m coverage combine --rcfile=setup.cfg -q
 "$root/.venv/bin/python" -m coverage report --rcfile=setup.cfg --skip-covered | tail -25
 exit "$status"

@@ -5,7 +5,7 @@
 #   bash scripts/test.sh -k config -x    # a subset
 #   bash scripts/test.sh -n 0 tests/x.py # one process, e.g. for pdb
 #
-# The tests run in TOOLKIT_TEST_WORKERS pytest-xdist workers (default 2), a test file per worker at
+# The tests run in TOOLKIT_TEST_WORKERS pytest-xdist workers (default 3), a test file per worker at
 # a time (tests/conftest.py groups them), the slowest files first.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,6 +22,6 @@ cd "$root"
 start=$(date +%s)
 status=0
 "$root/.venv/bin/python" -m pytest -q -p no:cacheprovider --durations=30 \
-  -n "${TOOLKIT_TEST_WORKERS:-2}" --dist loadscope "$@" || status=$?
+  -n "${TOOLKIT_TEST_WORKERS:-3}" --dist loadscope "$@" || status=$?
 echo "test.sh: the suite took $(( $(date +%s) - start )) s of wall time (exit $status)"
 exit "$status"

@@ -65,7 +65,16 @@ def _hung(item) -> None:
 
 #: Test files (or directories) that take a minute or more, slowest first, from ``--durations=0``.
 #: Only the order of hand-out depends on it; a file missing here runs after them.
-SLOW_FILES: tuple[str, ...] = ()
+SLOW_FILES: tuple[str, ...] = (
+    "tests/test_examples.py", "tests/cluster/", "tests/compat/test_determined_e2e.py",
+    "tests/test_preemption.py", "tests/dsat/test_e2e.py", "tests/dsat/test_cli.py",
+    "tests/reliability/test_chaos.py", "tests/checkpoint/test_exact_resume.py",
+    "tests/dsat/trial/test_reporting.py", "tests/checkpoint/test_api.py", "tests/runtime/test_context.py",
+    "tests/runtime/test_op_builds.py", "tests/run/test_scheduler.py",
+    "tests/compat/test_determined_launcher.py", "tests/dsat/execution/test_runner.py",
+    "tests/runtime/test_multinode.py", "tests/reliability/test_dsat_faults.py",
+    "tests/runtime/test_ds_shm.py", "tests/config/test_ds_verdicts.py", "tests/dsat/execution/test_hosts.py",
+)
 
 
 def _unit(nodeid: str) -> str:

@@ -206,9 +206,12 @@ def test_dsat_trial_timeout_ends_its_srun_step_and_every_process(slurm, tmp_path
     assert read(trial / "placement.json")["launch"] == "srun", log
     ranks = [read(trial / f"rank{rank}.json") for rank in range(2)]  # both tasks ran before the timeout
     assert "ran past the timeout" in log, log
-    # dsat signalled srun, and srun had Slurm cancel the step on its node (slurmstepd's message)
+    # dsat signalled srun, and srun had Slurm cancel the step on its node. Which of Slurm's lines
+    # about the cancel reach the log varies (slurmstepd's "CANCELLED AT" can be lost as the tasks
+    # die); the processes and the step being gone, checked below, is what counts.
     stderr = (trial / "stderr.log").read_text()
-    assert "srun: forcing job termination" in stderr and " CANCELLED AT " in stderr, stderr
+    assert "srun: forcing job termination" in stderr, stderr
+    assert any(line in stderr for line in (" CANCELLED AT ", "Job step aborted", "Terminating StepId")), stderr
     assert not [r["pid"] for r in ranks if pid_alive(r["pid"])]
     assert not find_trial_processes(f"{out / 'trials'}{os.sep}", prefix=True)
     assert not slurm.steps(), slurm.steps()

@@ -48,6 +48,11 @@ def test_the_batch_config_is_consistent(ds_config, slots, expected):
     assert out == dict(zip(keys, expected, strict=True))
 
 
+def test_a_batch_config_that_is_no_dict_is_named():
+    with pytest.raises(ConfigError, match=r"ds_config='ds.json': expected a DeepSpeed config dict, got str"):
+        dsat.get_batch_config_from_mbs_gas_and_slots("ds.json", 2)  # type: ignore[arg-type]
+
+
 def test_a_bad_batch_config_lists_every_problem():
     with pytest.raises(ConfigError) as err:
         dsat.get_batch_config_from_mbs_gas_and_slots({"gradient_accumulation_steps": 0}, 0)
@@ -136,3 +141,25 @@ def test_bad_input_is_named(cwd):
         dsat.get_hf_args_with_overwrites(HF_ARGS, {"overwrite_deepspeed_args": 3})
     with pytest.raises(TypeError, match="expected a list of arguments"):
         dsat.get_hf_args_with_overwrites("--deepspeed ds.json", {})
+
+
+def test_a_batch_flag_left_without_its_value_gets_it_appended(cwd):
+    hparams = {"overwrite_deepspeed_args": {"train_micro_batch_size_per_gpu": 2}}
+    args = ["--deepspeed", "ds.json", "--per_device_train_batch_size"]
+    out = dsat.get_hf_args_with_overwrites(args, hparams)
+    assert out[2:] == ["--per_device_train_batch_size", "2"]
+
+
+def test_a_deepspeed_config_given_as_a_dict_is_the_base_of_the_merge(cwd):
+    named = {**BASE, "train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": 3}}
+    hparams = {"deepspeed_config": named, "overwrite_deepspeed_args": {"gradient_accumulation_steps": 2}}
+    out = dsat.get_hf_args_with_overwrites(HF_ARGS, hparams)
+    assert json.loads((cwd / out[3]).read_text()) == {**named, "gradient_accumulation_steps": 2}
+    assert out[4:] == ["--per_device_train_batch_size", "3", "--do_train",
+                       "--gradient_accumulation_steps", "2"]
+    assert json.loads((cwd / "ds.json").read_text()) == BASE  # --deepspeed's file is not the base
+
+
+def test_hparams_that_are_no_dict_are_named(cwd):
+    with pytest.raises(ConfigError, match=r"hparams=\['lr'\]: expected a dict of hyperparameters"):
+        dsat.get_hf_args_with_overwrites(HF_ARGS, ["lr"])  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ checkpoints, metrics, the searcher, and every cluster-only call's error."""
 import json
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -318,6 +319,41 @@ def test_dsat_reporting_context_outside_a_trial_is_transparent(tmp_path, monkeyp
     with pytest.raises(SystemExit):  # no autotuning file: the exit goes on untouched
         with dsat.dsat_reporting_context(None, None):
             sys.exit(0)
+
+
+@pytest.mark.parametrize("files, reported", [
+    (["autotuning_metric.json"], True),          # DeepSpeed's autotuner ended the run: its metrics
+    (["model_info.json"], True),                  # its model-info run (no GPU here: no gpu_mem added)
+    (["autotuning_metric.json", "model_info.json"], False),  # which one is ambiguous: nothing reported
+    ([], False),
+])
+def test_an_exit_of_deepspeeds_autotuner_reports_its_metrics_file(tmp_path, monkeypatch, files, reported):
+    """Determined's helper: when DeepSpeed's own autotuner ends the run (SystemExit) after writing
+    its metrics file, the chief reports it as the validation metrics and completes the operation."""
+    monkeypatch.delenv("TOOLKIT_DSAT_TRIAL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    for name in files:
+        (tmp_path / name).write_text(json.dumps({"throughput": 12.5, "latency": 80.0}))
+    config = {"searcher": {"name": "single", "max_length": {"batches": 4}}}
+    core = types.SimpleNamespace(
+        distributed=det.core.DummyDistributedContext(),
+        train=TrainContext(tmp_path / "out", tensorboard_mode=TensorboardMode.MANUAL, resume_step=None),
+        searcher=SearcherContext(det.core.DummyDistributedContext(), config, tmp_path / "out"))
+    op = next(core.searcher.operations())
+    with pytest.raises(SystemExit):
+        with dsat.dsat_reporting_context(core, op, steps_completed=3):
+            sys.exit(0)
+    core.train.close()
+    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines() \
+        if (tmp_path / "out" / "metrics.jsonl").exists() else []
+    if not reported:
+        assert lines == [] and next(core.searcher.operations(), None) is not None  # not completed
+        return
+    (line,) = [json.loads(text) for text in lines]
+    assert (line["group"], line["steps_completed"]) == ("validation", 3)
+    assert line["metrics"] == {"throughput": 12.5, "latency": 80.0}
+    assert json.loads((tmp_path / "out" / "determined_searcher.json").read_text())["searcher_metric"] == {
+        "throughput": 12.5, "latency": 80.0}
 
 
 class _Rank1:

@@ -16,7 +16,7 @@ from toolkit.compat.determined.core.checkpoint import CheckpointContext, merge_m
 from toolkit.compat.determined.core.searcher import SearcherContext
 from toolkit.compat.determined.core.train import TensorboardMode, TrainContext
 from toolkit.compat.determined.pytorch import dsat
-from toolkit.errors import ConfigError
+from toolkit.errors import ConfigError, LaunchEnvError
 from toolkit.launch.wrappers import torchrun_nproc_override, unwrap_launcher
 
 # The entrypoints of Determined's own examples, exactly as their YAMLs write them.
@@ -294,6 +294,24 @@ def test_distributed_context_arguments():
     assert det.LOG_FORMAT == "%(levelname)s: [%(process)s] %(name)s: %(message)s"
     with pytest.raises(TypeError):
         det.InvalidHP(3)
+
+
+def test_distributed_context_defaults_and_bad_ranks():
+    d = det.core.DistributedContext()  # nothing given: rank 0 of 1, as Determined
+    assert (d.rank, d.size, d.local_rank, d.local_size, d.cross_rank, d.cross_size) == (0, 1, 0, 1, 0, 1)
+    with pytest.raises(ValueError, match=r"rank 2 of 2, local rank 0 of 1: expected 0 <= rank < size"):
+        det.core.DistributedContext(rank=2, size=2, local_rank=0, local_size=1, cross_rank=0, cross_size=2,
+                                    chief_ip="10.0.0.1")
+
+
+def test_distributed_context_from_a_launchers_variables_names_the_bad_one(monkeypatch):
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "one"), ("LOCAL_RANK", "0"), ("LOCAL_SIZE", "1"),
+                       ("CROSS_RANK", "0"), ("CROSS_SIZE", "1")):
+        monkeypatch.setenv(var, value)
+    with pytest.raises(LaunchEnvError, match=r"^WORLD_SIZE='one' is not an integer$"):
+        det.core.DistributedContext.from_deepspeed()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert det.core.DistributedContext.from_deepspeed().get_size() == 1
 
 
 def test_dsat_get_ds_config_from_hparams(tmp_path):

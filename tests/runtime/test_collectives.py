@@ -90,3 +90,37 @@ def test_world_of_one_has_no_store_and_no_thread():
     before = threading.active_count()
     assert group.run("solo", lambda g: 7) == 7
     assert threading.active_count() == before
+
+
+class BrokenStore(Store):
+    """A store whose server is gone (what a dead launcher leaves): every call raises as torch's does."""
+
+    def set(self, key, value):
+        raise RuntimeError("Connection reset by peer")
+
+    def check(self, keys):
+        raise RuntimeError("Connection reset by peer")
+
+
+def _failing(group, call):
+    with pytest.raises(CollectiveTimeoutError) as info:
+        group.run(call, lambda g: (_ for _ in ()).throw(RuntimeError("Timed out waiting")))
+    return info.value
+
+
+def test_failure_when_every_rank_reached_the_call_blames_one_that_failed_inside_it():
+    store = Store({"t/1": b"1 ctx.barrier"})
+    err = _failing(_group(store), "ctx.barrier")
+    assert err.missing == []
+    assert "ctx.barrier (toolkit collective #1) did not complete within 0.8 s on rank 0: every rank " \
+           "reached it, so a rank failed or left inside it. It must be called on all ranks" in str(err)
+    assert str(err).endswith("Cause: Timed out waiting")
+
+
+@pytest.mark.parametrize("store", [None, BrokenStore()], ids=["no store", "store gone"])
+def test_failure_without_a_usable_store_says_the_ranks_cannot_be_told(store):
+    group = _group(store)
+    group.record()  # never raises: the store is a diagnosis aid only
+    err = _failing(group, "ctx.all_gather_object")
+    assert err.missing == []
+    assert "on rank 0: the ranks that did not reach it cannot be told. It must be called" in str(err)

@@ -45,6 +45,49 @@ def test_wrap_rank_rules():
     assert path == f"{SHIM_DIR}{os.pathsep}/a"  # no real determined package in the test environment
 
 
+def test_wrap_rank_refuses_an_empty_script_and_a_rank_variable_that_is_not_set(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exited:
+        wrap_rank.main(["0", "--"])
+    assert exited.value.code == 2 and "error: empty script is not allowed" in capsys.readouterr().err
+    monkeypatch.delenv("TOOLKIT_TEST_NO_RANK", raising=False)
+    assert wrap_rank.main(["TOOLKIT_TEST_NO_RANK", "--", "true"]) == 1
+    assert capsys.readouterr().err == ("rank environment variable is set to TOOLKIT_TEST_NO_RANK, but it is "
+                                       "not in os.environ\n")
+
+
+def test_wrap_rank_passes_signals_on_also_those_received_before_the_command_started():
+    previous = {name: signal.getsignal(getattr(signal, name)) for name in wrap_rank._FORWARDED}
+    proc = None
+    try:
+        passthru = wrap_rank._Passthru()
+        os.kill(os.getpid(), signal.SIGUSR1)  # before the command exists: kept
+        assert passthru.pending == [signal.SIGUSR1]
+        proc = subprocess.Popen(["sleep", "30"])
+        passthru.attach(proc)
+        assert proc.wait(timeout=10) == -signal.SIGUSR1
+        passthru = wrap_rank._Passthru()
+        proc = subprocess.Popen(["sleep", "30"])
+        passthru.attach(proc)
+        passthru(signal.SIGTERM, None)  # the handler, as a signal calls it: straight to the command
+        assert proc.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        for name, handler in previous.items():
+            signal.signal(getattr(signal, name), handler)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_real_determined_package_is_used_instead_of_the_shim(tmp_path, monkeypatch):
+    (tmp_path / "determined").mkdir()
+    (tmp_path / "determined" / "__init__.py").write_text("")  # stands for an installed determined
+    monkeypatch.delitem(sys.modules, "determined", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert shim_pythonpath({"PYTHONPATH": "/a"}) is None
+    monkeypatch.syspath_prepend(str(SHIM_DIR))  # the shim itself found first: still the shim
+    assert shim_pythonpath({"PYTHONPATH": f"/a{os.pathsep}{SHIM_DIR}"}) == f"{SHIM_DIR}{os.pathsep}/a"
+
+
 def test_wrap_rank_through_the_shim_prefixes_lines_passes_the_status_and_marks_the_worker():
     env = procutil.child_env(PYTHONPATH=shim_pythonpath(os.environ) + os.pathsep + str(procutil.REPO), R="4")
     code = f"import os,sys; print('out'); print(os.environ['{WRAPPED_ENV}'], file=sys.stderr); sys.exit(3)"

@@ -204,6 +204,67 @@ def test_checkpoint_commit_restore_metadata_delete_and_gc(tmp_path):
     assert not (tmp_path / "c" / sid).exists()  # the next run removes the partial one
 
 
+def _validated(path, rows):
+    path.write_text("".join(json.dumps({"group": group, "steps_completed": step, "metrics": {"loss": loss}})
+                            + "\n" for group, step, loss in rows) + '{"group": "validation", "ste')
+
+
+def test_save_trial_best_keeps_the_best_validated_and_skips_lines_it_cannot_read(tmp_path):
+    ckpt = CheckpointContext(det.core.DummyDistributedContext(), root=tmp_path / "c", output_dir=tmp_path,
+                             save_trial_latest=1, save_trial_best=1, metric="loss")
+    _validated(tmp_path / "metrics.jsonl", [("validation", 1, 0.1), ("validation", 2, 0.5),
+                                            ("training", 3, 0.01), ("validation", 3, float("nan"))])
+    ids = []
+    for step in (1, 2, 3):
+        with ckpt.store_path({"steps_completed": step}) as (path, sid):
+            (path / "w").write_text(str(step))
+        ids.append(sid)
+    kept = [e["storage_id"] for e in storage.read_registry(tmp_path)["committed"]]
+    assert kept == [ids[0], ids[2]]  # the best validated (loss 0.1) and the newest
+
+
+def test_save_trial_best_without_metrics_keeps_the_newest_only(tmp_path):
+    ckpt = CheckpointContext(det.core.DummyDistributedContext(), root=tmp_path / "c", output_dir=tmp_path,
+                             save_trial_latest=1, save_trial_best=1, metric="loss")
+    for step in (1, 2):
+        with ckpt.store_path({"steps_completed": step}) as (path, sid):
+            (path / "w").write_text(str(step))
+    assert [e["storage_id"] for e in storage.read_registry(tmp_path)["committed"]] == [sid]
+
+
+def test_a_checkpoint_gc_cannot_remove_is_left_alone_with_a_warning(tmp_path, caplog):
+    root = tmp_path / "c"
+    ckpt = CheckpointContext(det.core.DummyDistributedContext(), root=root, output_dir=tmp_path,
+                             save_trial_latest=1)
+    with ckpt.store_path({"steps_completed": 1}) as (path, first):
+        (path / "w").write_text("1")
+    (root / first).rename(root / "moved")
+    (root / first).symlink_to(root / "moved")  # someone put a link where the checkpoint was
+    with ckpt.store_path({"steps_completed": 2}) as (path, second):
+        (path / "w").write_text("2")
+    assert f"save_trial_latest/save_trial_best: left {first!r} alone: " in caplog.text
+    assert (root / "moved" / "w").read_text() == "1" and (root / first).is_symlink()
+    assert [e["storage_id"] for e in storage.read_registry(tmp_path)["committed"]] == [second]
+
+
+def test_checkpoint_copies_follow_the_selector_and_leave_links_out(tmp_path, caplog):
+    ckpt = CheckpointContext(det.core.DummyDistributedContext(), root=tmp_path / "c", output_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"upload\(ckpt_dir=None\) is only allowed with shard=True"):
+        ckpt.upload(None, {"steps_completed": 1})
+    with ckpt.store_path({"steps_completed": 1}) as (path, sid):
+        (path / "model").mkdir()
+        (path / "model" / "w.pt").write_text("w")
+        (path / "optim.pt").write_text("o")
+        (path / "link").symlink_to(tmp_path / "outside")
+    ckpt.download(sid, tmp_path / "copy", selector=lambda rel: rel.startswith("model/"))
+    assert sorted(p.relative_to(tmp_path / "copy").as_posix() for p in (tmp_path / "copy").rglob("*")) == [
+        "model", "model/w.pt"]
+    assert "download: skipped " in caplog.text and "link, a symlink in the checkpoint" in caplog.text
+    with ckpt.restore_path(sid, selector=lambda rel: False) as path:
+        assert (path / "optim.pt").read_text() == "o"  # read in place: everything is there
+    assert "restore_path: selector ignored, the checkpoint is read in place" in caplog.text
+
+
 def test_merge_metadata_conflicts():
     assert merge_metadata([{"a": {"c": 1}}, {"a": {"d": 1}}]) == {"a": {"c": 1, "d": 1}}
     with pytest.raises(RuntimeError, match="conflicts"):

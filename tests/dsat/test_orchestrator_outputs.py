@@ -140,3 +140,25 @@ def test_the_best_is_the_best_median_of_the_configurations_measured_more_than_on
     assert "-- re-runs (confirming the best): 4" in table and "p1 " in table
     assert "stage 2 mb 8: median 1e+09 (min 9e+08, max 1.1e+09" in table
     assert "stage 1 mb 64: median 6e+08 (min 5e+08, max 2e+09" in table
+
+
+def test_a_configuration_judged_both_fitting_and_out_of_memory_is_decided_by_majority(tmp_path):
+    tuner, said = _tuner(tmp_path, {"train_micro_batch_size_per_gpu": 4})
+    for trial_id, status in ((3, TrialStatus.OOM), (4, OK)):  # trial 1's configuration re-run twice
+        spec = dataclasses.replace(tuner.results[1].spec, trial_id=trial_id, rerun=True)
+        tuner.results[trial_id] = TrialResult(spec, status, _metrics(1.9) if status is OK else {})
+    outcome = tuner._conclude()
+    assert outcome.exit_code == 0 and outcome.best is not None and outcome.best.spec.micro_batch == 64
+    assert said[0] == (f"stage 1 micro-batch 64 was judged both fitting and out of memory "
+                       f"({tuner.results[1].spec.name}: ok, {tuner.results[3].spec.name}: oom, "
+                       f"{tuner.results[4].spec.name}: ok): fits by the majority of its verdicts")
+
+
+def test_an_autotuner_built_without_argv_takes_dsats_own_or_rebuilds_them(tmp_path, monkeypatch):
+    tuner, _ = _tuner(tmp_path, {"train_micro_batch_size_per_gpu": 4})
+    dsat_args = ["binary", "c.yaml", "m", "--confirm", "0"]
+    monkeypatch.setattr("sys.argv", ["/x/toolkit/dsat/__main__.py", *dsat_args])  # python -m toolkit.dsat
+    assert Autotuner(tuner.plan, say=print).argv == dsat_args
+    monkeypatch.setattr("sys.argv", ["/x/bench_memory.py", "--runs", "3"])  # a script using the library
+    assert Autotuner(tuner.plan, say=print).argv == [
+        "binary", str(tuner.plan.config_path), str(tuner.plan.runner.model_dir)]

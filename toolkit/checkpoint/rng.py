@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import pickle
 import random
 from pathlib import Path
 from typing import Any, Mapping
@@ -137,5 +138,7 @@ def read_rank_file(path: Path, *, rank: int, world_size: int) -> tuple[Any, str 
             return None, (f"{path} holds rank {saved.get('rank')} of {saved.get('world_size')}, "
                           f"expected rank {rank} of {world_size}")
         return saved["rng"], None
-    except (OSError, RuntimeError, KeyError, AttributeError) as err:
+    # An empty or foreign file raises EOFError or UnpicklingError: a problem like the others, so that
+    # this rank reaches the agreement on them rather than leaving the others waiting in it.
+    except (OSError, RuntimeError, KeyError, AttributeError, EOFError, pickle.UnpicklingError) as err:
         return None, f"cannot read this rank's RNG states {path}: {err}"

@@ -11,10 +11,11 @@
 * ``tests/site`` on ``PYTHONPATH``: py-cpuinfo's answer, which DeepSpeed asks for twice in every
   process that loads a CPU op and which takes a second each time, is cached in a file for the run
   (``tests/site/sitecustomize.py`` says why; it changes no value, only the wait).
-* pytest-xdist (``scripts/test.sh`` runs 2 workers): a test file is one unit of work, so that its
-  module fixtures (a trained run, a search) run once; the real-cluster tests are one unit, since
-  their session fixtures own the Slurm daemons and the sshd. The slowest files are handed out
-  first (:data:`SLOW_FILES`), so that no worker starts one at the end while the other idles.
+* pytest-xdist (``scripts/test.sh`` runs 3 workers): a test file is one unit of work, so that its
+  module fixtures (a trained run, a search) run once, except in :data:`SPLIT_FILES`, where each
+  test is one; the real-cluster tests are one unit, since their session fixtures own the Slurm
+  daemons and the sshd. The slowest units are handed out first (:data:`SLOW_UNITS`), so that no
+  worker starts one at the end while the others idle.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import importlib.util
+import json
 import logging
 import os
+import resource
 import signal
 import sys
 import tempfile
 import threading
+import time
 
 import pytest
 
@@ -63,9 +67,17 @@ def _hung(item) -> None:
     os._exit(3)
 
 
-#: Test files (or directories) that take a minute or more, slowest first, from ``--durations=0``.
-#: Only the order of hand-out depends on it; a file missing here runs after them.
-SLOW_FILES: tuple[str, ...] = (
+#: Test files whose tests share no costly module fixture: each test (each parametrization) is a
+#: unit of work of its own, so that their minutes spread over the workers.
+SPLIT_FILES: tuple[str, ...] = (
+    "tests/test_examples.py", "tests/test_preemption.py", "tests/dsat/test_e2e.py",
+    "tests/runtime/test_op_builds.py",
+)
+
+#: Units that take a minute or more, slowest first, from ``--durations=0`` of a 3-worker run: a
+#: file, a directory, or (in SPLIT_FILES) a test's id or its prefix. Only the order of hand-out
+#: depends on it; a unit missing here runs after them.
+SLOW_UNITS: tuple[str, ...] = (
     "tests/test_examples.py", "tests/cluster/", "tests/compat/test_determined_e2e.py",
     "tests/test_preemption.py", "tests/dsat/test_e2e.py", "tests/dsat/test_cli.py",
     "tests/reliability/test_chaos.py", "tests/checkpoint/test_exact_resume.py",
@@ -78,20 +90,29 @@ SLOW_FILES: tuple[str, ...] = (
 
 
 def _unit(nodeid: str) -> str:
-    """The unit of work a test belongs to: its file, or the real-cluster tests together."""
+    """The unit of work a test belongs to: its file, the test itself in a file of SPLIT_FILES, or
+    the real-cluster tests together."""
     path = nodeid.split("::", 1)[0]
-    return "tests/cluster/" if path.startswith("tests/cluster/") else path
+    if path.startswith("tests/cluster/"):
+        return "tests/cluster/"
+    return nodeid if path in SPLIT_FILES else path
+
+
+def _rank(nodeid: str) -> int:
+    """Where a test's unit stands in SLOW_UNITS (after them all when it is not there)."""
+    unit = _unit(nodeid)
+    return next((i for i, slow in enumerate(SLOW_UNITS) if unit.startswith(slow)), len(SLOW_UNITS))
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(_unit(item.nodeid), len(rank)))  # stable: file order kept
+    items.sort(key=lambda item: _rank(item.nodeid))  # stable: file order kept within a rank
 
 
 if importlib.util.find_spec("xdist") is not None:
     def pytest_xdist_make_scheduler(config, log):
-        """Units of work by :func:`_unit`, handed out in collection order (slow files first).
+        """Units of work by :func:`_unit`, handed out in collection order (slow units first), each
+        worker holding at most one unit ahead of the one it runs.
         (xdist's own ``--dist loadgroup`` marks do not take under pytest 9: its workers rename
         ``item._nodeid``, which pytest 9 no longer reads.)"""
         from xdist.scheduler import LoadScopeScheduling
@@ -100,8 +121,32 @@ if importlib.util.find_spec("xdist") is not None:
             def _split_scope(self, nodeid: str) -> str:
                 return _unit(nodeid)
 
+            def _reschedule(self, node) -> None:
+                # xdist tops a worker up when 2 of its tests are left: a whole unit then waits
+                # behind a long last test while another worker idles. A worker holds its last
+                # test until it gets the next one or is told to stop (it needs the next item to
+                # tear fixtures down), so 1 left is the moment to send the next unit.
+                if node.shutting_down:
+                    return
+                if not self.workqueue:
+                    node.shutdown()
+                    return
+                if self._pending_of(self.assigned_work[node]) <= 1:
+                    self._assign_work_unit(node)
+
         config.option.loadscopereorder = False
         return ByUnit(config, log)
+
+
+#: ``TOOLKIT_TEST_CPU_LOG=FILE``: each test's wall time and CPU seconds (this process and every
+#: process it waited for, their descendants included) as JSON lines, for finding what to cut: on a
+#: busy machine a test's wall time says more about its neighbours than about itself.
+_CPU_LOG = os.environ.get("TOOLKIT_TEST_CPU_LOG")
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -110,10 +155,16 @@ def pytest_runtest_protocol(item, nextitem):
     timer = threading.Timer(_LIMIT_S, _hung, args=(item,))
     timer.daemon = True
     timer.start()
+    wall, cpu = time.monotonic(), _cpu_seconds()
     try:
         yield
     finally:
         timer.cancel()
+        if _CPU_LOG:
+            line = json.dumps({"test": item.nodeid, "wall_s": round(time.monotonic() - wall, 2),
+                               "cpu_s": round(_cpu_seconds() - cpu, 2)})
+            with open(_CPU_LOG, "a") as log:
+                log.write(line + "\n")
 
 
 @pytest.fixture(autouse=True, scope="module")

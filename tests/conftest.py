@@ -71,21 +71,28 @@ def _hung(item) -> None:
 #: unit of work of its own, so that their minutes spread over the workers.
 SPLIT_FILES: tuple[str, ...] = (
     "tests/test_examples.py", "tests/test_preemption.py", "tests/dsat/test_e2e.py",
-    "tests/runtime/test_op_builds.py",
+    "tests/runtime/test_op_builds.py", "tests/dsat/test_cli.py", "tests/runtime/test_context.py",
+    "tests/dsat/execution/test_runner.py",
 )
 
-#: Units that take a minute or more, slowest first, from ``--durations=0`` of a 3-worker run: a
-#: file, a directory, or (in SPLIT_FILES) a test's id or its prefix. Only the order of hand-out
-#: depends on it; a unit missing here runs after them.
+#: Units that take a minute or more, slowest first, from the wall times of a 3-worker run (the
+#: junit XML of ``scripts/test.sh --junitxml FILE``): a file, a directory, or (in SPLIT_FILES) a
+#: test's id or its prefix. Only the order of hand-out depends on it; a unit missing here runs
+#: after them.
 SLOW_UNITS: tuple[str, ...] = (
-    "tests/test_examples.py", "tests/cluster/", "tests/compat/test_determined_e2e.py",
-    "tests/test_preemption.py", "tests/dsat/test_e2e.py", "tests/dsat/test_cli.py",
-    "tests/reliability/test_chaos.py", "tests/checkpoint/test_exact_resume.py",
-    "tests/dsat/trial/test_reporting.py", "tests/checkpoint/test_api.py", "tests/runtime/test_context.py",
-    "tests/runtime/test_op_builds.py", "tests/run/test_scheduler.py",
-    "tests/compat/test_determined_launcher.py", "tests/dsat/execution/test_runner.py",
-    "tests/runtime/test_multinode.py", "tests/reliability/test_dsat_faults.py",
-    "tests/runtime/test_ds_shm.py", "tests/config/test_ds_verdicts.py", "tests/dsat/execution/test_hosts.py",
+    "tests/compat/test_determined_e2e.py",
+    "tests/dsat/test_e2e.py::test_binary_search_on_the_example_then_train_with_the_best_config",
+    "tests/runtime/test_op_builds.py::test_a_stop_during_a_cold_build_leaves_the_next_run_working",
+    "tests/cluster/", "tests/dsat/trial/test_reporting.py", "tests/checkpoint/test_api.py",
+    "tests/test_examples.py::test_sigterm", "tests/checkpoint/test_exact_resume.py",
+    "tests/reliability/test_chaos.py", "tests/dsat/test_e2e.py", "tests/compat/test_determined_launcher.py",
+    "tests/test_examples.py", "tests/runtime/test_multinode.py",
+    "tests/test_preemption.py::test_sigterm_to_torchrun_with_dataloader_workers",
+    "tests/runtime/test_ds_shm.py", "tests/run/test_scheduler.py", "tests/reliability/test_dsat_faults.py",
+    "tests/dsat/test_cli.py::test_sigkilled_search", "tests/dsat/test_cli.py::test_binary_search",
+    "tests/dsat/test_cli.py::test_the_global_batch_is_kept", "tests/dsat/test_cli.py::test_run_full",
+    "tests/dsat/execution/test_hosts.py", "tests/config/test_ds_verdicts.py",
+    "tests/runtime/test_context.py::test_deepspeed_launcher",
 )
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import sys
+import time
 
 import cpuinfo
 import pytest
@@ -24,14 +25,14 @@ from toolkit.runtime.trial_env import TRIAL_ENV
 # Run as a one-rank trial: what py-cpuinfo answers in a process that imported toolkit, called the
 # way DeepSpeed's op builders call it (the name imported at call time).
 PROBE = """
-import json, os, sys
+import json, os, sys, time
 import toolkit
 from cpuinfo import get_cpu_info
 from deepspeed.accelerator import get_accelerator
 builder = get_accelerator().create_op_builder("FusedAdamBuilder")
 with open(os.path.join(os.path.dirname(os.environ["TOOLKIT_DSAT_TRIAL"]), "probe.json"), "w") as fh:
     json.dump({"brand_raw": get_cpu_info().get("brand_raw"), "simd": builder.simd_width(),
-               "env": os.environ.get("TOOLKIT_DSAT_CPUINFO")}, fh)
+               "env": os.environ.get("TOOLKIT_DSAT_CPUINFO"), "end": time.time()}, fh)
 """
 
 
@@ -48,18 +49,22 @@ def test_a_local_trial_answers_from_the_runners_measurement(tmp_path, monkeypatc
     procutil.clean_launch_env(monkeypatch)
     real, answer = marked
     (tmp_path / "probe.py").write_text(PROBE)
+    # poll_s=30: the runner also notices the launcher's exit between two polls (its own concern,
+    # tested on this trial to spare a launch): wait() returns at once, not at the next poll
     settings = RunnerSettings(entrypoint=("python3", "probe.py"), model_dir=tmp_path, slots_per_trial=1,
-                              max_slots=1, max_concurrent=1, timeout_s=120.0, grace_s=2.0, poll_s=0.1)
+                              max_slots=1, max_concurrent=1, timeout_s=120.0, grace_s=2.0, poll_s=30.0)
     with TrialRunner(settings, output_dir=tmp_path / "out") as runner:
         runner.start(TrialSpec(1, 1, {"stage": 0}), ds_config={}, hparams={})
         results = []
         while not results:
             results = runner.wait(timeout=120)
+        returned = time.time()
     stored = tmp_path / "out" / "trials" / "cpuinfo.json"
     assert json.loads(stored.read_text()) == {"host": socket.gethostname(), "cpu_info": answer}
     probe = json.loads((tmp_path / "out" / "trials" / "trial_1" / "probe.json").read_text())
     assert probe["env"] == str(stored), results[0].error
     assert probe["brand_raw"] == answer["brand_raw"], "the trial measured py-cpuinfo itself"
+    assert returned - probe["end"] < 10, "the runner saw the trial's end only at its next poll"
     # the flags DeepSpeed derives are the machine's: the ops' build hashes do not change
     from deepspeed.accelerator import get_accelerator
     monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: dict(real))

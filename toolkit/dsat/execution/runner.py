@@ -277,7 +277,17 @@ class TrialRunner:
             if end is not None and now >= end:
                 return []
             poll = self.settings.poll_s
-            time.sleep(poll if end is None else max(min(poll, end - now), 0.0))
+            self._nap(poll if end is None else max(min(poll, end - now), 0.0))
+
+    def _nap(self, seconds: float) -> None:
+        """Sleep ``seconds``, or until a trial's launcher exits (a waitpid every 20 ms), so that
+        the end of a trial is seen at once, not at the next poll of the memory and timeouts."""
+        until = time.monotonic() + seconds
+        while all(t.process.poll() is None for t in self._running.values()):
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.02))
 
     def shutdown(self) -> None:
         """Kill every running trial's processes and wait for them. Idempotent. Autotuner process only."""

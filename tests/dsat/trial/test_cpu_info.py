@@ -59,7 +59,7 @@ def test_a_local_trial_answers_from_the_runners_measurement(tmp_path, monkeypatc
         while not results:
             results = runner.wait(timeout=120)
         returned = time.time()
-    stored = tmp_path / "out" / "trials" / "cpuinfo.json"
+    stored = tmp_path / "out" / "cpuinfo.json"
     assert json.loads(stored.read_text()) == {"host": socket.gethostname(), "cpu_info": answer}
     probe = json.loads((tmp_path / "out" / "trials" / "trial_1" / "probe.json").read_text())
     assert probe["env"] == str(stored), results[0].error

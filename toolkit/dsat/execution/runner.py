@@ -184,7 +184,7 @@ class TrialRunner:
         process's answer): each trial rank would otherwise spend ~2.5 s measuring it for
         DeepSpeed's CPU optimizer ops (:mod:`toolkit.dsat.trial.cpu_info`). None: not measurable."""
         if self._cpu_info is False:
-            self._cpu_info = measure_into(self.trials_dir / "cpuinfo.json")
+            self._cpu_info = measure_into(self.trials_dir.parent / "cpuinfo.json")  # trials/: trial_* only
         return self._cpu_info if isinstance(self._cpu_info, Path) else None
 
     def _build_ops(self, ds_config: Mapping[str, Any]) -> None:

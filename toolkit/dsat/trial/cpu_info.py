@@ -8,7 +8,7 @@ second to measure the clock, so every trial rank waited about 2.5 s for an answe
 change while dsat runs on one machine.
 
 The trial runner measures it once (:func:`measure_into`, which also answers the runner's own op
-loads from it), writes it beside the trials and names the file in :data:`CPUINFO_ENV` for the
+loads from it), writes it in dsat's output directory and names the file in :data:`CPUINFO_ENV` for the
 trials it starts on this machine. A process inside a trial (``TOOLKIT_DSAT_TRIAL`` set, see
 :mod:`toolkit.runtime.trial_env`) answers from that file once toolkit is imported
 (:func:`install_from_env`). DeepSpeed gets the same dictionary (the file is py-cpuinfo's own JSON),
@@ -18,7 +18,7 @@ changes.
 
 Example::
 
-    path = measure_into(trials_dir / "cpuinfo.json")      # the runner, once; None if unmeasurable
+    path = measure_into(output_dir / "cpuinfo.json")      # the runner, once; None if unmeasurable
     env[CPUINFO_ENV] = str(path)                          # each local trial's environment
 """
 

@@ -24,7 +24,10 @@ from toolkit.runtime import op_builds
 from toolkit.runtime.op_builds import builders_for, clear_dead_locks, extensions_root, judge_lock
 
 OP = "deepspeed_shm_comm"
-INIT = "import toolkit; ctx = toolkit.init_distributed(); print('ready', ctx.world_size, flush=True)"
+# One write of a few bytes to the shared pipe is atomic: two ranks' lines cannot interleave (print's
+# separate writes of "ready", " 2" and "\n" did, unbuffered).
+INIT = ("import os, toolkit; ctx = toolkit.init_distributed(); "
+        "os.write(1, f'ready {ctx.world_size}\\n'.encode())")
 
 
 # -- pure ------------------------------------------------------------------------------------

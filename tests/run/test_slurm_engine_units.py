@@ -30,6 +30,7 @@ from toolkit.run.slurm_engine import (
     SlurmError,
     _adopt,
     _command,
+    _ended,
     _Job,
     _JobForwarder,
     _pause,
@@ -195,6 +196,16 @@ def test_a_result_file_that_is_not_a_trial_result_counts_as_none(tmp_path):
     assert _result(job) is None
     (job.plan.output_dir / RESULT_FILE).write_text('{"status": 4}')
     assert _result(job) == {"status": 4}
+
+
+def test_a_job_stopped_by_the_pause_is_paused_whatever_its_exit_status(tmp_path):
+    """Under load a rank that had saved and left watch_preemption died of the SIGTERM torchrun
+    passed on, and the paused trial was marked failed (its job exited 1)."""
+    job = _job(_plan(tmp_path), 0, "11", "RUNNING")
+    stopped = {"job": "11", "received": "SIGUSR1", "status": 1}
+    assert _ended(job, stopped, pausing=True) == 0                 # PAUSED: the same command continues it
+    assert _ended(job, stopped, pausing=False) is None             # preempted by Slurm: submitted again
+    assert _ended(job, {"job": "11", "received": None, "status": 1}, pausing=True) == 1  # a crash stays one
 
 
 def test_jobs_left_by_a_killed_runner_are_followed_not_submitted_again(fake, tmp_path):

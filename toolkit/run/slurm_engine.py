@@ -208,7 +208,13 @@ def _ended(job: _Job, result: dict[str, Any] | None, *, pausing: bool) -> int | 
                        "it again (%d of max_restarts=%d)", job.trial["dir"], fwd.job, fwd.job, job.failures,
                        job.plan.max_restarts)
         return None
-    if result.get("received") and not pausing and not fwd.searcher_stopped:
+    if result.get("received") and pausing:
+        # Stopped by the pause, whatever its exit status: a rank that had saved and left
+        # watch_preemption when torchrun passed on the forwarded SIGTERM ends by that signal (seen
+        # under load). The same command continues it from its latest checkpoint, as after a
+        # preemption; a real crash shows again then.
+        return 0
+    if result.get("received") and not fwd.searcher_stopped:
         logger.info("%s: Slurm job %s stopped by %s (preempted) after saving; submitting it again, to "
                     "continue from its checkpoint", job.trial["dir"], fwd.job, result["received"])
         return None

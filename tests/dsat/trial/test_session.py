@@ -1,5 +1,6 @@
 """toolkit.dsat.trial.session: a contract a trial cannot run by, and a step that fails (an error
-propagates and the step is abandoned; an out-of-memory error ends the trial as ``"oom"``)."""
+propagates and the step is abandoned; an out-of-memory error ends the trial as ``"oom"``), and the
+end of a trial (the heap frozen, the loop's cleanup run)."""
 
 import json
 import subprocess
@@ -40,19 +41,26 @@ def test_an_unreadable_contract_names_the_variable_and_the_fix(tmp_path):
         read_contract(str(tmp_path / "missing.json"))
 
 
-# One trial process without DeepSpeed: the engine is a stand-in (a step's failure never reaches it,
-# and a real engine's start would cost seconds); the OOM is raised by hand (no GPU here).
-TRIAL = textwrap.dedent("""
+# Trial processes without DeepSpeed: the engine is a stand-in (a step's failure never reaches it,
+# the exit path does not depend on it, and a real engine's start would cost seconds).
+ENGINE = textwrap.dedent("""
     import sys
-    import torch
     from toolkit.dsat.trial.session import TrialSession
 
     class Engine:
         device = "cpu"
+        dp_world_size = 1
         def forward(self, x):
             return x
         def backward(self, loss):
             return None
+        def train_micro_batch_size_per_gpu(self):
+            return 4
+""")
+
+# The OOM is raised by hand (no GPU here).
+OOM_TRIAL = ENGINE + textwrap.dedent("""
+    import torch
 
     session = TrialSession(Engine(), sys.argv[1])
     with session.step(0):
@@ -69,11 +77,33 @@ TRIAL = textwrap.dedent("""
     print("after the OOM")
 """)
 
+# After the result is written the heap is frozen (gc.freeze), so the interpreter's last collections
+# skip it; the loop's finally blocks, atexit handlers and the exit status are a plain SystemExit(0)'s.
+EXIT_TRIAL = ENGINE + textwrap.dedent("""
+    import atexit, gc
+
+    atexit.register(lambda: print("atexit: frozen", gc.get_freeze_count() > 0, flush=True))
+    session = TrialSession(Engine(), sys.argv[1])
+    frozen_before = gc.get_freeze_count()
+    try:
+        for step in range(10):
+            with session.step(step):
+                session.engine.forward(1)
+                session.engine.backward(1)
+    finally:
+        print("finally: ran after step", step, "frozen before", frozen_before, flush=True)
+    print("after the loop")
+""")
+
+
+def run_trial(code, path):
+    return subprocess.run([sys.executable, "-c", code, str(path)], env=procutil.child_env(),
+                          capture_output=True, text=True, timeout=120)
+
 
 def test_an_oom_in_a_step_ends_the_process_with_an_oom_result_and_other_errors_propagate(tmp_path):
     path = contract(tmp_path)
-    proc = subprocess.run([sys.executable, "-c", TRIAL, str(path)], env=procutil.child_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = run_trial(OOM_TRIAL, path)
     assert proc.returncode == OOM_EXIT_STATUS, proc.stderr[-3000:]
     assert "after the OOM" not in proc.stdout
     assert "dsat trial 7 ran out of memory on rank 0: CUDA out of memory. Tried to allocate 2.00 GiB " \
@@ -81,3 +111,12 @@ def test_an_oom_in_a_step_ends_the_process_with_an_oom_result_and_other_errors_p
     assert json.loads((tmp_path / "result.json").read_text()) == {
         "trial_id": 7, "status": "oom", "metrics": {}, "profile": None,
         "error": "CUDA out of memory. Tried to allocate 2.00 GiB (mocked)"}
+
+
+def test_a_trial_ends_with_its_heap_frozen_and_its_cleanup_run(tmp_path):
+    proc = run_trial(EXIT_TRIAL, contract(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "ok" and result["timed_steps"] == 2, result
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("finally:", "atexit:", "after"))]
+    assert lines == ["finally: ran after step 2 frozen before 0", "atexit: frozen True"], proc.stdout

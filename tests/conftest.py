@@ -174,6 +174,18 @@ def pytest_runtest_protocol(item, nextitem):
                 log.write(line + "\n")
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Put back os.environ after each test. An in-process ``init_distributed()`` exports the launch
+    (``LOCAL_RANK=0``, ...) as it does for a user's script; left in a worker, it made a later test's
+    child look like a rank process (CI, 2026-11-27)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _no_leftover_processes():
     yield

@@ -36,7 +36,8 @@ def test_deepspeed_launches_on_the_gpus_the_run_was_given(tmp_path):
 # A `sleep` stands for the run's launcher: no rank carries the run's mark, so the signal goes to
 # the launcher's process group, as before torchrun has started the ranks.
 def _launcher(*, own_group: bool = True) -> subprocess.Popen:
-    return subprocess.Popen(["sleep", "30"], start_new_session=own_group)
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}  # not a rank process, whatever ran before
+    return subprocess.Popen(["sleep", "30"], start_new_session=own_group, env=env)
 
 
 def test_a_signal_received_before_the_run_started_is_sent_when_it_exists():

@@ -8,6 +8,7 @@ as a killed load leaves it, and stop cold and warm start-ups at several moments.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -28,6 +29,9 @@ OP = "deepspeed_shm_comm"
 # separate writes of "ready", " 2" and "\n" did, unbuffered).
 INIT = ("import os, toolkit; ctx = toolkit.init_distributed(); "
         "os.write(1, f'ready {ctx.world_size}\\n'.encode())")
+PROBE_OP = "toolkit_probe_op"
+PROBE = ("import toolkit; from torch.utils.cpp_extension import load; "
+         f"load({PROBE_OP!r}, [{str(procutil.WORKERS / 'op_build_probe.cpp')!r}]); print('ready 1')")
 
 
 # -- pure ------------------------------------------------------------------------------------
@@ -196,16 +200,65 @@ def test_a_stop_at_any_moment_of_a_warm_start_leaves_the_next_run_working(warm_e
         assert "ready 1" in _finish(_start(INIT, warm_ext), timeout=120), (sig, at_s)
 
 
+def _build_processes(lock: Path) -> list[tuple[int, str]]:
+    """(pid, command) of the processes working in the op's directory: ninja and its compilers."""
+    holders, _ = op_builds._local_holders(lock)
+    return [(int(pid), cmd) for pid, how, cmd in holders if how == "builds"]
+
+
+def _await(predicate, what: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        ended = [p.pid for p in procs if p.poll() is not None]
+        if ended or time.monotonic() > end:
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            outs = [proc.communicate(timeout=30)[0][-3000:] for proc in procs]
+            raise AssertionError(f"{what}: not seen ({'exited: ' + str(ended) if ended else 'timed out'}); "
+                                 f"output:\n" + "\n".join(outs))
+        time.sleep(0.05)
+
+
 def test_a_stop_during_a_cold_build_leaves_the_next_run_working(tmp_path):
-    """The op is compiled from nothing, stopped (SIGINT, SIGTERM, SIGKILL) while it builds, and the
-    same command then finishes: each stop leaves a lock, and SIGKILL an orphaned compiler too."""
+    """An op is compiled from nothing: the start-up is SIGKILLed while its build runs (the lock
+    stays, and ninja lives on, orphaned, in the op's directory); two more start-ups wait on that
+    lock and are stopped while they wait (SIGINT, SIGTERM), and neither removes it; the same
+    command then finishes, after removing the lock the killed process left.
+
+    The op is a small extension of this suite's (tests/workers/op_build_probe.cpp), loaded the
+    way DeepSpeed loads its ops (``torch.utils.cpp_extension.load``, where the lock is taken): a
+    build of DeepSpeed's own costs a minute of compiling. The orphaned ninja is paused (SIGSTOP)
+    while the waiters wait, so that the stops land in the wait however fast the build is."""
     ext = tmp_path / "cold"
     ext.mkdir()
-    for sig, at_s in ((signal.SIGINT, 3.0), (signal.SIGTERM, 6.0), (signal.SIGKILL, 9.0)):
-        _stop_during_start(INIT, ext, at_s, sig)
-    out = _finish(_start(INIT, ext), timeout=600)
+    lock = ext / PROBE_OP / "lock"
+    first = _start(PROBE, ext)
+    _await(lambda: any(cmd.startswith("ninja") for _, cmd in _build_processes(lock)), "a build of the op",
+           [first])
+    (ninja,) = [pid for pid, cmd in _build_processes(lock) if cmd.startswith("ninja")]
+    os.kill(ninja, signal.SIGSTOP)
+    try:
+        os.kill(first.pid, signal.SIGKILL)  # the process only: its ninja lives on, as after a real stop
+        first.communicate(timeout=30)
+        waiters = {signal.SIGINT: _start(PROBE, ext), signal.SIGTERM: _start(PROBE, ext)}
+        for sig, proc in waiters.items():
+            assert proc.stdout is not None
+            lines: list[str] = []
+            # The wait reports itself after 5 s, naming the build that holds the lock.
+            _await(lambda: bool(lines.append(proc.stdout.readline()) or "waiting" in lines[-1]),  # noqa: B023
+                   "a report of the wait on the lock", [proc])
+            assert "a build runs in its directory" in lines[-1] and "ninja" in lines[-1], lines
+            os.kill(proc.pid, sig)
+            out, _ = proc.communicate(timeout=60)
+            assert proc.returncode != 0, out[-3000:]
+            assert lock.exists(), f"a waiter stopped by {sig.name} removed a lock it did not hold"
+    finally:
+        os.kill(ninja, signal.SIGCONT)
+    out = _finish(_start(PROBE, ext), timeout=600)
     assert "ready 1" in out, out
-    assert not (ext / OP / "lock").exists()
+    assert "left by a process that died" in out, out
+    assert not lock.exists()
 
 
 def test_an_op_that_cannot_be_built_is_skipped_with_a_warning(tmp_path):

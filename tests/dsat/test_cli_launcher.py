@@ -133,7 +133,7 @@ def test_the_wrapped_example_is_tuned_without_a_flag(tmp_path):
     model_dir = _model_dir(tmp_path, DS_WRAPPED)
     argv = [sys.executable, "-m", "toolkit.dsat", "binary", str(model_dir / "deepspeed.yaml"),
             str(model_dir), "--output-dir", str(tmp_path / "out"), "--trial-timeout", "60",
-            "--max-trials", "3", "--confirm", "0",
+            "--max-trials", "2", "--confirm", "0",
             "--zero-stages", "1", "--memory-per-slot", "100MiB", "--max-concurrent-trials", "2"]
     result = procutil.run(argv, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]

@@ -66,13 +66,13 @@ TRIALS = {
         ds_config(micro_batch=2, stage=0),
         {"mock_oom_at": ["start", 0]},
     ),
-    6: (TrialSpec(6, 2, {"stage": 2}, line=0), ds_config(micro_batch=2, stage=2), {}),
 }
 #: Trials under a timed window (--timed-window) longer than any of them: they time steps up to the
 #: contract's last_profile_step, END + 4 x 3 = 17, or as far as the loop goes.
 WINDOW_S, LAST = 100.0, END + 4 * (END - START + 1)
 WINDOW_TRIALS = {
-    7: (TrialSpec(7, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1), {"sleep_step_ms": 10}),
+    # ZeRO-2: also the stage-2 point of test_model_flops_per_sample_are_the_same_at_every_zero_stage
+    7: (TrialSpec(7, 2, {"stage": 2}, line=0), ds_config(micro_batch=2, stage=2), {"sleep_step_ms": 10}),
     # the loop ends after step 9, inside the window's steps: the chief reports steps 3..9
     8: (TrialSpec(8, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1),
         {"sleep_step_ms": 10, "steps": 10}),
@@ -169,10 +169,10 @@ def test_pipeline_engine_metrics(trials):
 
 def test_model_flops_per_sample_are_the_same_at_every_zero_stage(trials):
     # FLOPS_per_gpu x ranks / throughput = the model's FLOPs per sample: trial 0 runs ZeRO-3 (where
-    # DeepSpeed wraps F.linear and gathers parameters in hooks), trial 1 ZeRO-1, trial 6 ZeRO-2
+    # DeepSpeed wraps F.linear and gathers parameters in hooks), trial 1 ZeRO-1, trial 7 ZeRO-2
     _, results = trials
     per_sample = {}
-    for trial_id in (0, 1, 6):
+    for trial_id in (0, 1, 7):
         m = ok(results[trial_id])
         per_sample[results[trial_id].spec.stage] = m["FLOPS_per_gpu"] * 2 / m["throughput"]
     print(f"\nmodel FLOPs per sample by ZeRO stage: {per_sample}")

@@ -20,8 +20,9 @@ def _records(out_dir, n):
     return records
 
 
-def _check_two_ranks(records, *, launcher, num_nodes=1):
+def _check_two_ranks(records, *, launcher, num_nodes=1, adopted=False):
     for rank, rec in enumerate(records):
+        assert rec["adopted"] is adopted
         assert rec["rank"] == rank and rec["world_size"] == 2 and rec["is_chief"] == (rank == 0)
         assert rec["launcher"] == launcher and rec["backend"] == "gloo" and rec["device"] == "cpu"
         assert rec["num_nodes"] == num_nodes and rec["idempotent"] is True
@@ -35,7 +36,7 @@ def test_plain_python_is_world_of_one(tmp_path):
     procutil.check(procutil.run([sys.executable, str(WORKER), str(tmp_path)]))
     (rec,) = _records(tmp_path, 1)
     assert rec["launcher"] == "none" and rec["world_size"] == 1 and rec["is_chief"]
-    assert rec["gathered"] == [0] and rec["mean"] == [0.0, 1.0] and rec["idempotent"]
+    assert rec["gathered"] == [0] and rec["mean"] == [0.0, 1.0] and rec["idempotent"] and not rec["adopted"]
 
 
 def test_torchrun_two_ranks(tmp_path):
@@ -45,10 +46,12 @@ def test_torchrun_two_ranks(tmp_path):
     assert [r["local_rank"] for r in records] == [0, 1] and records[0]["local_world_size"] == 2
 
 
-def test_deepspeed_launcher_two_ranks(tmp_path):
+def test_deepspeed_launcher_two_ranks_adopting_the_group_deepspeed_made(tmp_path):
+    """A DeepSpeed script: its ranks call deepspeed.init_distributed first; toolkit adopts that group
+    (the group toolkit makes itself, from the same variables, is test_torchrun_two_ranks')."""
     procutil.check(procutil.run(procutil.deepspeed_argv(WORKER, str(tmp_path)),
-                                env=procutil.child_env(LOCAL_SIZE="2")))
-    _check_two_ranks(_records(tmp_path, 2), launcher="deepspeed")
+                                env=procutil.child_env(LOCAL_SIZE="2", CTX_WORKER_DEEPSPEED_FIRST="1")))
+    _check_two_ranks(_records(tmp_path, 2), launcher="deepspeed", adopted=True)
 
 
 def test_two_simulated_nodes_on_loopback(tmp_path):
@@ -104,56 +107,72 @@ def test_bad_variable_stops_before_anything_starts(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("code, message", [
+# Each call raises before any collective and leaves no state behind, so one process tries them all
+# in turn: get_context() first (nothing initialised yet), the second init_distributed last.
+BAD_CALLS = [
+    ("toolkit.get_context()", "init_distributed() has not been called"),
     ("toolkit.init_distributed(backend='nccl')", "backend='nccl' needs CUDA"),
     ("toolkit.init_distributed(backend='tcp')", "backend='tcp': expected one of"),
-    ("toolkit.init_distributed(); toolkit.init_distributed(backend='mpi')",
-     "already initialised with backend 'gloo'"),
     ("toolkit.init_distributed(timeout=5)", "expected a positive datetime.timedelta"),
     # Every problem of the arguments at once, as a ConfigError.
     ("toolkit.init_distributed(backend='tcp', timeout=5, collective_timeout=0)",
      "ConfigError: 3 problems in configuration"),
     ("toolkit.init_distributed(collective_timeout=-1)", "collective_timeout=-1"),
-    ("toolkit.get_context()", "init_distributed() has not been called"),
-])
-def test_bad_arguments(code, message):
-    result = procutil.run([sys.executable, "-c", f"import toolkit; {code}"])
-    assert result.returncode != 0 and message in result.stdout
+    ("toolkit.init_distributed(); toolkit.init_distributed(backend='mpi')",
+     "already initialised with backend 'gloo'"),
+]
+TRY_EACH = """
+import sys, toolkit
+for index, code in enumerate(sys.argv[1:]):
+    try:
+        exec(code)
+    except Exception as err:
+        text = f"{type(err).__name__}: {err}".replace(chr(10), " ")
+    else:
+        text = "no error"
+    print(f"call {index}: {text}", flush=True)
+"""
 
 
-def test_adopts_process_group_made_by_deepspeed(tmp_path):
-    code = ("import deepspeed, toolkit, torch.distributed as dist; deepspeed.init_distributed('gloo'); "
-            # One write per rank: print() of several values writes them one by one, and the two
-            # ranks share torchrun's stdout, so their pieces could interleave.
-            "ctx = toolkit.init_distributed(); import sys; "
-            "sys.stdout.write(f'ADOPTED {ctx.rank} {ctx.world_size} {ctx.backend}\\n'); sys.stdout.flush()")
-    script = tmp_path / "adopt.py"
-    script.write_text(code)
-    out = procutil.check(procutil.run(procutil.torchrun_argv(script)))
-    assert "ADOPTED 0 2 gloo" in out and "ADOPTED 1 2 gloo" in out
+def test_bad_arguments():
+    out = procutil.check(procutil.run([sys.executable, "-c", TRY_EACH, *(code for code, _ in BAD_CALLS)]))
+    lines = [line for line in out.splitlines() if line.startswith("call ")]
+    assert len(lines) == len(BAD_CALLS), out[-4000:]
+    for line, (code, message) in zip(lines, BAD_CALLS, strict=True):
+        assert message in line, (code, line)
 
 
 LONE = """
 import sys, time, toolkit
 ctx = toolkit.init_distributed()
 if ctx.rank == 0:
-    getattr(ctx, sys.argv[1])(*([{"x": 1}] if sys.argv[1] != "barrier" else []))
+    errors = []
+    for call in sys.argv[1:]:
+        try:
+            getattr(ctx, call)(*([{"x": 1}] if call != "barrier" else []))
+        except Exception as err:
+            errors.append(err)
+            print(f"{type(err).__name__}: {err}".replace(chr(10), " "), flush=True)
+    raise SystemExit(f"{len(errors)} calls raised")
 else:
-    time.sleep(30)   # the other rank does not call it: it trains on, or sleeps
+    time.sleep(60)   # the other rank does not call them: it trains on, or sleeps
 """
 
 
-@pytest.mark.parametrize("call", ["all_gather_object", "barrier"])
-def test_collective_called_on_one_rank_raises_naming_the_call(tmp_path, call):
+def test_collective_called_on_one_rank_raises_naming_the_call(tmp_path):
+    """Rank 0 alone calls two collectives in turn, each failing on its own within the bound."""
     script = tmp_path / "lone.py"
     script.write_text(LONE)
+    calls = ["all_gather_object", "barrier"]
     start = time.monotonic()
-    result = procutil.run(procutil.torchrun_argv(script, call),
+    result = procutil.run(procutil.torchrun_argv(script, *calls),
                           env=procutil.child_env(TOOLKIT_COLLECTIVE_TIMEOUT_S="4"), timeout=120)
     assert result.returncode != 0
     assert time.monotonic() - start < 60, "the lone rank must fail within about the bound"
-    assert f"CollectiveTimeoutError: ctx.{call} (toolkit collective #1) did not complete within 4 s " \
-           "on rank 0: rank(s) [1] never reached it" in result.stdout, result.stdout[-4000:]
+    assert "2 calls raised" in result.stdout, result.stdout[-4000:]
+    for number, call in enumerate(calls, 1):
+        assert f"CollectiveTimeoutError: ctx.{call} (toolkit collective #{number}) did not complete " \
+               "within 4 s on rank 0: rank(s) [1] never reached it" in result.stdout, result.stdout[-4000:]
     assert "called on all ranks" in result.stdout
 
 

@@ -1,5 +1,4 @@
-"""toolkit.dsat.trial.reporting: real DeepSpeed trials (2 ranks, or 1 where only the chief matters;
-torchrun, CPU) run by TrialRunner.
+"""toolkit.dsat.trial.reporting: real DeepSpeed trials (2 ranks, torchrun, CPU) run by TrialRunner.
 
 The worker, tests/workers/dsat_train.py, is a tiny model whose parameter count, activation bytes
 and FLOPs are known exactly, with sleeps of known length inside forward, backward and the step,
@@ -61,9 +60,6 @@ TRIALS = {
         {"pipeline": True, "sleep_forward_ms": 10, "sleep_backward_ms": 5, "one_line": True},
     ),
     3: (TrialSpec(3, 2, {"stage": 2}, line=0), ds_config(micro_batch=2, stage=2), {"mock_oom_at": [4, 1]}),
-}
-#: Trials about the chief alone, on 1 rank (a rank process fewer to start for each).
-ONE_RANK_TRIALS = {
     4: (TrialSpec(4, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1), {"steps": END - 1}),
     5: (
         TrialSpec(5, 2, {"stage": 0}, line=0),
@@ -93,12 +89,11 @@ def trials(tmp_path_factory):
                 mp.delenv(key)
         mp.setenv("OMP_NUM_THREADS", "1")
         results = {}
-        groups = ((0.0, TRIALS, 2), (WINDOW_S, WINDOW_TRIALS, 2), (0.0, ONE_RANK_TRIALS, 1))
-        for window, trials, slots in groups:
+        for window, trials in ((0.0, TRIALS), (WINDOW_S, WINDOW_TRIALS)):
             settings = RunnerSettings(
                 entrypoint=("python3", "dsat_train.py"),
                 model_dir=WORKERS,
-                slots_per_trial=slots,
+                slots_per_trial=2,
                 max_slots=4,
                 max_concurrent=2,
                 timeout_s=280,

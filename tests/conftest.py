@@ -90,7 +90,7 @@ SLOW_UNITS: tuple[str, ...] = (
     "tests/test_preemption.py::test_sigterm_to_torchrun_with_dataloader_workers",
     "tests/runtime/test_ds_shm.py", "tests/run/test_scheduler.py", "tests/reliability/test_dsat_faults.py",
     "tests/dsat/test_cli.py::test_sigkilled_search", "tests/dsat/test_cli.py::test_binary_search",
-    "tests/dsat/test_cli.py::test_the_global_batch_is_kept", "tests/dsat/test_cli.py::test_run_full",
+    "tests/dsat/test_cli.py::test_the_global_batch_is_kept",
     "tests/dsat/execution/test_hosts.py", "tests/config/test_ds_verdicts.py",
     "tests/runtime/test_context.py::test_deepspeed_launcher",
 )

@@ -277,15 +277,13 @@ def _read(path):
 
 
 @pytest.fixture(scope="module")
-def roundtrip(tmp_path_factory):
-    """Run the 2-rank round-trip worker, convert zero1 to a universal checkpoint, run the 1-rank worker."""
+def roundtrip(tmp_path_factory, killed_runs):
+    """Run the 2-rank round-trip worker (which first resumes the runs killed inside a save: its
+    launch is their new process), then the 1-rank worker (which first converts zero1 to a
+    universal checkpoint with DeepSpeed's ds_to_universal)."""
     out = tmp_path_factory.mktemp("roundtrip")
-    procutil.check(procutil.run(procutil.torchrun_argv(ROUNDTRIP, str(out))))
-    step = out / "zero1" / "step_2"
-    procutil.check(procutil.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                                 "--input_folder", str(step),
-                                 "--output_folder", f"{step}_universal", "--inject_missing_state",
-                                 "--num_extract_workers", "1", "--num_merge_workers", "1"]))
+    killed_dirs = [str(killed_runs[0] / mode) for mode in KILL_MODES]
+    procutil.check(procutil.run(procutil.torchrun_argv(ROUNDTRIP, str(out), *killed_dirs)))
     procutil.check(procutil.run([sys.executable, str(SINGLE), str(out)]))
     return out, [_read(out / f"rank{r}.json") for r in range(2)], _read(out / "single.json")
 
@@ -400,19 +398,24 @@ def _kill_mid_save(out, mode):
 
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory):
+def killed_runs(tmp_path_factory):
+    """Per mode, a 2-rank run SIGKILLed inside its second save; the resume runs in the round-trip
+    worker's launch (the ``roundtrip`` fixture)."""
     base = tmp_path_factory.mktemp("killed")
     snapshots, states = {}, {}
     for mode in KILL_MODES:
         (base / mode).mkdir()
         snapshots[mode] = _kill_mid_save(base / mode, mode)
         states[mode] = layout.resolve_tag(layout.scan_dir(base / mode / "ckpt"), None)[0].tag
-    resume = procutil.torchrun_argv(KILL, "resume", *(str(base / mode) for mode in KILL_MODES))
-    procutil.check(procutil.run(resume))
     return base, snapshots, states
 
 
-@pytest.mark.slow  # the fixture launches 4 two-rank jobs: about 40 s idle, 90 s on a busy machine
+@pytest.fixture(scope="module")
+def killed(killed_runs, roundtrip):
+    return killed_runs
+
+
+@pytest.mark.slow  # the fixture launches 3 two-rank jobs (the resume is in the round trip's launch)
 @pytest.mark.parametrize("mode", KILL_MODES)
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint(killed, mode):
     base, snapshots, states = killed

@@ -11,6 +11,8 @@ Usage:
     torchrun --nproc_per_node 2 ckpt_kill.py resume OUT_DIR...
         For each OUT_DIR: a new run that first tries to save without loading (must be refused),
         loads, trains steps 3 and 4 and saves step_4; results to OUT_DIR/resume_rank<N>.json.
+        (tests/checkpoint/test_api.py runs this as :func:`resume` inside the round-trip worker's
+        launch, tests/workers/ckpt_roundtrip.py, a new process all the same.)
 """
 import os
 import sys
@@ -25,16 +27,15 @@ import toolkit.checkpoint.layout as layout
 from toolkit.checkpoint.api import load_checkpoint, save_checkpoint
 from toolkit.errors import CheckpointError
 
-phase, dirs = sys.argv[1], [Path(d) for d in sys.argv[2:]]
-ctx = toolkit.init_distributed()
-
 
 def pause(out):
+    ctx = toolkit.get_context()
     (out / f"paused_rank{ctx.rank}").write_text("")
     time.sleep(600)  # the test kills this process long before
 
 
 def install_pause(engine, out, mode):
+    ctx = toolkit.get_context()
     if mode == "ds_write" and ctx.rank == 1:
         original = engine.checkpoint_engine.save
 
@@ -60,9 +61,8 @@ def install_pause(engine, out, mode):
         layout.set_latest = set_latest
 
 
-if phase == "first":
-    out, mode = dirs[0], sys.argv[3]
-    dirs = [out]
+def first(out, mode):
+    ctx = toolkit.get_context()
     (out / f"pid_rank{ctx.rank}").write_text(str(os.getpid()))
     engine = c.build("zero3")
     [c.train_step(engine) for _ in range(2)]
@@ -73,19 +73,31 @@ if phase == "first":
     save_checkpoint(engine, out / "ckpt", steps_completed=4)
     sys.exit(3)  # never reached when the test kills the save
 
-for out in dirs:
-    ckpt = out / "ckpt"
-    engine = c.build("zero3", seed=1)
-    record = {}
-    try:
-        save_checkpoint(engine, ckpt, steps_completed=0)
-        record["save_before_load"] = None
-    except CheckpointError as err:
-        record["save_before_load"] = str(err)
-    steps, state = load_checkpoint(engine, ckpt)
-    record.update(steps=steps, client_state=state, losses=[c.train_step(engine) for _ in range(2)],
-                  params=c.local_params(engine))
-    record["tag"] = save_checkpoint(engine, ckpt, steps_completed=4, keep_last=1)
-    record["listing"] = sorted(p.name for p in ckpt.iterdir())
-    record["latest"] = (ckpt / "latest").read_text()
-    c.write_json(out / f"resume_rank{ctx.rank}.json", record)
+
+def resume(dirs):
+    """For each killed run's OUT_DIR, a new run's resume (call on all ranks)."""
+    ctx = toolkit.get_context()
+    for out in dirs:
+        ckpt = out / "ckpt"
+        engine = c.build("zero3", seed=1)
+        record = {}
+        try:
+            save_checkpoint(engine, ckpt, steps_completed=0)
+            record["save_before_load"] = None
+        except CheckpointError as err:
+            record["save_before_load"] = str(err)
+        steps, state = load_checkpoint(engine, ckpt)
+        record.update(steps=steps, client_state=state, losses=[c.train_step(engine) for _ in range(2)],
+                      params=c.local_params(engine))
+        record["tag"] = save_checkpoint(engine, ckpt, steps_completed=4, keep_last=1)
+        record["listing"] = sorted(p.name for p in ckpt.iterdir())
+        record["latest"] = (ckpt / "latest").read_text()
+        c.write_json(out / f"resume_rank{ctx.rank}.json", record)
+
+
+if __name__ == "__main__":
+    toolkit.init_distributed()
+    if sys.argv[1] == "first":
+        first(Path(sys.argv[2]), sys.argv[3])
+    else:
+        resume([Path(d) for d in sys.argv[2:]])

@@ -1,14 +1,17 @@
 """Save/load round trips (ZeRO 0-3, pipeline), error cases, run ownership and keep_last, 2 ranks.
 
-Usage: torchrun --nproc_per_node 2 ckpt_roundtrip.py OUT_DIR
+Usage: torchrun --nproc_per_node 2 ckpt_roundtrip.py OUT_DIR [KILLED_DIR...]
 Writes OUT_DIR/rank<N>.json (what each rank saw) and OUT_DIR/<case>_expected.pt (the full weights
-at the save, for the consolidation check of ckpt_single.py).
+at the save, for the consolidation check of ckpt_single.py). First, the resume of each
+KILLED_DIR (ckpt_kill.py's runs killed inside a save; its ``resume``): this launch is their new
+process, one 2-rank launch fewer for the test.
 """
 import json
 import sys
 from pathlib import Path
 
 import ckpt_common as c
+import ckpt_kill
 import torch
 
 import toolkit
@@ -20,6 +23,7 @@ from toolkit.errors import CheckpointError, ConfigError
 out = Path(sys.argv[1])
 ctx = toolkit.init_distributed()
 record = {"cases": {}, "errors": {}}
+ckpt_kill.resume([Path(d) for d in sys.argv[2:]])
 
 
 def expect_error(name, fn, engine=None):

@@ -1,8 +1,11 @@
 """One process (world size 1) against the 2-rank checkpoints of ckpt_roundtrip.py.
 
-Usage: python ckpt_single.py OUT_DIR   (OUT_DIR as given to ckpt_roundtrip.py; zero1/step_2_universal
-made by ds_to_universal beforehand). Writes OUT_DIR/single.json.
+Usage: python ckpt_single.py OUT_DIR   (OUT_DIR as given to ckpt_roundtrip.py). First converts
+zero1/step_2 to zero1/step_2_universal with DeepSpeed's ds_to_universal, its command line run in
+this process (one interpreter start fewer than ``python -m deepspeed.checkpoint.ds_to_universal``).
+Writes OUT_DIR/single.json.
 """
+import runpy
 import sys
 from pathlib import Path
 
@@ -14,6 +17,10 @@ from toolkit.checkpoint.api import consolidate_checkpoint, load_checkpoint
 from toolkit.errors import CheckpointError
 
 out = Path(sys.argv[1])
+step = out / "zero1" / "step_2"
+sys.argv = ["ds_to_universal", "--input_folder", str(step), "--output_folder", f"{step}_universal",
+            "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]
+runpy.run_module("deepspeed.checkpoint.ds_to_universal", run_name="__main__")
 ctx = toolkit.init_distributed()
 record = {"world_size": ctx.world_size, "consolidated": {}}
 

@@ -110,43 +110,54 @@ def test_metrics_reach_tensorboard_and_jsonl(reference):
     assert groups == ["training"] * 4 + ["validation"]
 
 
-def test_sigterm_stops_every_rank_and_the_rerun_resumes_exactly(train_yaml, reference, tmp_path):
-    out = tmp_path / "out"
-    proc = _start(_run_argv(train_yaml, procutil.WORKERS, out), DET_TEST_STEP_SLEEP="0.4")
-    _wait_committed(proc, out, 1)
+@pytest.fixture(scope="module")
+def killed_then_stopped(train_yaml, tmp_path_factory):
+    """One trial through both failures: rank 0 SIGKILLed inside store_path at step 6 (run 1;
+    toolkit.run restarts it, max_restarts 1), then toolkit.run SIGTERMed once run 2 has committed
+    again, then a rerun (run 3) to the end. Returns the output directory, the logs of the
+    interrupted launch and of the rerun, the trial id and the steps each rank stopped at."""
+    base = tmp_path_factory.mktemp("killed")
+    cfg = base / "restart.yaml"
+    cfg.write_text(train_yaml.read_text().replace("max_restarts: 0", "max_restarts: 1"))
+    out = base / "out"
+    proc = _start(_run_argv(cfg, procutil.WORKERS, out), DET_TEST_KILL_AT="6", DET_TEST_STEP_SLEEP="0.6")
+    _wait_committed(proc, out, 2)  # step 3 (run 1), then step 6 redone by run 2: the kill is behind
     trial_id = _trial_id(out)
     proc.send_signal(signal.SIGTERM)
-    rc, log = _finish(proc)
-    assert rc == 0, log[-4000:]  # both ranks saved and exited cleanly
-    stopped = {(out / f"preempted-{r}").read_text() for r in (0, 1)}
-    assert len(stopped) == 1 and int(stopped.pop()) < 12  # the same step on both ranks, before the end
-    assert not (out / "final.json").exists()
-    rc, log = _finish(_start(_run_argv(train_yaml, procutil.WORKERS, out)))
-    assert rc == 0, log[-4000:]
-    assert _weights(out) == _weights(reference)  # bitwise equal to the uninterrupted run
-    assert json.loads((out / "final.json").read_text())["trial_id"] == trial_id == _trial_id(out)
-    assert json.loads((out / "determined_trial.json").read_text())["trial_run_id"] == 2
-    assert not find_trial_processes(str(out), variable="TOOLKIT_OUTPUT_DIR")  # nothing left behind
+    rc, first_log = _finish(proc)
+    assert rc == 0, first_log[-4000:]  # both ranks saved and exited cleanly
+    stopped = [(out / f"preempted-{r}").read_text() for r in (0, 1)]
+    final_after_stop = (out / "final.json").exists()
+    rc, rerun_log = _finish(_start(_run_argv(cfg, procutil.WORKERS, out)))
+    assert rc == 0, rerun_log[-4000:]
+    return out, first_log, rerun_log, trial_id, stopped, final_after_stop
 
 
 def test_sigkill_inside_store_path_keeps_the_previous_checkpoint_and_the_restart_resumes(
-    train_yaml, reference, tmp_path
+    killed_then_stopped, reference
 ):
-    cfg = tmp_path / "restart.yaml"
-    cfg.write_text(train_yaml.read_text().replace("max_restarts: 0", "max_restarts: 1"))
-    out = tmp_path / "out"
-    rc, log = _finish(_start(_run_argv(cfg, procutil.WORKERS, out), DET_TEST_KILL_AT="6"))
-    assert rc == 0, log[-4000:]
+    out, log, _, _, _, _ = killed_then_stopped
     assert "restart 1 of 1" in log and "left incomplete" in log  # the partial step-6 checkpoint, removed
-    # The restart resumed from step 3, the checkpoint before the one killed inside store_path.
+    # The restart resumed from step 3, the checkpoint before the one killed inside store_path; the
+    # SIGTERM stopped run 2 at a checkpoint (6 or 9) and run 3 went on from there.
     steps = [json.loads(line)["steps_completed"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [3, 6, 6, 9, 12, 12]  # step 6 reported, killed in store_path, redone after the restart
     assert [e["steps_completed"] for e in _committed(out)] == [3, 6, 9, 12]
     assert sorted(d.name for d in (out / "checkpoints").iterdir()) == sorted(
         e["storage_id"] for e in _committed(out)
     )
-    assert _weights(out) == _weights(reference)
-    assert json.loads((out / "determined_trial.json").read_text())["trial_run_id"] == 2
+    assert _weights(out) == _weights(reference)  # bitwise equal to the uninterrupted run
+
+
+def test_sigterm_stops_every_rank_and_the_rerun_resumes_exactly(killed_then_stopped, reference):
+    out, _, _, trial_id, stopped, final_after_stop = killed_then_stopped
+    # The same step on both ranks, a checkpoint step after the restart's resume, before the end.
+    assert stopped[0] == stopped[1] and int(stopped[0]) in (6, 9), stopped
+    assert not final_after_stop
+    assert _weights(out) == _weights(reference)  # bitwise equal to the uninterrupted run
+    assert json.loads((out / "final.json").read_text())["trial_id"] == trial_id == _trial_id(out)
+    assert json.loads((out / "determined_trial.json").read_text())["trial_run_id"] == 3
+    assert not find_trial_processes(str(out), variable="TOOLKIT_OUTPUT_DIR")  # nothing left behind
 
 
 def test_deepspeed_wrapper_sharded_checkpoint_preempt_and_resume(tmp_path):
@@ -183,12 +194,11 @@ def test_single_process_core_init_preempts_on_its_own_signal_and_invalid_hp_exit
     )
     assert seen["size"] == 1 and seen["before"] is False and seen["after"] is True
     assert seen["ops"] == [5] and seen["ops_again"] == 0 and seen["latest"] is None
-    again = json.loads(
-        procutil.check(procutil.run(argv, env=procutil.child_env(**env))).strip().splitlines()[-1]
-    )
-    assert again["latest"] == seen["stored"] and again["trial_id"] == seen["trial_id"]
+    # The second run resumes (the same trial, the stored checkpoint), then raises InvalidHP: exit 0.
     result = procutil.run(argv + ["invalid_hp"], env=procutil.child_env(**env))
-    assert result.returncode == 0 and "InvalidHP" in result.stdout
+    assert result.returncode == 0 and "InvalidHP" in result.stdout, result.stdout[-4000:]
+    again = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+    assert again["latest"] == seen["stored"] and again["trial_id"] == seen["trial_id"]
 
 
 @pytest.mark.parametrize(
@@ -249,10 +259,14 @@ def _dsat(model_dir, out, *flags):
         "binary",
         str(model_dir / "deepspeed.yaml"),
         str(model_dir),
-        "--max-trials",
-        "3",
+        "--max-trials",  # the fewest: the profiling trial and one tuning trial
+        "2",
         "--zero-stages",
         "1",
+        "--global-batch",  # micro-batch 1 only (2 ranks): no calibration trials at larger ones
+        "2",
+        "--timed-window",  # the profile steps only: the trials' length is not what this checks
+        "0",
         "--output-dir",
         str(out),
         "--confirm",  # no re-runs of the best: this test is about the wrapper, not the confirmation
@@ -270,7 +284,8 @@ def test_dsat_tunes_a_core_api_script_with_the_wrapper_left_in_its_entrypoint(tm
     out = procutil.check(_dsat(model_dir, tmp_path / "out"))
     assert "trials on this machine start with deepspeed" in out
     rows = [json.loads(line) for line in (tmp_path / "out" / "trials.jsonl").read_text().splitlines()]
-    assert rows and all(row["status"] == "ok" for row in rows), rows
+    assert [row["role"] for row in rows] == ["profiling", "tuning"], rows
+    assert all(row["status"] == "ok" and row["FLOPS_per_gpu"] > 0 for row in rows), rows  # measured
     assert (
         json.loads((tmp_path / "out" / "best_ds_config.json").read_text())["zero_optimization"]["stage"] == 1
     )

@@ -1,6 +1,7 @@
 """One process, no launcher (`python det_single.py`): det.core.init() without a DistributedContext,
 as in Determined's stage-1/2 tutorials; a SIGTERM to itself must turn should_preempt() True.
-Prints one JSON line of what it saw; `invalid_hp` as argv[1] raises det.InvalidHP inside the context."""
+Prints one JSON line of what it saw; `invalid_hp` as argv[1] prints the latest checkpoint and the
+trial id, then raises det.InvalidHP inside the context."""
 
 import json
 import logging
@@ -15,6 +16,7 @@ info = det.get_cluster_info()
 seen = {"latest": info.latest_checkpoint, "trial_id": info.trial.trial_id}
 with det.core.init() as core_context:
     if sys.argv[1:] == ["invalid_hp"]:
+        print(json.dumps(seen), flush=True)
         raise det.InvalidHP("lr too large")
     seen["size"] = core_context.distributed.size
     seen["before"] = core_context.preempt.should_preempt()

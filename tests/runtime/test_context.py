@@ -1,4 +1,7 @@
-"""init_distributed and the context's collectives, in real processes under each launcher."""
+"""init_distributed and the context's collectives, in real processes under each launcher.
+
+Two nodes (torchrun agents with --nnodes 2 on loopback): tests/runtime/test_multinode.py checks
+the node placement and the same collectives there."""
 
 import json
 import subprocess
@@ -52,22 +55,6 @@ def test_deepspeed_launcher_two_ranks_adopting_the_group_deepspeed_made(tmp_path
     procutil.check(procutil.run(procutil.deepspeed_argv(WORKER, str(tmp_path)),
                                 env=procutil.child_env(LOCAL_SIZE="2", CTX_WORKER_DEEPSPEED_FIRST="1")))
     _check_two_ranks(_records(tmp_path, 2), launcher="deepspeed", adopted=True)
-
-
-def test_two_simulated_nodes_on_loopback(tmp_path):
-    port = procutil.free_port()
-    procs = [subprocess.Popen(
-        procutil.torchrun_argv(WORKER, str(tmp_path), nproc=1, port=port,
-                        extra=["--nnodes", "2", "--node_rank", str(node)]),
-        env=procutil.child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for node in (0, 1)]
-    for proc in procs:
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, out[-4000:]
-    records = _records(tmp_path, 2)
-    _check_two_ranks(records, launcher="torchrun", num_nodes=2)
-    assert [(r["node_rank"], r["local_rank"], r["local_world_size"]) for r in records] == [
-        (0, 0, 1), (1, 0, 1)]
 
 
 def _spawn_with_env(tmp_path, envs):

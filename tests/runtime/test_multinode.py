@@ -1,7 +1,8 @@
 """Training across nodes, simulated on one machine: two ``torchrun --nnodes 2`` agents with the c10d
 rendezvous on 127.0.0.1, one rank each, sharing a checkpoint directory (tests/workers/multinode_train.py).
 
-Checked for real: the node rank and counts init_distributed reports, SIGTERM to one node's
+Checked for real: the node rank and counts init_distributed reports, the context's collectives
+and ``chief_first`` across the nodes, SIGTERM to one node's
 worker stopping both nodes at the same step, a checkpoint written once per shard and committed
 once on the shared directory, and the resume from it on both nodes.
 
@@ -78,11 +79,12 @@ def read(path: Path):
     ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
       "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "n0", "MASTER_PORT": "1"}, ("torchrun", 1, 2, 2)),
     # deepspeed.launcher.launch on each node: CROSS_RANK / CROSS_SIZE, LOCAL_SIZE
-    ({"RANK": "2", "WORLD_SIZE": "6", "LOCAL_RANK": "0", "LOCAL_SIZE": "2", "CROSS_RANK": "1", "CROSS_SIZE": "3",
-      "MASTER_ADDR": "n0", "MASTER_PORT": "1"}, ("deepspeed", 1, 3, 2)),
+    ({"RANK": "2", "WORLD_SIZE": "6", "LOCAL_RANK": "0", "LOCAL_SIZE": "2", "CROSS_RANK": "1",
+      "CROSS_SIZE": "3", "MASTER_ADDR": "n0", "MASTER_PORT": "1"}, ("deepspeed", 1, 3, 2)),
     # Open MPI: OMPI_COMM_WORLD_NODE_RANK is a rank across jobs on the node, not the node's index
     ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-      "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_NODE_RANK": "1", "MASTER_ADDR": "n0"}, ("mpi", 2, 3, 2)),
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_NODE_RANK": "1", "MASTER_ADDR": "n0"},
+     ("mpi", 2, 3, 2)),
     ({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "MASTER_ADDR": "n0"},
      ("mpi", 1, 2, 2)),
     # srun with an uneven step: this node's own task count
@@ -114,22 +116,30 @@ def test_two_nodes_report_their_place_stop_together_commit_once_and_resume(tmp_p
         assert (ctx["num_nodes"], ctx["launcher"], ctx["is_local_chief"]) == (2, "torchrun", True)
         assert ctx["node_rank"] == int(ctx["env"]["GROUP_RANK"]) and ctx["env"]["GROUP_WORLD_SIZE"] == "2"
     assert sorted(c["node_rank"] for c in ctxs) == [0, 1]
+    # The context's collectives across the nodes (on one node: tests/runtime/test_context.py).
+    for rank, ctx in enumerate(ctxs):
+        assert ctx["is_chief"] == (rank == 0) and ctx["broadcast"] == {"from": 0, "payload": [1, 2]}
+        assert ctx["all_gathered"] == [0, 1] and ctx["mean"] == [0.5, 1.0] and ctx["max"] == [1.0]
+    assert ctxs[0]["gathered"] == [0, 10] and ctxs[1]["gathered"] is None
+    assert (out / "chief_first.txt").read_text().split() == ["0", "1"]
     # SIGTERM reaches one node only (its worker, not the agent): both must stop at the same step.
     node1 = next(c for c in ctxs if c["node_rank"] == 1)
     os.kill(node1["pid"], signal.SIGTERM)
     assert wait_all(procs, out) == [0, 0]
     results = [read(out / f"result{r}.json") for r in (0, 1)]
     stopped = results[0]["stopped_at"]
-    assert all(r["preempted"] and r["stopped_at"] == stopped and r["steps"] == [stopped, stopped] for r in results)
+    assert all(r["preempted"] and r["stopped_at"] == stopped and r["steps"] == [stopped, stopped]
+               for r in results)
     assert all(r["start"] == 0 for r in results)
 
     # The shared directory: one commit, model states once, one ZeRO shard per data-parallel rank.
     tag = f"step_{stopped}"
     assert (ckpt / "latest").read_text().strip() == tag
     files = sorted(str(f.relative_to(ckpt / tag)) for f in (ckpt / tag).rglob("*") if f.is_file())
-    assert files == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
-                     "mp_rank_00_model_states.pt", "toolkit_checkpoint.json", "toolkit_rng/rank_00000.pt",
-                     "toolkit_rng/rank_00001.pt", "toolkit_save_started.json"] or files == [
+    assert files == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                     "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt",
+                     "toolkit_checkpoint.json", "toolkit_rng/rank_00000.pt", "toolkit_rng/rank_00001.pt",
+                     "toolkit_save_started.json"] or files == [
         "mp_rank_00_model_states.pt", "toolkit_checkpoint.json", "toolkit_rng/rank_00000.pt",
         "toolkit_rng/rank_00001.pt", "toolkit_save_started.json", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_optim_states.pt"], files
@@ -143,7 +153,8 @@ def test_two_nodes_report_their_place_stop_together_commit_once_and_resume(tmp_p
     procs = start_nodes(out, ckpt, "--max-steps", str(stopped + 2))
     assert wait_all(procs, out) == [0, 0]
     results = [read(out / f"result{r}.json") for r in (0, 1)]
-    assert all(r["start"] == stopped and r["stopped_at"] == stopped + 2 and not r["preempted"] for r in results)
+    assert all(r["start"] == stopped and r["stopped_at"] == stopped + 2 and not r["preempted"]
+               for r in results)
     assert (ckpt / "latest").read_text().strip() == f"step_{stopped + 2}"
 
 
@@ -158,8 +169,8 @@ def test_the_example_runs_unchanged_on_two_nodes(tmp_path):
     for node in (0, 1):
         with open(tmp_path / f"agent{node}.log", "w") as log:
             procs.append(subprocess.Popen(
-                agent_argv(node, port, run_id, "--config", str(config), "--output-dir", str(out), "--max-steps", "10",
-                           script=EXAMPLES / "train.py"),
+                agent_argv(node, port, run_id, "--config", str(config), "--output-dir", str(out),
+                           "--max-steps", "10", script=EXAMPLES / "train.py"),
                 env=procutil.child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     assert wait_all(procs, tmp_path) == [0, 0], (tmp_path / "agent0.log").read_text()[-3000:]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_10"

@@ -193,8 +193,9 @@ def _stop_during_start(code: str, ext: Path, at_s: float, sig: int) -> None:
 
 
 def test_a_stop_at_any_moment_of_a_warm_start_leaves_the_next_run_working(warm_ext):
-    """Stops spread over a warm start-up (imports, process group, the op's load and lock)."""
-    stops = ((signal.SIGTERM, 0.5), (signal.SIGKILL, 1.5), (signal.SIGINT, 3.0), (signal.SIGKILL, 4.5))
+    """Stops spread over a warm start-up (imports, process group, the op's load and lock), one of
+    each kind: early (imports), middle, late (the op's load on a busy machine)."""
+    stops = ((signal.SIGTERM, 0.5), (signal.SIGINT, 2.5), (signal.SIGKILL, 4.5))
     for sig, at_s in stops:
         _stop_during_start(INIT, warm_ext, at_s, sig)
         assert "ready 1" in _finish(_start(INIT, warm_ext), timeout=120), (sig, at_s)

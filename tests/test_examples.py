@@ -28,11 +28,11 @@ def _check_metrics(out, steps):
     assert [step for step, _ in losses] == list(range(1, steps + 1)), losses
     assert scalars(out / "tensorboard", "validation/loss")
     lines = [json.loads(line) for line in (out / "tensorboard" / "metrics.jsonl").read_text().splitlines()]
-    assert [l["steps_completed"] for l in lines if l["group"] == "training"] == list(range(1, steps + 1))
+    assert [r["steps_completed"] for r in lines if r["group"] == "training"] == list(range(1, steps + 1))
 
 
 def test_pipeline_example_runs_under_torchrun_then_resumes_under_deepspeed(tmp_path):
-    """The other examples switch launchers on their resume in the SIGTERM test below."""
+    """mlm.py and causal_lm.py switch launchers on their resume in the SIGTERM test below."""
     script = "pipeline.py"
     config, out = small_config(tmp_path, script), tmp_path / "out"
     args = ["--config", str(config), "--output-dir", str(out)]
@@ -58,7 +58,13 @@ def _latest_step(checkpoints):
         return 0
 
 
-@pytest.mark.parametrize("script, seed", [("mlm.py", 1), ("train.py", 2), ("causal_lm.py", 3)])
+# The two token examples: ZeRO 2, and a training step that draws from the global RNG (mlm.py's
+# masking, causal_lm.py's dropout), so the resume must restore the RNG streams; mlm.py's own model
+# and RNG-isolated validation, causal_lm.py's transformers model. train.py (images, ResNet, ZeRO 1)
+# is stopped by SIGTERMs at random moments and resumed bitwise-exactly by
+# tests/reliability/test_chaos.py::test_short_chaos_campaign (torchrun to torchrun); the launcher
+# switch does not depend on the model, and pipeline.py's is checked above.
+@pytest.mark.parametrize("script, seed", [("mlm.py", 1), ("causal_lm.py", 3)])
 def test_sigterm_at_a_random_moment_then_resume_under_deepspeed_is_bitwise_exact(tmp_path, script, seed):
     """Started under torchrun, stopped by SIGTERM to one rank at a random moment, resumed under the
     deepspeed launcher: the weights equal an uninterrupted run's, and every step is logged once."""
@@ -84,7 +90,8 @@ def test_sigterm_at_a_random_moment_then_resume_under_deepspeed_is_bitwise_exact
         try:
             deadline = time.monotonic() + 240
             while _latest_step(out / "checkpoints") < after_step:
-                assert proc.poll() is None and time.monotonic() < deadline, f"the run never reached step {after_step}"
+                assert proc.poll() is None and time.monotonic() < deadline, \
+                    f"the run never reached step {after_step}"
                 time.sleep(0.02)
             time.sleep(delay)
             workers = [int(pid) for pid in subprocess.run(["pgrep", "-f", "-P", str(proc.pid), script],

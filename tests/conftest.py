@@ -82,7 +82,6 @@ SPLIT_FILES: tuple[str, ...] = (
 SLOW_UNITS: tuple[str, ...] = (
     "tests/compat/test_determined_e2e.py",
     "tests/dsat/test_e2e.py::test_binary_search_on_the_example_then_train_with_the_best_config",
-    "tests/runtime/test_op_builds.py::test_a_stop_during_a_cold_build_leaves_the_next_run_working",
     "tests/cluster/", "tests/dsat/trial/test_reporting.py", "tests/checkpoint/test_api.py",
     "tests/test_examples.py::test_sigterm", "tests/checkpoint/test_exact_resume.py",
     "tests/reliability/test_chaos.py", "tests/dsat/test_e2e.py", "tests/compat/test_determined_launcher.py",

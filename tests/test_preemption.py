@@ -268,11 +268,11 @@ def test_rare_checks_answer_at_the_first_call_after_the_signal(tmp_path):
     assert results[1]["received"] == "SIGTERM" and results[0]["received"] is None, results
 
 
-@pytest.mark.parametrize("loader", ["torch", "deepspeed"])
-def test_sigterm_to_torchrun_with_dataloader_workers_stops_saves_and_resumes(tmp_path, loader):
+def test_sigterm_to_torchrun_with_dataloader_workers_stops_saves_and_resumes(tmp_path):
+    # Two loaders in one run, DeepSpeed's training_data= loader and a torch DataLoader, each with
     # num_workers=2, started before watch_preemption; torchrun signals each rank's process group,
     # so the workers get SIGTERM too. They must survive until the ranks stop through should_preempt.
-    argv = procutil.torchrun_argv(procutil.WORKERS / "preempt_workers.py", str(tmp_path), "--loader", loader)
+    argv = procutil.torchrun_argv(procutil.WORKERS / "preempt_workers.py", str(tmp_path))
     proc = _start(argv)
     _wait_progress(proc, tmp_path, [0, 1], 5)
     proc.send_signal(signal.SIGTERM)   # to torchrun itself

@@ -1,10 +1,11 @@
 """Preemption: real signals, real processes, every rank stops at the same step.
 
 The multi-rank tests run tests/workers/preempt_loop.py under torchrun (2 gloo ranks): a loop that
-sleeps 5 ms per step and calls should_preempt() every step. The test sends a real signal with
-os.kill to ONE worker's pid (not to torchrun, which would forward it to every worker: that
-scenario has its own test) at a random step, then checks that both ranks stopped at the same step,
-within the documented bound, and exited 0.
+sleeps 5 ms per step and calls should_preempt() every step (one launch runs several such loops,
+one after the other, where a test checks several). The test sends a real signal with os.kill to
+ONE worker's pid (not to torchrun, which would forward it to every worker: that scenario has its
+own test) at a random step, then checks that both ranks stopped at the same step, within the
+documented bound, and exited 0.
 
 The in-process tests use world size 1, where the watcher does no collective and reads only the
 context's world size; they build that context by hand instead of initialising torch.distributed
@@ -185,30 +186,62 @@ def _finish(proc, timeout=240):
     return proc.returncode, out
 
 
-@pytest.mark.parametrize("sig, target, check_every", [
+# The one-rank signals: (signal, the rank it goes to, check_every).
+ONE_RANK = [
     (signal.SIGTERM, 1, 4),       # fixed interval: bound 2 * 4 calls
     (signal.SIGUSR1, 0, None),    # adaptive, check_interval 0.1 s: at most 0.1 / 5 ms = 20 calls apart
     (signal.SIGINT, 1, 1),        # a check point every call: bound 2 calls
-])
-def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, sig, target, check_every):
-    at = random.randint(10, 60)
-    args = ["--check-every", str(check_every or 0), "--check-interval", "0.1", "--sleep", str(STEP_S)]
-    proc = _start(procutil.torchrun_argv(WORKER, str(tmp_path), *args))
-    _wait_progress(proc, tmp_path, [0, 1], at)
-    os.kill(int((tmp_path / f"pid{target}").read_text()), sig)
-    code, output = _finish(proc)
-    assert code == 0, output[-4000:]
-    results = _read_results(tmp_path, 2)
+]
+
+
+def _check_one_rank_signal(out, sig, target, check_every, at):
+    results = _read_results(out, 2)
     stops = {r["stopped_at"] for r in results}
-    assert len(stops) == 1 and None not in stops, (at, results)
+    assert len(stops) == 1 and None not in stops, (sig.name, at, results)
     stop, seen = results[0]["stopped_at"], results[target]["seen_at"]
     interval = check_every or int(0.1 / STEP_S)  # a step lasts at least STEP_S, so I <= 0.1 / STEP_S
-    assert seen is not None and seen >= at and seen <= stop <= seen + 2 * interval - 1, (at, results)
+    assert seen is not None and seen >= at and seen <= stop <= seen + 2 * interval - 1, \
+        (sig.name, at, results)
     for rank, record in enumerate(results):
         assert record["received"] == (sig.name if rank == target else None), results
         assert record["preempted"] and record["after_close"], results
         assert record["installed"] and record["restored"], results
         assert record["final_steps"] == [stop, stop], results
+
+
+def test_one_launch_loops_unsignalled_then_signalled_at_one_rank_then_rarely_checked(tmp_path):
+    """Five loops, one after the other in one torchrun launch (2 ranks), each with its own watcher:
+
+    0. no signal, 150 calls with check points every 7 calls: the all-reduce launched at call 147
+       is still pending when the loop ends; close() must finish it so the all_gather after it
+       lines up.
+    1-3. a real signal to ONE worker at a random step (ONE_RANK): both ranks stop at the same
+       step, within the documented bound of the signalled rank's first sight of it.
+    4. rare checks: a loop asking every 20 steps, 2 s apart (0.1 s steps); the last rank is
+       signalled after step 25: the pipelined check would answer at step 60, the synchronous one
+       at step 40.
+    """
+    phases = ["--check-every 7 --max-steps 150 --sleep 0.001"]
+    phases += [f"--check-every {check_every or 0} --check-interval 0.1 --sleep {STEP_S}"
+               for _, _, check_every in ONE_RANK]
+    phases.append("--call-every 20 --sleep 0.1 --check-interval 1 --signal-after 25 --max-steps 200")
+    proc = _start(procutil.torchrun_argv(WORKER, str(tmp_path), *[a for p in phases for a in ("--phase", p)]))
+    ats = []
+    for i, (sig, target, _) in enumerate(ONE_RANK, start=1):
+        ats.append(random.randint(10, 60))
+        _wait_progress(proc, tmp_path / f"phase{i}", [0, 1], ats[-1])
+        os.kill(int((tmp_path / f"phase{i}" / f"pid{target}").read_text()), sig)
+    code, output = _finish(proc)
+    assert code == 0, output[-4000:]
+
+    for record in _read_results(tmp_path / "phase0", 2):
+        assert record["stopped_at"] is None and not record["preempted"] and record["received"] is None
+        assert record["final_steps"] == [150, 150] and record["restored"]
+    for i, ((sig, target, check_every), at) in enumerate(zip(ONE_RANK, ats, strict=True), start=1):
+        _check_one_rank_signal(tmp_path / f"phase{i}", sig, target, check_every, at)
+    results = _read_results(tmp_path / "phase4", 2)
+    assert [r["stopped_at"] for r in results] == [40, 40], results
+    assert results[1]["received"] == "SIGTERM" and results[0]["received"] is None, results
 
 
 def test_sigterm_forwarded_by_torchrun_to_every_worker(tmp_path):
@@ -221,17 +254,6 @@ def test_sigterm_forwarded_by_torchrun_to_every_worker(tmp_path):
     stop = results[0]["stopped_at"]
     assert stop is not None and all(r["stopped_at"] == stop and r["final_steps"] == [stop, stop]
                                     for r in results), results
-
-
-def test_no_signal_runs_to_the_end_and_close_finishes_the_collective_in_flight(tmp_path):
-    # 150 calls with check points every 7 calls: the all-reduce launched at call 147 is still
-    # pending when the loop ends; close() must finish it so the all_gather after it lines up.
-    procutil.check(procutil.run(procutil.torchrun_argv(WORKER, str(tmp_path), "--check-every", "7",
-                                                       "--max-steps", "150", "--sleep", "0.001")))
-    results = _read_results(tmp_path, 2)
-    for record in results:
-        assert record["stopped_at"] is None and not record["preempted"] and record["received"] is None
-        assert record["final_steps"] == [150, 150] and record["restored"]
 
 
 def test_deepspeed_launcher_signals_one_worker_at_a_time(tmp_path):
@@ -254,18 +276,6 @@ def test_deepspeed_launcher_signals_one_worker_at_a_time(tmp_path):
     assert seen is not None and seen <= stops[0]["stopped_at"] <= seen + 2 * 2 - 1, stops
     (rank0,) = _read_results(tmp_path, 1)  # rank 1 may be terminated after its watcher closed
     assert rank0["received"] == "SIGTERM" and rank0["final_steps"][0] == rank0["final_steps"][1]
-
-
-def test_rare_checks_answer_at_the_first_call_after_the_signal(tmp_path):
-    # A loop asking every 20 steps, 2 s apart (0.1 s steps); the last rank is signalled after step
-    # 25: the pipelined check would answer at step 60, the synchronous one at step 40.
-    args = ["--call-every", "20", "--sleep", "0.1", "--check-interval", "1", "--signal-after", "25",
-            "--max-steps", "200"]
-    code, output = _finish(_start(procutil.torchrun_argv(WORKER, str(tmp_path), *args)))
-    assert code == 0, output[-4000:]
-    results = _read_results(tmp_path, 2)
-    assert [r["stopped_at"] for r in results] == [40, 40], results
-    assert results[1]["received"] == "SIGTERM" and results[0]["received"] is None, results
 
 
 def test_sigterm_to_torchrun_with_dataloader_workers_stops_saves_and_resumes(tmp_path):

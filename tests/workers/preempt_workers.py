@@ -7,10 +7,12 @@ Two loaders, each with 2 worker processes, both started *before* watch_preemptio
 shows both kinds of workers surviving the signal. Each step sleeps a little; OUT_DIR/progress<rank>
 has the steps completed; on should_preempt() the loop saves a checkpoint with
 toolkit.save_checkpoint and writes OUT_DIR/stopped<rank>; at max steps it writes
-OUT_DIR/finished<rank>. A rerun resumes
-from the checkpoint (OUT_DIR/resumed<rank> holds the step it resumed at).
+OUT_DIR/finished<rank>; after the loop, OUT_DIR/left<rank>.json has the signal the rank received
+and every rank's last step. A rerun resumes from the checkpoint (OUT_DIR/resumed<rank> holds the
+step it resumed at).
 """
 import argparse
+import json
 import os
 import time
 from pathlib import Path
@@ -69,4 +71,9 @@ with toolkit.watch_preemption(ctx, check_interval=0.2) as preemption:
             break
     else:
         (args.out / f"finished{ctx.rank}").write_text(str(step))
+# A blocking collective after close: it only completes if the ranks left the loop in step.
+final_steps = ctx.all_gather_object(step)
+received = preemption.received_signal
+(args.out / f"left{ctx.rank}.json").write_text(json.dumps({"received": received and received.name,
+                                                          "final_steps": final_steps}))
 print(f"rank {ctx.rank} pid {os.getpid()} left the loop at step {step}", flush=True)

@@ -1,11 +1,11 @@
 """Preemption: real signals, real processes, every rank stops at the same step.
 
-The multi-rank tests run tests/workers/preempt_loop.py under torchrun (2 gloo ranks): a loop that
-sleeps 5 ms per step and calls should_preempt() every step (one launch runs several such loops,
-one after the other, where a test checks several). The test sends a real signal with os.kill to
-ONE worker's pid (not to torchrun, which would forward it to every worker: the DataLoader-workers
-test sends that one) at a random step, then checks that both ranks stopped at the same step, within the
-documented bound, and exited 0.
+The multi-rank tests run tests/workers/preempt_loop.py under a launcher (2 gloo ranks): a loop
+that sleeps 5 ms per step and calls should_preempt() every step (one launch runs several such
+loops, one after the other, where a test checks several). The test sends a real signal with
+os.kill to ONE worker's pid (not to the launcher, which would forward it to every worker: the
+DataLoader-workers test sends that one to torchrun) at a random step, then checks that both ranks
+stopped at the same step, within the documented bound, and went on.
 
 The in-process tests use world size 1, where the watcher does no collective and reads only the
 context's world size; they build that context by hand instead of initialising torch.distributed
@@ -209,8 +209,10 @@ def _check_one_rank_signal(out, sig, target, check_every, at):
         assert record["final_steps"] == [stop, stop], results
 
 
-def test_one_launch_loops_unsignalled_then_signalled_at_one_rank_then_rarely_checked(tmp_path):
-    """Five loops, one after the other in one torchrun launch (2 ranks), each with its own watcher:
+def test_one_deepspeed_launch_loops_unsignalled_signalled_at_one_rank_rarely_checked_then_terminated(
+        tmp_path):
+    """Six loops, one after the other in one launch of the deepspeed launcher (2 ranks), each with
+    its own watcher; each loop's ranks lived on into the next, so only the last ends the launch:
 
     0. no signal, 150 calls with check points every 7 calls: the all-reduce launched at call 147
        is still pending when the loop ends; close() must finish it so the all_gather after it
@@ -220,19 +222,31 @@ def test_one_launch_loops_unsignalled_then_signalled_at_one_rank_then_rarely_che
     4. rare checks: a loop asking every 20 steps, 2 s apart (0.1 s steps); the last rank is
        signalled after step 25: the pipelined check would answer at step 60, the synchronous one
        at step 40.
+    5. SIGTERM to deepspeed.launcher.launch (the per-node launcher), which terminates its workers
+       one after the other, waiting up to 30 s for each: rank 1 gets nothing until rank 0 has
+       exited. Without an agreement rank 0 would stop alone and rank 1 would hang in a collective.
     """
+    import psutil  # a DeepSpeed dependency
+
     phases = ["--check-every 7 --max-steps 150 --sleep 0.001"]
     phases += [f"--check-every {check_every or 0} --check-interval 0.1 --sleep {STEP_S}"
                for _, _, check_every in ONE_RANK]
     phases.append("--call-every 20 --sleep 0.1 --check-interval 1 --signal-after 25 --max-steps 200")
-    proc = _start(procutil.torchrun_argv(WORKER, str(tmp_path), *[a for p in phases for a in ("--phase", p)]))
+    phases.append("--check-every 2")
+    argv = procutil.deepspeed_argv(WORKER, str(tmp_path), *[a for p in phases for a in ("--phase", p)])
+    proc = subprocess.Popen(argv, env=procutil.child_env(LOCAL_SIZE="2"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     ats = []
     for i, (sig, target, _) in enumerate(ONE_RANK, start=1):
         ats.append(random.randint(10, 60))
         _wait_progress(proc, tmp_path / f"phase{i}", [0, 1], ats[-1])
         os.kill(int((tmp_path / f"phase{i}" / f"pid{target}").read_text()), sig)
-    code, output = _finish(proc)
-    assert code == 0, output[-4000:]
+    last = tmp_path / "phase5"
+    _wait_progress(proc, last, [0, 1], random.randint(10, 40))
+    (launch,) = [child for child in psutil.Process(proc.pid).children()
+                 if "deepspeed.launcher.launch" in " ".join(child.cmdline())]
+    os.kill(launch.pid, signal.SIGTERM)
+    _, output = _finish(proc)  # the launcher exits 1 after forwarding a signal
 
     for record in _read_results(tmp_path / "phase0", 2):
         assert record["stopped_at"] is None and not record["preempted"] and record["received"] is None
@@ -243,27 +257,13 @@ def test_one_launch_loops_unsignalled_then_signalled_at_one_rank_then_rarely_che
     assert [r["stopped_at"] for r in results] == [40, 40], results
     assert results[1]["received"] == "SIGTERM" and results[0]["received"] is None, results
 
-
-def test_deepspeed_launcher_signals_one_worker_at_a_time(tmp_path):
-    # deepspeed.launcher.launch (the per-node launcher) handles SIGTERM by terminating its workers
-    # one after the other, waiting up to 30 s for each: rank 1 gets nothing until rank 0 has
-    # exited. Without an agreement rank 0 would stop alone and rank 1 would hang in a collective.
-    import psutil  # a DeepSpeed dependency
-
-    proc = subprocess.Popen(procutil.deepspeed_argv(WORKER, str(tmp_path), "--check-every", "2"),
-                            env=procutil.child_env(LOCAL_SIZE="2"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    _wait_progress(proc, tmp_path, [0, 1], random.randint(10, 40))
-    (launch,) = [child for child in psutil.Process(proc.pid).children()
-                 if "deepspeed.launcher.launch" in " ".join(child.cmdline())]
-    os.kill(launch.pid, signal.SIGTERM)
-    _finish(proc)  # the launcher exits 1 after forwarding a signal
-    stops = [json.loads((tmp_path / f"stop{rank}.json").read_text()) for rank in range(2)]
+    stops = [json.loads((last / f"stop{rank}.json").read_text()) for rank in range(2)]
     assert stops[0]["stopped_at"] == stops[1]["stopped_at"] and stops[1]["seen_at"] is None, stops
     seen = stops[0]["seen_at"]
     assert seen is not None and seen <= stops[0]["stopped_at"] <= seen + 2 * 2 - 1, stops
-    (rank0,) = _read_results(tmp_path, 1)  # rank 1 may be terminated after its watcher closed
-    assert rank0["received"] == "SIGTERM" and rank0["final_steps"][0] == rank0["final_steps"][1]
+    (rank0,) = _read_results(last, 1)  # rank 1 may be terminated after its watcher closed
+    assert rank0["received"] == "SIGTERM" and rank0["final_steps"][0] == rank0["final_steps"][1], \
+        (rank0, output[-4000:])
 
 
 def test_sigterm_to_torchrun_with_dataloader_workers_stops_saves_and_resumes(tmp_path):

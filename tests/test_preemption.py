@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -287,3 +288,31 @@ def test_sigterm_to_torchrun_with_dataloader_workers_stops_saves_and_resumes(tmp
     out = procutil.check(procutil.run(argv))  # the rerun resumes from the committed checkpoint and finishes
     assert [int((tmp_path / f"resumed{r}").read_text()) for r in (0, 1)] == stopped, out[-4000:]
     assert [int((tmp_path / f"finished{r}").read_text()) for r in (0, 1)] == [140, 140]
+
+
+def test_after_an_agreed_stop_a_repeated_sigterm_or_sigusr1_does_not_kill_the_rank():
+    # Under Slurm the stop reaches a rank twice (Slurm signals every process of the step, the job's
+    # launcher passes it on as SIGTERM); the second landed after the save and killed the rank before
+    # its exit (tests/cluster/test_slurm_engine.py, 2026-11-27). In a child process: the pytest
+    # worker's own SIGTERM must keep its default.
+    code = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from test_preemption import _world_of_one, _wait_for_signal
+from toolkit.preemption import watch_preemption
+with watch_preemption(_world_of_one()) as watcher:   # no stop: the default comes back
+    pass
+assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+with watch_preemption(_world_of_one()) as watcher:
+    os.kill(os.getpid(), signal.SIGUSR1)
+    _wait_for_signal(watcher)
+    assert watcher.should_preempt()
+os.kill(os.getpid(), signal.SIGTERM)   # the echo of the stop, after the save
+os.kill(os.getpid(), signal.SIGUSR1)
+time.sleep(0.05)
+assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # Ctrl-C still ends it
+print("alive")
+"""
+    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], capture_output=True,
+                         text=True, timeout=120, env=procutil.child_env())
+    assert out.returncode == 0 and out.stdout.strip().endswith("alive"), (out.returncode, out.stderr[-3000:])

@@ -63,6 +63,15 @@ def _check_arguments(signals: Iterable[Any], check_every: Any,
     return chosen
 
 
+#: Stop signals whose default action would end a rank that is already stopping for a preemption.
+_ECHOES = frozenset({signal.SIGTERM, signal.SIGUSR1})
+
+
+def _ignore_repeated_stop(signum: int, frame: Any) -> None:
+    """After a preemption was agreed: a repeated SIGTERM/SIGUSR1 changes nothing (any rank).
+    A Python handler, not SIG_IGN, so that processes the rank starts afterwards get the default."""
+
+
 _groups_made = 0  # watchers that made a group in this process: names each group's arrival keys
 
 
@@ -70,7 +79,9 @@ class PreemptionWatcher:
     """Turns a signal seen by any rank into the same ``should_preempt()`` answer on every rank.
 
     Made by :func:`watch_preemption`, which documents the arguments. Usable as a context manager;
-    leaving it (or :meth:`close`) restores the handlers that were installed before.
+    leaving it (or :meth:`close`) restores the handlers that were installed before, except that
+    after an agreed preemption a default SIGTERM/SIGUSR1 stays ignored: the repeated stop must not
+    kill the rank between its save and its exit.
 
     Contract: every rank calls :meth:`should_preempt` the same number of times between creating
     the watcher and closing it, and closes it at the same point, like any collective.
@@ -287,6 +298,11 @@ class PreemptionWatcher:
                 logger.warning("the %s handler in place before the watcher was not installed from "
                                "Python and cannot be restored; using the default action", sig.name)
                 previous = signal.SIG_DFL
+            if previous == signal.SIG_DFL and sig in _ECHOES and (self._decided or self._signum):
+                # Stopping for a preemption: the same stop often arrives again (Slurm signals every
+                # process of the step while a launcher passes it on too); after the loop it must not
+                # kill the rank between its save and its exit. SIGINT and SIGKILL still end it.
+                previous = _ignore_repeated_stop
             signal.signal(sig, previous)
         self._previous.clear()
 

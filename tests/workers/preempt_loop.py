@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import toolkit
-from toolkit.preemption import DEFAULT_SIGNALS, watch_preemption
+from toolkit.preemption import DEFAULT_SIGNALS, _ignore_repeated_stop, watch_preemption
 
 
 def write(path: Path, text: str) -> None:
@@ -61,7 +61,11 @@ def run_loop(ctx, out: Path, args: argparse.Namespace) -> None:
             write(out / f"progress{ctx.rank}", str(step))
             if args.signal_after and step == args.signal_after and ctx.rank == ctx.world_size - 1:
                 os.kill(os.getpid(), signal.SIGTERM)
-    restored = all(signal.getsignal(sig) == before[sig] for sig in DEFAULT_SIGNALS)
+    # Put back; after an agreed stop a default SIGTERM/SIGUSR1 stays ignored (a repeated stop, which
+    # the deepspeed launcher sends, must not kill the rank between its save and its exit).
+    expected = {sig: _ignore_repeated_stop if preemption.preempted and before[sig] == signal.SIG_DFL
+                and sig in (signal.SIGTERM, signal.SIGUSR1) else before[sig] for sig in DEFAULT_SIGNALS}
+    restored = all(signal.getsignal(sig) == expected[sig] for sig in DEFAULT_SIGNALS)
     # A blocking collective after close: it only completes if the ranks left the loop in step.
     final_steps = ctx.all_gather_object(step)
     received = preemption.received_signal

@@ -52,8 +52,7 @@ def run_loop(ctx, out: Path, args: argparse.Namespace) -> None:
                 seen_at = step
             if step % args.call_every == 0 and preemption.should_preempt():
                 stopped_at = step
-                # Written before close(): a launcher may signal this rank again once the watcher is
-                # closed and its handlers are back to the default (the deepspeed launcher does).
+                # Written before close(), so that the record exists whatever the launcher does next.
                 write(out / f"stop{ctx.rank}.json", json.dumps({"stopped_at": step, "seen_at": seen_at}))
                 break
             time.sleep(args.sleep)

@@ -209,10 +209,10 @@ def _ended(job: _Job, result: dict[str, Any] | None, *, pausing: bool) -> int | 
                        job.plan.max_restarts)
         return None
     if result.get("received") and pausing:
-        # Stopped by the pause, whatever its exit status: a rank that had saved and left
-        # watch_preemption when torchrun passed on the forwarded SIGTERM ends by that signal (seen
-        # under load). The same command continues it from its latest checkpoint, as after a
-        # preemption; a real crash shows again then.
+        # Stopped by the pause, whatever its exit status: a rank may end by the stop signal itself
+        # (one that has not installed watch_preemption yet, or a script with handlers of its own).
+        # The same command continues it from its latest checkpoint, as after a preemption; a real
+        # crash shows again then.
         return 0
     if result.get("received") and not fwd.searcher_stopped:
         logger.info("%s: Slurm job %s stopped by %s (preempted) after saving; submitting it again, to "

@@ -211,3 +211,38 @@ def test_profiling_trials_at_configurations_of_the_search_count_as_results(tmp_p
     if method == "binary":
         (spec,) = searcher.propose(1)  # the best's line goes on: 4x its micro-batch, up to the top
         assert spec.stage == 2 and spec.micro_batch > 8
+
+
+@pytest.mark.parametrize("max_trials, expected", [(2, 1), (3, 2), (5, 4), (50, 5)])
+def test_the_profiling_trials_leave_one_tuning_trial_in_max_trials(tmp_path, max_trials, expected):
+    # The whole phase on the bending peak, searching stages 1-3 (no processes): unbounded it runs 5
+    # profiling trials (the first, calibration, one ladder point and a point per other stage); under
+    # --max-trials it stops where one tuning trial is left (with 2, uncalibrated), and the searcher
+    # gets that one. Before, --max-trials 2 ran all 5 and still left 1 tuning trial: 6 in all.
+    from toolkit.dsat.contract import ProfileInfo, TrialStatus
+    from toolkit.dsat.orchestrator import Autotuner
+    from toolkit.dsat.search.types import TrialResult
+
+    mib = 2 ** 20
+    plan = plan_for(tmp_path, make_model_dir(tmp_path, slots=2), "--zero-stages", "1", "2", "3",
+                    "--memory-per-slot", "1000MiB", "--max-trials", str(max_trials))
+    shape = ProfileInfo(num_params=0, trainable_params=0, activation_bytes_per_example=mib,
+                        memory_per_slot=mib, micro_batch=1)
+    ran: list = []
+
+    def trial(spec):
+        ran.append(spec.trial_id)
+        peak = 20 * mib + spec.micro_batch * mib + spec.micro_batch ** 2 * mib // 400
+        return TrialResult(spec, TrialStatus.OK, profile={**shape.to_json(), "peak_bytes": peak})
+
+    said: list[str] = []
+    (tmp_path / "out").mkdir()
+    phase = ProfilingPhase(plan, out=tmp_path / "out", say=said.append, run_trial=trial, keep=ran.append,
+                           events=[])
+    assert phase.run() is not None
+    assert len(ran) == expected and ran[0] == 0
+    assert (max_trials == 2) == any("--max-trials leaves no room for a calibration trial" in s for s in said)
+    tuner = object.__new__(Autotuner)
+    tuner.plan, tuner.say, tuner.results = plan, said.append, phase.results
+    tuning = tuner._search_settings().max_trials - 1   # what the searcher may still propose
+    assert tuning >= 1 and (max_trials == 50 or len(ran) + tuning == max_trials)

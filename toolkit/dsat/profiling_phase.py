@@ -8,6 +8,7 @@ functions of :mod:`toolkit.dsat.search.calibration` and :mod:`toolkit.dsat.searc
 runs the trials, through the autotuner's ``run_trial`` (start one trial, wait, record it).
 Profiling trials are shown as ``p1``, ``p2``, ... in the order they ran (their ids stay 0 and
 below: the first is 0, calibration -1 and -2, stage points -10 - stage and -20 - stage).
+The trials after the first count in ``--max-trials`` and stop where one tuning trial is left.
 Rank 0 only (the autotuner's own process).
 """
 
@@ -102,6 +103,12 @@ class ProfilingPhase:
         self._run, self._keep, self._events = run_trial, keep, events
         self.results: dict[int, TrialResult] = {}  # the profiling trials, in the order they ran
 
+    def _room(self) -> bool:
+        """Whether another profiling trial after the first fits in ``--max-trials``: the first
+        profiling trial, these, and at least one tuning trial."""
+        extra = sum(1 for trial_id in self.results if trial_id < 0)
+        return extra < self.plan.search.max_trials - 2
+
     def _run_profiling_trial(self, spec: TrialSpec) -> TrialResult:
         """A profiling trial's result: the recorded one (--resume) when it succeeded, or for the
         calibration trial (id < 0) when it ran out of memory at the same micro-batch; else a new
@@ -145,6 +152,10 @@ class ProfilingPhase:
         for trial_id in (-1, -2):
             k = self.plan.allowed_at_most(k)  # the global batch policy: a micro-batch that keeps it
             if k is None or k <= profile.micro_batch:
+                break
+            if not self._room():
+                why = ("--max-trials leaves no room for a calibration trial" if trial_id == -1
+                       else f"{why}, and --max-trials leaves no room for another")
                 break
             result = self._run_profiling_trial(
                 dataclasses.replace(first.spec, trial_id=trial_id, micro_batch=k))
@@ -190,6 +201,8 @@ class ProfilingPhase:
                 profile = self._climb(spec, zero, profile, measured, model=model)
                 continue
             for trial_id, m in points:
+                if not self._room():
+                    break
                 result = self._run_profiling_trial(
                     dataclasses.replace(spec, trial_id=trial_id, zero=zero, micro_batch=m))
                 if result.status is TrialStatus.OK and result.profile:
@@ -239,7 +252,8 @@ class ProfilingPhase:
         first = ProfileInfo.from_json(measured[0])
         return calibration.climb(profile, stage, data_parallel_size=dp, first=first,
                                  times=times, model_memory=model, measure=measure,
-                                 allowed=self.plan.allowed_at_most, offload_optimizer=off_opt,
+                                 allowed=lambda m: self.plan.allowed_at_most(m) if self._room() else None,
+                                 offload_optimizer=off_opt,
                                  offload_param=off_par)
 
     def _point_cap(self, spec: TrialSpec) -> int | None:

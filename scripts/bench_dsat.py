@@ -144,6 +144,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra PYTHONPATH for DeepSpeed's autotuner, e.g. a directory holding `tabulate` "
                         "(the deepspeed[autotuning] extra) when the venv lacks it")
     p.add_argument("--skip-ds-autotuner", action="store_true")
+    p.add_argument("--skip-grid", action="store_true",
+                   help="dsat and DeepSpeed's autotuner only, for their wall times (about 15 min): no "
+                        "grid, no re-runs; DeepSpeed's micro-batch cap is the largest power of two dsat "
+                        "found to fit")
     p.add_argument("--torch-extensions-dir", type=Path,
                    default=ROOT / "runs" / "bench_dsat" / "torch_extensions")
     p.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "bench_dsat" / "work",
@@ -583,6 +587,34 @@ def best_configs(arm: TrialArm, dsat: dict[str, Any], grid: dict[str, Any],
     return candidates
 
 
+def walls_only(args: argparse.Namespace, work: Path, dsat: dict[str, Any], started: float) -> int:
+    """``--skip-grid``: DeepSpeed's autotuner after dsat, capped where a user's power-of-two grid
+    would stop (the largest power of two at most the largest micro-batch dsat found to fit), and
+    the two wall times side by side."""
+    fits = [r["micro_batch"] for r in dsat["records"] if r["status"] == "ok"]
+    cap = 1 << (max(fits, default=1).bit_length() - 1)
+    ds = None if args.skip_ds_autotuner else run_ds_autotuner(args, work, cap)
+    ratio = round(dsat["wall_s"] / ds["wall_s"], 3) if ds and ds["wall_s"] else None
+    summary = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
+               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+               "dsat": dsat, "ds_autotuner": ds, "wall_ratio": ratio,
+               "total_wall_s": round(time.monotonic() - started, 1)}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+    say()
+    say(f"dsat ({args.method}): wall {dsat['wall_s']:.0f} s, {dsat['trials']} trials, best {args.metric} "
+        f"{dsat['best_metric']} at stage {dsat['best_stage']} mb {dsat['best_micro_batch']}")
+    if ds:
+        best = ds["best"] or {}
+        error = f"; error: {ds['error']}" if ds.get("error") else ""
+        say(f"DeepSpeed autotuner (fast mode, cap {cap}): exit status {ds['exit_code']}, "
+            f"wall {ds['wall_s']:.0f} s, {ds['experiments_launched']} experiment(s), best throughput "
+            f"{best.get('throughput')} at stage {best.get('stage')} mb {best.get('micro_batch')}{error}")
+        say(f"dsat's wall time / DeepSpeed's: {ratio} (target <= 0.5)")
+    say(f"\ntotal wall time {summary['total_wall_s']:.0f} s; all numbers in {args.output}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = args.work_dir.resolve()
@@ -597,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"dsat wrote no profile.json (exit status {dsat['exit_code']}): {dsat.get('error')}; "
             "no grid to run")
         return 1
+    if args.skip_grid:
+        return walls_only(args, work, dsat, started)
     arm = TrialArm(args, experiment, work / "grid")
     grid = run_grid(args, arm, dsat)
 

@@ -1,7 +1,8 @@
-"""A tiny DeepSpeed training loop run as a dsat trial, for tests/test_dsat_reporting.py.
+"""A tiny DeepSpeed training loop run as a dsat trial, for tests/dsat/trial/test_reporting.py.
 
-Started by TrialRunner (torchrun, 2 ranks, CPU) as ``python3 dsat_train.py``; everything else comes
-from the trial's hyperparameters (``toolkit.get_hparams()``):
+Started by TrialRunner (torchrun, 2 ranks, CPU) as ``python3 dsat_train.py``, or as one rank under
+plain ``python`` with a trial contract of the test's own; everything else comes from the trial's
+hyperparameters (``toolkit.get_hparams()``):
 
     pipeline          2-stage PipelineEngine (engine.train_batch) instead of the data-parallel engine
     steps             steps of the loop (default 20)

@@ -2,8 +2,11 @@
 
 The worker, tests/workers/dsat_train.py, is a tiny model whose parameter count, activation bytes
 and FLOPs are known exactly, with sleeps of known length inside forward, backward and the step,
-and its own stopwatch around each ``with`` block. All trials run once, two at a time, in a
-module fixture; each test checks one of them.
+and its own stopwatch around each ``with`` block. The 2-rank trials run once, two at a time, in a
+module fixture; each test checks one or more of them, and each trial carries as many of the
+checked properties as its verdict allows (a launch costs ~13 CPU-s, its steps little). What only
+the chief shows (a failed or out-of-memory ending of its own) runs as one plain ``python`` rank
+(:func:`run_alone`), classified from its exit status and result file as the runner does.
 """
 
 import json
@@ -16,6 +19,7 @@ import pytest
 
 from helpers import procutil
 from toolkit.dsat.contract import METRICS, ProfileInfo, TrialContract, TrialStatus
+from toolkit.dsat.execution.classify import classify
 from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
 from toolkit.dsat.search.types import TrialSpec
 from toolkit.dsat.trial import reporting
@@ -49,10 +53,6 @@ def ds_config(*, micro_batch, stage, gas=1, trial_id=0):
 
 TRIALS = {
     # id: (spec, ds_config, extra hparams)
-    0: (TrialSpec(0, 1, {"stage": 3}, profile=True), ds_config(micro_batch=1, stage=3), {}),
-    # a loop resumed at step 100 passing steps_completed: its warm-up is counted from the first call
-    1: (TrialSpec(1, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1),
-        {**SLEEP, "first_step": 100}),
     # the one-line form, dsat_reporting_context(engine): the context counts its own calls
     2: (
         TrialSpec(2, 2, {"stage": 1}, line=0),
@@ -60,22 +60,18 @@ TRIALS = {
         {"pipeline": True, "sleep_forward_ms": 10, "sleep_backward_ms": 5, "one_line": True},
     ),
     3: (TrialSpec(3, 2, {"stage": 2}, line=0), ds_config(micro_batch=2, stage=2), {"mock_oom_at": [4, 1]}),
-    4: (TrialSpec(4, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1), {"steps": END - 1}),
-    5: (
-        TrialSpec(5, 2, {"stage": 0}, line=0),
-        ds_config(micro_batch=2, stage=0),
-        {"mock_oom_at": ["start", 0]},
-    ),
 }
 #: Trials under a timed window (--timed-window) longer than any of them: they time steps up to the
 #: contract's last_profile_step, END + 4 x 3 = 17, or as far as the loop goes.
 WINDOW_S, LAST = 100.0, END + 4 * (END - START + 1)
 WINDOW_TRIALS = {
-    # ZeRO-2: also the stage-2 point of test_model_flops_per_sample_are_the_same_at_every_zero_stage
-    7: (TrialSpec(7, 2, {"stage": 2}, line=0), ds_config(micro_batch=2, stage=2), {"sleep_step_ms": 10}),
-    # the loop ends after step 9, inside the window's steps: the chief reports steps 3..9
-    8: (TrialSpec(8, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1),
-        {"sleep_step_ms": 10, "steps": 10}),
+    # the profiling trial under ZeRO-3, timed until the window's last step; a loop resumed at step
+    # 100 passing steps_completed: its warm-up and window are counted from the first call
+    0: (TrialSpec(0, 1, {"stage": 3}, profile=True), ds_config(micro_batch=1, stage=3),
+        {"sleep_step_ms": 10, "first_step": 100}),
+    # data parallel under ZeRO-2 with sleeps in each part; the loop ends after step 9, inside the
+    # window's steps: the chief reports steps 3..9
+    8: (TrialSpec(8, 2, {"stage": 2}, line=0), ds_config(micro_batch=2, stage=2), {**SLEEP, "steps": 10}),
 }
 
 
@@ -130,24 +126,23 @@ def ok(result):
 
 def test_data_parallel_metrics_and_units_against_a_stopwatch(trials):
     trials_dir, results = trials
-    m = ok(results[1])
+    m = ok(results[8])
     # forward/backward/latency are ms per step: at least the sleeps placed in each part
     assert m["forward"] >= SLEEP["sleep_forward_ms"] and m["backward"] >= SLEEP["sleep_backward_ms"]
     assert m["latency"] >= sum(SLEEP.values()) and m["latency"] >= m["forward"] + m["backward"]
-    # the external stopwatch: the timed steps 3..5 on every rank. The metric is timed inside the
-    # block, so it cannot exceed the slowest rank's stopwatch mean (step 5 there also holds the
-    # result writing); and it agrees with the plain steps 3 and 4 within timing noise.
-    watches = [stopwatch(trials_dir, 1, rank) for rank in (0, 1)]
-    # the trial ended right after end_profile_step, counted from the loop's first step (100: resumed)
-    assert all(len(w) == END + 1 for w in watches)
-    assert m["latency"] <= max(sum(w[START:END + 1]) / (END - START + 1) for w in watches) * 1.0001
-    plain = max(sum(w[START:END]) / (END - START) for w in watches)
+    # the external stopwatch: the timed steps 3..9 (the loop's last) on every rank. The metric is
+    # timed inside the block, so it cannot exceed the slowest rank's stopwatch mean (step 9 there
+    # also holds the result writing); and it agrees with the plain steps 3..8 within timing noise.
+    watches = [stopwatch(trials_dir, 8, rank) for rank in (0, 1)]
+    assert all(len(w) == 10 for w in watches)
+    assert m["latency"] <= max(sum(w[START:10]) / (10 - START) for w in watches) * 1.0001
+    plain = max(sum(w[START:9]) / (9 - START) for w in watches)
     assert 0.5 * plain <= m["latency"] <= 3.0 * plain  # catches s-vs-ms and per-sample mistakes
     # throughput in samples/s over both ranks: micro-batch 2 x 2 ranks per step
     assert m["throughput"] == pytest.approx(2 * 2 / (m["latency"] / 1000), rel=1e-9)
     # FLOPS per rank per second: 3 x the forward FLOPs of one step on one rank, over the step time
     assert m["FLOPS_per_gpu"] * m["latency"] / 1000 == pytest.approx(3 * FWD_FLOPS_PER_EXAMPLE * 2, rel=1e-9)
-    assert results[1].profile is None
+    assert results[8].profile is None
 
 
 def test_pipeline_engine_metrics(trials):
@@ -157,7 +152,9 @@ def test_pipeline_engine_metrics(trials):
     assert m["forward"] >= 2 * 10 and m["backward"] >= 2 * 5
     assert m["latency"] >= m["forward"] + m["backward"]
     watches = [stopwatch(trials_dir, 2, rank) for rank in (0, 1)]
-    assert all(len(w) == END + 1 for w in watches)  # one-line form: the context counted its calls
+    # no window: the trial ended right after end_profile_step; one-line form: the context counted its calls
+    assert all(len(w) == END + 1 for w in watches)
+    assert timed_steps(trials_dir, 2) == END - START + 1   # no window: the profile steps alone
     assert m["latency"] <= max(sum(w[START:END + 1]) / (END - START + 1) for w in watches) * 1.0001
     # train_batch_size = 2 x 2 micro-batches x data-parallel size 1
     assert m["throughput"] == pytest.approx(4 / (m["latency"] / 1000), rel=1e-9)
@@ -169,13 +166,15 @@ def test_pipeline_engine_metrics(trials):
 
 def test_model_flops_per_sample_are_the_same_at_every_zero_stage(trials):
     # FLOPS_per_gpu x ranks / throughput = the model's FLOPs per sample: trial 0 runs ZeRO-3 (where
-    # DeepSpeed wraps F.linear and gathers parameters in hooks), trial 1 ZeRO-1, trial 7 ZeRO-2
+    # DeepSpeed wraps F.linear and gathers parameters in hooks), trial 2 ZeRO-1 (the pipeline
+    # engine), trial 8 ZeRO-2
     _, results = trials
     per_sample = {}
-    for trial_id in (0, 1, 7):
+    for trial_id in (0, 2, 8):
         m = ok(results[trial_id])
         per_sample[results[trial_id].spec.stage] = m["FLOPS_per_gpu"] * 2 / m["throughput"]
     print(f"\nmodel FLOPs per sample by ZeRO stage: {per_sample}")
+    assert sorted(per_sample) == [1, 2, 3]
     assert max(per_sample.values()) <= 1.05 * min(per_sample.values())
     assert per_sample[3] == pytest.approx(3 * FWD_FLOPS_PER_EXAMPLE, rel=1e-9)
 
@@ -209,20 +208,40 @@ def test_out_of_memory_inside_the_step_is_reported(trials):
     assert len(stopwatch(trials_dir, 3, 1)) == 4
 
 
-def test_out_of_memory_before_the_loop_is_reported(trials):
+def run_alone(directory, monkeypatch, trial_id, hparams, *, memory_per_slot=None):
+    """One rank of dsat_train.py under plain ``python`` (no launcher: what is checked is the
+    chief's own report), with a contract as the runner writes it; its result as the runner
+    classifies it (:func:`classify` on the exit status and the trial directory)."""
+    procutil.clean_launch_env(monkeypatch)
+    from toolkit.runtime.trial_env import TRIAL_ENV, TRIAL_HPARAMS_ENV
+    directory.mkdir(parents=True)
+    config_path = directory / "ds_config.json"
+    config_path.write_text(json.dumps(ds_config(micro_batch=2, stage=1, trial_id=trial_id)))
+    (directory / "hparams.json").write_text(json.dumps({"deepspeed_config": str(config_path), **hparams}))
+    TrialContract(trial_id, str(directory / "result.json"), START, END,
+                  memory_per_slot=memory_per_slot).write(directory / "trial.json")
+    env = {**os.environ, TRIAL_ENV: str(directory / "trial.json"),
+           TRIAL_HPARAMS_ENV: str(directory / "hparams.json")}
+    with open(directory / "stderr.log", "wb") as err:
+        done = subprocess.run([sys.executable, "dsat_train.py"], cwd=WORKERS, env=env, timeout=240,
+                              stdout=subprocess.DEVNULL, stderr=err)
+    spec = TrialSpec(trial_id, 2, {"stage": 1}, line=0)
+    return done.returncode, classify(spec, directory=directory, code=done.returncode, duration_s=1.0)
+
+
+def test_out_of_memory_before_the_loop_is_reported(tmp_path, monkeypatch):
     # Mocked: torch.cuda.OutOfMemoryError raised on rank 0 before deepspeed.initialize, outside any
     # step: the excepthook that toolkit.init_distributed installs in a trial
     # (toolkit.dsat.trial.install_oom_excepthook, never on import) reports it.
-    trials_dir, results = trials
-    r = results[5]
+    code, r = run_alone(tmp_path / "trial_5", monkeypatch, 5, {"mock_oom_at": ["start", 0]})
+    assert code != 0   # the exception still ends the process
     assert r.status is TrialStatus.OOM and "while placing the model (mocked)" in r.error
-    assert not (trials_dir / "trial_5" / "stopwatch0.json").exists()
+    assert not (tmp_path / "trial_5" / "stopwatch0.json").exists()
 
 
-def test_a_loop_too_short_for_the_profile_window_fails_with_its_reason(trials):
-    _, results = trials
-    r = results[4]
-    assert r.status is TrialStatus.FAILED
+def test_a_loop_too_short_for_the_profile_window_fails_with_its_reason(tmp_path, monkeypatch):
+    code, r = run_alone(tmp_path / "trial_4", monkeypatch, 4, {"steps": END - 1})
+    assert code == 0 and r.status is TrialStatus.FAILED, (code, r)
     assert "stopped after 4 step(s)" in r.error and "end_profile_step=5" in r.error
 
 
@@ -231,15 +250,16 @@ def timed_steps(trials_dir, trial_id):
 
 
 def test_short_steps_are_timed_until_the_window_or_its_last_step(trials):
+    # the profiling trial 0: ZeRO-3, a 10 ms step, its loop resumed at step 100
     trials_dir, results = trials
-    m = ok(results[7])
-    watches = [stopwatch(trials_dir, 7, rank) for rank in (0, 1)]
-    assert all(len(w) == LAST + 1 for w in watches)   # ended after the last step the window allows
-    assert timed_steps(trials_dir, 7) == LAST - START + 1
+    m = ok(results[0])
+    watches = [stopwatch(trials_dir, 0, rank) for rank in (0, 1)]
+    # ended after the last step the window allows, counted from the loop's first step (100: resumed)
+    assert all(len(w) == LAST + 1 for w in watches)
+    assert timed_steps(trials_dir, 0) == LAST - START + 1
     # the metric is the mean of every timed step, within the slowest rank's stopwatch
     assert m["latency"] <= max(sum(w[START:LAST + 1]) / (LAST - START + 1) for w in watches) * 1.0001
     assert m["latency"] >= 10   # the sleep in each step
-    assert timed_steps(trials_dir, 1) == END - START + 1   # no window: the profile steps alone
 
 
 def test_a_loop_ending_inside_the_window_reports_the_steps_it_timed(trials):
@@ -307,23 +327,13 @@ def test_instrumentation_overrides_only_switch_off_competing_profilers():
 
 
 def test_a_peak_over_the_cpu_budget_is_reported_by_the_trial_itself(tmp_path, monkeypatch):
-    # No runner here (nothing polls the process): one rank under plain `python`, whose contract
-    # holds a 64 MiB budget that any torch process exceeds. The trial checks its own peak (VmHWM)
-    # before it reports, so a trial that ends between two of the runner's polls is still an OOM.
-    procutil.clean_launch_env(monkeypatch)
-    from toolkit.runtime.trial_env import TRIAL_ENV, TRIAL_HPARAMS_ENV
-    config_path = tmp_path / "ds_config.json"
-    config_path.write_text(json.dumps(ds_config(micro_batch=2, stage=1, trial_id=7)))
-    hparams = {"deepspeed_config": str(config_path), "steps": END + 2}
-    (tmp_path / "hparams.json").write_text(json.dumps(hparams))
-    TrialContract(7, str(tmp_path / "result.json"), START, END,
-                  memory_per_slot=64 * 2**20).write(tmp_path / "trial.json")
-    env = {**os.environ, TRIAL_ENV: str(tmp_path / "trial.json"),
-           TRIAL_HPARAMS_ENV: str(tmp_path / "hparams.json")}
-    done = subprocess.run([sys.executable, "dsat_train.py"], cwd=WORKERS, env=env, timeout=240,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    written = json.loads((tmp_path / "result.json").read_text())
+    # No runner here (nothing polls the process): one rank whose contract holds a 64 MiB budget
+    # that any torch process exceeds. The trial checks its own peak (VmHWM) before it reports, so a
+    # trial that ends between two of the runner's polls is still an OOM.
+    code, r = run_alone(tmp_path / "trial_7", monkeypatch, 7, {"steps": END + 2}, memory_per_slot=64 * 2**20)
+    assert code == 0 and r.status is TrialStatus.OOM, (code, r)
+    written = json.loads((tmp_path / "trial_7" / "result.json").read_text())
     assert written["status"] == "oom" and written["trial_id"] == 7, written
+    assert r.error == written["error"]
     assert written["error"].startswith("peak RSS ") and written["error"].endswith(
         "MiB on rank 0 exceeded the memory budget 64 MiB per slot"), written["error"]

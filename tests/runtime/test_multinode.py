@@ -4,7 +4,8 @@ rendezvous on 127.0.0.1, one rank each, sharing a checkpoint directory (tests/wo
 Checked for real: the node rank and counts init_distributed reports, the context's collectives
 and ``chief_first`` across the nodes, SIGTERM to one node's
 worker stopping both nodes at the same step, a checkpoint written once per shard and committed
-once on the shared directory, and the resume from it on both nodes.
+once on the shared directory, and the resume from it on both nodes; then, in the resume launch's
+processes, examples/core_api/train.py unchanged (two launches in all, for both tests).
 
 The pdsh path of DeepSpeed's multinode runner runs for real in tests/cluster/test_pdsh.py.
 """
@@ -23,6 +24,7 @@ import pytest
 from helpers import procutil
 
 WORKER = procutil.WORKERS / "multinode_train.py"
+RESUME_THEN_EXAMPLE = procutil.WORKERS / "multinode_resume_then_example.py"
 
 
 def agent_argv(node: int, port: int, run_id: str, *args: str, script: Path = WORKER) -> list[str]:
@@ -34,13 +36,13 @@ def agent_argv(node: int, port: int, run_id: str, *args: str, script: Path = WOR
             "--max-restarts", "0", str(script), *args]
 
 
-def start_nodes(out: Path, ckpt: Path, *args: str) -> list[subprocess.Popen]:
+def start_nodes(out: Path, ckpt: Path, *args: str, script: Path = WORKER) -> list[subprocess.Popen]:
     port, run_id = procutil.free_port(), uuid.uuid4().hex[:8]
     env = procutil.child_env(PYTHONPATH=f"{procutil.REPO}{os.pathsep}{procutil.WORKERS}")
     logs = [open(out / f"agent{node}.log", "w") for node in (0, 1)]
     try:
-        return [subprocess.Popen(agent_argv(node, port, run_id, str(out), str(ckpt), *args), env=env,
-                                 stdout=logs[node], stderr=subprocess.STDOUT, start_new_session=True)
+        return [subprocess.Popen(agent_argv(node, port, run_id, str(out), str(ckpt), *args, script=script),
+                                 env=env, stdout=logs[node], stderr=subprocess.STDOUT, start_new_session=True)
                 for node in (0, 1)]
     finally:
         for log in logs:
@@ -99,8 +101,16 @@ def test_node_rank_and_counts_per_launcher(env, node):
     assert (info.launcher, info.node_rank, info.num_nodes, info.local_world_size) == node
 
 
-def test_two_nodes_report_their_place_stop_together_commit_once_and_resume(tmp_path):
-    out, ckpt = tmp_path / "out", tmp_path / "shared" / "checkpoints"
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """Two two-node launches, checked by the tests below: multinode_train.py stopped by a SIGTERM to
+    one node's worker, then (a fresh rendezvous) its resume followed, in the same processes, by
+    examples/core_api/train.py (tests/workers/multinode_resume_then_example.py). What the tests
+    check of the checkpoint directory after the first launch is kept before the second starts."""
+    from helpers.examples import small_config
+
+    base = tmp_path_factory.mktemp("two_nodes")
+    out, ckpt = base / "out", base / "shared" / "checkpoints"
     out.mkdir()
     procs = start_nodes(out, ckpt)
     try:
@@ -111,6 +121,36 @@ def test_two_nodes_report_their_place_stop_together_commit_once_and_resume(tmp_p
         wait_all(procs, out, timeout=1)
         raise
     ctxs = [read(out / f"ctx{r}.json") for r in (0, 1)]
+    chief_first = (out / "chief_first.txt").read_text().split()
+    # SIGTERM reaches one node only (its worker, not the agent): both must stop at the same step.
+    node1 = next((c for c in ctxs if c["node_rank"] == 1), ctxs[1])  # the test checks the node ranks
+    os.kill(node1["pid"], signal.SIGTERM)
+    assert wait_all(procs, out) == [0, 0], (out / "agent0.log").read_text()[-3000:]
+    results = [read(out / f"result{r}.json") for r in (0, 1)]
+    stopped = results[0]["stopped_at"]
+    tag = f"step_{stopped}"
+    first = {"ctxs": ctxs, "chief_first": chief_first, "results": results,
+             "latest": (ckpt / "latest").read_text().strip(),
+             "files": sorted(str(f.relative_to(ckpt / tag)) for f in (ckpt / tag).rglob("*") if f.is_file()),
+             "commit": read(ckpt / tag / "toolkit_checkpoint.json"),
+             "dirs": [d.name for d in ckpt.iterdir() if d.is_dir()]}
+
+    # Resume on both nodes from the committed step (node ranks may swap), then the example.
+    for f in out.glob("result*.json"):
+        f.unlink()
+    config, example = small_config(base, "train.py"), base / "example"
+    procs = start_nodes(out, ckpt, "--max-steps", str(stopped + 2), "--", "--config", str(config),
+                        "--output-dir", str(example), "--max-steps", "10", script=RESUME_THEN_EXAMPLE)
+    codes = wait_all(procs, out)
+    resumed = [read(out / f"result{r}.json") if (out / f"result{r}.json").exists() else None for r in (0, 1)]
+    logs = "\n".join((out / f"agent{n}.log").read_text()[-3000:] for n in (0, 1))
+    return first, {"codes": codes, "results": resumed, "latest": (ckpt / "latest").read_text().strip(),
+                   "logs": logs}, example
+
+
+def test_two_nodes_report_their_place_stop_together_commit_once_and_resume(two_nodes):
+    first, second, _ = two_nodes
+    ctxs = first["ctxs"]
     for rank, ctx in enumerate(ctxs):
         assert (ctx["rank"], ctx["world_size"], ctx["local_rank"], ctx["local_world_size"]) == (rank, 2, 0, 1)
         assert (ctx["num_nodes"], ctx["launcher"], ctx["is_local_chief"]) == (2, "torchrun", True)
@@ -121,12 +161,9 @@ def test_two_nodes_report_their_place_stop_together_commit_once_and_resume(tmp_p
         assert ctx["is_chief"] == (rank == 0) and ctx["broadcast"] == {"from": 0, "payload": [1, 2]}
         assert ctx["all_gathered"] == [0, 1] and ctx["mean"] == [0.5, 1.0] and ctx["max"] == [1.0]
     assert ctxs[0]["gathered"] == [0, 10] and ctxs[1]["gathered"] is None
-    assert (out / "chief_first.txt").read_text().split() == ["0", "1"]
-    # SIGTERM reaches one node only (its worker, not the agent): both must stop at the same step.
-    node1 = next(c for c in ctxs if c["node_rank"] == 1)
-    os.kill(node1["pid"], signal.SIGTERM)
-    assert wait_all(procs, out) == [0, 0]
-    results = [read(out / f"result{r}.json") for r in (0, 1)]
+    assert first["chief_first"] == ["0", "1"]
+    # The SIGTERM to one node's worker (the fixture): both nodes stopped at the same step.
+    results = first["results"]
     stopped = results[0]["stopped_at"]
     assert all(r["preempted"] and r["stopped_at"] == stopped and r["steps"] == [stopped, stopped]
                for r in results)
@@ -134,8 +171,8 @@ def test_two_nodes_report_their_place_stop_together_commit_once_and_resume(tmp_p
 
     # The shared directory: one commit, model states once, one ZeRO shard per data-parallel rank.
     tag = f"step_{stopped}"
-    assert (ckpt / "latest").read_text().strip() == tag
-    files = sorted(str(f.relative_to(ckpt / tag)) for f in (ckpt / tag).rglob("*") if f.is_file())
+    assert first["latest"] == tag
+    files = first["files"]
     assert files == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
                      "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt",
                      "toolkit_checkpoint.json", "toolkit_rng/rank_00000.pt", "toolkit_rng/rank_00001.pt",
@@ -143,38 +180,26 @@ def test_two_nodes_report_their_place_stop_together_commit_once_and_resume(tmp_p
         "mp_rank_00_model_states.pt", "toolkit_checkpoint.json", "toolkit_rng/rank_00000.pt",
         "toolkit_rng/rank_00001.pt", "toolkit_save_started.json", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_optim_states.pt"], files
-    commit = read(ckpt / tag / "toolkit_checkpoint.json")
+    commit = first["commit"]
     assert (commit["world_size"], commit["data_parallel_size"], commit["steps_completed"]) == (2, 2, stopped)
-    assert [d.name for d in ckpt.iterdir() if d.is_dir()] == [tag]
+    assert first["dirs"] == [tag]
 
-    # Resume on both nodes from the committed step (a fresh rendezvous; node ranks may swap).
-    for f in out.glob("result*.json"):
-        f.unlink()
-    procs = start_nodes(out, ckpt, "--max-steps", str(stopped + 2))
-    assert wait_all(procs, out) == [0, 0]
-    results = [read(out / f"result{r}.json") for r in (0, 1)]
+    # The resume on both nodes from the committed step (a fresh rendezvous).
+    assert second["codes"] == [0, 0], second["logs"]
     assert all(r["start"] == stopped and r["stopped_at"] == stopped + 2 and not r["preempted"]
-               for r in results)
-    assert (ckpt / "latest").read_text().strip() == f"step_{stopped + 2}"
+               for r in second["results"]), second["results"]
+    assert second["latest"] == f"step_{stopped + 2}"
 
 
-def test_the_example_runs_unchanged_on_two_nodes(tmp_path):
-    """examples/core_api/train.py, as it is, under two torchrun agents (one rank per "node"):
-    it trains, writes TensorBoard logs and commits its checkpoints on the shared directory."""
-    from helpers.examples import EXAMPLES, small_config
-
-    config, out = small_config(tmp_path, "train.py"), tmp_path / "out"
-    port, run_id = procutil.free_port(), uuid.uuid4().hex[:8]
-    procs = []
-    for node in (0, 1):
-        with open(tmp_path / f"agent{node}.log", "w") as log:
-            procs.append(subprocess.Popen(
-                agent_argv(node, port, run_id, "--config", str(config), "--output-dir", str(out),
-                           "--max-steps", "10", script=EXAMPLES / "train.py"),
-                env=procutil.child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    assert wait_all(procs, tmp_path) == [0, 0], (tmp_path / "agent0.log").read_text()[-3000:]
+def test_the_example_runs_unchanged_on_two_nodes(two_nodes):
+    """examples/core_api/train.py, as it is, under two torchrun agents (one rank per "node"), run in
+    the processes of the fixture's resume launch after the worker: it trains, writes TensorBoard logs
+    and commits its checkpoints on the shared directory."""
+    _, second, out = two_nodes
+    assert second["codes"] == [0, 0], second["logs"]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_10"
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
 
 # The real pdsh + ssh trial (through DeepSpeed's pdsh runner, on a loopback sshd) is in
 # tests/cluster/test_pdsh.py.

@@ -82,10 +82,10 @@ SPLIT_FILES: tuple[str, ...] = (
 SLOW_UNITS: tuple[str, ...] = (
     "tests/compat/test_determined_e2e.py",
     "tests/dsat/test_e2e.py::test_binary_search_on_the_example_then_train_with_the_best_config",
-    "tests/cluster/", "tests/dsat/trial/test_reporting.py", "tests/checkpoint/test_api.py",
+    "tests/cluster/", "tests/checkpoint/test_api.py",
     "tests/test_examples.py::test_sigterm", "tests/checkpoint/test_exact_resume.py",
-    "tests/reliability/test_chaos.py", "tests/dsat/test_e2e.py", "tests/compat/test_determined_launcher.py",
-    "tests/test_examples.py", "tests/runtime/test_multinode.py",
+    "tests/dsat/trial/test_reporting.py", "tests/dsat/test_e2e.py", "tests/compat/test_determined_launcher.py",
+    "tests/reliability/test_chaos.py", "tests/test_examples.py", "tests/runtime/test_multinode.py",
     "tests/test_preemption.py::test_sigterm_to_torchrun_with_dataloader_workers",
     "tests/runtime/test_ds_shm.py", "tests/run/test_scheduler.py", "tests/reliability/test_dsat_faults.py",
     "tests/dsat/test_cli.py::test_sigkilled_search", "tests/dsat/test_cli.py::test_binary_search",

@@ -51,6 +51,12 @@ import sitecustomize  # noqa: E402  (this process: cpuinfo may already be import
 
 sitecustomize.install()
 
+# Tests stop the processes they start with Ctrl-C (SIGINT), as a user would. A shell starts a
+# background job (`bash scripts/test.sh &`, nohup) with SIGINT ignored, and every child would
+# inherit that: a rank that cannot be interrupted, and tests failing for the invocation's sake.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def _hung(item) -> None:
     """On the watchdog's thread: show where every thread is, then end the run."""

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 import warnings
 
 import pytest
@@ -285,6 +286,13 @@ def test_each_forbidden_combination(config, kwargs, fragment):
     with pytest.raises(ConfigError) as info:
         toolkit.validate_ds_config(config, **kwargs)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("key, value", [("bf16", True), ("fp16", "on"), ("bfloat16", [1])])
+def test_a_precision_section_that_is_no_mapping_is_named_with_an_example(key, value):
+    expected = f"{key}={value!r}: expected a mapping such as {{enabled: true}}"
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        toolkit.validate_ds_config({key: value}, device=None)
 
 
 def test_fp16_on_a_cpu_without_fp16_names_the_device(monkeypatch):

@@ -181,8 +181,9 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.fixture(autouse=True)
 def _environment_restored():
-    """Put back os.environ and the stop signals' handlers after each test. An in-process ``init_distributed()`` exports the launch
-    (``LOCAL_RANK=0``, ...) as it does for a user's script; left in a worker, it made a later test's
+    """Put back os.environ and the stop signals' handlers after each test. An in-process
+    ``init_distributed()`` exports the launch (``LOCAL_RANK=0``, ...) as it does for a user's
+    script; left in a worker, it made a later test's
     child look like a rank process (CI, 2026-11-27)."""
     saved = dict(os.environ)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}

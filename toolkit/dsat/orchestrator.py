@@ -23,7 +23,13 @@ from toolkit.dsat.contract import ProfileInfo, TrialContract, TrialStatus
 from toolkit.dsat.execution.runner import TrialRunner
 from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV
 from toolkit.dsat.plan import Plan, trial_ds_config
-from toolkit.dsat.profiling_phase import ProfilingPhase, budget_share, budget_share_line, record_boundaries
+from toolkit.dsat.profiling_phase import (
+    ProfilingPhase,
+    budget_share,
+    budget_share_line,
+    extra_profiling_trials,
+    record_boundaries,
+)
 from toolkit.dsat.records import EventLog, TensorBoardTrials, summary_table, write_trial_tables
 from toolkit.dsat.search import confirm
 from toolkit.dsat.search.batch import (
@@ -237,7 +243,7 @@ class Autotuner:
         """The plan's search settings for the searcher: the micro-batch capped by the trial timeout
         (:meth:`_time_cap`), and ``max_trials`` less the extra profiling (calibration) trials, so that
         ``--max-trials`` counts every trial of the search (the re-runs of ``--confirm`` not)."""
-        extra = sum(1 for trial_id in self.results if trial_id < 0)
+        extra = extra_profiling_trials(self.results)
         return dataclasses.replace(self.plan.search, max_micro_batch=self._time_cap(),
                                    max_trials=max(self.plan.search.max_trials - extra, 2))
 

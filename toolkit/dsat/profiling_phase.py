@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
@@ -26,9 +26,16 @@ from toolkit.dsat.search import boundaries, calibration, memory
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.errors import ConfigError
 
-__all__ = ["ProfilingPhase", "budget_share", "budget_share_line", "record_boundaries"]
+__all__ = ["ProfilingPhase", "budget_share", "budget_share_line", "extra_profiling_trials",
+           "record_boundaries"]
 
 _MIB = 2**20
+
+
+def extra_profiling_trials(trial_ids: Iterable[int]) -> int:
+    """The profiling trials after the first among ``trial_ids`` (ids below 0), which count in
+    ``--max-trials`` beside the first profiling trial and the tuning trials. Pure; any rank."""
+    return sum(1 for trial_id in trial_ids if trial_id < 0)
 
 
 def budget_share(profile: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -106,8 +113,7 @@ class ProfilingPhase:
     def _room(self) -> bool:
         """Whether another profiling trial after the first fits in ``--max-trials``: the first
         profiling trial, these, and at least one tuning trial."""
-        extra = sum(1 for trial_id in self.results if trial_id < 0)
-        return extra < self.plan.search.max_trials - 2
+        return extra_profiling_trials(self.results) < self.plan.search.max_trials - 2
 
     def _run_profiling_trial(self, spec: TrialSpec) -> TrialResult:
         """A profiling trial's result: the recorded one (--resume) when it succeeded, or for the

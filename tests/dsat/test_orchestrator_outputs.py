@@ -162,3 +162,27 @@ def test_an_autotuner_built_without_argv_takes_dsats_own_or_rebuilds_them(tmp_pa
     monkeypatch.setattr("sys.argv", ["/x/bench_memory.py", "--runs", "3"])  # a script using the library
     assert Autotuner(tuner.plan, say=print).argv == [
         "binary", str(tuner.plan.config_path), str(tuner.plan.runner.model_dir)]
+
+
+def test_the_confirmation_passes_over_a_configuration_that_cannot_win(tmp_path):
+    """Issue 29: the re-runs go to configurations that could still be the best. Real re-runs of the
+    simulated model (its FLOPS per GPU: 8.04e5 at stage 1 mb 64, 4.16e5 at stage 2 mb 8) after
+    search measurements of 9e5 and 4e5: mb 64 is confirmed at 8.04e5; stage 2's 4e5 cannot beat
+    that, so it is not re-run: 2 re-runs instead of 4 (the two run side by side: 2 CPU slots). (A
+    later configuration that could win is re-run: tests/dsat/search/test_confirm.py.)"""
+    from toolkit.dsat.execution.runner import TrialRunner
+
+    tuner, said = _tuner(tmp_path, {"train_micro_batch_size_per_gpu": 4}, "--confirm", "2")
+    tuner.results = {0: TrialResult(TrialSpec(0, 1, {"stage": 1}, line=-1, profile=True), OK, _metrics(0.1)),
+                     1: TrialResult(TrialSpec(1, 64, {"stage": 1}), OK, {"FLOPS_per_gpu": 9e5}),
+                     2: TrialResult(TrialSpec(2, 8, {"stage": 2}), OK, {"FLOPS_per_gpu": 4e5})}
+    tuner.taken = set()
+    with TrialRunner(tuner.plan.runner, output_dir=tuner.out) as runner:
+        tuner._confirm(runner, [])
+    reruns = sorted((r for r in tuner.results.values() if r.spec.rerun), key=lambda r: r.spec.trial_id)
+    assert [(r.spec.trial_id, r.spec.micro_batch, r.status) for r in reruns] == [(3, 64, OK), (4, 64, OK)]
+    assert said[-1] == ("not re-run: 1 configuration(s) none of whose measurements beats the best confirmed "
+                        "median")
+    outcome = tuner._conclude()
+    assert outcome.best is not None and outcome.best.spec.micro_batch == 64 and "2 re-runs" in outcome.message
+    assert outcome.best.metrics["FLOPS_per_gpu"] == 1e6 * 64 / (10.0 + 64 * 1.1) * 1.01  # the sim's median

@@ -109,8 +109,9 @@ def _add_search_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--max-trials", type=_integer, default=50, metavar="N",
                    help="trials in all, the profiling trials included (default: %(default)s)")
     g.add_argument("--confirm", type=_integer, default=2, metavar="N",
-                   help="after the search, re-run the N best configurations until each has "
-                        f"{CONFIRM_MEASUREMENTS} trials and pick the best by the median, so that the best "
+                   help="after the search, re-run the N best configurations one after the other until "
+                        f"each has {CONFIRM_MEASUREMENTS} trials (a later one only while a measurement of it "
+                        "beats the best median so far) and pick the best by the median, so that the best "
                         f"was measured more than once; at most {CONFIRM_MEASUREMENTS - 1} x N re-runs, not "
                         "counted in --max-trials; 0: the best single measurement (default: %(default)s)")
     g.add_argument("--metric", choices=METRICS, default="FLOPS_per_gpu",

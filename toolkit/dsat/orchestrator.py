@@ -307,32 +307,44 @@ class Autotuner:
         return len(results)
 
     def _confirm(self, runner: TrialRunner, events: list[dict[str, Any]]) -> None:
-        """Re-run the ``--confirm`` best configurations until each has
+        """Re-run the ``--confirm`` best configurations, one after the other, until each has
         :data:`~toolkit.dsat.search.confirm.CONFIRM_MEASUREMENTS` trials (their own budget, beside
-        ``--max-trials``), so that the best is picked by a median (:meth:`_conclude`). The ids
-        follow the search's; a resumed search keeps the re-runs it recorded."""
+        ``--max-trials``), so that the best is picked by a median (:meth:`_conclude`); a later one
+        only while it could still win (:func:`~toolkit.dsat.search.confirm.next_to_confirm`). The
+        ids follow the search's; a resumed search keeps the re-runs it recorded."""
         metric, top = self.plan.search.metric, self.plan.confirm
         if self._broken():
             return
-        chosen = confirm.to_confirm(confirm.group(self._candidates()), metric, top=top)
+        chosen = [confirm.config_key(c.spec)
+                  for c in confirm.to_confirm(confirm.group(self._candidates()), metric, top=top)]
         next_id = max([*self.results, *(e["trial_id"] for e in events)], default=0) + 1
-        specs = []
-        for candidate in chosen:
+        announced = False
+        for _round in chosen:  # each round brings one configuration to its measurements
+            candidate = confirm.next_to_confirm(confirm.group(self._candidates()), chosen, metric)
+            if candidate is None:
+                break
+            if not announced:
+                self.say(f"confirming the best {len(chosen)} configuration(s) (--confirm {top}): each "
+                         f"re-run until measured {confirm.CONFIRM_MEASUREMENTS} times in all, one after the "
+                         "other, a later one only while a measurement of it beats the best median; picked by "
+                         "the median")
+                announced = True
+            pending = []
             for _ in range(candidate.reruns_needed()):
-                specs.append(dataclasses.replace(candidate.spec, trial_id=next_id, label="", rerun=True,
-                                                 profile=False))
+                pending.append(dataclasses.replace(candidate.spec, trial_id=next_id, label="", rerun=True,
+                                                   profile=False))
                 next_id += 1
-        if not specs:
-            return
-        self.say(f"confirming the best {len(chosen)} configuration(s): {len(specs)} re-run(s) (--confirm "
-                 f"{top}; each measured {confirm.CONFIRM_MEASUREMENTS} times in all, picked by the median)")
-        pending = list(specs)
-        while pending or runner.running():
-            while pending and runner.capacity() > 0:
-                self._start(runner, pending.pop(0), observed_before=0)
-            for result in runner.wait(timeout=1.0):
-                self._record(result)
-                self._progress(result, runner.running())
+            while pending or runner.running():
+                while pending and runner.capacity() > 0:
+                    self._start(runner, pending.pop(0), observed_before=0)
+                for result in runner.wait(timeout=1.0):
+                    self._record(result)
+                    self._progress(result, runner.running())
+        short = [c for c in confirm.group(self._candidates())
+                 if confirm.config_key(c.spec) in chosen and c.reruns_needed() > 0]
+        if announced and short:
+            self.say(f"not re-run: {len(short)} configuration(s) none of whose measurements beats the best "
+                     "confirmed median")
 
     def _share_line(self) -> str:
         """What micro-batch 1 takes of the budget (the closing lines), or nothing when unmeasured:

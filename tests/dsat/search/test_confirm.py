@@ -5,7 +5,14 @@ once, a config judged both fitting and out of memory decided by the majority of 
 from __future__ import annotations
 
 from toolkit.dsat.contract import TrialStatus
-from toolkit.dsat.search.confirm import CONFIRM_MEASUREMENTS, group, pick, to_confirm
+from toolkit.dsat.search.confirm import (
+    CONFIRM_MEASUREMENTS,
+    config_key,
+    group,
+    next_to_confirm,
+    pick,
+    to_confirm,
+)
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 
 OK, OOM = TrialStatus.OK, TrialStatus.OOM
@@ -69,3 +76,43 @@ def test_a_config_judged_both_fitting_and_out_of_memory_is_decided_by_the_majori
     failed = group([result(1, 8, 90.0), result(2, 8, status=OOM, rerun=True), result(3, 8, status=OOM)])
     assert not failed[0].fits and pick(failed, "throughput") is None
     assert to_confirm(failed, "throughput", top=1) == []
+
+
+def _chosen(results, top, metric="throughput"):
+    return [config_key(c.spec) for c in to_confirm(group(results), metric, top=top)]
+
+
+def test_the_chosen_are_confirmed_in_order_and_a_later_one_only_while_it_could_win():
+    search = [result(1, 16, 100.0), result(2, 8, 90.0), result(3, 4, 60.0)]
+    chosen = _chosen(search, 3)
+    # nothing is confirmed yet: the first one
+    assert next_to_confirm(group(search), chosen, "throughput").spec.micro_batch == 16
+    # 16 measured 100, 80, 85: median 85. 8's 90 beats it: 8 is re-run next. 4's 60 cannot.
+    confirmed = search + [result(4, 16, 80.0, rerun=True), result(5, 16, 85.0, rerun=True)]
+    assert next_to_confirm(group(confirmed), chosen, "throughput").spec.micro_batch == 8
+    both = confirmed + [result(6, 8, 88.0, rerun=True), result(7, 8, 91.0, rerun=True)]  # median 90
+    assert next_to_confirm(group(both), chosen, "throughput") is None
+    assert pick(group(both), "throughput").spec.micro_batch == 8
+    # 16 measured 100, 95, 97 (median 97): neither 8's 90 nor 4's 60 can win, nothing more runs
+    clear = search + [result(4, 16, 95.0, rerun=True), result(5, 16, 97.0, rerun=True)]
+    assert next_to_confirm(group(clear), chosen, "throughput") is None
+
+
+def test_a_chosen_configuration_that_stops_fitting_is_not_confirmed_and_the_next_one_runs():
+    search = [result(1, 16, 100.0), result(2, 8, 50.0)]
+    chosen = _chosen(search, 2)
+    flipped = search + [result(3, 16, status=OOM, rerun=True), result(4, 16, status=OOM, rerun=True)]
+    assert not group(flipped)[0].fits
+    assert next_to_confirm(group(flipped), chosen, "throughput").spec.micro_batch == 8  # 8 may still win
+    half = search + [result(3, 16, status=OOM, rerun=True)]   # one verdict each way: the third decides
+    assert next_to_confirm(group(half), chosen, "throughput").spec.micro_batch == 16
+
+
+def test_smaller_is_better_when_a_later_one_could_win():
+    ms = dict(metric="latency")
+    search = [result(1, 16, 10.0, **ms), result(2, 8, 11.0, **ms)]
+    chosen = _chosen(search, 2, "latency")
+    slow = search + [result(3, 16, 13.0, rerun=True, **ms), result(4, 16, 12.0, rerun=True, **ms)]  # 12 ms
+    assert next_to_confirm(group(slow), chosen, "latency").spec.micro_batch == 8    # 11 ms beats 12 ms
+    fast = search + [result(3, 16, 10.5, rerun=True, **ms), result(4, 16, 10.2, rerun=True, **ms)]
+    assert next_to_confirm(group(fast), chosen, "latency") is None

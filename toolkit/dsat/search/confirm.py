@@ -3,18 +3,20 @@ and the pick by the median.
 
 One timed measurement on a shared machine is noisy (the same config measured 1.053e10 and
 8.598e9 FLOPS per GPU on the HelloDeepSpeed port), so the search's best is not one lucky run:
-the orchestrator re-runs the ``--confirm`` best configurations until each has
-:data:`CONFIRM_MEASUREMENTS` trials, and picks the configuration whose median is best among those
-measured more than once. A configuration judged both fitting and out of memory is decided by the
-majority of its verdicts (its re-runs break the tie), never by the last one. Pure functions;
-rank 0 only by use (the orchestrator).
+the orchestrator re-runs the ``--confirm`` best configurations, one after the other in their
+order, until each has :data:`CONFIRM_MEASUREMENTS` trials, and picks the configuration whose
+median is best among those measured more than once. A later one is re-run only while it could
+still win (:func:`next_to_confirm`): when none of its measurements beats the best median
+confirmed so far, its re-runs would not change the pick, and are not spent. A configuration
+judged both fitting and out of memory is decided by the majority of its verdicts (its re-runs
+break the tie), never by the last one. Pure functions; rank 0 only by use (the orchestrator).
 
 Example (rank 0, after the search)::
 
-    candidates = group(results)                                   # every measured configuration
-    for c in to_confirm(candidates, metric, top=2):
-        run c.reruns_needed() more trials of c.spec
-    best = pick(group(results + reruns), metric)
+    chosen = [config_key(c.spec) for c in to_confirm(group(results), metric, top=2)]
+    while (c := next_to_confirm(group(results), chosen, metric)) is not None:
+        results += c.reruns_needed() more trials of c.spec
+    best = pick(group(results), metric)
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from toolkit.dsat.contract import TrialStatus
 from toolkit.dsat.search.lines import metric_value
 from toolkit.dsat.search.types import SMALLER_IS_BETTER, TrialResult, TrialSpec
 
-__all__ = ["CONFIRM_MEASUREMENTS", "Candidate", "config_key", "group", "pick", "to_confirm"]
+__all__ = ["CONFIRM_MEASUREMENTS", "Candidate", "config_key", "group", "next_to_confirm", "pick",
+           "to_confirm"]
 
 #: Trials a confirmed configuration has in all (its search trials and its re-runs): an odd number,
 #: so that its median is one of its measurements and its verdicts have a majority.
@@ -122,6 +125,43 @@ def _ranked(candidates: Sequence[Candidate], metric: str) -> list[Candidate]:
 def to_confirm(candidates: Sequence[Candidate], metric: str, *, top: int) -> list[Candidate]:
     """The ``top`` best fitting configurations by their median so far (``top`` 0: none). Pure."""
     return _ranked(candidates, metric)[:max(top, 0)]
+
+
+def _better(a: float, b: float, metric: str) -> bool:
+    return a < b if metric in SMALLER_IS_BETTER else a > b
+
+
+def next_to_confirm(candidates: Sequence[Candidate], chosen: Sequence[tuple[int, str]],
+                    metric: str) -> Candidate | None:
+    """The next configuration to re-run among ``chosen`` (the :func:`config_key` of
+    :func:`to_confirm`'s, in its order), or None when the confirmation is over. Pure.
+
+    The first one not yet measured :data:`CONFIRM_MEASUREMENTS` times is re-run when no chosen
+    configuration is confirmed yet (fits, measured that often), or when one of its measurements
+    beats the best confirmed median: otherwise its median cannot be expected to win, and it is
+    passed over.
+
+    >>> from toolkit.dsat.search.types import TrialSpec
+    >>> def r(i, mb, v): return TrialResult(TrialSpec(i, mb, {"stage": 1}), TrialStatus.OK, {"throughput": v})
+    >>> results = [r(1, 16, 100.0), r(2, 8, 90.0)]
+    >>> chosen = [config_key(c.spec) for c in to_confirm(group(results), "throughput", top=2)]
+    >>> next_to_confirm(group(results), chosen, "throughput").spec.micro_batch
+    16
+    >>> next_to_confirm(group(results + [r(3, 16, 95.0), r(4, 16, 97.0)]), chosen, "throughput") is None
+    True
+    """
+    by_key = {config_key(c.spec): c for c in candidates}
+    ordered = [by_key[key] for key in chosen if key in by_key]
+    done = [c.median(metric) for c in ordered if c.reruns_needed() == 0 and c.fits]
+    medians = [m for m in done if m is not None]
+    best = (min if metric in SMALLER_IS_BETTER else max)(medians) if medians else None
+    for candidate in ordered:
+        if candidate.reruns_needed() == 0:
+            continue
+        values = candidate.values(metric)
+        if best is None or any(_better(v, best, metric) for v in values):
+            return candidate
+    return None
 
 
 def pick(candidates: Sequence[Candidate], metric: str, *, confirmed: bool = True) -> Candidate | None:

@@ -581,9 +581,16 @@ def best_configs(arm: TrialArm, dsat: dict[str, Any], grid: dict[str, Any],
                   "grid": {"stage": grid["best_stage"], "micro_batch": grid["best_micro_batch"],
                            "zero": grid["best_zero"]}}
     if ds and ds["best"]:
-        stage = ds["best"]["stage"]
-        candidates["deepspeed"] = {"stage": stage, "micro_batch": ds["best"]["micro_batch"],
-                                   "zero": zero_config_for_stage(arm.plan.search.base_zero, stage)}
+        stage, micro_batch = ds["best"]["stage"], ds["best"]["micro_batch"]
+        allowed = arm.plan.allowed_at_most(micro_batch)
+        if allowed != micro_batch:  # its autotuner does not keep a global batch: 319 for 768 on 2 ranks
+            ds["not_confirmed"] = (f"its best micro-batch {micro_batch} does not keep the global batch "
+                                   f"{arm.plan.global_batch.train_batch_size} on "
+                                   f"{arm.plan.data_parallel_size} ranks; not measured again")
+            say(f"  DeepSpeed autotuner: {ds['not_confirmed']}")
+        else:
+            candidates["deepspeed"] = {"stage": stage, "micro_batch": micro_batch,
+                                       "zero": zero_config_for_stage(arm.plan.search.base_zero, stage)}
     return candidates
 
 

@@ -301,14 +301,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     import bench_trial
 
-    from toolkit.config.deepspeed import overwrite_deepspeed_config
     from toolkit.dsat.cli import build_parser, make_plan
-    from toolkit.dsat.contract import TrialContract
     from toolkit.dsat.execution.runner import TrialRunner
-    from toolkit.dsat.plan import trial_ds_config
-    from toolkit.dsat.search.space import zero_config_for_stage
-    from toolkit.dsat.search.types import TrialSpec
-    from toolkit.dsat.trial.reporting import instrumentation_overrides
 
     work = args.work.resolve()
     shutil.rmtree(work, ignore_errors=True)
@@ -323,14 +317,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with TrialRunner(plan.runner, output_dir=work / "dsat") as runner:
         for trial_id, arm in enumerate(["torchrun", "fork"] + ["torchrun", "fork"] * args.pairs, 1):
             state["arm"] = arm
-            spec = TrialSpec(trial_id=trial_id, micro_batch=args.micro_batch, profile=True,
-                             zero=zero_config_for_stage(plan.search.base_zero, 1))
-            config = trial_ds_config(plan.base_ds_config, spec, data_parallel_size=plan.data_parallel_size,
-                                     train_batch_size=plan.global_batch.train_batch_size,
-                                     hidden_size=plan.hidden_size)
-            contract = TrialContract(spec.trial_id, "", plan.runner.start_profile_step,
-                                     plan.runner.end_profile_step, True, plan.runner.memory_per_slot)
-            config = overwrite_deepspeed_config(config, instrumentation_overrides(contract))
+            spec, config = bench_trial.stage1_trial(plan, trial_id, args.micro_batch, profile=True)
             started = time.monotonic()
             runner.start(spec, ds_config=config, hparams=plan.hparams)
             done: list[Any] = []

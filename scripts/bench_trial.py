@@ -329,15 +329,29 @@ def timeline(events: Path, gone: dict[int, float], launcher: int, t0: float, t_d
             "ranks_gone": {r["rank"]: gone.get(r["pid"]) for r in ranks}}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def stage1_trial(plan: Any, trial_id: int, micro_batch: int, *, profile: bool) -> tuple[Any, dict[str, Any]]:
+    """A ZeRO stage 1 trial of ``plan`` and its complete DeepSpeed config, instrumented as dsat's
+    trials are (scripts/bench_preload.py runs the same trials)."""
     from toolkit.config.deepspeed import overwrite_deepspeed_config
-    from toolkit.dsat.cli import build_parser, make_plan
     from toolkit.dsat.contract import TrialContract
-    from toolkit.dsat.execution.runner import TrialRunner
     from toolkit.dsat.plan import trial_ds_config
     from toolkit.dsat.search.space import zero_config_for_stage
     from toolkit.dsat.search.types import TrialSpec
     from toolkit.dsat.trial.reporting import instrumentation_overrides
+
+    spec = TrialSpec(trial_id=trial_id, micro_batch=micro_batch, profile=profile,
+                     zero=zero_config_for_stage(plan.search.base_zero, 1))
+    config = trial_ds_config(plan.base_ds_config, spec, data_parallel_size=plan.data_parallel_size,
+                             train_batch_size=plan.global_batch.train_batch_size,
+                             hidden_size=plan.hidden_size)
+    contract = TrialContract(spec.trial_id, "", plan.runner.start_profile_step, plan.runner.end_profile_step,
+                             profile, plan.runner.memory_per_slot)
+    return spec, overwrite_deepspeed_config(config, instrumentation_overrides(contract))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from toolkit.dsat.cli import build_parser, make_plan
+    from toolkit.dsat.execution.runner import TrialRunner
 
     work = args.work.resolve()
     shutil.rmtree(work, ignore_errors=True)
@@ -357,14 +371,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         measured = runner._cpu_info_file
         for trial_id, arm in enumerate(arms, 1):
             runner._cpu_info_file = measured if arm == "after" else (lambda: None)  # type: ignore[method-assign]
-            spec = TrialSpec(trial_id=trial_id, micro_batch=args.micro_batch,
-                             zero=zero_config_for_stage(plan.search.base_zero, 1))
-            config = trial_ds_config(plan.base_ds_config, spec, data_parallel_size=plan.data_parallel_size,
-                                     train_batch_size=plan.global_batch.train_batch_size,
-                                     hidden_size=plan.hidden_size)
-            contract = TrialContract(spec.trial_id, "", plan.runner.start_profile_step,
-                                     plan.runner.end_profile_step, False, plan.runner.memory_per_slot)
-            config = overwrite_deepspeed_config(config, instrumentation_overrides(contract))
+            spec, config = stage1_trial(plan, trial_id, args.micro_batch, profile=False)
             events = work / "events" / f"trial_{trial_id}"
             events.mkdir(parents=True)
             os.environ[EVENTS_ENV] = str(events)

@@ -17,7 +17,8 @@ Everything lands in --out (default runs/gpu_check): logs/, one directory per par
 has a time limit; a failed part is a "FAILED" row with its last error line, and the exit status
 is 1 when any part failed. Where one command may run 10 minutes at most, use --quick and split
 the parts over two commands (``--parts build examples``, then ``--parts oom gpt2``; the same
---out). Without CUDA it says so and exits 0.
+--out), and give each a ``--deadline`` inside that length: the table is printed even when a part
+is stopped there. Without CUDA it says so and exits 0.
 MFU cells: "6N" is 6 x parameters x tokens/s per GPU (causal_lm only: the other examples have no
 parameter count from outside), "dsat" is the best trial's FLOPS_per_gpu; both over the peak.
 Only public interfaces are used: the launchers, the examples' flags, dsat's CLI and output files.
@@ -31,6 +32,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -43,7 +45,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
@@ -250,6 +252,16 @@ def read_json(path: Path) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def part_limit(timeout: float, left: float) -> float:
+    """A part's time limit: ``timeout``, or the ``left`` seconds before the deadline when fewer
+    (at least 1 s: a part is started only while time is left).
+
+    >>> part_limit(900, 120.5), part_limit(300, 1e9), part_limit(300, -5)
+    (120.5, 300, 1.0)
+    """
+    return max(1.0, min(timeout, left))
+
+
 def failure_note(rc: int | None, log: str, *, timeout: float) -> str:
     """Why a process failed, in one line."""
     where = f"timed out after {timeout:.0f} s" if rc is None else f"exit {rc}"
@@ -267,10 +279,19 @@ class Check:
     gpus: int
     device_name: str
     env: dict[str, str]
+    deadline: float | None = None   # time.monotonic() by which every part has ended (--deadline)
 
     @property
     def peak(self) -> float | None:
         return peak_bf16_flops(self.device_name)
+
+    def limit(self, timeout: float) -> float:
+        """``timeout``, cut to what is left before the deadline (SIGTERM/SIGINT and a minute's grace
+        are still to come after it, so a part stopped there ends a little later)."""
+        return timeout if self.deadline is None else part_limit(timeout, self.deadline - time.monotonic())
+
+    def past_deadline(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
 
 def signal_group(pid: int, sig: int) -> None:
@@ -353,14 +374,16 @@ def build_fused_adam(check: Check) -> Row:
             "from toolkit.runtime.cuda_arch import install_arch_list_guard\n"
             "install_arch_list_guard()   # as init_distributed does: reads TORCH_CUDA_ARCH_LIST='9.0a'\n"
             "get_accelerator().create_op_builder('FusedAdamBuilder').load()")
-    rc, log = run_cmd([sys.executable, "-c", code], log=check.out / "logs" / "fused_adam.log", timeout=900,
-                      env=check.env)
-    return Row("build FusedAdam", rc == 0, note="" if rc == 0 else failure_note(rc, log, timeout=900))
+    timeout = check.limit(900)
+    rc, log = run_cmd([sys.executable, "-c", code], log=check.out / "logs" / "fused_adam.log",
+                      timeout=timeout, env=check.env)
+    return Row("build FusedAdam", rc == 0, note="" if rc == 0 else failure_note(rc, log, timeout=timeout))
 
 
 def run_example(check: Check, script: str, config_name: str, precision: str) -> Row:
     """One example on every GPU with ``precision`` ("bf16"/"fp16") on; samples/s from metrics.jsonl."""
-    work, steps, timeout = check.out / "examples" / f"{script}_{precision}", 20 if check.quick else 60, 600
+    work, steps = check.out / "examples" / f"{script}_{precision}", 20 if check.quick else 60
+    timeout = check.limit(600)
     hparams: dict[str, Any] = {"deterministic": False}    # throughput, not bitwise resumes
     if script == "pipeline":
         hparams["pipeline_stages"] = 2 if check.gpus % 2 == 0 else 1
@@ -443,7 +466,7 @@ def run_dsat(check: Check, name: str, config: Path, model_dir: Path, *, trials: 
     Returns (exit status, log text, output directory, time limit)."""
     out, trial_timeout = check.out / name / "dsat", 300
     shutil.rmtree(out, ignore_errors=True)
-    timeout = (trials + 1) * trial_timeout + 180.0
+    timeout = check.limit((trials + 1) * trial_timeout + 180.0)   # SIGINT: dsat writes what it has
     argv = [sys.executable, "-m", "toolkit.dsat", "binary", str(config), str(model_dir), "--output-dir",
             str(out), "--max-trials", str(trials), "--trial-timeout", str(trial_timeout), *extra]
     rc, log = run_cmd(argv, log=check.out / "logs" / f"{name}.log", timeout=timeout, env=check.env,
@@ -507,21 +530,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="run only these parts, e.g. to split the check over commands of limited "
                              "length (default: all)")
+    parser.add_argument("--deadline", type=float, default=None, metavar="S",
+                        help="end every part within about S seconds (a part still running then is "
+                             "stopped, the parts after it are not run) and print the table; for a "
+                             "device command of limited length (default: each part's own limits)")
     args = parser.parse_args(argv)
+    if args.deadline is not None and args.deadline <= 0:
+        parser.error(f"--deadline: expected a positive number of seconds, got {args.deadline:g}")
     env = child_env()
     info = cuda_info(env)
     if not info["available"]:
         print("gpu_check: needs CUDA (torch.cuda.is_available() is False here); nothing to check, exiting 0")
         return 0
+    deadline = None if args.deadline is None else time.monotonic() + args.deadline
     check = Check(out=args.out.resolve(), quick=args.quick, gpus=int(info["count"]), device_name=info["name"],
-                  env=env)
+                  env=env, deadline=deadline)
     started = time.monotonic()
-    rows = [build_fused_adam(check)] if "build" in args.parts else []
+    parts: list[tuple[str, Callable[[], Row]]] = []
+    if "build" in args.parts:
+        parts.append(("build FusedAdam", lambda: build_fused_adam(check)))
     if "examples" in args.parts:
-        rows += [run_example(check, script, name, precision)
-                 for script, name in EXAMPLE_RUNS for precision in PRECISIONS]
-    rows += [oom_check(check)] if "oom" in args.parts else []
-    rows += [gpt2_dsat(check)] if "gpt2" in args.parts else []
+        parts += [(f"{script} {precision}", functools.partial(run_example, check, script, name, precision))
+                  for script, name in EXAMPLE_RUNS for precision in PRECISIONS]
+    if "oom" in args.parts:
+        parts.append(("dsat CUDA OOM", lambda: oom_check(check)))
+    if "gpt2" in args.parts:
+        parts.append(("dsat GPT-2 small bf16", lambda: gpt2_dsat(check)))
+    rows = [Row(name, False, note=f"not run: --deadline {args.deadline:g} s reached")
+            if check.past_deadline() else run_part() for name, run_part in parts]
     peak = "n/a (not in the table)" if check.peak is None else f"{check.peak / 1e12:.0f} TFLOPS"
     print(f"\n{check.gpus} x {check.device_name}, peak bf16 dense {peak}; "
           f"{time.monotonic() - started:.0f} s; logs in {check.out / 'logs'}\n\n{format_table(rows)}")

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,36 @@ def test_without_cuda_it_says_so_and_exits_0(tmp_path):
 
 def test_docstring_gives_the_command():
     assert "python scripts/gpu_check.py [--out DIR] [--quick]" in (gc.__doc__ or "")
+
+
+def test_part_limit():
+    assert gc.part_limit(900, 120.5) == 120.5
+    assert gc.part_limit(300, 1e9) == 300
+    assert gc.part_limit(300, -5) == 1.0
+
+
+def test_a_bad_deadline_is_refused():
+    with pytest.raises(SystemExit) as stop:
+        gc.main(["--deadline", "0"])
+    assert stop.value.code == 2
+
+
+def test_the_parts_after_the_deadline_are_rows_and_the_table_is_printed(tmp_path, monkeypatch, capsys):
+    """The GPU is what cannot run here: cuda_info and the parts are stand-ins (a part that takes
+    longer than the deadline); what is tested is main's plumbing of --deadline."""
+    monkeypatch.setattr(gc, "cuda_info", lambda env: {"available": True, "count": 1, "name": "NVIDIA H200"})
+    limits = []
+
+    def slow_build(check):
+        limits.append(check.limit(900))
+        time.sleep(1.6)
+        return gc.Row("build FusedAdam", True)
+
+    monkeypatch.setattr(gc, "build_fused_adam", slow_build)
+    monkeypatch.setattr(gc, "oom_check", lambda check: pytest.fail("started after the deadline"))
+    rc = gc.main(["--out", str(tmp_path), "--parts", "build", "oom", "--deadline", "1.5"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert 1.0 <= limits[0] <= 1.5
+    assert "build FusedAdam  ok" in out
+    assert "not run: --deadline 1.5 s reached" in out and "1 part(s) failed: dsat CUDA OOM" in out

@@ -9,6 +9,8 @@ TORCH_CUDA_ARCH_LIST the list that PyTorch's JIT build then compiles for, as for
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -50,8 +52,8 @@ def test_deepspeed_alone_fails_on_an_arch_specific_entry(unguarded, monkeypatch)
 
 
 def test_the_guard_gives_deepspeed_the_plain_entries(unguarded, monkeypatch, caplog):
-    assert install_arch_list_guard()
-    assert install_arch_list_guard()      # idempotent: wrapped once
+    install_arch_list_guard()
+    install_arch_list_guard()      # idempotent: wrapped once
     method = builder_module.CUDAOpBuilder.compute_capability_args
     assert not getattr(method.__wrapped__, "toolkit_guarded", False)
     with caplog.at_level("WARNING", logger=cuda_arch.__name__):
@@ -83,3 +85,24 @@ def test_a_failed_build_gets_the_users_list_back(unguarded, monkeypatch):
     with pytest.raises(ValueError):
         builder.compute_capability_args()
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0a;bogus"
+
+
+@pytest.mark.parametrize("first", ["toolkit", "deepspeed"])
+def test_importing_toolkit_guards_deepspeeds_builder_in_either_order(first, tmp_path):
+    """A fresh interpreter, as a user's script: toolkit imported before DeepSpeed (the import hook
+    guards the builder module when DeepSpeed loads it) or after (guarded at toolkit's import)."""
+    imports = {"toolkit": "import toolkit", "deepspeed": "from deepspeed.ops.op_builder import builder"}
+    code = "\n".join([
+        imports[first], imports["deepspeed" if first == "toolkit" else "toolkit"],
+        "import os",
+        "from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder",
+        "b = FusedAdamBuilder(); b.jit_mode = True",
+        "b.compute_capability_args()",
+        "print(os.environ['TORCH_CUDA_ARCH_LIST'])",
+    ])
+    env = {**os.environ, "TORCH_CUDA_ARCH_LIST": "8.0;9.0a"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "8.0;9.0+PTX"
+    assert "arch-specific entries" in done.stderr

@@ -12,8 +12,6 @@ Example::
         logger.info("world size %d", ctx.world_size)
 """
 
-import sys
-
 from toolkit.runtime.collectives import COLLECTIVE_TIMEOUT_ENV, CollectiveTimeoutError
 from toolkit.runtime.context import DistributedContext, get_context, init_distributed
 from toolkit.runtime.cuda_arch import install_arch_list_guard
@@ -22,8 +20,7 @@ from toolkit.runtime.op_builds import install_lock_guard
 
 # Every toolkit process (user scripts, dsat trials, toolkit.run) loads DeepSpeed ops through the guard.
 install_lock_guard()
-if "deepspeed" in sys.modules:   # else init_distributed installs it: importing DeepSpeed takes seconds
-    install_arch_list_guard()
+install_arch_list_guard()
 
 __all__ = ["COLLECTIVE_TIMEOUT_ENV", "CollectiveTimeoutError", "DistributedContext", "LaunchInfo",
            "detect_launch", "get_context", "init_distributed"]

@@ -37,7 +37,6 @@ from toolkit.runtime.collectives import (
     new_bounded_group,
     resolve_collective_timeout,
 )
-from toolkit.runtime.cuda_arch import install_arch_list_guard
 from toolkit.runtime.ds_shm import share_with_deepspeed
 from toolkit.runtime.launch_env import LaunchInfo, detect_launch
 from toolkit.runtime.trial_oom import install_oom_excepthook
@@ -323,7 +322,6 @@ def init_distributed(*, backend: str | None = None, timeout: timedelta = DEFAULT
         info = detect_launch()
         _export_env(info)
         chosen = _init_process_group(info, _pick_backend(backend), timeout)
-        install_arch_list_guard()   # before deepspeed.initialize builds FusedAdam
         share_with_deepspeed(chosen, timeout, info)
         _context = _make_context(info, chosen, timeout, collective_s)
         _install_process_hooks()

@@ -8,20 +8,26 @@ before it compiles anything, so ``deepspeed.initialize`` fails with FusedAdam on
 Its builder keeps only the plain ``X.Y`` form of every entry in the end, so
 :func:`install_arch_list_guard` hands it that form (``9.0a`` becomes ``9.0``, the same GPUs), for
 DeepSpeed's own op builds only: DeepSpeed's JIT load restores the variable after each build, so
-the user's own extensions still see what was set. Any rank; per process.
+the user's own extensions still see what was set. Importing toolkit installs it, before or after
+DeepSpeed is imported. Any rank; per process.
 
 Example::
 
     # TORCH_CUDA_ARCH_LIST="8.0;9.0a" torchrun --nproc_per_node 8 train.py
-    ctx = toolkit.init_distributed()      # installs the guard: FusedAdam builds for 8.0 and 9.0
+    import toolkit                        # the guard is in place
+    engine, *_ = deepspeed.initialize(...)   # FusedAdam builds for 8.0 and 9.0
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.abc
 import logging
 import os
 import re
+import sys
+from importlib.machinery import ModuleSpec
+from types import ModuleType
 from typing import Any
 
 __all__ = ["install_arch_list_guard", "plain_arch_list"]
@@ -29,6 +35,8 @@ __all__ = ["install_arch_list_guard", "plain_arch_list"]
 logger = logging.getLogger(__name__)
 
 _ENV = "TORCH_CUDA_ARCH_LIST"
+# DeepSpeed's builder module: installed (pip) and in a source tree that puts op_builder on the path.
+_BUILDER_MODULES = ("deepspeed.ops.op_builder.builder", "op_builder.builder")
 # An entry with an arch-specific ("a") or family ("f") suffix, with or without "+PTX".
 _SUFFIXED = re.compile(r"^(\d+\.\d+)[af](\+PTX)?$", re.IGNORECASE)
 
@@ -75,18 +83,57 @@ def _guarded(original: Any) -> Any:
     return compute_capability_args
 
 
-def install_arch_list_guard() -> bool:
-    """Let DeepSpeed's CUDA op builder in this process read arch-specific ``TORCH_CUDA_ARCH_LIST``
-    entries (see the module). Idempotent; any process; imports DeepSpeed's builder module.
+def _guard_module(module: Any) -> None:
+    """Wrap ``CUDAOpBuilder.compute_capability_args`` of DeepSpeed's builder ``module``, once."""
+    builder = getattr(module, "CUDAOpBuilder", None)
+    method = getattr(builder, "compute_capability_args", None)
+    if method is not None and not getattr(method, "toolkit_guarded", False):
+        setattr(builder, "compute_capability_args", _guarded(method))  # noqa: B010 (a class's method)
 
-    Returns:
-        False when DeepSpeed is not installed (nothing to guard), True otherwise.
+
+class _GuardingLoader(importlib.abc.Loader):
+    """DeepSpeed's builder module's own loader, which guards the module once it has run."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        _guard_module(module)
+
+    def __getattr__(self, name: str) -> Any:   # get_code, get_source, is_package, ...: the loader's
+        return getattr(self._loader, name)
+
+
+class _BuilderFinder(importlib.abc.MetaPathFinder):
+    """Finds DeepSpeed's builder module as the other finders do, with a :class:`_GuardingLoader`."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> ModuleSpec | None:
+        if fullname not in _BUILDER_MODULES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _GuardingLoader(spec.loader)
+                return spec
+        return None
+
+
+def install_arch_list_guard() -> None:
+    """Let DeepSpeed's CUDA op builder in this process read arch-specific ``TORCH_CUDA_ARCH_LIST``
+    entries (see the module): now if DeepSpeed's builder module is imported, else when it is
+    (an import hook for that module alone; DeepSpeed itself is not imported here). Idempotent;
+    any process; importing toolkit calls it.
     """
-    try:
-        from deepspeed.ops.op_builder.builder import CUDAOpBuilder
-    except ImportError:
-        return False
-    if not getattr(CUDAOpBuilder.compute_capability_args, "toolkit_guarded", False):
-        setattr(CUDAOpBuilder, "compute_capability_args",  # noqa: B010 (a class's method, wrapped)
-                _guarded(CUDAOpBuilder.compute_capability_args))
-    return True
+    for name in _BUILDER_MODULES:
+        module = sys.modules.get(name)
+        if module is not None:
+            _guard_module(module)
+    if not any(isinstance(finder, _BuilderFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _BuilderFinder())

@@ -31,7 +31,6 @@ from typing import Any, Callable, Iterable, Mapping
 from torch.utils.file_baton import FileBaton
 
 from toolkit.errors import BuildLockError
-from toolkit.runtime.cuda_arch import install_arch_list_guard
 
 __all__ = ["GuardedBaton", "LockState", "UNSEEN_HOLDER_LIMIT_S", "builders_for", "clear_dead_locks",
            "extensions_root", "install_lock_guard", "judge_lock", "load_ops"]
@@ -367,7 +366,6 @@ def load_ops(builder_names: Iterable[str]) -> list[str]:
         The names of the ops loaded; a builder that is not available here is skipped.
     """
     install_lock_guard()
-    install_arch_list_guard()
     from deepspeed.accelerator import get_accelerator
 
     loaded = []

@@ -12,7 +12,7 @@ import yaml
 
 from helpers import procutil
 from helpers.dsatcli import KEEP_64, dsat, dsat_in_process, make_model_dir, plan_for, trial_rows
-from toolkit.dsat.plan import profile_spec, trial_ds_config
+from toolkit.dsat.plan import memory_only, profile_spec, trial_ds_config
 from toolkit.dsat.search.types import TrialSpec
 
 
@@ -210,6 +210,27 @@ def test_trial_config_keeps_the_batch_relation_and_replaces_zero():
     assert profile_spec(base).micro_batch == 1 and profile_spec(base).zero["stage"] == 3
 
 
+def test_the_first_profiling_trial_measures_memory_without_the_kept_batch():
+    base = {"train_batch_size": 768, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": 8, "zero_optimization": {"stage": 1}}
+    first = profile_spec(base)
+    config = trial_ds_config(base, first, data_parallel_size=2, train_batch_size=768)
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"],
+            config["gradient_accumulation_steps"]) == (2, 1, 1)      # not 384 accumulation steps
+    assert memory_only(first, train_batch_size=768, data_parallel_size=2)
+    # the other profiling trials keep it where they can (they may be the search's best)
+    for spec, triple in ((TrialSpec(-1, 192, {"stage": 1}, profile=True), (768, 192, 2)),
+                         (TrialSpec(-11, 100, {"stage": 1}, profile=True), (200, 100, 1)),
+                         (TrialSpec(3, 1, {"stage": 1}), (768, 1, 384))):
+        config = trial_ds_config(base, spec, data_parallel_size=2, train_batch_size=768)
+        assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"],
+                config["gradient_accumulation_steps"]) == triple, spec
+    # free: nothing to keep, the user's accumulation
+    config = trial_ds_config(base, first, data_parallel_size=2)
+    assert not memory_only(first, train_batch_size=None, data_parallel_size=2)
+    assert (config["train_batch_size"], config["gradient_accumulation_steps"]) == (16, 8)
+
+
 # ---------------------------------------------------------------- searches with real trial processes
 def test_binary_search_finds_the_limit_and_writes_everything(tmp_path):
     model_dir = make_model_dir(tmp_path, slots=2)
@@ -388,7 +409,11 @@ def test_the_global_batch_is_kept_in_every_trial_and_latency_is_minimised(tmp_pa
     assert "global batch: keep train_batch_size=64" in result.stdout
     records = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
     assert len(records) == 6
-    for record in records:
+    # the first profiling trial measures memory only: micro-batch 1 with accumulation 1, not 32
+    first = records[0]["ds_overrides"]
+    assert records[0]["trial_id"] == 0
+    assert (first["train_batch_size"], first["gradient_accumulation_steps"]) == (2, 1)
+    for record in records[1:]:
         over = record["ds_overrides"]
         assert over["train_batch_size"] == 64, record
         assert over["train_micro_batch_size_per_gpu"] in (1, 2, 4, 8, 16, 32), record

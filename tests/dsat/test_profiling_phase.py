@@ -246,3 +246,29 @@ def test_the_profiling_trials_leave_one_tuning_trial_in_max_trials(tmp_path, max
     tuner.plan, tuner.say, tuner.results = plan, said.append, phase.results
     tuning = tuner._search_settings().max_trials - 1   # what the searcher may still propose
     assert tuning >= 1 and (max_trials == 50 or len(ran) + tuning == max_trials)
+
+
+def test_under_a_kept_batch_the_first_profiling_trial_is_not_a_result(tmp_path):
+    # It ran micro-batch 1 with accumulation 1 (memory only), not the kept 64: its throughput is not
+    # one of a config of the search. The calibration trial, which kept the batch, is.
+    from toolkit.dsat.contract import ProfileInfo, TrialStatus
+    from toolkit.dsat.orchestrator import Autotuner
+    from toolkit.dsat.search import make_searcher
+    from toolkit.dsat.search.types import TrialResult
+
+    plan = plan_for(tmp_path, make_model_dir(tmp_path, slots=2, ds=KEEP_64), "--zero-stages", "1",
+                    "--metric", "throughput")
+    said: list[str] = []
+    tuner = object.__new__(Autotuner)
+    tuner.plan, tuner.say = plan, said.append
+    metrics = {"throughput": 50.0, "FLOPS_per_gpu": 50.0, "latency": 1.0, "forward": 1.0, "backward": 1.0}
+    tuner.results = {0: TrialResult(TrialSpec(0, 1, {"stage": 1}, profile=True, label="p1"), TrialStatus.OK,
+                                    {**metrics, "throughput": 99.0}),
+                     -1: TrialResult(TrialSpec(-1, 8, {"stage": 1}, profile=True, label="p2"), TrialStatus.OK,
+                                     metrics)}
+    assert plan.memory_only(tuner.results[0].spec) and not plan.memory_only(tuner.results[-1].spec)
+    searcher = make_searcher(plan.search, ProfileInfo(num_params=0, trainable_params=0,
+                                                      activation_bytes_per_example=1, memory_per_slot=64))
+    tuner._take_profiling(searcher)
+    assert tuner.taken == {-1} and searcher.best is tuner.results[-1]
+    assert said == ["profiling trials taken as results of the search: p2 (stage 1, mb 8)"]

@@ -232,8 +232,9 @@ class Autotuner:
     def _take_profiling(self, searcher: search.Searcher) -> None:
         """Give the profiling trials to the searcher (in the order they ran, also on --resume):
         those at configurations of the search count as its results, not as trials lost (every
-        method alike)."""
-        taken = searcher.observe_profiling([r for r in self.results.values() if r.spec.profile])
+        method alike); those run without the kept global batch (``Plan.memory_only``) do not."""
+        taken = searcher.observe_profiling([r for r in self.results.values()
+                                            if r.spec.profile and not self.plan.memory_only(r.spec)])
         self.taken = {r.spec.trial_id for r in taken}
         if taken:
             self.say("profiling trials taken as results of the search: " + ", ".join(

@@ -24,7 +24,7 @@ from toolkit.dsat.search.space import default_zero_autos
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
 from toolkit.errors import ConfigError
 
-__all__ = ["Plan", "profile_spec", "trial_ds_config"]
+__all__ = ["Plan", "memory_only", "profile_spec", "trial_ds_config"]
 
 TBS, MBS, GAS = BATCH_KEYS
 
@@ -92,10 +92,19 @@ class Plan:
             return m
         return max(a for a in allowed if a <= m)
 
+    def memory_only(self, spec: TrialSpec) -> bool:
+        """:func:`memory_only` under this plan's global batch policy."""
+        return memory_only(spec, train_batch_size=self.global_batch.train_batch_size,
+                           data_parallel_size=self.data_parallel_size)
+
     def step_grows_with_micro_batch(self, profiled: TrialResult) -> bool:
         """Whether a timed step's examples grow with the micro-batch: not when the global batch is
         kept and the profiling trial's timed step spanned its accumulation steps (more than one
-        micro-batch per step): then every step is ``train_batch_size`` examples."""
+        micro-batch per step): then every step is ``train_batch_size`` examples. The first
+        profiling trial runs one micro-batch per step (:meth:`memory_only`), so it cannot tell:
+        then the steps are taken to grow. Near the timeout that cap may be too low (by up to the
+        accumulation steps of the profiling trials on its line); no cap could let trials run past
+        the timeout instead."""
         latency = float(profiled.metrics.get("latency") or 0.0)
         micro_per_step = (float(profiled.metrics.get("throughput") or 0.0) * latency / 1000.0
                           / self.data_parallel_size / max(profiled.spec.micro_batch, 1))
@@ -134,6 +143,24 @@ def profile_spec(base_ds_config: Mapping[str, Any]) -> TrialSpec:
     return TrialSpec(trial_id=0, micro_batch=1, zero=zero, line=-1, profile=True)
 
 
+def memory_only(spec: TrialSpec, *, train_batch_size: int | None, data_parallel_size: int) -> bool:
+    """Whether trial ``spec`` runs without the kept global batch ``train_batch_size`` (None: free,
+    nothing to keep): a profiling trial whose micro-batch cannot keep it, or the first one
+    (micro-batch 1), which would keep it with ``train_batch_size / data_parallel_size``
+    accumulation steps: the search's longest steps, flops profile included, for a config that is
+    never the best (384 steps made it 2.2x the next profiling trial on bench_dsat). Its memory does
+    not depend on the accumulation; it is not a result of the search. Pure.
+
+    >>> first = TrialSpec(0, 1, {"stage": 1}, profile=True)
+    >>> [memory_only(first, train_batch_size=n, data_parallel_size=2) for n in (768, 2, None)]
+    [True, False, False]
+    """
+    if not spec.profile or train_batch_size is None:
+        return False
+    per_step = spec.micro_batch * data_parallel_size
+    return bool(train_batch_size % per_step) or (spec.trial_id == 0 and train_batch_size > per_step)
+
+
 def trial_ds_config(base_ds_config: Mapping[str, Any], spec: TrialSpec, *, data_parallel_size: int,
                     train_batch_size: int | None = None, hidden_size: int | None = None) -> dict[str, Any]:
     """The complete DeepSpeed config of a trial (or of the best trial): pure.
@@ -144,14 +171,13 @@ def trial_ds_config(base_ds_config: Mapping[str, Any], spec: TrialSpec, *, data_
     ``train_batch_size = micro_batch * accumulation * data_parallel_size``; without (free), the
     accumulation stays the user's (1 when unset or "auto") and ``train_batch_size`` is derived.
     ZeRO's "auto" sizes are resolved from ``hidden_size`` (HF's rule), else DeepSpeed's defaults.
-    A profiling trial whose micro-batch does not divide ``train_batch_size / data_parallel_size``
-    (it measures memory, not speed) runs with the accumulation of the free policy.
+    A profiling trial that measures memory, not speed (:func:`memory_only`) runs with
+    accumulation 1 (the least work per step).
     """
     config = overwrite_deepspeed_config(base_ds_config, {MBS: spec.micro_batch})
     config["zero_optimization"] = copy.deepcopy(dict(spec.zero))
-    if spec.profile and train_batch_size is not None \
-            and train_batch_size % (spec.micro_batch * data_parallel_size):
-        train_batch_size = None  # a profiling trial at a micro-batch that cannot keep it: memory only
+    if memory_only(spec, train_batch_size=train_batch_size, data_parallel_size=data_parallel_size):
+        train_batch_size, config[GAS] = None, 1
     if train_batch_size is not None:
         config[TBS] = train_batch_size
         config.pop(GAS, None)

@@ -58,14 +58,14 @@ dsat keeps it (its default policy) and the grid runs every micro-batch dividing 
 same ``trial_ds_config``. Which N: docs/benchmarks.md's kept-batch figure uses 768 (384 per rank: 16
 micro-batches, 48 configs at stages 1-3), not 512 (256 per rank: 9 micro-batches, 27 configs).
 With 27 configs, 8 trials are 0.30 of the grid by count whatever the search does, so the
-trial-seconds target (<= 0.25) would mostly measure the few divisors of 512, not the search.
+trial-seconds target (<= 0.15) would mostly measure the few divisors of 512, not the search.
 768 (3 x 256) is as ordinary a global batch as 512, has more micro-batches that keep it, and
 leaves the grid as exhaustive and honest as before (every micro-batch that keeps it, each stage
 until its first out-of-memory).
 
 Printed at the end: a table with absolute numbers and the ratios ``dsat_best / grid_best``
 (target >= 0.95, on the fresh medians of step 4) and ``dsat_trial_seconds / grid_trial_seconds``
-(target <= 0.25); DeepSpeed's
+(target <= 0.15, issue 29; was 0.25); DeepSpeed's
 autotuner below it. Everything goes to ``--output`` (JSON); trial directories stay in
 ``--work-dir``. A benchmark, not a test: nothing is asserted, and timings on a shared machine
 are noisy (both arms run in this process one after the other).
@@ -535,7 +535,7 @@ def table(s: dict[str, Any]) -> str:
         rows.append((f"best {metric} (median of all runs)", num(c["dsat"]["median"]),
                      num(c["grid"]["median"]), num(r["best_confirmed"], ".3f"), "", ""))
     rows += [("trial-seconds", num(d["trial_seconds"], ".1f"), num(g["trial_seconds"], ".1f"),
-              num(r["trial_seconds"], ".3f"), "<= 0.25", verdict(r["trial_seconds"], 0.25, False)),
+              num(r["trial_seconds"], ".3f"), "<= 0.15", verdict(r["trial_seconds"], 0.15, False)),
              ("trials (ok/oom/failed/timeout)", f"{d['trials']} ({statuses(d)})",
               f"{g['trials']} ({statuses(g)})", "", "", ""),
              ("wall time (s)", num(d["wall_s"], ".0f"), num(g["wall_s"], ".0f"), "", "", ""),

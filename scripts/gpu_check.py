@@ -370,9 +370,8 @@ def cuda_info(env: Mapping[str, str]) -> dict[str, Any]:
 
 def build_fused_adam(check: Check) -> Row:
     """DeepSpeed's FusedAdam (the examples' optimizer on CUDA), JIT-built once here, not by every rank."""
-    code = ("from deepspeed.accelerator import get_accelerator\n"
-            "from toolkit.runtime.cuda_arch import install_arch_list_guard\n"
-            "install_arch_list_guard()   # as init_distributed does: reads TORCH_CUDA_ARCH_LIST='9.0a'\n"
+    code = ("import toolkit  # its import lets DeepSpeed's builder read TORCH_CUDA_ARCH_LIST='9.0a'\n"
+            "from deepspeed.accelerator import get_accelerator\n"
             "get_accelerator().create_op_builder('FusedAdamBuilder').load()")
     timeout = check.limit(900)
     rc, log = run_cmd([sys.executable, "-c", code], log=check.out / "logs" / "fused_adam.log",

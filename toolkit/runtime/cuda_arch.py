@@ -57,6 +57,14 @@ def plain_arch_list(value: str | None) -> str | None:
     return None if plain == entries else ";".join(dict.fromkeys(plain))
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_once(given: str, plain: str, op: str) -> None:
+    """Say it once per op and process: every load of an op, built or not, goes through the builder."""
+    logger.warning("%s=%r has arch-specific entries that DeepSpeed's op builder cannot read; building "
+                   "DeepSpeed's op %s for %r (the same GPUs; your own extensions still see %r)",
+                   _ENV, given, op, plain, given)
+
+
 def _guarded(original: Any) -> Any:
     @functools.wraps(original)
     def compute_capability_args(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -64,10 +72,7 @@ def _guarded(original: Any) -> Any:
         env, jit = plain_arch_list(given_env), plain_arch_list(given_jit)
         if env is None and jit is None:
             return original(self, *args, **kwargs)
-        logger.warning("%s=%r has arch-specific entries that DeepSpeed's op builder cannot read; building "
-                       "DeepSpeed's op %s for %r (the same GPUs; your own extensions still see %r)",
-                       _ENV, given_jit or given_env, getattr(self, "name", "?"), jit or env,
-                       given_jit or given_env)
+        _warn_once(given_jit or given_env or "", jit or env or "", str(getattr(self, "name", "?")))
         if jit is not None:
             self._jit_arch_list = jit
         if env is not None:

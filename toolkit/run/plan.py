@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from toolkit.compat.determined import hparams, search, storage
+from toolkit.compat.determined import hparams, legacy, search, storage
 from toolkit.compat.determined.info import output_dir_for
 from toolkit.errors import ConfigError
 from toolkit.launch.experiment_env import environment_variables_problems
@@ -137,7 +137,9 @@ def plan_run(
 ) -> RunPlan:
     """Check the experiment and decide the launch. Runner only.
 
-    Pure, but reads ``$TOOLKIT_OUTPUT_DIR`` (the default output directory).
+    Pure, but reads ``$TOOLKIT_OUTPUT_DIR`` (the default output directory) and logs the notice of
+    a searcher section written for Determined 0.37 (:mod:`toolkit.compat.determined.legacy`; the
+    plan's ``config`` is the translated one).
 
     Raises:
         ConfigError: every problem, each naming its key (entrypoint, searcher.name, a search
@@ -147,6 +149,10 @@ def plan_run(
     """
     problems: list[str] = []
     argv = _entrypoint(config, problems)
+    config, notice, translation_problems = legacy.translate_searcher(config)
+    problems.extend(translation_problems)
+    if notice:
+        logger.warning("%s", notice)
     problems.extend(search.check_searcher(config))
     restarts = config.get("max_restarts", 5)
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:

@@ -121,6 +121,7 @@ class SearcherContext:
             record = load_json(self._file, what="searcher record")
         except FileNotFoundError:
             record = {}
+        record = record if isinstance(record, dict) else {}
         self._completed = bool(record.get("completed"))
         ops = record.get("ops")
         self._ops: list[dict[str, Any]] = list(ops) if isinstance(ops, list) else []

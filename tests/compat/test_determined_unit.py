@@ -491,3 +491,15 @@ def test_searcher_length_inside_a_dsat_trial_is_the_last_profiled_step(tmp_path,
                                     "last_profile_step": 17}))
     searcher = SearcherContext(det.core.DummyDistributedContext(), {}, tmp_path / "other")
     assert next(searcher.operations()).length == 18
+
+
+def test_refused_entrypoints_point_to_the_porting_section_of_the_docs():
+    from test_docs import REPO, _anchors
+    from toolkit.run.plan import PORTING, refused_entrypoint
+
+    page, anchor = PORTING.split("#")
+    assert anchor in _anchors(REPO / page)
+    assert refused_entrypoint(["python3", "-m", "determined.launch.deepspeed", "python3", "t.py"]) is None
+    assert refused_entrypoint(["python3", "train.py:main"]) is None  # a command, not a Trial class
+    with pytest.raises(ConfigError, match=PORTING):
+        unwrap_launcher(["python3", "-m", "determined.launch.deepspeed", "--trial", "m:T"])

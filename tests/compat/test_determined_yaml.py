@@ -65,7 +65,7 @@ def test_a_bash_entrypoint_calling_the_wrapper_runs_every_rank_with_the_variable
         assert seen == {"MY_FLAG": "on=1", "EMPTY": "", "RANK": str(rank), "WORLD_SIZE": "2",
                         WRAPPED_ENV: str(rank), CONTAINER_PER_RANK_ENV: None, "slot_ids": [0, 1],
                         "parent": "bash"}
-    assert result.stderr.count("environment.image is ignored") == 1, result.stderr[-3000:]
+    assert result.stderr.count("environment.image is not honoured here") == 1, result.stderr[-3000:]
 
 
 def test_the_wrapper_outside_a_rank_says_to_use_toolkit_run(monkeypatch, capsys):
@@ -167,16 +167,28 @@ def test_save_trial_best_keeps_the_best_validated_checkpoint(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == sorted(kept)
 
 
-def test_ignored_determined_keys_are_warned_naming_them(tmp_path):
+def test_cluster_only_determined_keys_are_not_honoured_here_and_typos_stay_unknown(tmp_path):
     path = tmp_path / "exp.yaml"
     path.write_text("entrypoint: python3 x.py\nenvironment: {pod_spec: {}, environment_variables: [A=1]}\n"
-                    "checkpoint_storage: {save_experiment_best: 1, save_trial_best: 1}\n")
+                    "checkpoint_storage: {save_experiment_best: 1, save_trial_best: 1}\n"
+                    "bind_mounts: [{host_path: /data, container_path: /data}]\n"
+                    "resources: {resource_pool: a100, slots_per_trial: 1, slot_per_trial: 2}\n"
+                    "min_validation_period: {batches: 10}\ncheckpoint_policy: best\n"
+                    "profiling: {enabled: true}\nworkspace: w\nproject: p\ndebug: false\n"
+                    "searcher: {name: adaptive_asha, metric: x, max_trials: 4, time_metric: batches,"
+                    " max_time: 8, bracket_rungs: [1], source_trial_id: 3}\nmax_restart: 1\n")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hparams.load_config(path)
     messages = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
-    assert [m.split(" is ignored")[0] for m in messages] == ["environment.pod_spec",
-                                                              "checkpoint_storage.save_experiment_best"]
+    honoured = sorted(m.split(" is not honoured here: ")[0] for m in messages if "not honoured here" in m)
+    assert honoured == ["bind_mounts", "checkpoint_policy", "checkpoint_storage.save_experiment_best",
+                        "environment.pod_spec", "min_validation_period", "profiling", "project",
+                        "resources.resource_pool", "searcher.source_trial_id", "workspace"], messages
+    assert sorted(m for m in messages if "not honoured" not in m) == [  # typos keep their message
+        "unknown key 'max_restart' is ignored; did you mean 'max_restarts'?",
+        "unknown key resources.'slot_per_trial' is ignored; did you mean 'slots_per_trial'?"]
+    assert "only Determined's Trial API read it" in next(m for m in messages if "checkpoint_policy" in m)
 
 
 def test_dsat_trials_get_the_variables_of_their_device(tmp_path):

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 from toolkit._checks import int_problem, is_mapping, type_name
 from toolkit.bounded_load import load_json, load_yaml
 from toolkit.config.max_length import max_length_steps, max_length_unit
+from toolkit.config.not_honoured import NOT_HONOURED
 from toolkit.errors import ConfigError
 from toolkit.runtime.trial_env import EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV, TRIAL_HPARAMS_ENV
 
@@ -59,11 +60,14 @@ class ConfigWarning(UserWarning):
 
 
 def warn_unknown_keys(mapping: Mapping[str, Any], known: tuple[str, ...] | frozenset[str], *,
-                      where: str) -> list[str]:
+                      where: str, not_honoured: Mapping[str, str] | None = None) -> list[str]:
     """Warn once per unknown key, suggesting the closest known one. Any rank.
 
     Args:
         where: the prefix naming the section in the message (``"resources."``; ``""`` at the top).
+        not_honoured: keys that are no typo but not honoured here, with why (Determined's
+            cluster-only keys, :data:`~toolkit.config.not_honoured.NOT_HONOURED`): their warning
+            says so instead.
 
     Returns:
         The warning messages (also emitted as :class:`ConfigWarning`).
@@ -75,6 +79,11 @@ def warn_unknown_keys(mapping: Mapping[str, Any], known: tuple[str, ...] | froze
     messages = []
     for key in mapping:
         if key in known:
+            continue
+        if not_honoured and key in not_honoured:
+            message = f"{where}{key} is not honoured here: {not_honoured[key]}"
+            warnings.warn(message, ConfigWarning, stacklevel=3)
+            messages.append(message)
             continue
         close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.75)
         hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -109,7 +118,7 @@ def check_experiment_config(config: Any, *, source: str = "") -> None:
     if not is_mapping(config):
         raise ConfigError(f"the file must hold a mapping of keys (name, entrypoint, ...), "
                           f"got {type_name(config)}: {config!r:.80}", source=source or None)
-    warn_unknown_keys(config, _TOP_LEVEL, where="")
+    warn_unknown_keys(config, _TOP_LEVEL, where="", not_honoured=NOT_HONOURED[""])
     problems = [*_text_problems(config), *_entrypoint_problems(config), *_resources_problems(config),
                 *_hparams_problems(config), *_searcher_problems(config), *_storage_problems(config)]
     if problems:
@@ -154,7 +163,7 @@ def _section(config: Mapping[str, Any], key: str, expected: str, known: tuple[st
         shown = repr(section) if width is None else f"{section!r:.{width}}"
         return None, [f"{key}={shown}: expected {expected}"]
     if known is not None:
-        warn_unknown_keys(section, known, where=f"{key}.")
+        warn_unknown_keys(section, known, where=f"{key}.", not_honoured=NOT_HONOURED.get(f"{key}."))
     return section, []
 
 

@@ -35,7 +35,7 @@ from typing import Sequence
 
 from toolkit.errors import ConfigError
 
-__all__ = ["WRAPPERS", "entrypoint_launcher", "unwrap_launcher", "torchrun_nproc_override"]
+__all__ = ["WRAPPERS", "entrypoint_launcher", "python_module", "unwrap_launcher", "torchrun_nproc_override"]
 
 #: Determined wrapper module -> the launcher that runs its command here (None: no launcher).
 WRAPPERS = {
@@ -46,15 +46,16 @@ WRAPPERS = {
 _PYTHON = re.compile(r"^python(\d+(\.\d+)*)?$")
 
 
-def _wrapper_module(argv: Sequence[str]) -> str | None:
-    if (
-        len(argv) >= 3
-        and _PYTHON.match(os.path.basename(argv[0]))
-        and argv[1] == "-m"
-        and argv[2] in WRAPPERS
-    ):
+def python_module(argv: Sequence[str]) -> str | None:
+    """The module a ``python[3[.X]] -m MODULE ...`` command runs, else None. Pure; any process."""
+    if len(argv) >= 3 and _PYTHON.match(os.path.basename(argv[0])) and argv[1] == "-m":
         return argv[2]
     return None
+
+
+def _wrapper_module(argv: Sequence[str]) -> str | None:
+    module = python_module(argv)
+    return module if module in WRAPPERS else None
 
 
 def _check_command(entry: Sequence[str], module: str, command: list[str]) -> list[str]:
@@ -67,7 +68,8 @@ def _check_command(entry: Sequence[str], module: str, command: list[str]) -> lis
         raise ConfigError(
             f"entrypoint={list(entry)!r}: --trial runs Determined's Trial API "
             "(PyTorchTrial, DeepSpeedTrial), which toolkit does not provide; port the "
-            "trial to a Core API script and name that script instead"
+            "trial to a Core API script and name that script instead "
+            "(docs/determined.md#trial-api-and-horovod-experiments)"
         )
     return command
 

@@ -15,20 +15,54 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from toolkit.compat.determined import hparams, search, storage
+from toolkit.compat.determined import hparams, legacy, search, storage
 from toolkit.compat.determined.info import output_dir_for
 from toolkit.errors import ConfigError
 from toolkit.launch.experiment_env import environment_variables_problems
-from toolkit.launch.wrappers import torchrun_nproc_override, unwrap_launcher
+from toolkit.launch.wrappers import python_module, torchrun_nproc_override, unwrap_launcher
 
-__all__ = ["plan_run", "RunPlan"]
+__all__ = ["PORTING", "plan_run", "refused_entrypoint", "RunPlan"]
 
 logger = logging.getLogger("toolkit.run")
+
+#: Where docs/determined.md says how to port a Trial-API or Horovod experiment to the Core API.
+PORTING = "docs/determined.md#trial-api-and-horovod-experiments"
+#: Determined's ``match_legacy_trial_class``: an entrypoint ``module:Class`` is a Trial-API class.
+_TRIAL_CLASS = re.compile(r"^[a-zA-Z0-9_.]+:[a-zA-Z0-9_]+$")
+_REFUSED_LAUNCHERS = {
+    "determined.launch.horovod": "starts Horovod (horovodrun), which toolkit does not run; launch the "
+                                 "script with python3 -m determined.launch.torch_distributed (PyTorch DDP) "
+                                 "or determined.launch.deepspeed instead",
+    "determined.launch.tensorflow": "starts TensorFlow's distributed training, which toolkit does not run "
+                                    "(it trains PyTorch with DeepSpeed)",
+}
+
+
+def refused_entrypoint(argv: list[str]) -> str | None:
+    """Why toolkit cannot run this entrypoint (a Determined Trial-API class, Horovod, TensorFlow), or None.
+
+    Pure; runner only. Determined ran ``model_def:Trial`` through its Trial-API harness and
+    ``determined.launch.horovod`` through horovodrun; here either would fail at once and be
+    restarted ``max_restarts`` times, so :func:`plan_run` refuses it first.
+
+    Example:
+        >>> refused_entrypoint(["model_def:MNistTrial"]).split(" (")[0][:60]
+        "entrypoint='model_def:MNistTrial' names a class of Determine"
+    """
+    if len(argv) == 1 and _TRIAL_CLASS.match(argv[0]):
+        return (f"entrypoint={argv[0]!r} names a class of Determined's Trial API (PyTorchTrial, "
+                "DeepSpeedTrial), which toolkit does not run; port the trial to a Core API script and name "
+                f"that script, e.g. 'entrypoint: python3 train.py' ({PORTING})")
+    module = python_module(argv)
+    if module in _REFUSED_LAUNCHERS:
+        return f"entrypoint={' '.join(argv)!r:.200}: {module} {_REFUSED_LAUNCHERS[module]} ({PORTING})"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +109,24 @@ def _launcher_of(argv: list[str], problems: list[str]) -> tuple[str, list[str], 
     return launcher, command, nproc, found is not None
 
 
+def _entrypoint(config: Mapping[str, Any], problems: list[str]) -> list[str]:
+    """The entrypoint as an argv list (empty when missing or malformed); problems appended."""
+    entry = config.get("entrypoint")
+    if entry is None:
+        problems.append("entrypoint is missing: expected e.g. 'entrypoint: python3 train.py'")
+        return []
+    try:
+        argv = [str(part) for part in entry] if isinstance(entry, list) else shlex.split(str(entry))
+    except ValueError as err:  # an unbalanced quote: the experiment check names it too
+        problems.append(f"entrypoint={entry!r:.200}: cannot be split into arguments ({err}); balance the "
+                        "quotes, or write the entrypoint as a list of arguments")
+        return []
+    refused = refused_entrypoint(argv)
+    if refused:
+        problems.append(refused)
+    return argv
+
+
 def _keep(config: Mapping[str, Any], key: str) -> Any:
     section = config.get("checkpoint_storage")
     return section.get(key) if isinstance(section, Mapping) else None
@@ -85,24 +137,22 @@ def plan_run(
 ) -> RunPlan:
     """Check the experiment and decide the launch. Runner only.
 
-    Pure, but reads ``$TOOLKIT_OUTPUT_DIR`` (the default output directory).
+    Pure, but reads ``$TOOLKIT_OUTPUT_DIR`` (the default output directory) and logs the notice of
+    a searcher section written for Determined 0.37 (:mod:`toolkit.compat.determined.legacy`; the
+    plan's ``config`` is the translated one).
 
     Raises:
         ConfigError: every problem, each naming its key (entrypoint, searcher.name, a search
             space, checkpoint_storage, max_restarts, the wrapper's arguments,
-            environment.environment_variables).
+            environment.environment_variables), and an entrypoint toolkit cannot run
+            (:func:`refused_entrypoint`).
     """
     problems: list[str] = []
-    entry = config.get("entrypoint")
-    argv: list[str] = []
-    if entry is None:
-        problems.append("entrypoint is missing: expected e.g. 'entrypoint: python3 train.py'")
-    else:
-        try:
-            argv = [str(part) for part in entry] if isinstance(entry, list) else shlex.split(str(entry))
-        except ValueError as err:  # an unbalanced quote: the experiment check names it too
-            problems.append(f"entrypoint={entry!r:.200}: cannot be split into arguments ({err}); balance the "
-                            "quotes, or write the entrypoint as a list of arguments")
+    argv = _entrypoint(config, problems)
+    config, notice, translation_problems = legacy.translate_searcher(config)
+    problems.extend(translation_problems)
+    if notice:
+        logger.warning("%s", notice)
     problems.extend(search.check_searcher(config))
     restarts = config.get("max_restarts", 5)
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:

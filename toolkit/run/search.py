@@ -8,16 +8,21 @@ the experiment's id, its values recorded for every rank). This module keeps
     {"searcher": "adaptive_asha", "seed": 123, "metric": "x", "smaller_is_better": true,
      "searcher_config": {...}, "hyperparameters": {...}, "experiment_seed": 123,
      "trials": [{"index": 0, "dir": "trial-0000", "trial_id": 5123, "hparams": {...},
-                 "seed": 123000369, "state": "COMPLETED", "metric": 700, "time": 100,
-                 "stopped_early": false, "bracket": 0}, ...],
+                 "seed": 123000369, "state": "COMPLETED", "metric": 700, "best_metric": 400,
+                 "time": 100, "stopped_early": false, "bracket": 0, "progress": 1.0,
+                 "early_exit": null}, ...],
      "asha": {"brackets": [{"rungs": [25, 100], "max_trials": 7, "metrics": [...]}, ...], ...},
-     "best": {...}}
+     "best": {...}, "progress": 0.6}
 
 ``metric`` is the trial's last reported validation value of ``searcher.metric`` (a report whose
 metric or ``time_metric`` is not a number is skipped, with a warning; a NaN or infinite metric
-makes it null: the trial diverged, ranks last under ASHA and is never the best); ``seed`` the one its
+makes it null: the trial diverged, ranks last under ASHA and is never the best), ``best_metric``
+its best (``get_experiment_best_validation`` reads them); ``seed`` the one its
 values were drawn with (also ``hparams_seed`` in the trial's ``determined_trial.json``);
-``stopped_early`` that the searcher's stop reached the trial before it ended by itself. A rerun
+``stopped_early`` that the searcher's stop reached the trial before it ended by itself;
+``progress`` its latest ``report_progress`` and ``early_exit`` its ``report_early_exit`` (or
+``ERRORED``), see :mod:`toolkit.compat.determined.trial_reports`; the top ``progress`` the
+search's. A rerun
 refuses (exit 2) a YAML whose searcher section, hyperparameters or experiment seed differ from
 those recorded. The file is rewritten when something in it changed. Under ASHA the
 :class:`_Watcher` reads each validation line of a running trial's ``metrics.jsonl`` (written at
@@ -39,9 +44,10 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from toolkit._checks import is_number
-from toolkit._files import atomic_write_json
+from toolkit._files import atomic_write, atomic_write_json
 from toolkit.bounded_load import load_json
-from toolkit.compat.determined import search
+from toolkit.compat.determined import search, trial_reports
+from toolkit.compat.determined.core.searcher import OPS_ACK_FILE
 from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state
 from toolkit.errors import CheckpointError, ConfigError
 from toolkit.run.process import Forwarder
@@ -74,14 +80,20 @@ def _validations(path: Path, offset: int) -> list[tuple[dict[str, Any], int]]:
 
 
 class _Watcher:
-    """Feeds the running trial's validation reports to the searcher; True: stop the trial (ASHA).
+    """Feeds the running trial's reports to the searcher; True: stop the trial (ASHA).
 
-    Every report sets the trial's ``metric`` and ``time`` (the last reported values). While the
-    trial runs, a report that ASHA stops the trial at ends the poll (True); the reports after it
-    are read by the next polls, and no longer reach ASHA (the trial is stopping). :attr:`offset`
-    is how far ``metrics.jsonl`` was read (the searcher's handshake with the trial's chief).
+    Every validation report sets the trial's ``metric`` (the last reported value), ``best_metric``
+    (the best, by ``smaller_is_better``) and, under ASHA, ``time``. While the trial runs, a report
+    that ASHA stops the trial at ends the poll (True); the reports after it are read by the next
+    polls, and no longer reach ASHA (the trial is stopping). :attr:`offset` is how far
+    ``metrics.jsonl`` was read (the searcher's handshake with the trial's chief).
     :meth:`finish` reads the rest after the trial ended: they reach ASHA only when no stop was
     sent (the trial ran on), and a rung decision there is no stop.
+
+    Under a 0.37 ASHA section (no ``time_metric``: :mod:`toolkit.compat.determined.legacy`) the
+    completed searcher operations are what ASHA judges (time: ``op.length``, the metric:
+    ``op.report_completed``'s); their count is acknowledged in ``.searcher_ops_ack`` once any stop
+    they earned was sent (at the next poll). The trial's ``progress`` file is copied too.
     """
 
     def __init__(self, state: dict[str, Any], trial: dict[str, Any], config: Mapping[str, Any],
@@ -90,44 +102,120 @@ class _Watcher:
         self.path, self.offset = trial_dir / "metrics.jsonl", 0
         s = config.get("searcher") or {}
         self.metric, self.time_metric = str(s.get("metric")), str(s.get("time_metric"))
+        self.smaller = s.get("smaller_is_better", True) is not False
         self.asha = state["searcher"] == "adaptive_asha"
+        self.legacy = self.asha and not s.get("time_metric")
         self.stop = False
+        self.ops_read = self.ops_acked = 0
+        self._seen: dict[str, tuple[int, int]] = {}
 
     def __call__(self) -> bool:
+        self._ack_ops()  # read at the last poll: any stop they earned was sent since
         self._read(feed=not self.stop, final=False)
+        if not self.stop:
+            self._ack_ops()
         return self.stop
 
     def finish(self, *, stop_sent: bool) -> None:
         """Read the reports written since the last poll (``stop_sent``: the searcher's stop reached it)."""
         self._read(feed=not stop_sent, final=True)
+        if self.legacy and self.ops_read == 0 and self.offset > 0:
+            logger.warning("%s reported validations but completed no searcher operation: a search of "
+                           "max_length without time_metric (Determined 0.37's form) judges "
+                           "op.report_completed(metric), so ASHA did not judge it; loop over "
+                           "core_context.searcher.operations(), or set time_metric and max_time",
+                           self.trial["dir"])
 
     def _read(self, *, feed: bool, final: bool) -> None:
-        changed = False
+        changed = self._read_validations(feed=feed, final=final)
+        if self.legacy and not self.stop:
+            changed = self._read_ops(feed=feed, final=final) or changed
+        changed = self._read_progress() or changed
+        if changed:
+            self.save()
+
+    def _record(self, value: float) -> None:
+        """A searcher metric the trial reported: its latest and its best (a non-finite one is null)."""
+        if not math.isfinite(value):
+            logger.warning("%s: searcher.metric %r=%r is not finite: the trial ranks last and is never "
+                           "the best", self.trial["dir"], self.metric, value)
+        self.trial["metric"] = value if math.isfinite(value) else None
+        if math.isfinite(value):
+            self.trial["best_metric"] = trial_reports.better(value, self.trial.get("best_metric"),
+                                                            smaller_is_better=self.smaller)
+
+    def _judge(self, step: float, value: float, *, feed: bool, final: bool) -> bool:
+        """Feed ASHA one report; True (and logged): the searcher stops the trial now."""
+        self.trial["time"] = step
+        if feed and search.asha_report(self.state, self.trial["index"], time_step=float(step or 0),
+                                       metric=float(value), config=self.config) and not final:
+            self.stop = True
+            logger.info("searcher: stopping %s at %s=%s: below the top of its rung", self.trial["dir"],
+                        "op.length" if self.legacy else self.time_metric, step)
+        return self.stop
+
+    def _read_validations(self, *, feed: bool, final: bool) -> bool:
+        changed, judged = False, self.asha and not self.legacy
         for metrics, end in _validations(self.path, self.offset):
             self.offset, changed = end, True
             if self.metric not in metrics:
                 continue
             value, step = metrics[self.metric], metrics.get(self.time_metric)
-            if not is_number(value) or (self.asha and not (is_number(step) and math.isfinite(step))):
+            if not is_number(value) or (judged and not (is_number(step) and math.isfinite(step))):
                 logger.warning("%s: validation report skipped: searcher.metric %r=%r, time_metric %r=%r "
                                "(expected numbers, a finite time)", self.trial["dir"], self.metric, value,
                                self.time_metric, step)
                 continue
-            if not math.isfinite(value):
-                logger.warning("%s: searcher.metric %r=%r is not finite: the trial ranks last and is never "
-                               "the best", self.trial["dir"], self.metric, value)
-            self.trial["metric"] = value if math.isfinite(value) else None
-            if not self.asha:
-                continue
-            self.trial["time"] = step
-            if feed and search.asha_report(self.state, self.trial["index"], time_step=float(step or 0),
-                                           metric=float(value), config=self.config) and not final:
-                self.stop = True
-                logger.info("searcher: stopping %s at %s=%s: below the top of its rung", self.trial["dir"],
-                            self.time_metric, step)
+            self._record(value)
+            if judged and is_number(step) and self._judge(step, value, feed=feed, final=final):
                 break
-        if changed:
-            self.save()
+        return changed
+
+    def _load(self, name: str) -> Any:
+        """A small JSON record of the trial's directory when it changed since the last look, else None."""
+        path = self.path.with_name(name)
+        try:
+            stat = path.stat()
+            if self._seen.get(name) == (stat.st_mtime_ns, stat.st_size):
+                return None
+            record = load_json(path, what="trial record")
+        except (OSError, ValueError):  # absent, or being replaced: the next look
+            return None
+        self._seen[name] = (stat.st_mtime_ns, stat.st_size)
+        return record if isinstance(record, dict) else None
+
+    def _read_ops(self, *, feed: bool, final: bool) -> bool:
+        record = self._load(trial_reports.OPS_FILE)
+        ops = record.get("ops") if record else None
+        if not isinstance(ops, list) or len(ops) <= self.ops_read:
+            return False
+        for op in ops[self.ops_read:]:
+            self.ops_read += 1
+            op = op if isinstance(op, dict) else {}
+            length, value = op.get("length"), op.get("searcher_metric")
+            if not (is_number(value) and is_number(length)):
+                logger.warning("%s: searcher operation skipped: op.report_completed(%r) at op.length %r "
+                               "(ASHA expects a number)", self.trial["dir"], value, length)
+                continue
+            self._record(value)
+            if self._judge(length, value, feed=feed, final=final):
+                break
+        return True
+
+    def _ack_ops(self) -> None:
+        if self.ops_read != self.ops_acked:
+            atomic_write(self.path.with_name(OPS_ACK_FILE), str(self.ops_read))
+            self.ops_acked = self.ops_read
+
+    def _read_progress(self) -> bool:
+        record = self._load(trial_reports.PROGRESS_FILE)
+        value = record.get("progress") if record else None
+        if not (is_number(value) and math.isfinite(value)):
+            return False
+        value = min(max(float(value), 0.0), 1.0)
+        changed = self.trial.get("progress") != value
+        self.trial["progress"] = value
+        return changed
 
 
 def load_state(out: Path, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -165,7 +253,8 @@ def save_state(out: Path, state: dict[str, Any], config: Mapping[str, Any]) -> N
     """Write ``out/search.json``: the state, the metric, its direction and the best trial."""
     s = config.get("searcher") or {}
     summary = dict(state, metric=s.get("metric"), smaller_is_better=s.get("smaller_is_better", True),
-                   best=search.best_trial(state, config))
+                   best=search.best_trial(state, config),
+                   progress=round(trial_reports.search_progress(state, config), 4))
     atomic_write_json(out / SUMMARY, summary)
 
 
@@ -177,9 +266,20 @@ def stopped_early(state: Mapping[str, Any], trial: Mapping[str, Any], forwarder:
     return not (is_number(max_time) and trial["time"] is not None and trial["time"] >= max_time)
 
 
+def _early_exit(trial_dir: Path) -> str | None:
+    """The early exit the trial reported (``train.report_early_exit``), or None."""
+    try:
+        record = load_json(trial_dir / trial_reports.EARLY_EXIT_FILE, what="early exit record")
+    except (OSError, ValueError):
+        return None
+    reason = record.get("reason") if isinstance(record, dict) else None
+    return reason if reason in trial_reports.EXIT_REASONS else None
+
+
 def finish_trial(state: dict[str, Any], trial: dict[str, Any], watcher: _Watcher, forwarder: Forwarder,
                  status: int, trial_dir: Path) -> None:
-    """Record how a trial's runs ended: the reports since the last poll, its state, id and status."""
+    """Record how a trial's runs ended: the reports since the last poll, its state, id and status, and
+    an early exit (reported, or ``ERRORED``: failed for good) as Determined's searcher took it."""
     watcher.finish(stop_sent=forwarder.searcher_sent)
     trial["stopped_early"] = stopped_early(state, trial, forwarder)
     if (trial_dir / TRIAL_FILE).exists():
@@ -193,5 +293,11 @@ def finish_trial(state: dict[str, Any], trial: dict[str, Any], watcher: _Watcher
         trial["state"] = "COMPLETED"
     else:
         trial["state"] = "COMPLETED" if status == 0 else "ERROR"
-
-
+    if trial["state"] == "PAUSED" or trial["stopped_early"] or trial.get("early_exit"):
+        return
+    reason = _early_exit(trial_dir) or ("ERRORED" if trial["state"] == "ERROR" else None)
+    if reason is not None:
+        trial_reports.exited_early(state, trial, reason)
+        logger.info("searcher: %s exited early (%s)%s", trial["dir"], reason,
+                    "; another trial takes its place" if reason == "INVALID_HP"
+                    and state["searcher"] in ("random", "adaptive_asha") else "")

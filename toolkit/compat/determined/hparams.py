@@ -31,14 +31,14 @@ import copy
 import itertools
 import math
 import random
-import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
 import toolkit
 from toolkit._checks import is_int, is_mapping, is_number
 from toolkit.bounded_load import load_yaml
-from toolkit.config.experiment import ConfigWarning, check_experiment_config
+from toolkit.config.experiment import check_experiment_config, warn_unknown_keys
+from toolkit.config.not_honoured import NOT_HONOURED
 from toolkit.errors import ConfigError
 
 __all__ = [
@@ -53,18 +53,6 @@ __all__ = [
 SEARCH_TYPES = ("int", "double", "log", "categorical")
 #: Keys toolkit's own experiment check does not know but this layer uses (no "unknown key" warning).
 _COMPAT_KEYS = ("data", "reproducibility", "debug")
-#: Determined keys inside sections toolkit reads whose effect is not reproduced here: each is a
-#: warning naming it (the runner's, once per run; the ranks are quiet, see info.py).
-_ON_THIS_MACHINE = "toolkit runs the entrypoint on this machine, in this Python environment"
-_IGNORED = {
-    "environment": dict.fromkeys(("image", "pod_spec", "force_pull_image", "registry_auth",
-                                  "add_capabilities", "drop_capabilities", "proxy_ports"), _ON_THIS_MACHINE),
-    "checkpoint_storage": {
-        "save_experiment_best": "each trial keeps its save_trial_latest newest and save_trial_best best "
-                                "checkpoints, nothing is kept across trials",
-        "propagation": "the storage path is used in place, no bind mount",
-    },
-}
 _HONOURED = {
     "environment": ("environment_variables",),
     "checkpoint_storage": ("type", "host_path", "storage_path", "container_path", "save_trial_latest",
@@ -72,6 +60,7 @@ _HONOURED = {
 }
 _COMPAT_SEARCHER_KEYS = (
     "max_trials", "max_concurrent_trials", "time_metric", "max_time", "divisor", "max_rungs", "mode",
+    "bracket_rungs", "num_rungs", "stop_once",
 )
 
 
@@ -231,21 +220,17 @@ def grid_points(hparams: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _warn_ignored(raw: Mapping[str, Any]) -> list[str]:
-    """Warn (ConfigWarning) for each key of ``environment`` and ``checkpoint_storage`` not honoured here."""
+    """Warn (ConfigWarning) for each key of ``environment`` and ``checkpoint_storage`` not honoured here
+    (the runner's, once per run; the ranks are quiet, see info.py)."""
     messages = []
     for section, honoured in _HONOURED.items():
         values = raw.get(section)
         if section == "checkpoint_storage" and is_mapping(values) and values.get("type") not in (
                 None, "shared_fs", "directory"):
             continue  # a cloud type is refused, by its own error
-        for key in values if is_mapping(values) else ():
-            if key in honoured:
-                continue
-            reason = _IGNORED[section].get(key)
-            message = (f"{section}.{key} is ignored: {reason}" if reason
-                       else f"unknown key {section}.{key!r} is ignored")
-            warnings.warn(message, ConfigWarning, stacklevel=3)
-            messages.append(message)
+        if is_mapping(values):
+            messages += warn_unknown_keys(values, honoured, where=f"{section}.",
+                                          not_honoured=NOT_HONOURED[f"{section}."])
     return messages
 
 

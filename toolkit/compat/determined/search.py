@@ -7,7 +7,8 @@ the shell keeps in ``<output_dir>/search.json``, so a rerun continues where the 
 * ``single``: one trial (its search spaces sampled, as Determined's master does);
 * ``random``: ``max_trials`` trials, each sampled from the search space;
 * ``grid``: one trial per point of :func:`toolkit.compat.determined.hparams.grid_points`;
-* ``adaptive_asha`` (Determined 0.38: ``time_metric`` and ``max_time`` required): Determined's
+* ``adaptive_asha`` (Determined 0.38: ``time_metric`` and ``max_time``; ``async_halving`` and
+  0.37's ``max_length`` are translated first, :mod:`toolkit.compat.determined.legacy`): Determined's
   asynchronous, stopping-based ASHA. ``mode`` (``aggressive``, ``standard`` (default),
   ``conservative``) or ``bracket_rungs`` gives brackets of fewer and fewer rungs, and
   ``max_trials`` is shared among them as Determined shares it (:func:`asha_brackets`); a trial
@@ -21,11 +22,11 @@ the shell keeps in ``<output_dir>/search.json``, so a rerun continues where the 
 
 Trial states: ``PENDING`` (created, not run), ``RUNNING``, ``PAUSED`` (stopped by a signal: a
 rerun resumes it), ``COMPLETED`` (``stopped_early`` when ASHA stopped it below the last rung),
-``ERROR``.
+``ERROR``. A trial's ``early_exit`` (:mod:`toolkit.compat.determined.trial_reports`) is
+``INVALID_HP`` for one that another trial replaces (:func:`planned_trials`).
 
 A search under ``toolkit.run`` also makes the trial's chief wait, after each validation report,
-until the runner has read it (:func:`wait_for_searcher`): a stop the report earns is sent before
-the report returns, so the script's next ``should_preempt()`` sees it.
+until the runner has read it (:func:`~toolkit.compat.determined.search_client.wait_for_searcher`).
 
 Any process; no process started. Example::
 
@@ -40,15 +41,19 @@ import bisect
 import json
 import logging
 import math
-import os
 import random
 import sys
-import time
-from pathlib import Path
 from typing import Any, Mapping
 
 from toolkit._checks import is_int, is_number
 from toolkit.compat.determined.hparams import check_space, grid_points, sample_hparams
+from toolkit.compat.determined.search_client import (  # the trial's side, here too for its callers
+    ACK_FILE,
+    SEARCH_ACK_ENV,
+    SEARCH_FILE,
+    best_validation,
+    wait_for_searcher,
+)
 
 __all__ = [
     "ACK_FILE",
@@ -63,6 +68,9 @@ __all__ = [
     "best_trial",
     "best_validation",
     "check_searcher",
+    "planned_trials",
+    "searcher_defaults",
+    "trial_bracket",
     "config_changes",
     "new_state",
     "next_trial",
@@ -73,16 +81,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SEARCHERS = ("single", "random", "grid", "adaptive_asha")
-#: The search's record, in the directory above its trials' (kept by ``toolkit.run``'s search).
-SEARCH_FILE = "search.json"
 _ASHA_DEFAULTS = {"divisor": 4, "max_rungs": 5, "mode": "standard"}
 ASHA_MODES = ("aggressive", "standard", "conservative")
-#: Set by ``toolkit.run``'s search to the trial's output directory: its chief waits after each
-#: validation report until the runner has read it (the offset of ``metrics.jsonl`` in ``ACK_FILE``).
-SEARCH_ACK_ENV = "TOOLKIT_SEARCH_ACK"
-ACK_FILE = ".searcher_ack"
-#: How long a chief waits for the runner to read a validation report (then it goes on, warned).
-ACK_TIMEOUT_S = 30.0
 
 
 def _searcher(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -104,9 +104,10 @@ def check_searcher(config: Mapping[str, Any]) -> list[str]:
     if name == "adaptive_asha":
         if not (isinstance(s.get("metric"), str) and s["metric"]):
             problems.append(f"searcher.metric={s.get('metric')!r}: adaptive_asha needs the validation metric")
-        if not (isinstance(s.get("time_metric"), str) and s["time_metric"]):
+        if not (isinstance(s.get("time_metric"), str) and s["time_metric"]) and "max_length" not in s:
             problems.append(f"searcher.time_metric={s.get('time_metric')!r}: adaptive_asha needs the name of "
-                            "a validation metric counting training progress, e.g. batches")
+                            "a validation metric counting training progress, e.g. batches (or, as in "
+                            "Determined 0.37, max_length)")
         if not (is_int(s.get("max_time")) and s["max_time"] >= 1):
             problems.append(f"searcher.max_time={s.get('max_time')!r}: adaptive_asha needs an integer >= 1 "
                             "(in time_metric's units)")
@@ -126,6 +127,14 @@ def check_searcher(config: Mapping[str, Any]) -> list[str]:
         problems.append(f"searcher.max_concurrent_trials={concurrent!r}: expected an integer >= 0 "
                         "(0: as many as the slots hold)")
     return problems
+
+
+def searcher_defaults(s: Mapping[str, Any]) -> dict[str, Any]:
+    """ASHA's ``divisor``, ``max_rungs``, ``mode`` and ``bracket_rungs`` of a searcher section, defaults
+    filled (:func:`asha_brackets`'s keywords). Pure; any rank."""
+    return {"divisor": s.get("divisor", _ASHA_DEFAULTS["divisor"]),
+            "max_rungs": s.get("max_rungs", _ASHA_DEFAULTS["max_rungs"]),
+            "mode": s.get("mode", _ASHA_DEFAULTS["mode"]), "bracket_rungs": s.get("bracket_rungs")}
 
 
 def asha_rungs(*, max_time: int, max_trials: int, divisor: float = 4, max_rungs: int = 5) -> list[int]:
@@ -208,11 +217,7 @@ def new_state(config: Mapping[str, Any], *, seed: int) -> dict[str, Any]:
     state: dict[str, Any] = {"searcher": s.get("name", "single"), "seed": int(seed), **_recorded(config),
                              "trials": []}
     if state["searcher"] == "adaptive_asha":
-        brackets = asha_brackets(max_time=s["max_time"], max_trials=s["max_trials"],
-                                 divisor=s.get("divisor", _ASHA_DEFAULTS["divisor"]),
-                                 max_rungs=s.get("max_rungs", _ASHA_DEFAULTS["max_rungs"]),
-                                 mode=s.get("mode", _ASHA_DEFAULTS["mode"]),
-                                 bracket_rungs=s.get("bracket_rungs"))
+        brackets = asha_brackets(max_time=s["max_time"], max_trials=s["max_trials"], **searcher_defaults(s))
         for bracket in brackets:
             bracket["metrics"] = [[] for _ in bracket["rungs"]]
         state["asha"] = {"brackets": brackets, "trial_rung": {}}
@@ -270,6 +275,35 @@ def _planned(state: Mapping[str, Any], config: Mapping[str, Any]) -> int:
     return int(s["max_trials"])
 
 
+def planned_trials(state: Mapping[str, Any], config: Mapping[str, Any], *, replacements: bool = True) -> int:
+    """How many trials the search runs: its plan, plus (``replacements``) one for each trial that exited
+    with an invalid hyperparameter (random and ASHA replace those, as Determined's; at most the plan
+    again). Pure."""
+    planned = _planned(state, config)
+    if not replacements or state["searcher"] not in ("random", "adaptive_asha"):
+        return planned
+    return planned + min(sum(t.get("early_exit") == "INVALID_HP" for t in state["trials"]), planned)
+
+
+def _open_bracket(state: Mapping[str, Any]) -> int:
+    """The first ASHA bracket with room for a trial (trials that exited invalid leave theirs)."""
+    brackets = state["asha"]["brackets"]
+    for number, bracket in enumerate(brackets):
+        held = sum(t.get("bracket") == number and t.get("early_exit") != "INVALID_HP"
+                   for t in state["trials"])
+        if held < int(bracket["max_trials"]):
+            return number
+    return len(brackets) - 1
+
+
+def trial_bracket(state: Mapping[str, Any], index: int) -> int:
+    """The ASHA bracket trial ``index`` was put in (recorded), else :func:`bracket_of`. Pure."""
+    trials = state["trials"]
+    if index < len(trials) and trials[index].get("index") == index and "bracket" in trials[index]:
+        return int(trials[index]["bracket"])
+    return bracket_of(state, index)
+
+
 def next_trial(state: dict[str, Any], config: Mapping[str, Any]) -> dict[str, Any] | None:
     """The trial to run next: a PENDING or PAUSED one (the lowest index), else a new one, else None.
 
@@ -278,13 +312,13 @@ def next_trial(state: dict[str, Any], config: Mapping[str, Any]) -> dict[str, An
     Pure; any rank. A new trial is appended to ``state["trials"]``; its values come from the grid or
     from a sample seeded by :func:`trial_seed` (the search seed and the trial's index, so a rerun
     draws the same), which the trial records as ``seed`` (also for a grid point, where nothing is
-    sampled).
+    sampled). :func:`planned_trials` counts the replacements of invalid trials.
     """
     for trial in state["trials"]:
         if trial["state"] in ("PENDING", "PAUSED"):
             return trial
     index = len(state["trials"])
-    if index >= _planned(state, config):
+    if index >= planned_trials(state, config):
         return None
     space = config.get("hyperparameters") or {}
     seed = trial_seed(state, index)
@@ -295,7 +329,7 @@ def next_trial(state: dict[str, Any], config: Mapping[str, Any]) -> dict[str, An
     trial = {"index": index, "dir": f"trial-{index:04d}", "hparams": values, "seed": seed, "state": "PENDING",
              "metric": None, "time": None, "stopped_early": False}
     if "asha" in state:
-        trial["bracket"] = bracket_of(state, index)
+        trial["bracket"] = _open_bracket(state)
     state["trials"].append(trial)
     return trial
 
@@ -305,7 +339,7 @@ def asha_report(state: dict[str, Any], index: int, *, time_step: float, metric: 
     """Record one validation report of trial ``index``; True: stop the trial now.
 
     Pure (updates ``state``); any rank. Determined's asynchronous stopping ASHA: from the trial's
-    current rung of its bracket (:func:`bracket_of`) upwards, each rung whose time the report
+    current rung of its bracket (:func:`trial_bracket`) upwards, each rung whose time the report
     reached takes the metric (negated when ``smaller_is_better`` is false); the trial stops where
     it ranks outside the top ``max(1, len(rung) // divisor)`` of the reports that rung has so
     far. At the last rung (``max_time``) Determined stops the trial as finished; here it is left
@@ -321,7 +355,7 @@ def asha_report(state: dict[str, Any], index: int, *, time_step: float, metric: 
     if not math.isfinite(value):  # NaN or infinity: the worst of its rungs, stored as a finite number
         value = sys.float_info.max
     divisor = float(s.get("divisor", _ASHA_DEFAULTS["divisor"]))
-    bracket = asha["brackets"][bracket_of(state, index)]
+    bracket = asha["brackets"][trial_bracket(state, index)]
     rungs = bracket["rungs"]
     rung = asha["trial_rung"].get(str(index), 0)
     while rung < len(rungs):
@@ -344,59 +378,13 @@ def asha_report(state: dict[str, Any], index: int, *, time_step: float, metric: 
 def best_trial(state: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any] | None:
     """The completed trial with the best ``metric`` (``smaller_is_better``, default true), or None.
 
-    Pure; any rank. Trials that ASHA stopped early count only when no trial ran to its end:
-    their last metric was taken earlier in training than the others'. A metric that is not a
-    finite number (NaN, infinity) never ranks: such a trial diverged.
+    Pure; any rank. Trials that ASHA stopped early, or that exited early by their own report,
+    count only when no trial ran to its end: their last metric was taken earlier in training than
+    the others'. A trial that exited with an invalid hyperparameter never counts, nor a metric that
+    is not a finite number (NaN, infinity): such a trial diverged.
     """
     sign = 1.0 if _searcher(config).get("smaller_is_better", True) else -1.0
     done = [t for t in state["trials"] if t["state"] == "COMPLETED" and is_number(t["metric"])
-            and math.isfinite(t["metric"])]
-    done = [t for t in done if not t["stopped_early"]] or done
+            and math.isfinite(t["metric"]) and t.get("early_exit") != "INVALID_HP"]
+    done = [t for t in done if not t["stopped_early"] and not t.get("early_exit")] or done
     return min(done, key=lambda t: sign * float(t["metric"])) if done else None
-
-
-def best_validation(state: Any, trial_dir: str) -> float | None:
-    """The best ``metric`` of a search state (``search.json``) that lists ``trial_dir``; else None. Pure.
-
-    Each trial's latest reported value (the runner records them while the trials run), the best by
-    the recorded ``smaller_is_better``; values that are not finite numbers are skipped. A state
-    that does not list ``trial_dir`` is another search's: None, as before any report.
-
-    Example:
-        >>> best_validation({"trials": [{"dir": "trial-0000", "metric": 0.5}]}, "trial-0000")
-        0.5
-    """
-    trials = state.get("trials") if isinstance(state, dict) else None
-    if not isinstance(trials, list) or not any(
-            isinstance(t, dict) and t.get("dir") == trial_dir for t in trials):
-        return None
-    values = [float(t["metric"]) for t in trials
-              if isinstance(t, dict) and is_number(t.get("metric")) and math.isfinite(t["metric"])]
-    if not values:
-        return None
-    return min(values) if state.get("smaller_is_better", True) is not False else max(values)
-
-
-def wait_for_searcher(output_dir: Path, offset: int, *, timeout_s: float = ACK_TIMEOUT_S) -> None:
-    """After a validation report: wait until ``toolkit.run``'s search has read ``metrics.jsonl`` up to
-    ``offset``. Chief only; returns at once outside such a search (``TOOLKIT_SEARCH_ACK`` unset or
-    naming another directory).
-
-    The runner sends the searcher's stop (SIGTERM to the ranks) before it writes the offset, so
-    the next ``should_preempt()`` sees a stop this report earned. After ``timeout_s`` (a runner
-    that does not answer) it goes on, with a warning.
-    """
-    named = os.environ.get(SEARCH_ACK_ENV)
-    if not named or os.path.realpath(named) != os.path.realpath(output_dir):
-        return
-    ack, end = Path(output_dir) / ACK_FILE, time.monotonic() + timeout_s
-    delay = 0.002
-    while time.monotonic() < end:
-        try:
-            if int(ack.read_text(encoding="ascii") or 0) >= offset:
-                return
-        except (OSError, ValueError):  # not written yet, or being replaced
-            pass
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-    logger.warning("the search did not read the validation report within %.0f s; going on", timeout_s)

@@ -177,6 +177,7 @@ def init(
     searcher: Mapping[str, Any] = raw_searcher if isinstance(raw_searcher, Mapping) else {}
     resume_step = info.trial._steps_completed if info.latest_checkpoint else None
     train = TrainContext(info.output_dir, tensorboard_mode=tensorboard_mode, resume_step=resume_step)
+    preempt = PreemptContext(distributed, preempt_mode)
     return Context(
         checkpoint=CheckpointContext(
             distributed, root=root, output_dir=info.output_dir, save_trial_latest=save_latest,
@@ -184,8 +185,9 @@ def init(
             smaller_is_better=searcher.get("smaller_is_better", True) is not False,
         ),
         distributed=distributed,
-        preempt=PreemptContext(distributed, preempt_mode),
+        preempt=preempt,
         train=train,
-        searcher=SearcherContext(distributed, config, info.output_dir),
+        searcher=SearcherContext(distributed, config, info.output_dir, report_progress=train.record_progress,
+                                 stopped=preempt.stop_received),
         info=info,
     )

@@ -91,6 +91,10 @@ class PreemptContext:
             self.acknowledge_preemption_signal()
         return answer
 
+    def stop_received(self) -> bool:
+        """Whether a stop signal reached this process (no agreement, no collective). Any rank."""
+        return self._watcher is not None and self._watcher.received_signal is not None
+
     def acknowledge_preemption_signal(self) -> None:
         """Note that the trial stops to be resumed (rerun the same command to continue). Any rank."""
         if not self._acknowledged:

@@ -1,14 +1,16 @@
-"""``core_context.searcher``: the single trial's one operation, of ``searcher.max_length`` batches.
+"""``core_context.searcher``: the trial's searcher operations (Determined 0.37's Core API loop).
 
-As Determined's ``single`` searcher (0.37 semantics, which the dsat example relies on):
 ``operations()`` yields one :class:`SearcherOperation` whose ``length`` is ``searcher.max_length``
 in the unit it names, as Determined's Core API gave it (``100``, ``{batches: 100}``, ``{records: N}``
 or ``{epochs: N}``: :meth:`SearcherContext.get_configured_units` says which; inside a dsat trial:
 ``end_profile_step + 1`` as Determined's dsat set it, plus the room of dsat's ``--timed-window``:
-one more than the contract's last step). Once the chief called ``op.report_completed(metric)``,
-the metric is recorded in
-``<output_dir>/determined_searcher.json`` and ``operations()`` yields nothing more, in this run
-and the next ones in that output directory.
+one more than the contract's last step). In a search of a 0.37 ASHA section
+(:mod:`toolkit.compat.determined.legacy`) it yields one operation per rung instead, as 0.37's
+searcher did, and none more once the searcher stopped the trial (or a stop signal came: the
+trial is paused and continues with the next operation). Each ``op.report_completed(metric)`` is
+recorded in ``<output_dir>/determined_searcher.json`` (``ops``; ``completed`` once the last is);
+a completed operation is not yielded again, in this run or the next ones in that directory.
+``op.report_progress(length)`` is the trial's progress, ``length`` over the last operation's.
 
 Example (0.37-era tutorials)::
 
@@ -25,12 +27,15 @@ import enum
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import toolkit
 from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
+from toolkit.compat.determined import legacy
 from toolkit.compat.determined.core.distributed import DistributedContext
+from toolkit.compat.determined.search_client import wait_for_searcher
+from toolkit.compat.determined.trial_reports import OPS_FILE
 from toolkit.config.experiment import max_length_unit
 from toolkit.dsat.contract import TrialContract
 from toolkit.errors import ConfigError
@@ -40,7 +45,9 @@ __all__ = ["SearcherContext", "SearcherOperation", "SearcherMode", "Unit", "SEAR
 
 logger = logging.getLogger(__name__)
 
-SEARCHER_FILE = "determined_searcher.json"
+SEARCHER_FILE = OPS_FILE
+#: The runner writes how many completed operations of the trial it read (after any stop they earned).
+OPS_ACK_FILE = ".searcher_ops_ack"
 
 
 class SearcherMode(enum.Enum):
@@ -57,10 +64,13 @@ class Unit(enum.Enum):
 class SearcherOperation:
     """One unit of work: train until ``length`` batches, then ``report_completed``."""
 
-    def __init__(self, context: "SearcherContext", length: int, *, is_chief: bool) -> None:
+    def __init__(self, context: "SearcherContext", length: int, *, is_chief: bool, total: int | None = None,
+                 last: bool = True) -> None:
         self._context = context
         self._length = length
+        self._total = total or length
         self._is_chief = is_chief
+        self._last = last
         self._completed = False
 
     @property
@@ -68,7 +78,8 @@ class SearcherOperation:
         return self._length
 
     def report_progress(self, length: float) -> None:
-        """Log progress in batches. Chief only (RuntimeError elsewhere, as in Determined)."""
+        """Report progress in max_length's unit: the trial's progress is ``length`` over the last
+        operation's length. Chief only (RuntimeError elsewhere, as in Determined)."""
         if not self._is_chief:
             raise RuntimeError("you must only call op.report_progress() from the chief worker")
         if self._completed and length != self._length:
@@ -76,7 +87,8 @@ class SearcherOperation:
                 "you must not call op.report_progress() with a length other than op.length "
                 "after op.report_completed()"
             )
-        logger.info("progress report: %s/%s", length, self._length)
+        logger.debug("progress report: %s/%s", length, self._length)
+        self._context.progress(length / self._total)
 
     def report_completed(self, searcher_metric: Any) -> None:
         """Record the operation's metric; ``operations()`` then yields nothing more. Chief only, once."""
@@ -85,29 +97,36 @@ class SearcherOperation:
         if self._completed:
             raise RuntimeError("you may only call op.report_completed() once")
         self._completed = True
-        self._context.record_completed(self._length, searcher_metric)
+        self._context.record_completed(self._length, searcher_metric, last=self._last)
         logger.info("SearcherOperation Complete: searcher_metric=%s", searcher_metric)
 
 
 class SearcherContext:
-    """Determined's SearcherContext for a single trial. See the module docstring."""
+    """Determined's SearcherContext for a trial. See the module docstring.
 
-    def __init__(self, dist: DistributedContext, config: Mapping[str, Any], output_dir: Path) -> None:
+    ``report_progress`` receives the trial's progress (``core.init`` passes the TrainContext's);
+    ``stopped`` says whether a stop signal reached this process (``core.init`` passes the
+    PreemptContext's); both optional.
+    """
+
+    def __init__(self, dist: DistributedContext, config: Mapping[str, Any], output_dir: Path, *,
+                 report_progress: Callable[[float], None] | None = None,
+                 stopped: Callable[[], bool] | None = None) -> None:
         self._dist = dist
         self._config = config
-        self._file = Path(output_dir) / SEARCHER_FILE
+        self._dir = Path(output_dir)
+        self._file = self._dir / SEARCHER_FILE
+        self._report_progress, self._stopped = report_progress, stopped
         try:
-            self._completed = bool(load_json(self._file, what="searcher record").get("completed"))
+            record = load_json(self._file, what="searcher record")
         except FileNotFoundError:
-            self._completed = False
+            record = {}
+        record = record if isinstance(record, dict) else {}
+        self._completed = bool(record.get("completed"))
+        ops = record.get("ops")
+        self._ops: list[dict[str, Any]] = list(ops) if isinstance(ops, list) else []
 
     def _length(self) -> int:
-        trial_file = os.environ.get(TRIAL_ENV)
-        if trial_file:
-            # Inside a dsat trial the operation lasts until the last step the trial may time (as
-            # Determined's dsat set it, plus the timed window's room); the trial ends there or
-            # earlier (SystemExit from the reporting context).
-            return TrialContract.read(trial_file).final_step_bound + 1
         found = max_length_unit(self._config)
         if found is not None and found[0] != "batches":
             return found[1]  # as Determined's Core API: op.length in the unit max_length names
@@ -119,21 +138,36 @@ class SearcherContext:
             )
         return length
 
-    def record_completed(self, length: int, metric: Any) -> None:
+    def _lengths(self) -> list[int]:
+        trial_file = os.environ.get(TRIAL_ENV)
+        if trial_file:
+            # Inside a dsat trial the operation lasts until the last step the trial may time (as
+            # Determined's dsat set it, plus the timed window's room); the trial ends there or
+            # earlier (SystemExit from the reporting context).
+            return [TrialContract.read(trial_file).final_step_bound + 1]
+        return legacy.operation_lengths(self._config) or [self._length()]
+
+    def progress(self, fraction: float) -> None:
+        """Pass the trial's progress (0 to 1, clamped) on. Chief only (through ``op.report_progress``)."""
+        if self._report_progress is not None:
+            self._report_progress(min(max(float(fraction), 0.0), 1.0))
+
+    def record_completed(self, length: int, metric: Any, *, last: bool = True) -> None:
         """Write the completed operation's metric (chief, through ``op.report_completed``)."""
-        self._completed = True
+        self._ops.append({"length": length, "searcher_metric": metric})
+        self._completed = last
+        record = {"completed": last, "length": length, "searcher_metric": metric, "ops": self._ops}
         try:
-            atomic_write_json(self._file, {"completed": True, "length": length, "searcher_metric": metric})
-        except TypeError:
-            atomic_write_json(
-                self._file, {"completed": True, "length": length, "searcher_metric": repr(metric)}
-            )
+            atomic_write_json(self._file, record)
+        except TypeError:  # a metric JSON cannot hold: its repr
+            self._ops[-1]["searcher_metric"] = record["searcher_metric"] = repr(metric)
+            atomic_write_json(self._file, record)
 
     def operations(
         self, searcher_mode: SearcherMode = SearcherMode.WorkersAskChief, auto_ack: bool = True
     ) -> Iterator[SearcherOperation]:
-        """The trial's operations: one, or none once completed. All ranks in step (WorkersAskChief)
-        or the chief alone (ChiefOnly).
+        """The trial's operations not completed yet. All ranks in step (WorkersAskChief) or the chief
+        alone (ChiefOnly).
 
         Raises:
             ConfigError: ``searcher.max_length`` missing or malformed (at the call).
@@ -145,18 +179,26 @@ class SearcherContext:
             raise RuntimeError(
                 "you cannot call searcher.operations(searcher_mode=ChiefOnly) from a non-chief worker."
             )
-        return self._operations(mode, self._length())
+        return self._operations(mode, self._lengths())
 
-    def _operations(self, mode: SearcherMode, length: int) -> Iterator[SearcherOperation]:
-        done = self._completed
-        if mode is SearcherMode.WorkersAskChief:
-            done = self._dist.broadcast(done)
-        if done:
-            return
-        op = SearcherOperation(self, length, is_chief=self._dist.rank == 0)
-        yield op
-        if self._dist.rank == 0 and not op._completed:
-            raise RuntimeError("you must call op.report_completed() on each operation")
+    def _stop_between_ops(self) -> bool:
+        """Chief: after an operation, wait until the search read it, then whether a stop came (its own)."""
+        wait_for_searcher(self._dir, len(self._ops), ack_file=OPS_ACK_FILE)
+        return self._stopped is not None and self._stopped()
+
+    def _operations(self, mode: SearcherMode, lengths: list[int]) -> Iterator[SearcherOperation]:
+        chief = self._dist.rank == 0
+        for number in range(len(self._ops), len(lengths)):
+            done = self._completed or (number > 0 and chief and self._stop_between_ops())
+            if mode is SearcherMode.WorkersAskChief:
+                done = self._dist.broadcast(done)
+            if done:
+                return
+            op = SearcherOperation(self, lengths[number], is_chief=chief, total=lengths[-1],
+                                   last=number == len(lengths) - 1)
+            yield op
+            if chief and not op._completed:
+                raise RuntimeError("you must call op.report_completed() on each operation")
 
     def acknowledge_out_of_ops(self) -> None:
         """Nothing to acknowledge (deprecated in Determined). Any rank."""

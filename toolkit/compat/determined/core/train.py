@@ -12,7 +12,10 @@ groups at once; training reports together, at least every ``FLUSH_SECS`` and at 
   ``{"group": "training", "steps_completed": 10, "metrics": {"x": 10}, "time": ...}``.
 
 After a resume, TensorBoard hides the points past the restored checkpoint's step (as Determined
-discards metrics past it). ``report_progress`` and ``set_status`` log, as Determined off-cluster.
+discards metrics past it). ``report_progress`` writes ``<output_dir>/determined_progress.json``
+(at most every :data:`PROGRESS_EVERY_S`, the last value at ``close()``) and ``report_early_exit``
+``determined_early_exit.json``, which ``python -m toolkit.run`` hands to its search
+(:mod:`toolkit.compat.determined.trial_reports`); ``set_status`` logs, as Determined off-cluster.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from toolkit._checks import is_int
+from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
-from toolkit.compat.determined.search import SEARCH_FILE, best_validation, wait_for_searcher
+from toolkit.compat.determined.search_client import SEARCH_FILE, best_validation, wait_for_searcher
+from toolkit.compat.determined.trial_reports import EARLY_EXIT_FILE, PROGRESS_FILE
 from toolkit.errors import ConfigError
 
 __all__ = ["TrainContext", "EarlyExitReason", "TensorboardMode"]
@@ -73,6 +78,8 @@ def _jsonable(value: Any) -> Any:
 
 #: Seconds between flushes of the training reports (validation and other groups flush at once).
 FLUSH_SECS = 2.0
+#: Seconds between writes of the progress file (the last value is written at close()).
+PROGRESS_EVERY_S = 1.0
 
 
 class TrainContext:
@@ -89,6 +96,8 @@ class TrainContext:
         self._jsonl: Any = None
         self._best: float | None = None
         self._flushed = 0.0
+        self._progress: float | None = None
+        self._progress_written: tuple[float, float | None] = (-PROGRESS_EVERY_S, None)  # (when, value)
         # Reports not yet serialized: (group, steps_completed, values, wall time).
         self._pending: list[tuple[str, int, dict[str, Any], float]] = []
 
@@ -186,7 +195,12 @@ class TrainContext:
         self._write(group, steps_completed, metrics)
 
     def report_progress(self, progress: float) -> None:
-        """Log the fraction done, 0 to 1 (Determined's web UI bar). Chief only."""
+        """The fraction of the trial done, 0 to 1 (Determined's web UI bar): the search's progress
+        under ``toolkit.run`` (``progress`` in ``search.json``). Chief only; cheap every step.
+
+        Raises:
+            ConfigError: not a number between 0 and 1.
+        """
         if (
             isinstance(progress, bool)
             or not isinstance(progress, numbers.Real)
@@ -194,20 +208,45 @@ class TrainContext:
             or math.isnan(progress)
         ):
             raise ConfigError(f"progress={progress!r}: expected a number between 0 and 1")
-        logger.info("report_progress with progress=%s", progress)
+        logger.debug("report_progress with progress=%s", progress)
+        self.record_progress(float(progress))
+
+    def record_progress(self, fraction: float) -> None:
+        """Keep ``fraction`` as the trial's progress; write it when the last write is old enough. Chief only
+        (``report_progress``, and ``op.report_progress`` through core.init)."""
+        self._progress = fraction
+        if time.monotonic() - self._progress_written[0] >= PROGRESS_EVERY_S:
+            self._write_progress()
+
+    def _write_progress(self) -> None:
+        if self._progress is None or self._progress == self._progress_written[1]:
+            return
+        self._dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self._dir / PROGRESS_FILE, {"progress": self._progress, "time": time.time()})
+        self._progress_written = (time.monotonic(), self._progress)
 
     def set_status(self, status: str) -> None:
         """Log a short status line (Determined shows it in the web UI). Chief only."""
         logger.info("status: %s", status)
 
     def report_early_exit(self, reason: EarlyExitReason) -> None:
-        """Log that the trial exits early (Determined tells its searcher). Chief only."""
-        logger.info("report_early_exit(reason=%s)", EarlyExitReason(reason).value)
+        """Tell the search that this trial exits early, and why: ``toolkit.run``'s searcher takes it as
+        Determined's did (``INVALID_HP``: another trial takes its place). Any rank; the first report
+        of the trial is kept, as in Determined (``det.InvalidHP`` in ``with core.init()`` reports
+        ``INVALID_HP`` itself)."""
+        reason = EarlyExitReason(reason)
+        logger.info("report_early_exit(reason=%s)", reason.value)
+        path = self._dir / EARLY_EXIT_FILE
+        if path.exists():
+            logger.warning("early exit has already been reported for this trial, ignoring new value")
+            return
+        self._dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {"reason": reason.name})
 
     def get_experiment_best_validation(self) -> float | None:
-        """The best ``searcher.metric`` of this trial's search so far (``toolkit.run``'s ``search.json`` in
-        the directory above the trial's: each trial's latest report); None outside a search or before
-        any report (Determined off-cluster: None). Any rank."""
+        """The best validation ``searcher.metric`` of this trial's search so far, by ``smaller_is_better``
+        (``toolkit.run``'s ``search.json`` in the directory above the trial's: each trial's best
+        report); None outside a search or before any report (Determined off-cluster: None). Any rank."""
         directory = self._dir.resolve()
         try:
             state = load_json(directory.parent / SEARCH_FILE, what="search record")
@@ -249,6 +288,7 @@ class TrainContext:
 
     def close(self) -> None:
         """Flush and close the files (Context.close). Any rank."""
+        self._write_progress()
         self._flush(time.time())
         if self._jsonl is not None:
             self._jsonl.close()

@@ -73,6 +73,20 @@ def test_extensions_root_follows_torch_once_guarded(monkeypatch, tmp_path):
     assert (root / "toolkit-environment.json").is_file()
 
 
+def test_a_build_sees_this_environments_ninja_first_on_path_and_path_comes_back(monkeypatch):
+    ninja = build_env.pinned_ninja()
+    if ninja is None:
+        pytest.skip("no ninja here (pip install ninja)")
+    monkeypatch.setenv("PATH", "/nowhere")
+    with build_env.ninja_first(), build_env.ninja_first():      # nested: two threads' builds
+        assert os.environ["PATH"] == f"{os.path.dirname(ninja)}{os.pathsep}/nowhere"
+        assert shutil.which("ninja") == ninja
+    assert os.environ["PATH"] == "/nowhere"
+    monkeypatch.setenv("PATH", f"{os.path.dirname(ninja)}{os.pathsep}/nowhere")
+    with build_env.ninja_first():                               # already first: nothing changes
+        assert os.environ["PATH"] == f"{os.path.dirname(ninja)}{os.pathsep}/nowhere"
+
+
 # -- who holds a lock --------------------------------------------------------------------------
 
 def _lock(tmp_path: Path, op: str = "some_op") -> Path:

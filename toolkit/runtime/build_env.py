@@ -248,9 +248,9 @@ def _command_name(pid: int) -> str:
 
 
 def build_processes(pids: set[int], parents: Mapping[int, int]) -> dict[int, str]:
-    """Those of ``pids`` that build an op (ninja, what runs below it, a compiler), each with the
-    op's directory (ninja's working directory). Reads /proc; any process. dsat's runner calls it
-    so that a trial's compiler is not judged as the trial's memory."""
+    """Those of ``pids`` that build: ninja and what runs below it, each with the op's directory
+    (ninja's working directory), and a compiler or linker run otherwise (a feature probe, with "").
+    Reads /proc; any process. dsat's runner calls it so that no build counts as a trial's memory."""
     names = {pid: _command_name(pid) for pid in pids}
     found: dict[int, str] = {}
     for pid in pids:
@@ -259,9 +259,11 @@ def build_processes(pids: set[int], parents: Mapping[int, int]) -> dict[int, str
             chain.append(current)
             current = parents.get(current, 0)
         ninja = next((p for p in chain if names[p] == "ninja"), None)
-        if ninja is not None or names[pid] in BUILD_TOOLS:
+        if ninja is not None:
             try:
-                found[pid] = os.readlink(f"/proc/{ninja or pid}/cwd")
+                found[pid] = os.readlink(f"/proc/{ninja}/cwd")
             except OSError:
                 found[pid] = "?"
+        elif names[pid] in BUILD_TOOLS:
+            found[pid] = ""
     return found

@@ -404,7 +404,7 @@ class TrialRunner:
         """The trial's processes that build an op (a rank's ninja and compilers): not its memory. Said
         once per op and trial; the trial's stderr.log says why it was built."""
         building = build_processes(members, {pid: table[pid][0] for pid in members})
-        for op_dir in sorted(set(building.values()) - trial.builds_seen):
+        for op_dir in sorted(set(building.values()) - trial.builds_seen - {""}):
             trial.builds_seen.add(op_dir)
             logger.warning("trial %s: its ranks build op %s (in %s); the build's memory is not counted "
                            "against the memory budget, and its stderr.log says why it was built",

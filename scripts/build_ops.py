@@ -2,8 +2,9 @@
 
 DeepSpeed compiles its CPU ops (FusedAdam, CPU Adam, the shared-memory all-reduce) the first time
 a process needs them; building them here, in one process, right after set-up, means the test
-processes only load finished ops. A lock left by a process that died while loading one is removed
-by toolkit's guard (toolkit/runtime/op_builds.py), which this script goes through too.
+processes only load finished ops. It goes through toolkit's build guards (``toolkit.install_build_guards``): a
+lock left by a process that died while loading an op is removed, and the build uses this
+environment's ninja and directory, so the processes started later find it built.
 
     python scripts/build_ops.py        # scripts/setup.sh runs it; a no-op when all are built
 

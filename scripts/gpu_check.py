@@ -370,7 +370,8 @@ def cuda_info(env: Mapping[str, str]) -> dict[str, Any]:
 
 def build_fused_adam(check: Check) -> Row:
     """DeepSpeed's FusedAdam (the examples' optimizer on CUDA), JIT-built once here, not by every rank."""
-    code = ("import toolkit  # its import lets DeepSpeed's builder read TORCH_CUDA_ARCH_LIST='9.0a'\n"
+    code = ("import toolkit\n"
+            "toolkit.install_build_guards()  # DeepSpeed's builder reads TORCH_CUDA_ARCH_LIST='9.0a'\n"
             "from deepspeed.accelerator import get_accelerator\n"
             "get_accelerator().create_op_builder('FusedAdamBuilder').load()")
     timeout = check.limit(900)

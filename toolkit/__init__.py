@@ -39,7 +39,7 @@ from toolkit.dsat.trial import dsat_reporting_context
 from toolkit.errors import BuildLockError, CheckpointError, ConfigError, LaunchEnvError
 from toolkit.metrics import MetricsWriter
 from toolkit.preemption import PreemptionWatcher, watch_preemption
-from toolkit.runtime import DistributedContext, get_context, init_distributed
+from toolkit.runtime import DistributedContext, get_context, init_distributed, install_build_guards
 
 __version__ = "0.1.0"
 
@@ -65,6 +65,7 @@ __all__ = [
     "get_hparams",
     "get_output_dir",
     "init_distributed",
+    "install_build_guards",
     "load_checkpoint",
     "load_experiment_config",
     "max_length_steps",

@@ -447,3 +447,46 @@ def test_deepspeed_module_keeps_its_public_names():
     assert deepspeed.validate_ds_config is validate.validate_ds_config
     assert deepspeed.BATCH_KEYS is BATCH_KEYS and deepspeed.DS_TOP_LEVEL_KEYS is DS_TOP_LEVEL_KEYS
     assert all(hasattr(deepspeed, name) for name in deepspeed.__all__)
+
+
+# -- the DeepSpeed release the rules are tested with ---------------------------------------------
+
+def test_setup_cfg_and_the_suite_use_the_tested_deepspeed_range():
+    from importlib.metadata import version
+    from pathlib import Path
+
+    from toolkit.config.ds_engine_rules import is_tested_deepspeed
+    from toolkit.config.ds_schema import tested_deepspeed_range
+
+    setup_cfg = (Path(__file__).resolve().parents[2] / "setup.cfg").read_text()
+    assert f"# Tested with DeepSpeed {tested_deepspeed_range()} " in setup_cfg
+    assert is_tested_deepspeed(version("deepspeed"))     # the suite judges the tested rules
+    assert [is_tested_deepspeed(v) for v in ("0.19.0", "0.19.8+cu121", "0.18.9", "0.20.0", "1.19", "dev")] == [
+        True, True, False, False, False, False]
+
+
+def test_an_untested_deepspeed_gets_one_warning_and_no_refusal_of_deepspeeds(monkeypatch):
+    """The installed DeepSpeed faked by its version attribute only: ``deepspeed.__version__``
+    monkeypatched in this process (DeepSpeed 0.14 still ran Apex AMP, which 0.19 refuses)."""
+    deepspeed = pytest.importorskip("deepspeed")
+    from toolkit.config import validate
+
+    config = {"train_batch_size": 8, "amp": {"enabled": True}, "zero_optimization": {"stage": 1, "new_knob": 1}}
+    with pytest.raises(ConfigError) as tested:
+        toolkit.validate_ds_config(config)
+    assert [p.split(":")[0].split("=")[0] for p in tested.value.problems] == ["amp", "zero_optimization.new_knob"]
+    monkeypatch.setattr(deepspeed, "__version__", "0.14.4")
+    monkeypatch.setattr(validate, "_untested_said", set())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        toolkit.validate_ds_config(config)
+        toolkit.validate_ds_config(config)
+    said = [str(w.message) for w in seen if issubclass(w.category, toolkit.ConfigWarning)]
+    assert sum("DeepSpeed 0.14.4 is installed" in m and ">=0.19,<0.20" in m for m in said) == 1, said
+    assert sum(m.startswith("amp: ") and m.endswith("0.14.4 may not)") for m in said) == 2, said
+    # what no release runs is refused under any: the batch arithmetic
+    with pytest.raises(ConfigError, match="train_batch_size=8 is not a multiple") as untested, \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", toolkit.ConfigWarning)
+        toolkit.validate_ds_config({**config, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1})
+    assert len(untested.value.problems) == 1

@@ -89,12 +89,16 @@ def test_a_failed_build_gets_the_users_list_back(unguarded, monkeypatch):
 
 
 @pytest.mark.parametrize("first", ["toolkit", "deepspeed"])
-def test_importing_toolkit_guards_deepspeeds_builder_in_either_order(first, tmp_path):
-    """A fresh interpreter, as a user's script: toolkit imported before DeepSpeed (the import hook
-    guards the builder module when DeepSpeed loads it) or after (guarded at toolkit's import)."""
-    imports = {"toolkit": "import toolkit", "deepspeed": "from deepspeed.ops.op_builder import builder"}
+def test_the_guard_holds_whether_deepspeed_is_imported_before_or_after(first, tmp_path):
+    """A fresh interpreter, as a user's script: the guard installed by the public call before
+    DeepSpeed's builder module is imported (the import hook guards it when DeepSpeed loads it), or
+    by init_distributed after it was (guarded at once: ba50b28's Determined-style case)."""
+    steps = {"toolkit": ["import toolkit", "toolkit.install_build_guards()",
+                         "from deepspeed.ops.op_builder import builder"],
+             "deepspeed": ["from deepspeed.ops.op_builder import builder", "import toolkit",
+                           "toolkit.init_distributed()"]}
     code = "\n".join([
-        imports[first], imports["deepspeed" if first == "toolkit" else "toolkit"],
+        *steps[first],
         "import os",
         "from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder",
         "b = FusedAdamBuilder(); b.jit_mode = True",

@@ -1,9 +1,11 @@
-"""toolkit.runtime.op_builds: no silent wait on torch's build lock of a DeepSpeed op.
+"""toolkit.runtime.op_builds and build_env: no silent wait on an op's build lock, one build per environment.
 
 Real processes, real locks, real builds: the lock states are made by real holders (a process that
 keeps the file open, one that works in the op's directory), and the end-to-end tests start
 ``toolkit.init_distributed`` (which loads ``deepspeed_shm_comm`` on the CPU) against a lock left
-as a killed load leaves it, and stop cold and warm start-ups at several moments.
+as a killed load leaves it, and stop cold and warm start-ups at several moments. The ninja and
+directory tests load a tiny op of this suite's from processes with different PATHs and from a
+second real virtual environment whose ninja is another version (the system's).
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
 import pytest
 
 from helpers import procutil
-from toolkit.runtime import op_builds
+from toolkit.runtime import build_env, op_builds
 from toolkit.runtime.op_builds import builders_for, clear_dead_locks, extensions_root, judge_lock
 
 OP = "deepspeed_shm_comm"
@@ -30,7 +33,7 @@ OP = "deepspeed_shm_comm"
 INIT = ("import os, toolkit; ctx = toolkit.init_distributed(); "
         "os.write(1, f'ready {ctx.world_size}\\n'.encode())")
 PROBE_OP = "toolkit_probe_op"
-PROBE = ("import toolkit; from torch.utils.cpp_extension import load; "
+PROBE = ("import toolkit; toolkit.install_build_guards(); from torch.utils.cpp_extension import load; "
          f"load({PROBE_OP!r}, [{str(procutil.WORKERS / 'op_build_probe.cpp')!r}]); print('ready 1')")
 
 
@@ -53,15 +56,35 @@ def test_builders_follow_deepspeeds_choice_of_optimizer(config, on_cpu, expected
     assert builders_for([config], on_cpu=on_cpu) == expected
 
 
-def test_extensions_root_follows_torch(monkeypatch, tmp_path):
-    from torch.utils.cpp_extension import _get_build_directory
+def test_extensions_root_follows_torch_once_guarded(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
 
+    op_builds.install_build_guards()
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert extensions_root() == tmp_path
+    assert Path(cpp_extension._get_build_directory("probe_op", False)).parent == tmp_path
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    assert Path(_get_build_directory("probe_op", False)).parent == extensions_root()
+    # unset: a subdirectory of torch's default, keyed by this environment (its ninja, torch, DeepSpeed)
+    root = extensions_root()
+    assert root.parent == build_env.torch_default_root() and root.name.startswith("toolkit-")
+    assert Path(cpp_extension._get_build_directory("probe_op", False)).parent == root
+    assert (root / "toolkit-environment.json").is_file()
+
+
+def test_a_build_sees_this_environments_ninja_first_on_path_and_path_comes_back(monkeypatch):
+    ninja = build_env.pinned_ninja()
+    if ninja is None:
+        pytest.skip("no ninja here (pip install ninja)")
+    monkeypatch.setenv("PATH", "/nowhere")
+    with build_env.ninja_first(), build_env.ninja_first():      # nested: two threads' builds
+        assert os.environ["PATH"] == f"{os.path.dirname(ninja)}{os.pathsep}/nowhere"
+        assert shutil.which("ninja") == ninja
+    assert os.environ["PATH"] == "/nowhere"
+    monkeypatch.setenv("PATH", f"{os.path.dirname(ninja)}{os.pathsep}/nowhere")
+    with build_env.ninja_first():                               # already first: nothing changes
+        assert os.environ["PATH"] == f"{os.path.dirname(ninja)}{os.pathsep}/nowhere"
 
 
 # -- who holds a lock --------------------------------------------------------------------------
@@ -281,3 +304,82 @@ def test_an_op_that_cannot_be_built_is_skipped_with_a_warning(tmp_path):
     env = procutil.child_env(TORCH_EXTENSIONS_DIR=str(tmp_path), PATH=str(tmp_path))  # no ninja, no compiler
     out = procutil.check(procutil.run([sys.executable, "-c", code], env=env, timeout=120))
     assert "loaded []" in out and "could not build DeepSpeed's op deepspeed_shm_comm" in out
+
+
+# -- nothing on import; one ninja and one build directory per environment -----------------------
+
+_UNTOUCHED = """
+import os, sys
+import torch.utils.cpp_extension as ce
+from deepspeed.ops.op_builder import builder      # DeepSpeed first, as a Determined script may
+before, meta, env = dict(vars(ce)), list(sys.meta_path), dict(os.environ)
+method = builder.CUDAOpBuilder.compute_capability_args
+import toolkit, toolkit.compat.determined, toolkit.dsat.cli, toolkit.run.cli
+changed = sorted(k for k, v in vars(ce).items() if before.get(k) is not v)
+assert not changed and sys.meta_path == meta and dict(os.environ) == env, (changed, sys.meta_path)
+assert builder.CUDAOpBuilder.compute_capability_args is method
+toolkit.install_build_guards()
+toolkit.install_build_guards()                     # idempotent
+print(sorted(k for k, v in vars(ce).items() if before.get(k) is not v), len(sys.meta_path) - len(meta),
+      builder.CUDAOpBuilder.compute_capability_args is not method, dict(os.environ) == env)
+"""
+
+
+def test_importing_toolkit_changes_nothing_and_install_build_guards_installs_every_guard_once():
+    out = procutil.check(procutil.run([sys.executable, "-c", _UNTOUCHED], timeout=300))
+    assert out.strip().splitlines()[-1] == (
+        "['FileBaton', '_get_build_directory', '_jit_compile', 'is_ninja_available'] 1 True True")
+
+
+def _second_environment(tmp_path: Path) -> Path:
+    """A real second virtual environment of this Python: this one's packages (a .pth file), but the
+    system's ninja in its bin/, another version than ours."""
+    ours, system = build_env.pinned_ninja(), shutil.which("ninja", path="/usr/bin:/bin:/usr/local/bin")
+    if ours is None or system is None or build_env._ninja_version(system) == build_env._ninja_version(ours):
+        pytest.skip(f"needs a system ninja of another version than {ours} (Debian: apt install ninja-build)")
+    venv = tmp_path / "venv2"
+    procutil.check(procutil.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], timeout=120))
+    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    (site / "first_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (venv / "bin" / "ninja").symlink_to(system)
+    return venv / "bin" / "python"
+
+
+def _links(root: Path) -> dict[str, int]:
+    """Per environment directory under ``root``: how many times the probe op was linked there."""
+    # .ninja_log: one line per output built, "start end mtime output command-hash"
+    return {log.parent.parent.name: [line.split("\t")[3:4] for line in log.read_text().splitlines()].count(
+            [f"{PROBE_OP}.so"]) for log in root.glob(f"*/{PROBE_OP}/.ninja_log")}
+
+
+def test_every_process_of_an_environment_uses_its_ninja_and_environments_build_apart(tmp_path):
+    """torch's default cache (TORCH_EXTENSIONS_DIR unset, a fresh HOME): this venv's python with its
+    bin on PATH builds the op; the same python with only the system's ninja on PATH loads it
+    without a second link; a second venv (the system's ninja) builds its own copy beside it; the
+    second venv pointed at the first one's directory is respected, and says it holds another
+    ninja's build."""
+    python2 = _second_environment(tmp_path)
+    base = procutil.child_env(HOME=str(tmp_path))
+    for key in ("TORCH_EXTENSIONS_DIR", "XDG_CACHE_HOME"):
+        base.pop(key, None)
+    venv_bin, system_path = os.path.dirname(sys.executable), "/usr/bin:/bin"
+
+    def load(python: Path | str, path: str, **extra: str) -> str:
+        return procutil.check(procutil.run([str(python), "-c", PROBE], env={**base, "PATH": path, **extra},
+                                           timeout=300))
+
+    first = load(sys.executable, f"{venv_bin}:{system_path}")
+    assert "built op toolkit_probe_op" in first and "it was not built yet" in first, first
+    again = load(sys.executable, system_path)     # the system's ninja first on PATH: not used
+    assert "ready 1" in again and "built op" not in again, again
+    root = tmp_path / ".cache" / "torch_extensions" / build_env.torch_default_root().name
+    (env1,) = _links(root)
+    assert _links(root) == {env1: 1}
+    other = load(python2, system_path)
+    assert "built op toolkit_probe_op" in other and "it was not built yet" in other, other
+    env2 = next(name for name in _links(root) if name != env1)
+    assert _links(root) == {env1: 1, env2: 1}
+    assert not (root / PROBE_OP).exists()         # torch's own layout untouched
+    explicit = load(python2, system_path, TORCH_EXTENSIONS_DIR=str(root / env1))
+    assert explicit.count("holds builds of another ninja") == 1, explicit
+    assert "its build was made by ninja" in explicit and _links(root) == {env1: 2, env2: 1}, explicit

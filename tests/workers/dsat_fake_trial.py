@@ -16,6 +16,8 @@ dsat_fake_trial.py``; what it does comes from the trial's hyperparameters
     orphan      start a grandchild in a new session (it sleeps 600 s), then as ok
     hang        hang forever; with ``orphan: true`` start such a grandchild first
     ignore_term ignore SIGTERM and hang
+    build       run ``ninja`` (path ``ninja``) in ``fake_op<R>/`` of the trial directory, whose one
+                "compiler" touches ``alloc_mib`` MiB for ``hold_s`` s, then as ok
 
 Every rank writes ``rank<R>.json`` into the trial directory at start (pid, times, environment
 seen) and adds ``"end"`` when it leaves normally; grandchild pids go to ``grandchild<R>.pid``.
@@ -79,6 +81,15 @@ if behaviour == "sleep":
     behaviour = "ok"
 if behaviour == "orphan":
     grandchild()
+    behaviour = "ok"
+if behaviour == "build":   # what a rank that JIT-builds an op runs: ninja, and a big compiler below it
+    op_dir = trial_dir / f"fake_op{rank}"
+    op_dir.mkdir(exist_ok=True)
+    (op_dir / "cc.py").write_text(f"import time\nblock = bytearray({int(hparams['alloc_mib'])} << 20)\n"
+                                  "for i in range(0, len(block), 4096):\n    block[i] = 1\n"
+                                  f"time.sleep({float(hparams['hold_s'])})\nopen('fake_op.so', 'w').close()\n")
+    (op_dir / "build.ninja").write_text(f"rule cc\n  command = {sys.executable} cc.py\nbuild fake_op.so: cc cc.py\n")
+    subprocess.run([hparams["ninja"]], cwd=op_dir, check=True, timeout=120, stdout=subprocess.DEVNULL)
     behaviour = "ok"
 
 if behaviour == "ok":

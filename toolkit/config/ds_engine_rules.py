@@ -18,8 +18,11 @@ import ctypes.util
 import difflib
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
+import re
+import sys
 from typing import Any, Mapping
 
 from toolkit._checks import is_mapping, is_number
@@ -28,11 +31,13 @@ from toolkit.config.ds_schema import (
     DS_OPTIMIZERS,
     DS_SCHEDULERS,
     FUSED_ADAM_KWARGS,
+    TESTED_DEEPSPEED,
     ZERO_TESTED_OPTIMIZERS,
 )
 
-__all__ = ["checkpoint_problems", "communication_problems", "cpu_supports_fp16", "device_kind",
-           "libaio_found", "optimizer_name", "optimizer_rules", "scheduler_problems", "unknown_key_sentence"]
+__all__ = ["checkpoint_problems", "communication_problems", "cpu_supports_fp16", "deepspeed_version",
+           "device_kind", "is_tested_deepspeed", "libaio_found", "optimizer_name", "optimizer_rules",
+           "scheduler_problems", "unknown_key_sentence"]
 
 _ADAM_READ_FIRST = ("adam_w_mode", "torch_adam", "fp32_optimizer_states")
 _WARMUP_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
@@ -51,6 +56,36 @@ def cpu_supports_fp16() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     except Exception:  # DeepSpeed answers False on any failure too
         return False
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_deepspeed() -> str | None:
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def deepspeed_version() -> str | None:
+    """The DeepSpeed the rules judge for: the imported module's ``__version__``, else the installed
+    distribution's (DeepSpeed is not imported for it); None when none is installed. Any rank."""
+    module = sys.modules.get("deepspeed")
+    version = getattr(module, "__version__", None) if module is not None else None
+    return version if isinstance(version, str) else _installed_deepspeed()
+
+
+def is_tested_deepspeed(version: str | None) -> bool:
+    """Whether ``version`` is in :data:`~toolkit.config.ds_schema.TESTED_DEEPSPEED` (None, no
+    DeepSpeed installed: judged by the tested rules). Pure.
+
+    >>> is_tested_deepspeed("0.19.8"), is_tested_deepspeed("0.14.4+cu121"), is_tested_deepspeed("1.0")
+    (True, False, False)
+    """
+    if version is None:
+        return True
+    match = re.match(r"\s*v?(\d+)\.(\d+)", version)
+    low, high = TESTED_DEEPSPEED
+    return match is not None and low <= (int(match[1]), int(match[2])) < high
 
 
 @functools.lru_cache(maxsize=1)

@@ -41,7 +41,9 @@ __all__ = [
     "MBS",
     "OFFLOAD_DEVICES",
     "TBS",
+    "TESTED_DEEPSPEED",
     "batch_relation_problem",
+    "tested_deepspeed_range",
     "mapping_problem",
     "plain_copy",
     "require_mapping",
@@ -51,6 +53,11 @@ __all__ = [
 
 TBS, MBS, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 BATCH_KEYS = (TBS, MBS, GAS)
+
+#: The DeepSpeed releases whose rules the validator mirrors, tested: major.minor from the first
+#: (included) to the second (excluded). setup.cfg names the same range (tests/config checks it).
+#: Under another release the validator warns once and turns DeepSpeed's refusals into warnings.
+TESTED_DEEPSPEED = ((0, 19), (0, 20))
 
 #: Top-level keys DeepSpeed 0.19 reads (runtime/config.py and the feature configs it loads).
 DS_TOP_LEVEL_KEYS = frozenset({
@@ -258,3 +265,13 @@ def batch_relation_problem(tbs: int, mbs: int, gas: int, dp: int) -> str | None:
     return (f"batch sizes do not add up: {TBS}={tbs} but {MBS}={mbs} x {GAS}={gas} x "
             f"data_parallel_size={dp} = {mbs * gas * dp}; set {TBS} to {mbs * gas * dp} "
             f"(= {mbs} x {gas} x {dp}), or choose {MBS} and {GAS} whose product times {dp} is {tbs}")
+
+
+def tested_deepspeed_range() -> str:
+    """:data:`TESTED_DEEPSPEED` as a requirement specifier. Pure.
+
+    >>> tested_deepspeed_range()
+    '>=0.19,<0.20'
+    """
+    (low_major, low_minor), (high_major, high_minor) = TESTED_DEEPSPEED
+    return f">={low_major}.{low_minor},<{high_major}.{high_minor}"

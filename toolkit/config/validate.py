@@ -27,7 +27,9 @@ from toolkit.config.ds_engine_rules import (
     checkpoint_problems,
     communication_problems,
     cpu_supports_fp16,
+    deepspeed_version,
     device_kind,
+    is_tested_deepspeed,
     libaio_found,
     optimizer_name,
     optimizer_rules,
@@ -49,6 +51,7 @@ from toolkit.config.ds_schema import (
     batch_relation_problem,
     require_mapping,
     stage_value,
+    tested_deepspeed_range,
 )
 from toolkit.config.experiment import ConfigWarning, warn_unknown_keys
 from toolkit.config.resolve import resolve_ds_config
@@ -65,7 +68,8 @@ def validate_ds_config(ds_config: Mapping[str, Any], *, pipeline: bool = False,
     would fail on (removed sections, unknown ZeRO/fp16/bf16 keys, impossible offload, optimizer or
     scheduler settings, bad batch values, NaN or infinity anywhere). Warned
     (:class:`toolkit.ConfigWarning`): what DeepSpeed runs but ignores or reinterprets. The full
-    list: docs/configs.md.
+    list: docs/configs.md. Under a DeepSpeed release outside ``TESTED_DEEPSPEED`` (0.19), one
+    warning says so and DeepSpeed's refusals are warnings; the batch arithmetic and NaN stay errors.
 
     Args:
         ds_config: the config (not modified).
@@ -86,28 +90,49 @@ def validate_ds_config(ds_config: Mapping[str, Any], *, pipeline: bool = False,
     require_mapping(ds_config, "ds_config", DS_CONFIG_EXPECTED)
     problems: list[str] = []
     notes: list[str] = []
+    kept: list[str] = []   # refused under any DeepSpeed release: the arguments, the batch arithmetic, NaN
     if data_parallel_size is not None:
         dp_problem = int_problem("data_parallel_size", data_parallel_size, minimum=1)
         if dp_problem:
-            problems.append(dp_problem)
+            kept.append(dp_problem)
             data_parallel_size = None
     warn_unknown_keys(ds_config, DS_TOP_LEVEL_KEYS, where="")
     problems += [f"{key}: {why}" for key, why in REMOVED_TOP_LEVEL_KEYS.items() if key in ds_config]
     stage, zero, opt_device = _zero_rules(ds_config, pipeline=pipeline, device=device, problems=problems,
                                           notes=notes)
     problems += _precision_problems(ds_config, device=device, stage=stage)
-    problems += _batch_problems(ds_config, data_parallel_size=data_parallel_size)
+    kept += _batch_problems(ds_config, data_parallel_size=data_parallel_size)
     optimizer_rules(ds_config, stage=stage, cpu_optimizer=opt_device != "none", device=device,
                     problems=problems)
     problems += scheduler_problems(ds_config)
     problems += communication_problems(ds_config, stage=stage, zero=zero)
     problems += checkpoint_problems(ds_config)
     _auto_rules(ds_config, problems=problems, notes=notes)
-    problems += [f"{key}={value!r}: expected a finite number" for key, value in _non_finite(ds_config)]
+    kept += [f"{key}={value!r}: expected a finite number" for key, value in _non_finite(ds_config)]
+    version = deepspeed_version()
+    if version is not None and not is_tested_deepspeed(version):
+        _say_untested(version)
+        notes += [f"{problem} (DeepSpeed {tested_deepspeed_range()} refuses this; {version} may not)"
+                  for problem in problems]
+        problems = []
     for note in notes:
         warnings.warn(note, ConfigWarning, stacklevel=2)
-    if problems:
-        raise ConfigError(problems)
+    if problems or kept:
+        raise ConfigError(problems + kept)
+
+
+_untested_said: set[str] = set()
+
+
+def _say_untested(version: str) -> None:
+    """One warning per process and version: the rules are not this DeepSpeed's."""
+    if version not in _untested_said:
+        _untested_said.add(version)
+        tested = tested_deepspeed_range()
+        warnings.warn(f"DeepSpeed {version} is installed, but toolkit's config validator mirrors the rules "
+                      f"of DeepSpeed {tested}, the releases it is tested with: what those refuse is only a "
+                      "warning here, and deepspeed.initialize has the last word; install "
+                      f"'deepspeed{tested}' for verdicts before launch", ConfigWarning, stacklevel=3)
 
 
 def _auto_rules(ds_config: Mapping[str, Any], *, problems: list[str], notes: list[str]) -> None:

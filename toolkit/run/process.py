@@ -43,7 +43,7 @@ from toolkit.launch.procs import (
     scan_processes,
 )
 from toolkit.run.plan import RunPlan
-from toolkit.runtime.trial_env import EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV
+from toolkit.runtime.trial_env import BUILD_GUARDS_ENV, EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV
 
 __all__ = ["MARK_ENV", "SHIELD_USR1_ENV", "STOP_SIGNALS", "Forwarder", "check_slots", "deepspeed_include",
            "environment", "run_once", "signal_targets"]
@@ -270,6 +270,7 @@ def environment(plan: RunPlan, base: Mapping[str, str] | None = None,
     * the YAML's ``environment.environment_variables`` (the ``cpu`` or ``cuda`` list by this
       machine's device), for every rank and what it starts;
     * ``TOOLKIT_DET_CONFIG_WARNED=1``: the runner warned about the YAML's ignored keys, the ranks stay quiet;
+    * ``TOOLKIT_BUILD_GUARDS=1``: importing ``toolkit.compat.determined`` installs the op-build guards;
     * ``TOOLKIT_DET_CONTAINER_PER_RANK=1`` for an entrypoint without a launcher wrapper (each
       rank one Determined container of one slot; see the module docstring);
     * the ``determined.launch.wrap_rank`` shim on ``PYTHONPATH`` when no real ``determined``
@@ -283,6 +284,7 @@ def environment(plan: RunPlan, base: Mapping[str, str] | None = None,
     env = dict(os.environ if base is None else base)
     env.update(environment_variables(plan.config, device="cuda" if torch.cuda.is_available() else "cpu"))
     env[CONFIG_WARNED_ENV] = "1"
+    env[BUILD_GUARDS_ENV] = "1"
     env[EXPERIMENT_CONFIG_ENV] = str(plan.config_path)
     env[OUTPUT_DIR_ENV] = str(plan.output_dir)
     env.update(extra or {})

@@ -14,13 +14,8 @@ Example::
 
 from toolkit.runtime.collectives import COLLECTIVE_TIMEOUT_ENV, CollectiveTimeoutError
 from toolkit.runtime.context import DistributedContext, get_context, init_distributed
-from toolkit.runtime.cuda_arch import install_arch_list_guard
 from toolkit.runtime.launch_env import LaunchInfo, detect_launch
-from toolkit.runtime.op_builds import install_lock_guard
-
-# Every toolkit process (user scripts, dsat trials, toolkit.run) loads DeepSpeed ops through the guard.
-install_lock_guard()
-install_arch_list_guard()
+from toolkit.runtime.op_builds import install_build_guards
 
 __all__ = ["COLLECTIVE_TIMEOUT_ENV", "CollectiveTimeoutError", "DistributedContext", "LaunchInfo",
-           "detect_launch", "get_context", "init_distributed"]
+           "detect_launch", "get_context", "init_distributed", "install_build_guards"]

@@ -39,6 +39,7 @@ from toolkit.runtime.collectives import (
 )
 from toolkit.runtime.ds_shm import share_with_deepspeed
 from toolkit.runtime.launch_env import LaunchInfo, detect_launch
+from toolkit.runtime.op_builds import install_build_guards
 from toolkit.runtime.trial_oom import install_oom_excepthook
 from toolkit.runtime.worker_signals import protect_dataloader_workers
 
@@ -313,6 +314,7 @@ def init_distributed(*, backend: str | None = None, timeout: timedelta = DEFAULT
     """
     global _context
     collective_s = _check_arguments(backend, timeout, collective_timeout)
+    install_build_guards()   # before share_with_deepspeed loads DeepSpeed's first op
     with _init_lock:
         if _context is not None:
             if backend is not None and backend != _context.backend:

@@ -1,20 +1,15 @@
 """DeepSpeed's op builds under a ``TORCH_CUDA_ARCH_LIST`` with arch-specific entries (``9.0a``).
 
-PyTorch accepts arch-specific and family entries such as ``9.0a`` (Hopper), ``10.0a`` or ``10.0f``,
-and CUDA images set them (one of the GPU machines this project is checked on has
-``TORCH_CUDA_ARCH_LIST`` with ``9.0a``). DeepSpeed 0.19's JIT builder sorts the entries with
-``int()`` on each part and stops with ``ValueError: invalid literal for int() with base 10: '0a'``
-before it compiles anything, so ``deepspeed.initialize`` fails with FusedAdam on such a machine.
-Its builder keeps only the plain ``X.Y`` form of every entry in the end, so
-:func:`install_arch_list_guard` hands it that form (``9.0a`` becomes ``9.0``, the same GPUs), for
-DeepSpeed's own op builds only: DeepSpeed's JIT load restores the variable after each build, so
-the user's own extensions still see what was set. Importing toolkit installs it, before or after
-DeepSpeed is imported. Any rank; per process.
+PyTorch and CUDA images accept ``9.0a``, ``10.0a``, ``10.0f``; DeepSpeed 0.19's JIT builder parses
+each part with ``int()`` and stops with ``ValueError: ... '0a'`` before compiling anything. The
+guard hands DeepSpeed's builder the plain ``X.Y`` form (the same GPUs), for its own builds only.
+Installed by :func:`toolkit.install_build_guards`, before or after DeepSpeed is imported (an
+import hook for its builder module alone). Any rank; per process.
 
 Example::
 
     # TORCH_CUDA_ARCH_LIST="8.0;9.0a" torchrun --nproc_per_node 8 train.py
-    import toolkit                        # the guard is in place
+    ctx = toolkit.init_distributed()         # installs the guard
     engine, *_ = deepspeed.initialize(...)   # FusedAdam builds for 8.0 and 9.0
 """
 
@@ -134,7 +129,7 @@ def install_arch_list_guard() -> None:
     """Let DeepSpeed's CUDA op builder in this process read arch-specific ``TORCH_CUDA_ARCH_LIST``
     entries (see the module): now if DeepSpeed's builder module is imported, else when it is
     (an import hook for that module alone; DeepSpeed itself is not imported here). Idempotent;
-    any process; importing toolkit calls it.
+    any process; :func:`toolkit.install_build_guards` calls it.
     """
     for name in _BUILDER_MODULES:
         module = sys.modules.get(name)

@@ -1,18 +1,18 @@
 """DeepSpeed's JIT-built ops, loaded without a silent wait on torch's build lock.
 
-torch's extension loader takes ``<extension dir>/<op>/lock`` around every load of a DeepSpeed op,
-built or not, and holds the file open meanwhile; a process that finds the file waits for it to
-vanish, with no message and no limit. A process stopped inside that window leaves the file, and
-every later load of the op waits forever. :func:`install_lock_guard` replaces that wait, in this
-process, with one that asks who holds the lock (see :func:`judge_lock`): a live holder is waited
-for with a warning naming it, a dead one's lock is removed and the load starts again, and a holder
-that cannot be seen ends the wait with :class:`~toolkit.errors.BuildLockError` after
-``UNSEEN_HOLDER_LIMIT_S``. Importing toolkit installs it. Any rank; per process.
+torch's extension loader takes ``<extension dir>/<op>/lock`` around every load of an op, built or
+not, and waits for a lock file to vanish with no message and no limit; a process stopped inside
+that window left every later load waiting forever. :func:`install_build_guards` puts toolkit's
+guards in this process: this lock guard (:func:`judge_lock` says who holds a lock: a live holder
+is waited for with a warning, a dead one's lock removed, an unseen one ends in
+:class:`~toolkit.errors.BuildLockError`), the ninja and directory of :mod:`toolkit.runtime.build_env`
+and :mod:`toolkit.runtime.cuda_arch`. Nothing is installed on import. Any rank; per process.
 
 Example::
 
-    import toolkit                      # the guard is in place
-    ctx = toolkit.init_distributed()    # loads deepspeed_shm_comm on CPU: never a silent wait
+    import deepspeed, toolkit
+    toolkit.install_build_guards()      # a script that uses DeepSpeed alone; init_distributed does it too
+    engine, *_ = deepspeed.initialize(...)
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import inspect
 import logging
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -31,9 +31,12 @@ from typing import Any, Callable, Iterable, Mapping
 from torch.utils.file_baton import FileBaton
 
 from toolkit.errors import BuildLockError
+from toolkit.runtime import build_env
+from toolkit.runtime.build_env import extensions_root, torch_default_root
+from toolkit.runtime.cuda_arch import install_arch_list_guard
 
 __all__ = ["GuardedBaton", "LockState", "UNSEEN_HOLDER_LIMIT_S", "builders_for", "clear_dead_locks",
-           "extensions_root", "install_lock_guard", "judge_lock", "load_ops"]
+           "extensions_root", "install_build_guards", "install_lock_guard", "judge_lock", "load_ops"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,25 +70,6 @@ class LockState:
     kind: str
     detail: str = ""
     ident: tuple[int, int] | None = None
-
-
-def extensions_root() -> Path:
-    """The directory holding each op's build directory, as torch computes it
-    (``torch.utils.cpp_extension._get_build_directory``). Any process."""
-    explicit = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if explicit is not None:
-        return Path(explicit)
-    import torch
-    from torch.utils.cpp_extension import get_default_build_root
-
-    if torch.version.hip is not None:
-        variant = f"rocm{torch.version.hip.replace('.', '')}"
-    elif torch.version.cuda is not None:
-        variant = f"cu{torch.version.cuda.replace('.', '')}"
-    else:
-        variant = "cpu"
-    version = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(get_default_build_root()) / f"{version}_{variant}"
 
 
 def _command(pid: str) -> str:
@@ -202,14 +186,16 @@ def _remove_dead(lock: Path, ident: tuple[int, int] | None) -> bool:
 
 
 def clear_dead_locks(root: Path | None = None) -> list[Path]:
-    """Remove every op lock under ``root`` (default: :func:`extensions_root`) that no process holds,
-    looking twice a second apart. Any process; dsat calls it after each trial ends.
+    """Remove every op lock under ``root`` (default: :func:`extensions_root`, and torch's own default
+    directory when ``TORCH_EXTENSIONS_DIR`` is unset: a process without the guards loads there) that no
+    process holds, looking twice a second apart. Any process; dsat calls it after each trial ends.
 
     Returns:
         The removed lock files.
     """
-    base = extensions_root() if root is None else Path(root)
-    candidates = {lock: judge_lock(lock) for lock in base.glob("*/lock")}
+    bases = [Path(root)] if root is not None else [extensions_root()] + (
+        [torch_default_root()] if os.environ.get("TORCH_EXTENSIONS_DIR") is None else [])
+    candidates = {lock: judge_lock(lock) for base in dict.fromkeys(bases) for lock in base.glob("*/lock")}
     candidates = {lock: state for lock, state in candidates.items() if state.kind == "dead"}
     if not candidates:
         return []
@@ -238,6 +224,7 @@ class GuardedBaton(FileBaton):
     def try_acquire(self) -> bool:
         acquired = bool(super().try_acquire())
         if acquired:
+            build_env.note_acquired(self.lock_file_path)
             with contextlib.suppress(OSError), open(self.lock_file_path, "w", encoding="utf-8") as file:
                 file.write(f"{socket.gethostname()} {os.getpid()}\n")
         return acquired
@@ -289,20 +276,29 @@ def _wait_for(lock: Path) -> None:
 
 
 def _guarded_jit_compile(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
     def jit_compile(name: str, *args: Any, **kwargs: Any) -> Any:
         from torch.utils.cpp_extension import JIT_EXTENSION_VERSIONER
 
+        build_dir = str(signature.bind_partial(name, *args, **kwargs).arguments.get("build_directory") or "")
+        other = build_env.other_ninja(build_dir) if build_dir else None
         cleared = 0
-        for _ in range(_MAX_ROUNDS):
-            try:
-                return original(name, *args, **kwargs)
-            except _LockReleased as released:
-                cleared += isinstance(released, _LockCleared)
-                if cleared > _RETRIES:
-                    break
-                # Forget this process's record of the op, so that the next try runs its build.
-                JIT_EXTENSION_VERSIONER.entries.pop(name, None)
-        raise BuildLockError(f"DeepSpeed's op {name}: its build lock at {extensions_root() / name / 'lock'} "
+        with build_env.ninja_first():
+            for _ in range(_MAX_ROUNDS):
+                try:
+                    loaded = original(name, *args, **kwargs)
+                except _LockReleased as released:
+                    cleared += isinstance(released, _LockCleared)
+                    if cleared > _RETRIES:
+                        break
+                    # Forget this process's record of the op, so that the next try runs its build.
+                    JIT_EXTENSION_VERSIONER.entries.pop(name, None)
+                    continue
+                if build_dir:
+                    build_env.report_build(name, build_dir, other)
+                return loaded
+        raise BuildLockError(f"DeepSpeed's op {name}: its build lock at {Path(build_dir) / 'lock'} "
                              f"was left by a dead process {cleared} times, or taken by others "
                              f"{_MAX_ROUNDS} times in a row; if no build of {name} is running, remove it")
 
@@ -319,6 +315,25 @@ def install_lock_guard() -> None:
         return
     setattr(cpp_extension, "FileBaton", GuardedBaton)  # noqa: B010 (a module's global, replaced)
     setattr(cpp_extension, "_jit_compile", _guarded_jit_compile(cpp_extension._jit_compile))  # noqa: B010
+
+
+def install_build_guards() -> None:
+    """Install toolkit's guards on torch's extension loader and DeepSpeed's op builder in this
+    process: the build-lock guard, this environment's ninja and build directory
+    (:mod:`toolkit.runtime.build_env`), the ``TORCH_CUDA_ARCH_LIST`` guard
+    (:mod:`toolkit.runtime.cuda_arch`). Idempotent; any rank; per process. ``init_distributed``,
+    the reporting context, Determined's ``core.init`` and dsat's op builds call it; a script that
+    uses DeepSpeed alone calls it before its first DeepSpeed op loads (``deepspeed.init_distributed``
+    loads one on CPU).
+
+    Example::
+
+        import toolkit
+        toolkit.install_build_guards()     # any rank, before deepspeed.init_distributed / initialize
+    """
+    install_lock_guard()
+    build_env.install_build_env()
+    install_arch_list_guard()
 
 
 def _section(config: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -365,7 +380,7 @@ def load_ops(builder_names: Iterable[str]) -> list[str]:
     Returns:
         The names of the ops loaded; a builder that is not available here is skipped.
     """
-    install_lock_guard()
+    install_build_guards()
     from deepspeed.accelerator import get_accelerator
 
     loaded = []

@@ -15,6 +15,8 @@ script reads them without loading the tuner. Constants only; nothing runs on imp
     mark by which a trial's processes are found.
 ``TOOLKIT_DSAT_RUN`` (:data:`RUN_ENV`)
     marks every process of a run that is not a trial, so that none outlives it.
+``TOOLKIT_BUILD_GUARDS`` (:data:`BUILD_GUARDS_ENV`)
+    "1": importing ``toolkit.compat.determined`` installs the op-build guards (``python -m toolkit.run``).
 
 Example::
 
@@ -23,7 +25,8 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["EXPERIMENT_CONFIG_ENV", "OUTPUT_DIR_ENV", "RUN_ENV", "TRIAL_ENV", "TRIAL_HPARAMS_ENV"]
+__all__ = ["BUILD_GUARDS_ENV", "EXPERIMENT_CONFIG_ENV", "OUTPUT_DIR_ENV", "RUN_ENV", "TRIAL_ENV",
+           "TRIAL_HPARAMS_ENV"]
 
 #: Path of a JSON file holding this trial's hyperparameters; set by the dsat trial runner.
 TRIAL_HPARAMS_ENV = "TOOLKIT_TRIAL_HPARAMS"
@@ -36,3 +39,6 @@ OUTPUT_DIR_ENV = "TOOLKIT_OUTPUT_DIR"
 TRIAL_ENV = "TOOLKIT_DSAT_TRIAL"
 #: Marks every process of one run that is not a trial (its value: the run's mark).
 RUN_ENV = "TOOLKIT_DSAT_RUN"
+#: "1" in the processes ``python -m toolkit.run`` starts: a Determined script may call
+#: ``deepspeed.init_distributed()`` (which loads an op on CPU) before anything of toolkit's.
+BUILD_GUARDS_ENV = "TOOLKIT_BUILD_GUARDS"

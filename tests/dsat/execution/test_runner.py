@@ -240,6 +240,26 @@ def test_memory_budget_is_enforced_per_worker_on_its_peak(tmp_path):
     assert marked_processes(out) == []
 
 
+def test_a_ranks_op_build_is_not_judged_as_the_trials_memory(tmp_path, caplog):
+    """A rank that JIT-builds an op under the budget: the real ninja runs a "compiler" that touches
+    400 MiB for a second and a half (cc1plus took 1.8 GB on a real op), under a 150 MiB budget per
+    slot. The build is not the trial's memory: the trial is ok, and the log names the op built."""
+    from toolkit.runtime.build_env import pinned_ninja
+
+    ninja = pinned_ninja()
+    if ninja is None:
+        pytest.skip("no ninja here (pip install ninja)")
+    out = tmp_path / "out"
+    settings = make_settings(memory_per_slot=150 * MIB, poll_s=0.1, timeout_s=60.0)
+    with caplog.at_level("WARNING", logger="toolkit.dsat.execution.runner"), \
+            TrialRunner(settings, output_dir=out) as runner:
+        results, _ = run_all(runner, [(spec(1), {"behaviour": "build", "ninja": ninja, "alloc_mib": 400,
+                                                 "hold_s": 1.5})])
+    assert results[1].status is TrialStatus.OK, results[1].error
+    assert (out / "trials" / "trial_1" / "fake_op0" / "fake_op.so").exists()
+    assert caplog.text.count("its ranks build op fake_op0") == 1, caplog.text
+
+
 _FORK_THEN_EXEC = """
 import os, sys, time
 ballast = bytearray(b"x") * (300 << 20)  # touched: resident, like torchrun's imports

@@ -16,6 +16,8 @@ alerts, the profiler, cloud checkpoint storage, hyperparameter searches) is an e
 what to use instead. No dependency on the ``determined`` package.
 """
 
+import os
+
 from toolkit.compat.determined import core, errors
 from toolkit.compat.determined.core.context import InvalidHP
 from toolkit.compat.determined.info import (
@@ -25,6 +27,11 @@ from toolkit.compat.determined.info import (
     TrialInfo,
     get_cluster_info,
 )
+from toolkit.runtime.op_builds import install_build_guards
+from toolkit.runtime.trial_env import BUILD_GUARDS_ENV
+
+if os.environ.get(BUILD_GUARDS_ENV) == "1":   # started by toolkit.run: before deepspeed.init_distributed
+    install_build_guards()
 
 #: Determined's log format, for ``logging.basicConfig(format=det.LOG_FORMAT)``.
 LOG_FORMAT = "%(levelname)s: [%(process)s] %(name)s: %(message)s"

@@ -11,7 +11,8 @@ own), is how its processes are found and killed: SIGTERM, then SIGKILL after a g
 none is left. How a trial ended is decided by :func:`toolkit.dsat.execution.classify.classify`
 from the exit status and the result file, never from the logs. Its rank processes are held to
 ``memory_per_slot`` by polling their peak resident size (``VmHWM``). The DeepSpeed ops a trial
-loads are built here first (:mod:`toolkit.runtime.op_builds`), so no trial compiles.
+loads are built here first (:mod:`toolkit.runtime.op_builds`); a rank's own build (ninja, its
+compilers) is not judged as the trial's memory.
 
 Example::
 
@@ -53,6 +54,7 @@ from toolkit.launch.procs import (
     scan_processes,
     unblock_interrupts,
 )
+from toolkit.runtime.build_env import build_processes
 from toolkit.runtime.ds_shm import remove_buffers
 from toolkit.runtime.op_builds import builders_for, clear_dead_locks, load_ops
 from toolkit.runtime.trial_env import (
@@ -79,6 +81,7 @@ class _Trial:
     port: int
     started: float
     verdict: tuple[TrialStatus, str] | None = None
+    builds_seen: set[str] = dataclasses.field(default_factory=set)   # op directories a rank built in
 
 
 class TrialRunner:
@@ -397,6 +400,17 @@ class TrialRunner:
         if self._running.pop(trial.spec.trial_id, None) is not None:
             self._slots.give_back(trial.slots)
 
+    def _builds(self, trial: _Trial, members: set[int], table: Mapping[int, tuple[int, bytes]]) -> set[int]:
+        """The trial's processes that build an op (a rank's ninja and compilers): not its memory. Said
+        once per op and trial; the trial's stderr.log says why it was built."""
+        building = build_processes(members, {pid: table[pid][0] for pid in members})
+        for op_dir in sorted(set(building.values()) - trial.builds_seen - {""}):
+            trial.builds_seen.add(op_dir)
+            logger.warning("trial %s: its ranks build op %s (in %s); the build's memory is not counted "
+                           "against the memory budget, and its stderr.log says why it was built",
+                           trial.spec.name, os.path.basename(op_dir), op_dir)
+        return set(building)
+
     def _poll(self) -> list[TrialResult]:
         s = self.settings
         finished = []
@@ -407,7 +421,9 @@ class TrialRunner:
                 if time.monotonic() - trial.started > s.timeout_s:
                     trial.verdict = (TrialStatus.TIMEOUT, f"ran past the timeout of {s.timeout_s:g} s")
                 elif s.memory_per_slot is not None:
-                    for pid in self._members(trial, table) - {trial.process.pid}:
+                    members = self._members(trial, table) - {trial.process.pid}
+                    building = self._builds(trial, members, table)
+                    for pid in members - building:
                         if not is_rank_process(table[pid][1]):  # the launcher's fork before its exec
                             continue
                         peak = rss_bytes(pid, field="VmHWM")

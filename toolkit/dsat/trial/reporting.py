@@ -72,6 +72,7 @@ from typing import Any
 
 from toolkit.dsat.contract import OOM_EXIT_STATUS, TrialContract
 from toolkit.dsat.trial.session import TrialSession
+from toolkit.runtime.op_builds import install_build_guards
 from toolkit.runtime.trial_env import TRIAL_ENV
 from toolkit.runtime.trial_oom import install_oom_excepthook
 
@@ -133,6 +134,7 @@ def dsat_reporting_context(engine: Any, *, steps_completed: int | None = None
         return _NOOP
     if _session is None or _session.engine is not engine:
         install_oom_excepthook()   # usually done already by toolkit.init_distributed
+        install_build_guards()     # likewise; for the ops the engine loads from here on
         _session = TrialSession(engine, _trial_file)
     return _session.step(None if steps_completed is None else int(steps_completed))
 

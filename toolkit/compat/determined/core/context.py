@@ -26,6 +26,7 @@ from toolkit.compat.determined.core.preempt import PreemptContext, PreemptMode
 from toolkit.compat.determined.core.searcher import SearcherContext
 from toolkit.compat.determined.core.train import EarlyExitReason, TensorboardMode, TrainContext
 from toolkit.compat.determined.info import ClusterInfo, get_cluster_info
+from toolkit.runtime.op_builds import install_build_guards
 
 __all__ = ["Context", "init", "ProfilerContext", "ExperimentalCoreContext", "InvalidHP"]
 
@@ -154,6 +155,7 @@ def init(
         ValueError: several processes were launched but no ``distributed`` was given.
         ConfigError: a bad ``checkpoint_storage`` (cloud types are cluster-only).
     """
+    install_build_guards()   # a Determined script may never call toolkit.init_distributed
     info = get_cluster_info()
     if distributed is None:
         if _launched_world_size() > 1:

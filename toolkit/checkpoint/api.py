@@ -35,6 +35,7 @@ from toolkit.checkpoint.cpu_adam import replay_cpu_adam_state
 from toolkit.checkpoint.engine import check_engine, engine_facts
 from toolkit.checkpoint.ranks import agree, on_chief, write_failure
 from toolkit.checkpoint.rng import read_rank_file, restore_rng_state, write_rank_file
+from toolkit.checkpoint.store import StoreURL, open_store, parse_url
 from toolkit.checkpoint.universal import universal_tag
 from toolkit.errors import CheckpointError, ConfigError
 from toolkit.runtime.context import DistributedContext, get_context
@@ -107,7 +108,8 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
         # torchrun --nproc_per_node 2 train.py
         toolkit.save_checkpoint(engine, "checkpoints", steps_completed=step + 1, keep_last=2)
     """
-    root = layout.checkpoint_root(checkpoint_dir)
+    url = parse_url(checkpoint_dir)
+    root = url.url if url else layout.checkpoint_root(checkpoint_dir)
     tag = _checked_save_arguments(steps_completed, client_state, keep_last, tag, run_id, overwrite)
     check_engine(engine)
     ctx = get_context()
@@ -115,7 +117,16 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
     save = _Save(root=root, tag=tag, steps_completed=int(steps_completed),
                  client_state=dict(client_state or {}), facts=engine_facts(engine, ctx),
                  keep_last=None if keep_last is None else int(keep_last))
-    key = os.path.realpath(root)
+    key = root if url else os.path.realpath(root)
+    if url:  # object storage: staged locally, uploaded, committed in the bucket (remote.py)
+        from toolkit.checkpoint import remote
+
+        _run_ids[key], deleted = remote.save(engine, ctx, save, open_store(url),
+                                             mine=run_id or _run_ids.get(key), overwrite=overwrite)
+        logger.info("checkpoint %r (steps_completed=%d) committed to %s in %.2f s%s", tag,
+                    save.steps_completed, root, time.monotonic() - started,
+                    f"; deleted {deleted}" if deleted else "")
+        return tag
     this_run, seq = _prepare_tag(ctx, save, mine=run_id or _run_ids.get(key), overwrite=overwrite)
     _run_ids[key] = this_run
     _write_on_every_rank(engine, ctx, save, this_run)
@@ -177,7 +188,13 @@ def _prepare_tag(ctx: DistributedContext, save: _Save, *, mine: str | None,
             "started_at": time.time()})
         return plan.run_id, plan.seq, save.tag, save.steps_completed
 
-    this_run, seq, chief_tag, chief_steps = on_chief(ctx, prepare)
+    return _agree_on_tag(ctx, save, on_chief(ctx, prepare))
+
+
+def _agree_on_tag(ctx: DistributedContext, save: _Save,
+                  planned: tuple[str, int, str, int]) -> tuple[str, int]:
+    """The chief's (run id, seq) once every rank saves its tag and step; raises on all ranks if not."""
+    this_run, seq, chief_tag, chief_steps = planned
     # Every rank must write the same tag, or ranks would scatter their files over two checkpoints.
     mismatch = (f"tag {save.tag!r} at steps_completed={save.steps_completed}, but the chief saves "
                 f"{chief_tag!r} at steps_completed={chief_steps}; pass the same values on every rank")
@@ -225,12 +242,7 @@ def _commit(engine: Any, save: _Save, this_run: str, seq: int) -> list[str]:
     Returns the tags deleted by ``keep_last`` (a failed deletion is logged, not raised: the new
     checkpoint is committed by then).
     """
-    import deepspeed
-
-    metadata = {**save.facts, "format": layout.FORMAT_VERSION, "tag": save.tag, "run_id": this_run,
-                "seq": seq, "steps_completed": save.steps_completed, "committed_at": time.time(),
-                "deepspeed_version": deepspeed.__version__, "torch_version": torch.__version__,
-                "ds_config": engine.config, "client_state_keys": sorted(map(str, save.client_state))}
+    metadata = _commit_metadata(engine, save, this_run, seq)
     atomic_write_json(save.tag_dir / layout.COMMIT_FILE, metadata, default=repr)
     layout.set_latest(save.root, save.tag)
     deleted: list[str] = []
@@ -243,6 +255,16 @@ def _commit(engine: Any, save: _Save, this_run: str, seq: int) -> list[str]:
             except OSError as err:  # the new checkpoint is committed; do not fail the save
                 logger.warning("keep_last: could not delete %s: %s", Path(save.root) / old, err)
     return deleted
+
+
+def _commit_metadata(engine: Any, save: _Save, this_run: str, seq: int) -> dict[str, Any]:
+    """The commit record of a save (any rank; the chief writes it)."""
+    import deepspeed
+
+    return {**save.facts, "format": layout.FORMAT_VERSION, "tag": save.tag, "run_id": this_run,
+            "seq": seq, "steps_completed": save.steps_completed, "committed_at": time.time(),
+            "deepspeed_version": deepspeed.__version__, "torch_version": torch.__version__,
+            "ds_config": engine.config, "client_state_keys": sorted(map(str, save.client_state))}
 
 
 def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
@@ -278,12 +300,15 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
         resumed = toolkit.load_checkpoint(engine, "checkpoints")
         steps_completed, state = resumed if resumed is not None else (0, {})
     """
-    root = layout.checkpoint_root(checkpoint_dir)
+    url = parse_url(checkpoint_dir)
+    root = url.url if url else layout.checkpoint_root(checkpoint_dir)
     problem = None if tag is None else layout.name_problem(tag)
     if problem:
         raise ConfigError(problem, source="load_checkpoint()")
     check_engine(engine)
     ctx = get_context()
+    if url:
+        return _load_from_store(engine, ctx, url, tag)
     key = os.path.realpath(root)
     if engine.load_universal_checkpoint():
         return _load_universal(engine, ctx, root, tag, key)
@@ -293,6 +318,19 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
         logger.info("no committed checkpoint in %s: starting from scratch", root)
         return None
     return _load_committed(engine, ctx, root, chosen)
+
+
+def _load_from_store(engine: Any, ctx: DistributedContext, url: StoreURL,
+                     tag: str | None) -> tuple[int, dict[str, Any]] | None:
+    """:func:`load_checkpoint` from a bucket (remote.py). Call on all ranks."""
+    from toolkit.checkpoint import remote
+
+    if engine.load_universal_checkpoint():
+        raise ConfigError(f"checkpoint.load_universal=true with {url.url}: universal checkpoints load from a "
+                          "local directory only; download the ds_to_universal output and pass its directory")
+    loaded, dir_run = remote.load(engine, ctx, open_store(url), tag, engine_facts(engine, ctx))
+    _run_ids.update({url.url: dir_run} if dir_run else {})
+    return loaded
 
 
 def _load_committed(engine: Any, ctx: DistributedContext, root: str, tag: str) -> tuple[int, dict[str, Any]]:

@@ -9,6 +9,7 @@ client (s3fs, gcsfs, a torchrun rank) needs to reach it; no other address is eve
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import socket
 import subprocess
@@ -58,7 +59,7 @@ class S3Server:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         env = procutil.child_env()
         if auth:
-            env["INITIAL_NO_AUTH_ACTION_COUNT"] = "2"   # create_user and create_access_key, then checked
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"   # the three IAM calls below, then every call is checked
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
@@ -70,6 +71,8 @@ class S3Server:
             iam = boto3.client("iam", endpoint_url=self.endpoint, region_name="us-east-1",
                                aws_access_key_id="x", aws_secret_access_key="x")
             iam.create_user(UserName="toolkit")
+            iam.put_user_policy(UserName="toolkit", PolicyName="s3", PolicyDocument=json.dumps({
+                "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
             made = iam.create_access_key(UserName="toolkit")["AccessKey"]
             self.key_id, self.secret = made["AccessKeyId"], made["SecretAccessKey"]
 
@@ -126,7 +129,9 @@ class GcsEmulator:
 class TcpProxy:
     """A loopback TCP proxy to ``target_port``: ``stop()`` is a storage server going away for its
     clients (connections reset, new ones refused) while the data stays; ``start()`` brings it back
-    on the same port."""
+    on the same port. ``hold_when(predicate)``: the first request bytes for which ``predicate``
+    is true, and all traffic after them, wait (``held`` is set) until ``release()`` or ``stop()``:
+    an upload caught in the middle."""
 
     def __init__(self, target_port: int) -> None:
         self.target = target_port
@@ -135,7 +140,19 @@ class TcpProxy:
         self._listener: socket.socket | None = None
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
+        self._flow = threading.Event()
+        self._flow.set()
+        self._predicate = None
+        self.held = threading.Event()
         self.start()
+
+    def hold_when(self, predicate) -> None:
+        self.held.clear()
+        self._predicate = predicate
+
+    def release(self) -> None:
+        self._predicate = None
+        self._flow.set()
 
     def start(self) -> None:
         listener = socket.socket()
@@ -158,13 +175,17 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._conns += [client, upstream]
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+            for src, dst, watch in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pipe, args=(src, dst, watch), daemon=True).start()
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, watch: bool) -> None:
         with contextlib.suppress(OSError):
             while data := src.recv(1 << 16):
+                predicate = self._predicate
+                if watch and predicate is not None and predicate(data):
+                    self._flow.clear()
+                    self.held.set()
+                self._flow.wait()
                 dst.sendall(data)
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
@@ -179,6 +200,7 @@ class TcpProxy:
             with contextlib.suppress(OSError):
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                 conn.close()  # linger 0: a reset, as from a server that died
+        self.release()  # held pipes now write to closed sockets and end
 
 
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.02):

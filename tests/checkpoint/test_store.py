@@ -156,6 +156,9 @@ def test_spot_vm_round_trip_resumes_bitwise_from_the_buckets(s3, gcs, tmp_path):
     at = int(stopped[0]["ended"].split()[-1])
     assert at < 7 and s3.read("spot", "z1/latest").decode() == f"step_{at}"
     assert not list((first / "cache").rglob("*.pt")), "the staging directories are removed after the upload"
+    log = (first / "log").read_text()
+    assert f"checkpoint 'step_{at}' uploaded to s3://spot/z1 in" in log  # the chief logs the upload
+    assert "after the preemption was agreed, of a 30 s grace (TOOLKIT_PREEMPTION_GRACE)" in log
     shutil.rmtree(first)  # the spot VM's disk is gone
 
     second = tmp_path / "vm2"

@@ -14,6 +14,7 @@ checkpoints, in the same lockstep; their losses go to the same file.
 """
 import argparse
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ parser.add_argument("--keep-last", type=int, default=None)
 parser.add_argument("--reference", action="store_true")
 args = parser.parse_args()
 
+logging.basicConfig(level=logging.INFO)
 ctx = toolkit.init_distributed()
 args.out.mkdir(parents=True, exist_ok=True)
 runs = dict(item.split("=", 1) for item in args.ckpt)

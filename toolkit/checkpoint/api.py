@@ -35,7 +35,7 @@ from toolkit.checkpoint.cpu_adam import replay_cpu_adam_state
 from toolkit.checkpoint.engine import check_engine, engine_facts
 from toolkit.checkpoint.ranks import agree, on_chief, write_failure
 from toolkit.checkpoint.rng import read_rank_file, restore_rng_state, write_rank_file
-from toolkit.checkpoint.store import StoreURL, open_store, parse_url
+from toolkit.checkpoint.store import open_store, parse_url
 from toolkit.checkpoint.universal import universal_tag
 from toolkit.errors import CheckpointError, ConfigError
 from toolkit.runtime.context import DistributedContext, get_context
@@ -82,6 +82,8 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
     Args:
         engine: the engine from ``deepspeed.initialize`` (data parallel with ZeRO 0-3, or pipeline).
         checkpoint_dir: the run's checkpoint directory, shared by all ranks; created if missing.
+            Or an ``s3://`` / ``gs://`` URL: staged locally, uploaded, committed in the bucket
+            (docs/object-storage.md).
         steps_completed: training steps done so far; returned by :func:`load_checkpoint`.
         client_state: your own picklable state (epoch, sampler position, ...), saved through
             DeepSpeed's ``client_state`` from the first data-parallel rank, so keep it the same on
@@ -101,7 +103,7 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
     Raises:
         ConfigError: invalid arguments (every problem listed), before anything is written.
         CheckpointError: a directory owned by another run, a tag directory that is not
-            toolkit's, or a failure on some rank (every rank raises).
+            toolkit's, or a failure on some rank, an upload's included (every rank raises).
 
     Example::
 
@@ -123,14 +125,11 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
 
         _run_ids[key], deleted = remote.save(engine, ctx, save, open_store(url),
                                              mine=run_id or _run_ids.get(key), overwrite=overwrite)
-        logger.info("checkpoint %r (steps_completed=%d) committed to %s in %.2f s%s", tag,
-                    save.steps_completed, root, time.monotonic() - started,
-                    f"; deleted {deleted}" if deleted else "")
-        return tag
-    this_run, seq = _prepare_tag(ctx, save, mine=run_id or _run_ids.get(key), overwrite=overwrite)
-    _run_ids[key] = this_run
-    _write_on_every_rank(engine, ctx, save, this_run)
-    deleted = on_chief(ctx, lambda: _commit(engine, save, this_run, seq), slow=True)
+    else:
+        this_run, seq = _prepare_tag(ctx, save, mine=run_id or _run_ids.get(key), overwrite=overwrite)
+        _run_ids[key] = this_run
+        _write_on_every_rank(engine, ctx, save, this_run)
+        deleted = on_chief(ctx, lambda: _commit(engine, save, this_run, seq), slow=True)
     logger.info("checkpoint %r (steps_completed=%d) committed to %s in %.2f s%s", tag, save.steps_completed,
                 root, time.monotonic() - started, f"; deleted {deleted}" if deleted else "")
     return tag
@@ -203,11 +202,12 @@ def _agree_on_tag(ctx: DistributedContext, save: _Save,
     return this_run, seq
 
 
-def _write_on_every_rank(engine: Any, ctx: DistributedContext, save: _Save, this_run: str) -> None:
+def _write_on_every_rank(engine: Any, ctx: DistributedContext, save: _Save, this_run: str, *,
+                         flush: bool = True) -> None:
     """Every rank writes its RNG states and DeepSpeed's files, flushed; raises on all if one failed.
 
     RNG states first: DeepSpeed's save ends with a barrier, after which every file is complete.
-    Call on all ranks.
+    ``flush=False``: a staging directory for an upload (the bucket makes it durable). All ranks.
     """
     rank_error = None
     try:
@@ -228,7 +228,7 @@ def _write_on_every_rank(engine: Any, ctx: DistributedContext, save: _Save, this
         rank_error = rank_error or write_failure(f"DeepSpeed could not write its files into {save.tag_dir}",
                                                  err, save.tag_dir)
         deepspeed.comm.barrier()
-    if rank_error is None and ctx.is_local_chief:
+    if rank_error is None and ctx.is_local_chief and flush:
         try:  # flush every file of this node before the commit can be written
             fsync_tree(save.tag_dir)
         except OSError as err:
@@ -281,7 +281,8 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
     Args:
         engine: a freshly initialised engine (under ZeRO-3 DeepSpeed cannot load into an engine
             that has saved since its creation).
-        checkpoint_dir: the directory given to :func:`save_checkpoint`.
+        checkpoint_dir: the directory or bucket URL given to :func:`save_checkpoint`; from a
+            URL the checkpoint is downloaded once per machine into the local cache.
         tag: a committed checkpoint's tag; ``None`` follows ``latest`` (or takes the newest
             committed one when ``latest`` names none).
 
@@ -292,7 +293,8 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
     Raises:
         ConfigError: ``tag`` is not a valid name.
         CheckpointError: the tag is missing or not committed; the checkpoint does not
-            fit the engine; or a rank's RNG file is missing. Raised on every rank.
+            fit the engine; a rank's RNG file is missing; or the bucket cannot be written
+            (credentials, endpoint) or read. Raised on every rank.
 
     Example::
 
@@ -308,7 +310,9 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
     check_engine(engine)
     ctx = get_context()
     if url:
-        return _load_from_store(engine, ctx, url, tag)
+        from toolkit.checkpoint import remote
+
+        return remote.load_url(engine, ctx, url, tag, _run_ids)
     key = os.path.realpath(root)
     if engine.load_universal_checkpoint():
         return _load_universal(engine, ctx, root, tag, key)
@@ -318,19 +322,6 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
         logger.info("no committed checkpoint in %s: starting from scratch", root)
         return None
     return _load_committed(engine, ctx, root, chosen)
-
-
-def _load_from_store(engine: Any, ctx: DistributedContext, url: StoreURL,
-                     tag: str | None) -> tuple[int, dict[str, Any]] | None:
-    """:func:`load_checkpoint` from a bucket (remote.py). Call on all ranks."""
-    from toolkit.checkpoint import remote
-
-    if engine.load_universal_checkpoint():
-        raise ConfigError(f"checkpoint.load_universal=true with {url.url}: universal checkpoints load from a "
-                          "local directory only; download the ds_to_universal output and pass its directory")
-    loaded, dir_run = remote.load(engine, ctx, open_store(url), tag, engine_facts(engine, ctx))
-    _run_ids.update({url.url: dir_run} if dir_run else {})
-    return loaded
 
 
 def _load_committed(engine: Any, ctx: DistributedContext, root: str, tag: str) -> tuple[int, dict[str, Any]]:

@@ -29,12 +29,13 @@ from typing import Any
 
 from toolkit import _names, preemption
 from toolkit.checkpoint import api, layout, records
+from toolkit.checkpoint.engine import engine_facts
 from toolkit.checkpoint.ranks import agree, on_chief
-from toolkit.checkpoint.store import ObjectStore, StoreURL
-from toolkit.errors import CheckpointError
+from toolkit.checkpoint.store import ObjectStore, StoreURL, open_store
+from toolkit.errors import CheckpointError, ConfigError
 from toolkit.runtime.context import DistributedContext
 
-__all__ = ["save", "load", "scan_store", "cache_dir", "GRACE_ENV"]
+__all__ = ["save", "load", "load_url", "scan_store", "cache_dir", "GRACE_ENV"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +149,12 @@ def save(engine: Any, ctx: DistributedContext, request: Any, store: ObjectStore,
     stage = cache_dir(store.url) / f"stage-{this_run}-{tag}" / f"rank_{ctx.rank:05d}"
     try:
         shutil.rmtree(stage, ignore_errors=True)
-        (stage / tag / layout.RNG_DIR).mkdir(parents=True)
-        api._write_on_every_rank(engine, ctx, dataclasses.replace(request, root=str(stage)), this_run)
+        try:
+            (stage / tag / layout.RNG_DIR).mkdir(parents=True)
+        except OSError:  # the writes below fail too, and every rank learns it there, together
+            pass
+        api._write_on_every_rank(engine, ctx, dataclasses.replace(request, root=str(stage)), this_run,
+                                 flush=False)
         seconds = _upload_own_files(ctx, store, stage, tag)
         deleted = on_chief(ctx, lambda: _commit(engine, store, request, this_run, seq), slow=True)
     finally:
@@ -215,6 +220,17 @@ def _log_upload(ctx: DistributedContext, tag: str, store: ObjectStore, seconds: 
 
 
 # ---------------------------------------------------------------------------------------------- load
+
+def load_url(engine: Any, ctx: DistributedContext, url: StoreURL, tag: str | None,
+             run_ids: dict[str, str]) -> tuple[int, dict[str, Any]] | None:
+    """:func:`toolkit.load_checkpoint` from a bucket; adopts its run in ``run_ids``. All ranks."""
+    if engine.load_universal_checkpoint():
+        raise ConfigError(f"checkpoint.load_universal=true with {url.url}: universal checkpoints load from a "
+                          "local directory only; download the ds_to_universal output and pass its directory")
+    loaded, dir_run = load(engine, ctx, open_store(url), tag, engine_facts(engine, ctx))
+    run_ids.update({url.url: dir_run} if dir_run else {})
+    return loaded
+
 
 def load(engine: Any, ctx: DistributedContext, store: ObjectStore, tag: str | None,
          facts: dict[str, Any]) -> tuple[tuple[int, dict[str, Any]] | None, str | None]:

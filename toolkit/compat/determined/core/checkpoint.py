@@ -107,6 +107,8 @@ class CheckpointContext:
         self._save_trial_latest = save_trial_latest
         self._save_trial_best, self._metric, self._smaller = save_trial_best, metric, smaller_is_better
         if dist.rank == 0:
+            if isinstance(self._root, CloudRoot):  # wrong keys or endpoint fail here, before training
+                self._root.store.check_access(f".toolkit-probe-{uuid.uuid4().hex}")
             self._clean_pending()
 
     def _clean_pending(self) -> None:

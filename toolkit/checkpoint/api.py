@@ -29,7 +29,7 @@ import torch
 
 from toolkit._checks import int_problem, is_int, type_name
 from toolkit._files import atomic_write_json, fsync_tree
-from toolkit.checkpoint import layout
+from toolkit.checkpoint import layout, remote  # remote imports this module: only used in calls
 from toolkit.checkpoint.consolidate import consolidate_checkpoint
 from toolkit.checkpoint.cpu_adam import replay_cpu_adam_state
 from toolkit.checkpoint.engine import check_engine, engine_facts
@@ -121,18 +121,22 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
                  keep_last=None if keep_last is None else int(keep_last))
     key = root if url else os.path.realpath(root)
     if url:  # object storage: staged locally, uploaded, committed in the bucket (remote.py)
-        from toolkit.checkpoint import remote
-
         _run_ids[key], deleted = remote.save(engine, ctx, save, open_store(url),
                                              mine=run_id or _run_ids.get(key), overwrite=overwrite)
     else:
-        this_run, seq = _prepare_tag(ctx, save, mine=run_id or _run_ids.get(key), overwrite=overwrite)
-        _run_ids[key] = this_run
-        _write_on_every_rank(engine, ctx, save, this_run)
-        deleted = on_chief(ctx, lambda: _commit(engine, save, this_run, seq), slow=True)
+        _run_ids[key], deleted = _save_local(engine, ctx, save, mine=run_id or _run_ids.get(key),
+                                             overwrite=overwrite)
     logger.info("checkpoint %r (steps_completed=%d) committed to %s in %.2f s%s", tag, save.steps_completed,
                 root, time.monotonic() - started, f"; deleted {deleted}" if deleted else "")
     return tag
+
+
+def _save_local(engine: Any, ctx: DistributedContext, save: _Save, *, mine: str | None,
+                overwrite: bool) -> tuple[str, list[str]]:
+    """Plan, write and commit into a directory; the run id and the tags deleted. All ranks."""
+    this_run, seq = _prepare_tag(ctx, save, mine=mine, overwrite=overwrite)
+    _write_on_every_rank(engine, ctx, save, this_run)
+    return this_run, on_chief(ctx, lambda: _commit(engine, save, this_run, seq), slow=True)
 
 
 def _checked_save_arguments(steps_completed: Any, client_state: Any, keep_last: Any, tag: Any, run_id: Any,
@@ -310,8 +314,6 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
     check_engine(engine)
     ctx = get_context()
     if url:
-        from toolkit.checkpoint import remote
-
         return remote.load_url(engine, ctx, url, tag, _run_ids)
     key = os.path.realpath(root)
     if engine.load_universal_checkpoint():

@@ -145,7 +145,8 @@ def save(engine: Any, ctx: DistributedContext, request: Any, store: ObjectStore,
             "started_at": time.time()}))
         return plan.run_id, plan.seq, tag, request.steps_completed
 
-    this_run, seq = api._agree_on_tag(ctx, request, on_chief(ctx, prepare))
+    # slow: the chief's calls to the bucket may outlast the short collective timeout
+    this_run, seq = api._agree_on_tag(ctx, request, on_chief(ctx, prepare, slow=True))
     stage = cache_dir(store.url) / f"stage-{this_run}-{tag}" / f"rank_{ctx.rank:05d}"
     try:
         shutil.rmtree(stage, ignore_errors=True)
@@ -261,7 +262,7 @@ def load(engine: Any, ctx: DistributedContext, store: ObjectStore, tag: str | No
                                   f"checkpoint {info.tag!r}: delete the object or load another tag")
         return info.tag, state.run_id or info.meta.get("run_id"), names, uuid.uuid4().hex[:12]
 
-    chosen, dir_run, names, nonce = on_chief(ctx, choose)
+    chosen, dir_run, names, nonce = on_chief(ctx, choose, slow=True)
     if chosen is None:
         logger.info("no committed checkpoint in %s: starting from scratch", store.where())
         return None, dir_run

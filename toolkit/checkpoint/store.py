@@ -24,7 +24,8 @@ from typing import Any, Mapping
 from toolkit import _names
 from toolkit.errors import CheckpointError, ConfigError
 
-__all__ = ["StoreURL", "ObjectStore", "parse_url", "open_store", "is_url"]
+__all__ = ["StoreURL", "ObjectStore", "parse_url", "open_store", "is_url", "bucket_section_problems",
+           "BUCKET_KEYS"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,10 @@ _URL_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(.*)", re.DOTALL)
 _SCHEMES = {"s3": "s3", "gs": "gs", "gcs": "gs"}
 _EXTRA = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs")}
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
+#: Determined's ``checkpoint_storage`` keys of each bucket type that toolkit honours.
+BUCKET_KEYS = {"s3": ("bucket", "prefix", "endpoint_url", "access_key", "secret_key"),
+               "gcs": ("bucket", "prefix")}
+_SECRET_KEYS = ("access_key", "secret_key")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +88,27 @@ def parse_url(value: Any, *, what: str = "checkpoint_dir") -> StoreURL | None:
                           "letters, digits, '.', '_' and '-' (no '..', no empty component)"
                           + (f"; {_names.name_problem(bad[0], what='component')}" if bad else ""))
     return StoreURL(_SCHEMES[scheme], bucket, "/".join(parts))
+
+
+def bucket_section_problems(section: Mapping[str, Any]) -> list[str]:
+    """What is wrong with Determined's ``checkpoint_storage`` of type s3/gcs (toolkit.config and
+    toolkit.compat check it); the values of ``access_key``/``secret_key`` are never quoted. Pure."""
+    kind = section.get("type")
+    problems = []
+    bucket = section.get("bucket")
+    if not isinstance(bucket, str) or not bucket:
+        problems.append(f"checkpoint_storage.bucket={_names.shown(bucket)}: expected the bucket's name "
+                        f"(type: {kind} needs one)")
+    for key in BUCKET_KEYS.get(str(kind), ())[1:]:
+        value = section.get(key)
+        if value is not None and not isinstance(value, str):
+            shown = f"a {type(value).__name__}" if key in _SECRET_KEYS else _names.shown(value)
+            problems.append(f"checkpoint_storage.{key}={shown}: expected a string")
+    if kind == "s3" and bool(section.get("access_key")) != bool(section.get("secret_key")):
+        problems.append("checkpoint_storage: access_key and secret_key go together: give both, or neither "
+                        "to use the standard AWS credential chain (AWS_* variables, ~/.aws, an instance "
+                        "role)")
+    return problems
 
 
 _stores: dict[tuple[str, str, str], "ObjectStore"] = {}

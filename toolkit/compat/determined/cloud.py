@@ -29,13 +29,9 @@ from toolkit.checkpoint.remote import cache_dir
 from toolkit.errors import CheckpointError, ConfigError
 
 __all__ = ["CloudRoot", "cloud_root", "is_cloud", "committed", "read_metadata", "remove", "upload_dir",
-           "download_dir", "staging_dir", "STORAGE_KEYS"]
+           "download_dir", "staging_dir"]
 
 METADATA_NAME = "metadata.json"
-#: The keys of each cloud type that toolkit honours (Determined's names).
-STORAGE_KEYS = {"s3": ("bucket", "prefix", "endpoint_url", "access_key", "secret_key"),
-                "gcs": ("bucket", "prefix")}
-_SECRET_KEYS = ("access_key", "secret_key")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,34 +53,13 @@ def is_cloud(root: Any) -> bool:
     return isinstance(root, CloudRoot)
 
 
-def storage_problems(section: Mapping[str, Any]) -> list[str]:
-    """What is wrong with an s3/gcs ``checkpoint_storage`` section; values of keys are never quoted
-    for ``access_key``/``secret_key``. Pure."""
-    kind = section.get("type")
-    problems = []
-    bucket = section.get("bucket")
-    if not isinstance(bucket, str) or not bucket:
-        problems.append(f"checkpoint_storage.bucket={_names.shown(bucket)}: expected the bucket's name "
-                        f"(type: {kind} needs one)")
-    for key in STORAGE_KEYS.get(str(kind), ())[1:]:
-        value = section.get(key)
-        if value is not None and not isinstance(value, str):
-            shown = f"a {type(value).__name__}" if key in _SECRET_KEYS else _names.shown(value)
-            problems.append(f"checkpoint_storage.{key}={shown}: expected a string")
-    if kind == "s3" and bool(section.get("access_key")) != bool(section.get("secret_key")):
-        problems.append("checkpoint_storage: access_key and secret_key go together: give both, or neither "
-                        "to use the standard AWS credential chain (AWS_* variables, ~/.aws, an instance "
-                        "role)")
-    return problems
-
-
 def cloud_root(section: Mapping[str, Any]) -> CloudRoot:
     """The :class:`CloudRoot` of an s3/gcs ``checkpoint_storage`` mapping. Pure (no connection).
 
     Raises:
         ConfigError: every problem of the section (a missing bucket, a bad prefix, a key alone).
     """
-    problems = storage_problems(section)
+    problems = store.bucket_section_problems(section)
     if problems:
         raise ConfigError(problems)
     scheme = "s3" if section["type"] == "s3" else "gs"

@@ -88,7 +88,8 @@ SPLIT_FILES: tuple[str, ...] = (
 SLOW_UNITS: tuple[str, ...] = (
     "tests/compat/test_determined_e2e.py",
     "tests/dsat/test_e2e.py::test_binary_search_on_the_example_then_train_with_the_best_config",
-    "tests/cluster/", "tests/checkpoint/test_api.py",
+    "tests/cluster/", "tests/checkpoint/test_api.py", "tests/checkpoint/test_store.py",
+    "tests/compat/test_determined_storage.py",
     "tests/test_examples.py::test_sigterm", "tests/checkpoint/test_exact_resume.py",
     "tests/dsat/trial/test_reporting.py", "tests/dsat/test_e2e.py", "tests/compat/test_determined_launcher.py",
     "tests/reliability/test_chaos.py", "tests/test_examples.py", "tests/runtime/test_multinode.py",

@@ -73,6 +73,15 @@ def _ignore_repeated_stop(signum: int, frame: Any) -> None:
 
 
 _groups_made = 0  # watchers that made a group in this process: names each group's arrival keys
+_stop_agreed_at: float | None = None  # time.monotonic() of this process's first agreed stop
+
+
+def seconds_since_stop() -> float | None:
+    """Seconds since a watcher of this process first agreed on a stop, or None. Any rank.
+
+    A save after the stop logs its upload against the scheduler's grace (toolkit.checkpoint.remote).
+    """
+    return None if _stop_agreed_at is None else time.monotonic() - _stop_agreed_at
 
 
 class PreemptionWatcher:
@@ -260,7 +269,9 @@ class PreemptionWatcher:
                        f"about {2 * self._interval} calls")
 
     def _decide(self, signum: int, requested: bool) -> None:
+        global _stop_agreed_at
         self._decided = True
+        _stop_agreed_at = _stop_agreed_at or time.monotonic()
         if self._signum and not self._logged_local:
             self._log_local()
         cause = signal.Signals(signum).name if signum else "a stop request (request_stop)"

@@ -11,6 +11,7 @@ Example::
     resumed = load_checkpoint(engine, "ckpt")                  # call on all ranks
 """
 
+from toolkit.checkpoint import remote  # noqa: F401 - imported with toolkit: its logger gets the rank filter
 from toolkit.checkpoint.api import load_checkpoint, save_checkpoint
 from toolkit.checkpoint.consolidate import consolidate_checkpoint
 from toolkit.checkpoint.cpu_adam import replay_cpu_adam_state

@@ -29,12 +29,13 @@ import torch
 
 from toolkit._checks import int_problem, is_int, type_name
 from toolkit._files import atomic_write_json, fsync_tree
-from toolkit.checkpoint import layout
+from toolkit.checkpoint import layout, remote  # remote imports this module: only used in calls
 from toolkit.checkpoint.consolidate import consolidate_checkpoint
 from toolkit.checkpoint.cpu_adam import replay_cpu_adam_state
 from toolkit.checkpoint.engine import check_engine, engine_facts
 from toolkit.checkpoint.ranks import agree, on_chief, write_failure
 from toolkit.checkpoint.rng import read_rank_file, restore_rng_state, write_rank_file
+from toolkit.checkpoint.store import open_store, parse_url
 from toolkit.checkpoint.universal import universal_tag
 from toolkit.errors import CheckpointError, ConfigError
 from toolkit.runtime.context import DistributedContext, get_context
@@ -81,6 +82,8 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
     Args:
         engine: the engine from ``deepspeed.initialize`` (data parallel with ZeRO 0-3, or pipeline).
         checkpoint_dir: the run's checkpoint directory, shared by all ranks; created if missing.
+            Or an ``s3://`` / ``gs://`` URL: staged locally, uploaded, committed in the bucket
+            (docs/object-storage.md).
         steps_completed: training steps done so far; returned by :func:`load_checkpoint`.
         client_state: your own picklable state (epoch, sampler position, ...), saved through
             DeepSpeed's ``client_state`` from the first data-parallel rank, so keep it the same on
@@ -100,14 +103,15 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
     Raises:
         ConfigError: invalid arguments (every problem listed), before anything is written.
         CheckpointError: a directory owned by another run, a tag directory that is not
-            toolkit's, or a failure on some rank (every rank raises).
+            toolkit's, or a failure on some rank, an upload's included (every rank raises).
 
     Example::
 
         # torchrun --nproc_per_node 2 train.py
         toolkit.save_checkpoint(engine, "checkpoints", steps_completed=step + 1, keep_last=2)
     """
-    root = layout.checkpoint_root(checkpoint_dir)
+    url = parse_url(checkpoint_dir)
+    root = url.url if url else layout.checkpoint_root(checkpoint_dir)
     tag = _checked_save_arguments(steps_completed, client_state, keep_last, tag, run_id, overwrite)
     check_engine(engine)
     ctx = get_context()
@@ -115,14 +119,24 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
     save = _Save(root=root, tag=tag, steps_completed=int(steps_completed),
                  client_state=dict(client_state or {}), facts=engine_facts(engine, ctx),
                  keep_last=None if keep_last is None else int(keep_last))
-    key = os.path.realpath(root)
-    this_run, seq = _prepare_tag(ctx, save, mine=run_id or _run_ids.get(key), overwrite=overwrite)
-    _run_ids[key] = this_run
-    _write_on_every_rank(engine, ctx, save, this_run)
-    deleted = on_chief(ctx, lambda: _commit(engine, save, this_run, seq), slow=True)
+    key = root if url else os.path.realpath(root)
+    if url:  # object storage: staged locally, uploaded, committed in the bucket (remote.py)
+        _run_ids[key], deleted = remote.save(engine, ctx, save, open_store(url),
+                                             mine=run_id or _run_ids.get(key), overwrite=overwrite)
+    else:
+        _run_ids[key], deleted = _save_local(engine, ctx, save, mine=run_id or _run_ids.get(key),
+                                             overwrite=overwrite)
     logger.info("checkpoint %r (steps_completed=%d) committed to %s in %.2f s%s", tag, save.steps_completed,
                 root, time.monotonic() - started, f"; deleted {deleted}" if deleted else "")
     return tag
+
+
+def _save_local(engine: Any, ctx: DistributedContext, save: _Save, *, mine: str | None,
+                overwrite: bool) -> tuple[str, list[str]]:
+    """Plan, write and commit into a directory; the run id and the tags deleted. All ranks."""
+    this_run, seq = _prepare_tag(ctx, save, mine=mine, overwrite=overwrite)
+    _write_on_every_rank(engine, ctx, save, this_run)
+    return this_run, on_chief(ctx, lambda: _commit(engine, save, this_run, seq), slow=True)
 
 
 def _checked_save_arguments(steps_completed: Any, client_state: Any, keep_last: Any, tag: Any, run_id: Any,
@@ -177,7 +191,13 @@ def _prepare_tag(ctx: DistributedContext, save: _Save, *, mine: str | None,
             "started_at": time.time()})
         return plan.run_id, plan.seq, save.tag, save.steps_completed
 
-    this_run, seq, chief_tag, chief_steps = on_chief(ctx, prepare)
+    return _agree_on_tag(ctx, save, on_chief(ctx, prepare))
+
+
+def _agree_on_tag(ctx: DistributedContext, save: _Save,
+                  planned: tuple[str, int, str, int]) -> tuple[str, int]:
+    """The chief's (run id, seq) once every rank saves its tag and step; raises on all ranks if not."""
+    this_run, seq, chief_tag, chief_steps = planned
     # Every rank must write the same tag, or ranks would scatter their files over two checkpoints.
     mismatch = (f"tag {save.tag!r} at steps_completed={save.steps_completed}, but the chief saves "
                 f"{chief_tag!r} at steps_completed={chief_steps}; pass the same values on every rank")
@@ -186,11 +206,12 @@ def _prepare_tag(ctx: DistributedContext, save: _Save, *, mine: str | None,
     return this_run, seq
 
 
-def _write_on_every_rank(engine: Any, ctx: DistributedContext, save: _Save, this_run: str) -> None:
+def _write_on_every_rank(engine: Any, ctx: DistributedContext, save: _Save, this_run: str, *,
+                         flush: bool = True) -> None:
     """Every rank writes its RNG states and DeepSpeed's files, flushed; raises on all if one failed.
 
     RNG states first: DeepSpeed's save ends with a barrier, after which every file is complete.
-    Call on all ranks.
+    ``flush=False``: a staging directory for an upload (the bucket makes it durable). All ranks.
     """
     rank_error = None
     try:
@@ -211,7 +232,7 @@ def _write_on_every_rank(engine: Any, ctx: DistributedContext, save: _Save, this
         rank_error = rank_error or write_failure(f"DeepSpeed could not write its files into {save.tag_dir}",
                                                  err, save.tag_dir)
         deepspeed.comm.barrier()
-    if rank_error is None and ctx.is_local_chief:
+    if rank_error is None and ctx.is_local_chief and flush:
         try:  # flush every file of this node before the commit can be written
             fsync_tree(save.tag_dir)
         except OSError as err:
@@ -225,12 +246,7 @@ def _commit(engine: Any, save: _Save, this_run: str, seq: int) -> list[str]:
     Returns the tags deleted by ``keep_last`` (a failed deletion is logged, not raised: the new
     checkpoint is committed by then).
     """
-    import deepspeed
-
-    metadata = {**save.facts, "format": layout.FORMAT_VERSION, "tag": save.tag, "run_id": this_run,
-                "seq": seq, "steps_completed": save.steps_completed, "committed_at": time.time(),
-                "deepspeed_version": deepspeed.__version__, "torch_version": torch.__version__,
-                "ds_config": engine.config, "client_state_keys": sorted(map(str, save.client_state))}
+    metadata = _commit_metadata(engine, save, this_run, seq)
     atomic_write_json(save.tag_dir / layout.COMMIT_FILE, metadata, default=repr)
     layout.set_latest(save.root, save.tag)
     deleted: list[str] = []
@@ -243,6 +259,16 @@ def _commit(engine: Any, save: _Save, this_run: str, seq: int) -> list[str]:
             except OSError as err:  # the new checkpoint is committed; do not fail the save
                 logger.warning("keep_last: could not delete %s: %s", Path(save.root) / old, err)
     return deleted
+
+
+def _commit_metadata(engine: Any, save: _Save, this_run: str, seq: int) -> dict[str, Any]:
+    """The commit record of a save (any rank; the chief writes it)."""
+    import deepspeed
+
+    return {**save.facts, "format": layout.FORMAT_VERSION, "tag": save.tag, "run_id": this_run,
+            "seq": seq, "steps_completed": save.steps_completed, "committed_at": time.time(),
+            "deepspeed_version": deepspeed.__version__, "torch_version": torch.__version__,
+            "ds_config": engine.config, "client_state_keys": sorted(map(str, save.client_state))}
 
 
 def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
@@ -259,7 +285,8 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
     Args:
         engine: a freshly initialised engine (under ZeRO-3 DeepSpeed cannot load into an engine
             that has saved since its creation).
-        checkpoint_dir: the directory given to :func:`save_checkpoint`.
+        checkpoint_dir: the directory or bucket URL given to :func:`save_checkpoint`; from a
+            URL the checkpoint is downloaded once per machine into the local cache.
         tag: a committed checkpoint's tag; ``None`` follows ``latest`` (or takes the newest
             committed one when ``latest`` names none).
 
@@ -270,7 +297,8 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
     Raises:
         ConfigError: ``tag`` is not a valid name.
         CheckpointError: the tag is missing or not committed; the checkpoint does not
-            fit the engine; or a rank's RNG file is missing. Raised on every rank.
+            fit the engine; a rank's RNG file is missing; or the bucket cannot be written
+            (credentials, endpoint) or read. Raised on every rank.
 
     Example::
 
@@ -278,12 +306,15 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
         resumed = toolkit.load_checkpoint(engine, "checkpoints")
         steps_completed, state = resumed if resumed is not None else (0, {})
     """
-    root = layout.checkpoint_root(checkpoint_dir)
+    url = parse_url(checkpoint_dir)
+    root = url.url if url else layout.checkpoint_root(checkpoint_dir)
     problem = None if tag is None else layout.name_problem(tag)
     if problem:
         raise ConfigError(problem, source="load_checkpoint()")
     check_engine(engine)
     ctx = get_context()
+    if url:
+        return remote.load_url(engine, ctx, url, tag, _run_ids)
     key = os.path.realpath(root)
     if engine.load_universal_checkpoint():
         return _load_universal(engine, ctx, root, tag, key)

@@ -59,6 +59,10 @@ def checkpoint_root(checkpoint_dir: Any, *, what: str = "checkpoint_dir") -> str
     if not isinstance(checkpoint_dir, (str, os.PathLike)) or not os.fspath(checkpoint_dir):
         raise ConfigError(f"{what}={checkpoint_dir!r}: expected a non-empty path (str or pathlib.Path)")
     root = os.fspath(checkpoint_dir)
+    if isinstance(root, str) and "://" in root.split("/", 3)[0] + "//":
+        raise ConfigError(f"{what}={_names.shown(root)}: expected a local or shared directory here (a "
+                          "path without scheme); only save_checkpoint and load_checkpoint take s3:// and "
+                          "gs:// URLs")
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"{what}={root!r} exists and is not a directory; pass a directory "
                               "(it is created if missing)")

@@ -23,9 +23,10 @@ from toolkit import _names
 from toolkit.bounded_load import parse_json
 from toolkit.errors import CheckpointError
 
-__all__ = ["name_problem", "validate_name", "read_record", "commit_problem", "read_pointer"]
+__all__ = ["name_problem", "validate_name", "read_record", "parse_record", "commit_problem", "read_pointer",
+           "parse_pointer", "MAX_RECORD"]
 
-_MAX_RECORD = 16 * 2**20   # a commit or run record larger than this is damaged, not read
+MAX_RECORD = 16 * 2**20   # a commit or run record larger than this is damaged, not read
 _RESERVED = {"latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py"}
 
 
@@ -80,21 +81,24 @@ def _unreadable(path: Path, err: OSError) -> str:
 def read_record(path: Path) -> dict[str, Any] | None:
     """A toolkit record (run or commit file) as a dict; None when missing. Never through a symlink."""
     try:
-        raw = _read_plain_file(path, _MAX_RECORD + 1)
+        raw = _read_plain_file(path, MAX_RECORD + 1)
     except OSError as err:
         raise CheckpointError(f"cannot read {path}: {_unreadable(path, err)}; delete the directory that "
                               "holds it or load another tag") from err
-    if raw is None:
-        return None
+    return None if raw is None else parse_record(raw, str(path))
+
+
+def parse_record(raw: bytes, source: str) -> dict[str, Any]:
+    """A record's bytes (read from ``source``, a path or a URL) as a dict. Any rank."""
     try:
-        if len(raw) > _MAX_RECORD:
-            raise ValueError(f"larger than {_MAX_RECORD // 2**20} MiB")
-        data = parse_json(raw.decode("utf-8"), source=str(path), expect_object=False)
+        if len(raw) > MAX_RECORD:
+            raise ValueError(f"larger than {MAX_RECORD // 2**20} MiB")
+        data = parse_json(raw.decode("utf-8"), source=source, expect_object=False)
     except ValueError as err:  # UnicodeDecodeError and ConfigError are ValueErrors too
-        raise CheckpointError(f"cannot read {path}: {err}; the file is damaged, delete the directory that "
+        raise CheckpointError(f"cannot read {source}: {err}; the file is damaged, delete the directory that "
                               "holds it or load another tag") from err
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path} holds {type(data).__name__}, expected a JSON object; the file is "
+        raise CheckpointError(f"{source} holds {type(data).__name__}, expected a JSON object; the file is "
                               "damaged, delete the directory that holds it or load another tag")
     return data
 
@@ -126,12 +130,17 @@ def read_pointer(root: str | os.PathLike[str], name: str) -> tuple[str | None, s
         return None, f"{path} cannot be read ({_unreadable(path, err)}); ignored"
     if raw is None:
         return None, None
+    return parse_pointer(raw, str(path))
+
+
+def parse_pointer(raw: bytes, source: str) -> tuple[str | None, str | None]:
+    """A pointer file's bytes (read from ``source``) as ``(tag, problem)``, as :func:`read_pointer`."""
     try:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
         tag = ""
     if not tag and not raw.strip():
-        return None, f"{path} is empty; ignored"
+        return None, f"{source} is empty; ignored"
     if name_problem(tag) or len(raw) > _names.MAX_NAME + 1:
-        return None, f"{path} does not hold a valid tag name; ignored"
+        return None, f"{source} does not hold a valid tag name; ignored"
     return tag, None

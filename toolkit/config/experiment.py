@@ -216,6 +216,10 @@ def _storage_problems(config: Mapping[str, Any]) -> list[str]:
     problems = [f"checkpoint_storage.{key}={storage[key]!r}: expected a directory path"
                 for key in ("storage_path", "host_path")
                 if key in storage and (not isinstance(storage[key], str) or not storage[key])]
+    if storage.get("type") in ("s3", "gcs"):  # bucket, prefix, keys: never quoting a key's value
+        from toolkit.checkpoint.store import bucket_section_problems
+
+        problems.extend(bucket_section_problems(storage))
     if "save_trial_latest" in storage:
         problem = int_problem("checkpoint_storage.save_trial_latest", storage["save_trial_latest"], minimum=0)
         if problem:

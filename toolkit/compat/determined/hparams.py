@@ -56,7 +56,7 @@ _COMPAT_KEYS = ("data", "reproducibility", "debug")
 _HONOURED = {
     "environment": ("environment_variables",),
     "checkpoint_storage": ("type", "host_path", "storage_path", "container_path", "save_trial_latest",
-                           "save_trial_best"),
+                           "save_trial_best", "bucket", "prefix", "endpoint_url", "access_key", "secret_key"),
 }
 _COMPAT_SEARCHER_KEYS = (
     "max_trials", "max_concurrent_trials", "time_metric", "max_time", "divisor", "max_rungs", "mode",
@@ -226,8 +226,8 @@ def _warn_ignored(raw: Mapping[str, Any]) -> list[str]:
     for section, honoured in _HONOURED.items():
         values = raw.get(section)
         if section == "checkpoint_storage" and is_mapping(values) and values.get("type") not in (
-                None, "shared_fs", "directory"):
-            continue  # a cloud type is refused, by its own error
+                None, "shared_fs", "directory", "s3", "gcs"):
+            continue  # azure is refused, by its own error
         if is_mapping(values):
             messages += warn_unknown_keys(values, honoured, where=f"{section}.",
                                           not_honoured=NOT_HONOURED[f"{section}."])

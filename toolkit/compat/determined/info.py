@@ -128,7 +128,7 @@ class ClusterInfo:
         self._resources_info = resources_info or ResourcesInfo([])
         # Toolkit's own: where the run writes, and the checkpoint root (used by core.init).
         self.output_dir: Path = Path(".")
-        self.checkpoint_root: Path = Path(".")
+        self.checkpoint_root: storage.Root = Path(".")
 
     @property
     def latest_checkpoint(self) -> str | None:
@@ -328,7 +328,7 @@ def _build() -> ClusterInfo:
         hparams = resolve_hparams(config.get("hyperparameters") or {})
     root = storage.storage_root(config.get("checkpoint_storage"), output_dir=output_dir, base_dir=config_dir)
     registry = storage.read_registry(output_dir)
-    written_to = Path(registry["root"]) if registry["root"] else root  # core.init(checkpoint_storage=...)
+    written_to = storage.root_from_registry(registry["root"], root)  # core.init(checkpoint_storage=...)
     latest = storage.latest_storage_id(registry, written_to)
     steps = storage.read_metadata(written_to, latest).get("steps_completed", 0) if latest else 0
     slot_ids, nodes, node = _launch_layout(config)

@@ -3,7 +3,9 @@
 Layout (what ``core_context.checkpoint`` writes; every rank of one machine sees the same paths):
 
 * ``<root>/<storage_id>/``: one checkpoint, ``storage_id`` a fresh UUID, as in Determined.
-  ``<root>`` comes from the YAML's ``checkpoint_storage`` (:func:`storage_root`).
+  ``<root>`` comes from the YAML's ``checkpoint_storage`` (:func:`storage_root`): a directory, or
+  a bucket prefix (``type: s3`` / ``gcs``, :mod:`toolkit.compat.determined.cloud`), where the
+  same functions below read and delete.
 * ``<root>/<storage_id>/metadata.json``: written last, atomically, after every file of the
   checkpoint was flushed (``fsync_tree``): its presence is the commit. A checkpoint without it
   is a partial one (a crash inside ``store_path``) and is never restored.
@@ -30,6 +32,8 @@ from toolkit import _names
 from toolkit._checks import is_int
 from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
+from toolkit.compat.determined import cloud
+from toolkit.compat.determined.cloud import CloudRoot
 from toolkit.errors import CheckpointError, ConfigError
 
 __all__ = [
@@ -46,32 +50,38 @@ __all__ = [
     "read_metadata",
     "plan_gc",
     "remove_checkpoint",
+    "root_from_registry",
+    "Root",
 ]
 
 logger = logging.getLogger(__name__)
 
 REGISTRY_NAME = "determined_checkpoints.json"
 METADATA_NAME = "metadata.json"
-_CLOUD = ("s3", "gcs", "azure")
+Root = Path | CloudRoot
 
 
-def storage_root(storage: Any, *, output_dir: Path, base_dir: Path) -> Path:
-    """The directory checkpoints go to, from ``checkpoint_storage`` (YAML or ``core.init``). Pure.
+def storage_root(storage: Any, *, output_dir: Path, base_dir: Path) -> Root:
+    """Where checkpoints go, from ``checkpoint_storage`` (YAML or ``core.init``). Pure.
 
-    ``None``: ``<output_dir>/checkpoints``. A string: that path. A mapping: ``type: shared_fs``
-    (``host_path`` joined with ``storage_path``), ``type: directory`` (``container_path``), or
-    toolkit's own ``storage_path``. Relative paths are relative to ``base_dir``.
+    ``None``: ``<output_dir>/checkpoints``. A string: that path, or an ``s3://``/``gs://`` URL.
+    A mapping: ``type: shared_fs`` (``host_path`` joined with ``storage_path``), ``type:
+    directory`` (``container_path``), toolkit's own ``storage_path``, or ``type: s3`` / ``gcs``
+    (``bucket``, ``prefix``; s3 also ``endpoint_url``, ``access_key``, ``secret_key``). Relative
+    paths are relative to ``base_dir``.
 
     Raises:
-        ConfigError: a cloud type (s3, gcs, azure), a URL, or no usable path; names the key.
+        ConfigError: azure, another URL, a bad cloud section, or no usable path; names the key.
     """
     if storage is None:
         return output_dir / "checkpoints"
     if isinstance(storage, str):
+        if storage.startswith(("s3://", "gs://", "gcs://")):
+            return cloud.url_root(storage)
         if "://" in storage and not storage.startswith("file://"):
             raise ConfigError(
-                f"checkpoint_storage={storage!r}: cloud storage is not available here; give a "
-                "local or shared directory (a path), and copy checkpoints to the cloud yourself"
+                f"checkpoint_storage={_names.shown(storage)}: expected a local or shared directory (a path), "
+                "or an s3:// or gs:// URL"
             )
         return base_dir / storage.removeprefix("file://")
     if not isinstance(storage, Mapping):
@@ -82,11 +92,12 @@ def storage_root(storage: Any, *, output_dir: Path, base_dir: Path) -> Path:
     kind = storage.get("type")
     if kind is None and not any(storage.get(k) for k in ("host_path", "storage_path", "container_path")):
         return output_dir / "checkpoints"  # only policy keys such as save_trial_latest
-    if kind in _CLOUD:
+    if kind in ("s3", "gcs"):
+        return cloud.cloud_root(storage)
+    if kind == "azure":
         raise ConfigError(
-            f"checkpoint_storage.type={kind!r}: cloud checkpoint storage is cluster-only; use "
-            "type: shared_fs (host_path, storage_path) or type: directory (container_path) "
-            "on a disk every rank sees"
+            "checkpoint_storage.type='azure': Azure Blob Storage is not available here; use type: s3 or "
+            "gcs (bucket, prefix), or type: shared_fs (host_path, storage_path) on a disk every rank sees"
         )
     if kind == "directory":
         path = storage.get("container_path")
@@ -96,10 +107,21 @@ def storage_root(storage: Any, *, output_dir: Path, base_dir: Path) -> Path:
         path = str(Path(host) / sub) if host and sub else (host or sub)
         key = "host_path"
     if kind not in (None, "shared_fs", "directory"):
-        raise ConfigError(f"checkpoint_storage.type={kind!r}: expected shared_fs or directory")
+        raise ConfigError(f"checkpoint_storage.type={kind!r}: expected shared_fs, directory, s3 or gcs")
     if not isinstance(path, str) or not path:
         raise ConfigError(f"checkpoint_storage.{key}={storage.get(key)!r}: expected a directory path")
     return base_dir / path
+
+
+def root_from_registry(recorded: Any, configured: Root) -> Root:
+    """Where a trial's registry says its checkpoints went (``core.init(checkpoint_storage=...)`` may
+    differ from the YAML): the configured root when it is the same place (its credentials kept)."""
+    if not isinstance(recorded, str) or not recorded:
+        return configured
+    same_dir = isinstance(configured, Path) and str(configured.resolve()) == recorded
+    if str(configured) == recorded or same_dir:
+        return configured
+    return cloud.url_root(recorded) if "://" in recorded else Path(recorded)
 
 
 def read_registry(output_dir: Path) -> dict[str, Any]:
@@ -162,9 +184,11 @@ def checkpoint_path(root: Path, storage_id: Any) -> Path:
     return root / storage_id
 
 
-def is_committed(root: Path, storage_id: Any) -> bool:
+def is_committed(root: Root, storage_id: Any) -> bool:
     """True when ``<root>/<storage_id>`` holds a complete checkpoint (its metadata.json, a plain
     file) and the id is safe and stays inside ``root``. Any rank."""
+    if isinstance(root, CloudRoot):
+        return _names.name_problem(storage_id) is None and cloud.committed(root, storage_id)
     try:
         metadata = checkpoint_path(root, storage_id) / METADATA_NAME
     except CheckpointError:
@@ -172,7 +196,7 @@ def is_committed(root: Path, storage_id: Any) -> bool:
     return metadata.is_file() and not metadata.is_symlink()
 
 
-def latest_storage_id(registry: Mapping[str, Any], root: Path) -> str | None:
+def latest_storage_id(registry: Mapping[str, Any], root: Root) -> str | None:
     """The newest committed checkpoint of the registry that is still on disk, or None. Any rank."""
     for entry in reversed(registry["committed"]):
         if is_committed(root, entry["storage_id"]):
@@ -180,12 +204,14 @@ def latest_storage_id(registry: Mapping[str, Any], root: Path) -> str | None:
     return None
 
 
-def read_metadata(root: Path, storage_id: str) -> dict[str, Any]:
+def read_metadata(root: Root, storage_id: str) -> dict[str, Any]:
     """The checkpoint's metadata.json. Any rank. Raises FileNotFoundError for a partial one.
 
     Raises:
         CheckpointError: an unsafe id, a symlink out of ``root``, or a damaged file (named).
     """
+    if isinstance(root, CloudRoot):
+        return cloud.read_metadata(root, check_storage_id(storage_id, error=CheckpointError))
     path = checkpoint_path(root, storage_id) / METADATA_NAME
     try:
         data = load_json(path, what="checkpoint metadata", expect_object=False)
@@ -230,7 +256,7 @@ def plan_gc(committed: list[dict[str, Any]], save_trial_latest: Any, *, save_tri
     return [sid for sid in ids if sid not in keep]
 
 
-def remove_checkpoint(root: Path, storage_id: Any) -> bool:
+def remove_checkpoint(root: Root, storage_id: Any) -> bool:
     """Delete a checkpoint directory toolkit made: metadata.json first (uncommit), then the rest.
 
     Any rank. Only a canonical UUID (toolkit's ids) naming a real directory directly inside
@@ -243,6 +269,10 @@ def remove_checkpoint(root: Path, storage_id: Any) -> bool:
     if not is_toolkit_id(storage_id):
         raise CheckpointError(f"storage_id={_names.shown(storage_id)} is not an id toolkit gives its "
                               "checkpoints (a UUID); toolkit deletes only checkpoints it created")
+    if isinstance(root, CloudRoot):
+        removed = cloud.remove(root, storage_id)
+        logger.info("deleted checkpoint %s from %s", storage_id, root)
+        return removed
     directory = _names.real_child(root, storage_id, what="storage_id")
     if directory is None:
         return False

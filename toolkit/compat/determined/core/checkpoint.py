@@ -10,6 +10,12 @@ next run removes what an interrupted ``store_path`` left. After each commit, ``c
 validated at the checkpoint's ``steps_completed``) are kept, the others deleted
 (:func:`toolkit.compat.determined.storage.plan_gc`); neither set: all kept.
 
+With ``checkpoint_storage`` of ``type: s3`` / ``gcs`` the path is a staging directory in this
+machine's cache: after the block the chief (``shard=False``) or every machine's local rank 0
+(``shard=True``) uploads it, every rank learns whether every upload worked, and only then the
+chief uploads ``metadata.json`` (the commit). ``restore_path`` and ``download`` download into the
+cache, once per machine by default (:mod:`toolkit.compat.determined.cloud`).
+
 Storage ids are checked by toolkit's one rule for names (:mod:`toolkit._names`, through
 :mod:`toolkit.compat.determined.storage`) where they enter: an unsafe id from the script is a
 ``ConfigError``, one from the registry or the chief's broadcast a ``CheckpointError``. ``delete``
@@ -41,7 +47,8 @@ from typing import Any, Callable, Iterator
 from toolkit import _names
 from toolkit._checks import is_number
 from toolkit._files import atomic_write_json, fsync_tree
-from toolkit.compat.determined import storage
+from toolkit.compat.determined import cloud, storage
+from toolkit.compat.determined.cloud import CloudRoot
 from toolkit.compat.determined.core.distributed import DistributedContext
 from toolkit.compat.determined.errors import CheckpointNotFound
 from toolkit.errors import CheckpointError
@@ -84,7 +91,8 @@ class CheckpointContext:
     """Store and restore checkpoints under the trial's checkpoint root. See the module docstring."""
 
     def __init__(
-        self, dist: DistributedContext, *, root: Path, output_dir: Path, save_trial_latest: Any = None,
+        self, dist: DistributedContext, *, root: storage.Root, output_dir: Path,
+        save_trial_latest: Any = None,
         before_store: Callable[[], None] | None = None, save_trial_best: Any = None,
         metric: str | None = None, smaller_is_better: bool = True,
     ) -> None:
@@ -94,17 +102,21 @@ class CheckpointContext:
         # is on disk once the checkpoint is (a crash loses neither one without the other).
         self._before_store = before_store
         self._dist = dist
-        self._root = Path(root)
+        self._root: storage.Root = root if isinstance(root, CloudRoot) else Path(root)
         self._output_dir = Path(output_dir)
         self._save_trial_latest = save_trial_latest
         self._save_trial_best, self._metric, self._smaller = save_trial_best, metric, smaller_is_better
         if dist.rank == 0:
+            if isinstance(self._root, CloudRoot):  # wrong keys or endpoint fail here, before training
+                self._root.store.check_access(f".toolkit-probe-{uuid.uuid4().hex}")
             self._clean_pending()
 
     def _clean_pending(self) -> None:
         """Remove what interrupted ``store_path`` calls left: recorded, toolkit-made, uncommitted."""
         registry = storage.read_registry(self._output_dir)
         for sid in registry["pending"]:
+            if isinstance(self._root, CloudRoot):
+                shutil.rmtree(cloud.staging_dir(self._root, str(sid)), ignore_errors=True)
             if storage.is_committed(self._root, sid):
                 continue
             try:
@@ -120,16 +132,44 @@ class CheckpointContext:
     def _begin(self) -> str:
         storage_id = str(uuid.uuid4())
         registry = storage.read_registry(self._output_dir)
-        registry["root"] = str(self._root.resolve())
+        registry["root"] = str(self._root) if isinstance(self._root, CloudRoot) else str(self._root.resolve())
         registry["pending"].append(storage_id)
         storage.write_registry(self._output_dir, registry)
-        (self._root / storage_id).mkdir(parents=True, exist_ok=False)
+        if not isinstance(self._root, CloudRoot):
+            (self._root / storage_id).mkdir(parents=True, exist_ok=False)
         return storage_id
 
+    def _path(self, storage_id: str) -> Path:
+        """Where the block writes: the checkpoint's directory, or the cloud upload's staging one."""
+        if isinstance(self._root, CloudRoot):
+            path = cloud.staging_dir(self._root, storage_id)
+            path.mkdir(parents=True, exist_ok=True)
+            return path
+        return self._root / storage_id
+
+    def _upload(self, path: Path, storage_id: str, shard: bool) -> None:
+        """Cloud only: the chief (or each machine's local rank 0 with ``shard``) uploads the staging
+        directory; every rank raises if any upload failed. All ranks with ``shard``, else the chief."""
+        assert isinstance(self._root, CloudRoot)
+        error = None
+        if not shard or self._dist.local_rank == 0:
+            try:
+                cloud.upload_dir(self._root, path, storage_id)
+            except CheckpointError as err:
+                error = str(err)
+            finally:
+                shutil.rmtree(path, ignore_errors=True)
+        failed = [e for e in (self._dist.allgather(error) if shard else [error]) if e]
+        if failed:
+            raise CheckpointError(f"checkpoint {storage_id} was not committed: {failed[0]}")
+
     def _commit(self, storage_id: str, metadata: dict[str, Any]) -> None:
-        directory = self._root / storage_id
-        fsync_tree(directory)
-        atomic_write_json(directory / storage.METADATA_NAME, metadata)
+        if isinstance(self._root, CloudRoot):
+            self._root.store.write(f"{storage_id}/{storage.METADATA_NAME}",
+                                   (json.dumps(metadata, indent=2, sort_keys=True) + "\n").encode())
+        else:
+            fsync_tree(self._root / storage_id)
+            atomic_write_json(self._root / storage_id / storage.METADATA_NAME, metadata)
         registry = storage.read_registry(self._output_dir)
         registry["pending"] = [s for s in registry["pending"] if s != storage_id]
         registry["committed"].append(
@@ -194,8 +234,11 @@ class CheckpointContext:
         storage_id = self._begin() if self._dist.rank == 0 else ""
         if shard:
             storage_id = storage.check_storage_id(self._dist.broadcast(storage_id), error=CheckpointError)
-        yield self._root / storage_id, storage_id
+        path = self._path(storage_id)
+        yield path, storage_id
         parts = self._dist.allgather(metadata) if shard else [metadata]
+        if isinstance(self._root, CloudRoot):
+            self._upload(path, storage_id, shard)
         if self._dist.rank == 0:
             self._commit(storage_id, merge_metadata(parts))
         if shard:
@@ -221,14 +264,36 @@ class CheckpointContext:
         return storage_id
 
     def _committed_dir(self, storage_id: str) -> Path:
-        """The committed checkpoint's directory, inside the root. Raises ConfigError for an unsafe id."""
+        """The committed checkpoint's directory, inside the root (for a cloud root: its name).
+        Raises ConfigError for an unsafe id, CheckpointNotFound for no committed checkpoint."""
         storage.check_storage_id(storage_id)
         if not storage.is_committed(self._root, storage_id):
             raise CheckpointNotFound(
                 f"Did not find checkpoint {storage_id} in {self._root} (or it was never "
                 "committed: its store_path did not finish)"
             )
-        return self._root / storage_id
+        return Path(storage_id) if isinstance(self._root, CloudRoot) else self._root / storage_id
+
+    def _fetch(self, storage_id: str, target: Path | None, shared: bool,
+               selector: Callable[[str], bool] | None) -> Path:
+        """Cloud only: download into ``target`` (None: a fresh cache directory), once per machine
+        when ``shared`` (all local ranks call), else on this rank alone; raises where any failed."""
+        assert isinstance(self._root, CloudRoot)
+        root = self._root
+        error, path = None, target
+        if not shared or self._dist.local_rank == 0:
+            try:
+                path = target or cloud.fresh_local_dir(root, f"det-restore-{storage_id}")
+                cloud.download_dir(root, storage_id, path, selector)
+            except (CheckpointError, OSError) as err:
+                error = f"downloading checkpoint {storage_id} from {root}: {err}"
+        if shared:
+            found = self._dist.allgather_local((error, str(path) if path else None))
+            error = next((e for e, _ in found if e), None)
+            path = Path(found[0][1]) if found[0][1] else None
+        if error or path is None:
+            raise CheckpointError(error or f"downloading checkpoint {storage_id} from {root} failed")
+        return path
 
     @contextlib.contextmanager
     def restore_path(
@@ -243,10 +308,21 @@ class CheckpointContext:
         Raises:
             CheckpointNotFound: no committed checkpoint with that id.
         """
-        DownloadMode(download_mode)
-        if selector is not None:
-            logger.warning("restore_path: selector ignored, the checkpoint is read in place")
-        yield self._committed_dir(storage_id)
+        shared = DownloadMode(download_mode) is DownloadMode.LocalWorkersShareDownload
+        directory = self._committed_dir(storage_id)
+        if not isinstance(self._root, CloudRoot):
+            if selector is not None:
+                logger.warning("restore_path: selector ignored, the checkpoint is read in place")
+            yield directory
+            return
+        path = self._fetch(storage_id, None, shared, selector)
+        try:
+            yield path
+        finally:
+            if shared:
+                self._dist.allgather_local(None)  # every local rank is done with the files
+            if not shared or self._dist.local_rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
 
     def download(
         self,
@@ -260,6 +336,9 @@ class CheckpointContext:
         copies) or any rank alone (``NoSharedDownload``)."""
         shared = DownloadMode(download_mode) is DownloadMode.LocalWorkersShareDownload
         source = self._committed_dir(storage_id)
+        if isinstance(self._root, CloudRoot):
+            self._fetch(storage_id, Path(ckpt_dir), shared, selector)
+            return
         if not shared or self._dist.local_rank == 0:
             _copy(source, Path(ckpt_dir), selector, links=False)
         if shared:
@@ -267,7 +346,7 @@ class CheckpointContext:
 
     def get_metadata(self, storage_id: str) -> dict[str, Any]:
         """The checkpoint's metadata. Any rank."""
-        return storage.read_metadata(self._root, str(self._committed_dir(storage_id).name))
+        return storage.read_metadata(self._root, self._committed_dir(storage_id).name)
 
     def delete(self, storage_id: str) -> None:
         """Remove a checkpoint this trial committed (first from its registry, then from disk). Any rank.

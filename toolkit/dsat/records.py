@@ -94,6 +94,9 @@ def event_problem(event: Any) -> str | None:
                 problem = problem and f"profile: {problem}"
             if problem is None and not isinstance(result.error, (str, type(None))):
                 problem = f"error={result.error!r:.60}: expected a string or null"
+            peak = event["result"].get("peak_bytes")
+            if problem is None and peak is not None and (type(peak) is not int or peak < 0):
+                problem = f"peak_bytes={peak!r:.60}: expected an integer >= 0 or null"
             if problem:
                 return problem
     except (KeyError, TypeError, ValueError, AttributeError) as err:

@@ -95,7 +95,7 @@ def test_failed_trials_show_the_workers_error_not_torchruns_epilogue(tmp_path):
                 "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:", "train.py FAILED"]
     (tmp_path / "stderr.log").write_text("\n".join(worker + epilogue) + "\n")
     tail = stderr_tail(tmp_path / "stderr.log")
-    assert tail.splitlines()[:2] == ["", "last lines of stderr:"]
+    assert tail.splitlines()[:2] == ["", "last lines of its output:"]
     assert tail.splitlines()[2:] == [
         "  line 4",
         "  line 5",

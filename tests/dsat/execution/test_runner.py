@@ -169,8 +169,13 @@ def test_outcomes_are_classified_from_exit_status_and_result_file(tmp_path):
 
     # the trial's files and environment
     trial0 = out / "trials" / "trial_0"
-    for name in ("ds_config.json", "hparams.json", "trial.json", "stdout.log", "stderr.log", "result.json"):
+    for name in ("ds_config.json", "hparams.json", "trial.json", "trial.log", "launcher.log", "result.json"):
         assert (trial0 / name).is_file(), name
+    # each trial's log: its own lines, labelled by rank; the rank's own files under ranks/
+    crashed = (out / "trials" / "trial_2" / "trial.log").read_text()
+    assert "[rank 0] RuntimeError: boom from the fake trial on rank 0" in crashed
+    assert "[launcher]" in crashed and "trial_0" not in crashed and "trial_3" not in crashed
+    assert "boom" in (out / "trials" / "trial_2" / "ranks").rglob("stderr.log").__next__().read_text()
     hparams = json.loads((trial0 / "hparams.json").read_text())
     assert hparams == {"behaviour": "orphan", "lr": 0.1, "deepspeed_config": str(trial0 / "ds_config.json")}
     assert json.loads((trial0 / "ds_config.json").read_text()) == {"train_micro_batch_size_per_gpu": 1}

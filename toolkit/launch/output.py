@@ -133,17 +133,18 @@ class OutputPump:
         directory: the trial's directory (created).
         label: how the console names the trial (``"trial 3"``, ``"trial-0001"``); None: ranks only.
         echo: write the lines to this process's stdout (ranks' stdout) and stderr (the rest).
+        echo_launcher: also the launcher's own lines (dsat shows them only at a failure's end).
         fresh: a new trial: the files of an earlier run in ``directory`` go; otherwise what they
             hold is kept and not shown again (a resumed run appends).
         tail: how many recent lines :meth:`last_lines` keeps.
     """
 
     def __init__(self, directory: Path, *, label: str | None, echo: bool, fresh: bool,
-                 tail: int = 20) -> None:
+                 echo_launcher: bool = True, tail: int = 20) -> None:
         self.directory = Path(directory)
         self.ranks_dir = self.directory / RANKS_DIR
         self.log_path = self.directory / TRIAL_LOG
-        self.label, self.echo = label, echo
+        self.label, self.echo, self.echo_launcher = label, echo, echo_launcher
         if fresh:
             shutil.rmtree(self.ranks_dir, ignore_errors=True)
             for name in (TRIAL_LOG, LAUNCHER_LOG):
@@ -224,7 +225,7 @@ class OutputPump:
         text = [line.decode("utf-8", errors="replace") for line in lines]
         self._log.write("".join(f"[{tag}] {t}\n" for t in text).encode("utf-8"))
         self._recent.extend(f"[{tag}] {t}" for t in text)
-        if self.echo:
+        if self.echo and (source.rank is not None or self.echo_launcher):
             stream = sys.stdout if source.stream == "out" else sys.stderr
             with _console_lock:
                 try:

@@ -44,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
              "or on CPU its cores); searcher.max_concurrent_trials limits the trials at once further",
     )
     parser.add_argument(
+        "--quiet", action="store_true",
+        help="show only the runner's and the searcher's lines; the ranks' lines still go to each trial's "
+             "logs/trial.log",
+    )
+    parser.add_argument(
         "--slurm", metavar="OPTIONS", default=None,
         help="run each trial of the search as its own Slurm job, submitted with these sbatch options "
              "(one string, e.g. --slurm='--partition=gpu --time=60'; '' for none); see docs/multi-node.md",
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return _slurm(args, plan, searching=searching)
     if searching:
         try:
-            return run_search(plan, grace_s=args.grace, max_slots=args.max_slots)
+            return run_search(plan, grace_s=args.grace, max_slots=args.max_slots, echo=not args.quiet)
         except (ConfigError, CheckpointError) as err:  # search.json: another search, or not one
             print(f"python -m toolkit.run: error: {err}", file=sys.stderr)
             return 2
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"python -m toolkit.run: error: {problem}", file=sys.stderr)
         return 2
-    return execute(plan, grace_s=args.grace)
+    return execute(plan, grace_s=args.grace, echo=not args.quiet)
 
 
 def _joined_slurm(argv: list[str]) -> list[str]:

@@ -156,7 +156,9 @@ class TrialRunner:
         self._build_ops(ds_config)
         directory = self._prepare_directory(spec, ds_config=ds_config, hparams=hparams)
         slots = self._slots.take(trial_id=spec.trial_id)
-        output = OutputPump(directory, label=f"trial {spec.name}", echo=self.settings.echo, fresh=True)
+        # the launcher's own lines are shown at a failure's end; across hosts the ranks' come through it
+        output = OutputPump(directory, label=f"trial {spec.name}", echo=self.settings.echo, fresh=True,
+                            echo_launcher=slots.via is not None)
         try:
             env, include = self._trial_env(directory, slots.gpus)
             if cpu_info is not None and slots.via is None:  # this machine's answer, for its ranks only

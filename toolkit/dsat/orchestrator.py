@@ -30,7 +30,7 @@ from toolkit.dsat.profiling_phase import (
     extra_profiling_trials,
     record_boundaries,
 )
-from toolkit.dsat.records import EventLog, TensorBoardTrials, summary_table, write_trial_tables
+from toolkit.dsat.records import EventLog, summary_table, write_trial_tables
 from toolkit.dsat.search import confirm
 from toolkit.dsat.search.batch import (
     global_batch_change,
@@ -39,6 +39,7 @@ from toolkit.dsat.search.batch import (
     time_capped_micro_batch,
 )
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
+from toolkit.dsat.tensorboard import TensorBoardTrials
 from toolkit.dsat.trial.reporting import instrumentation_overrides
 
 __all__ = ["Autotuner", "SearchOutcome", "best_metrics_record", "BEST_METRICS_EXTRA_KEYS"]
@@ -80,7 +81,8 @@ def best_metrics_record(metrics: Mapping[str, Any], *, trial_id: int, metric: st
 def _dsat_argv() -> list[str] | None:
     """This process's dsat arguments (after ``python -m toolkit.dsat``); None when it is not dsat's CLI."""
     main = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    if main is not None and main.name == "__main__.py" and main.parent.name == "dsat":
+    if main is not None and (main.name == "dsat"  # the console script
+                             or (main.name == "__main__.py" and main.parent.name == "dsat")):
         return list(sys.argv[1:])
     return None
 
@@ -104,7 +106,8 @@ class Autotuner:
             plan.search.method, str(plan.config_path), str(plan.runner.model_dir)]
         self.out = plan.output_dir
         self.log = EventLog(self.out / "events.jsonl")
-        self.tensorboard = TensorBoardTrials(self.out / "tensorboard")
+        self.tensorboard = TensorBoardTrials(self.out / "tensorboard", memory_only=plan.memory_only,
+                                             data_parallel_size=plan.data_parallel_size)
         self.results: dict[int, TrialResult] = {}
         self.taken: set[int] = set()  # profiling trials the searcher took as results
         self.started_at = time.monotonic()
@@ -138,7 +141,7 @@ class Autotuner:
         self.results[result.spec.trial_id] = result
         if not replayed:
             self.log.finished(result)
-            self.tensorboard.add(result)
+            self.tensorboard.add(result, self.results.values())
         write_trial_tables(self.out, self.results.values(), overrides=self._overrides)
 
     def _run_one(self, runner: TrialRunner, spec: TrialSpec) -> TrialResult:

@@ -1,0 +1,154 @@
+"""dsat's TensorBoard run (``OUTPUT_DIR/tensorboard``): one run per trial, and curves per ZeRO config.
+
+* ``trial_<name>/``: the trial's config in the HParams view, its metrics (``dsat/<metric>``) and
+  peak memory (``dsat/peak_MiB``) at step = its micro-batch.
+* ``curves/stage_<s>[_offload_optimizer][_offload_param]/``: per ZeRO configuration, step = the
+  micro-batch: ``metrics/<metric>`` of each trial that measured it (OK, not a memory-only
+  profiling trial), ``memory/peak_MiB`` of each OK trial (a rank's peak: on CPU the resident size
+  the budget is held against) and ``memory/peak_MiB_oom`` of those judged out of memory (what
+  was seen before the end: a lower bound on GPUs).
+* ``curves/<config>_predicted/``: ``memory/peak_MiB`` as the memory model predicts it
+  (:func:`toolkit.dsat.search.memory.predicted_peak_bytes`, from ``profile.json``), and
+  ``curves/budget/``: the memory per slot; drawn on the same chart as the measured peaks.
+
+The curves are rewritten whole after each trial (:func:`toolkit.metrics.tb_events.write_run`),
+so their points draw in micro-batch order. ``scripts/tb_curves_svg.py`` draws them as a picture
+(docs/dsat.md). Autotuner process only. Example::
+
+    tensorboard --logdir runs/dsat/tensorboard      # Scalars: metrics/throughput, memory/peak_MiB
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from toolkit.bounded_load import load_json
+from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus
+from toolkit.dsat.search import memory
+from toolkit.dsat.search.types import TrialResult, TrialSpec
+from toolkit.errors import ConfigError
+
+__all__ = ["TensorBoardTrials", "curve_key", "curve_series", "read_profile"]
+
+_MIB = float(2**20)
+Series = dict[str, list[tuple[int, float]]]
+
+
+def curve_key(spec: TrialSpec) -> str:
+    """The curve a trial belongs to: its stage and what it offloads. Pure.
+
+    >>> curve_key(TrialSpec(1, 4, {"stage": 3, "offload_optimizer": {"device": "cpu"}}))
+    'stage_3_offload_optimizer'
+    """
+    off_opt, off_par = memory.offload_flags(spec.zero)
+    return f"stage_{spec.stage}{'_offload_optimizer' if off_opt else ''}{'_offload_param' if off_par else ''}"
+
+
+def read_profile(output_dir: Path) -> ProfileInfo | None:
+    """The memory model's profile in ``output_dir/profile.json``; None when absent or damaged."""
+    try:
+        data = load_json(Path(output_dir) / "profile.json", what="profile record")
+        return ProfileInfo.from_json(data["profile"])
+    except (OSError, ConfigError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _grid(tried: Iterable[int], also: int | None) -> list[int]:
+    """Where a line is drawn: the tried micro-batches, the powers of two up to the largest, and ``also``."""
+    points = {m for m in tried if m >= 1}
+    top = max(points | {also or 1})
+    points |= {1 << k for k in range(top.bit_length()) if 1 << k <= top}
+    return sorted(points | ({also} if also else set()))
+
+
+def curve_series(results: Iterable[TrialResult], *, profile: ProfileInfo | None, data_parallel_size: int,
+                 memory_only: Callable[[TrialSpec], bool] = lambda spec: False) -> dict[str, Series]:
+    """Every curve run's scalars: run name -> tag -> ``(micro-batch, value)`` points. Pure.
+
+    ``memory_only``: a profiling trial whose metrics are not the configuration's (its global
+    batch not kept): a point of the memory curve only. Failed, timed-out (and mismatched) trials
+    are no points.
+    """
+    runs: dict[str, Series] = {}
+    tried: dict[str, tuple[TrialSpec, set[int]]] = {}
+    for r in results:
+        key, m = curve_key(r.spec), r.spec.micro_batch
+        if r.status not in (TrialStatus.OK, TrialStatus.OOM):
+            continue
+        tried.setdefault(key, (r.spec, set()))[1].add(m)
+        series = runs.setdefault(f"curves/{key}", {})
+        if r.status is TrialStatus.OK and not memory_only(r.spec):
+            for name in METRICS:
+                if name in r.metrics:
+                    series.setdefault(f"metrics/{name}", []).append((m, float(r.metrics[name])))
+        if r.peak_bytes:
+            tag = "memory/peak_MiB" if r.status is TrialStatus.OK else "memory/peak_MiB_oom"
+            series.setdefault(tag, []).append((m, r.peak_bytes / _MIB))
+    if profile is None or not tried:
+        return runs
+    everywhere: set[int] = set()
+    for key, (spec, micro_batches) in tried.items():
+        off_opt, off_par = memory.offload_flags(spec.zero)
+        kw: dict[str, Any] = dict(data_parallel_size=data_parallel_size, offload_optimizer=off_opt,
+                                  offload_param=off_par)
+        grid = _grid(micro_batches, memory.approx_max_micro_batch(profile, spec.stage, **kw))
+        everywhere |= set(grid)
+        runs[f"curves/{key}_predicted"] = {"memory/peak_MiB": [
+            (m, memory.predicted_peak_bytes(profile, spec.stage, m, **kw) / _MIB) for m in grid]}
+    runs["curves/budget"] = {"memory/peak_MiB": [(m, int(profile.memory_per_slot) / _MIB)
+                                                 for m in sorted(everywhere)]}
+    return runs
+
+
+class TensorBoardTrials:
+    """Writes ``OUTPUT_DIR/tensorboard``. Autotuner process only.
+
+    Args:
+        log_dir: the TensorBoard directory.
+        data_parallel_size, memory_only: the search's (for the predicted lines, and which
+            profiling trials measured no configuration: :meth:`toolkit.dsat.plan.Plan.memory_only`).
+    """
+
+    def __init__(self, log_dir: Path, *, data_parallel_size: int = 1,
+                 memory_only: Callable[[TrialSpec], bool] = lambda spec: False) -> None:
+        self.log_dir = Path(log_dir)
+        self.data_parallel_size = data_parallel_size
+        self.memory_only = memory_only
+
+    def add(self, result: TrialResult, results: Iterable[TrialResult] = ()) -> None:
+        """The trial's own run; then the curves of ``results`` (every trial so far) rewritten."""
+        self._trial_run(result)
+        profile = read_profile(self.log_dir.parent)
+        self.write_curves(curve_series(results, profile=profile, data_parallel_size=self.data_parallel_size,
+                                       memory_only=self.memory_only))
+
+    def write_curves(self, runs: dict[str, Series]) -> None:
+        from toolkit.metrics.tb_events import write_run  # tensorboard is slow to import
+
+        for run, series in runs.items():
+            write_run(self.log_dir / run, series, name="dsat-curve")
+
+    def _trial_run(self, result: TrialResult) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # heavy import, only when there is a result
+
+        from toolkit.dsat.records import flatten_zero, role
+
+        hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
+                   for k, v in flatten_zero(result.spec).items()}
+        hparams["status"] = result.status.value
+        hparams["role"] = role(result.spec)
+        metrics = {f"dsat/{m}": float(result.metrics[m]) for m in METRICS if m in result.metrics}
+        if not metrics:
+            metrics = {f"dsat/{METRICS[0]}": float("nan")}  # failed trials still appear in the table
+        if result.peak_bytes:
+            metrics["dsat/peak_MiB"] = result.peak_bytes / _MIB
+        spec = result.spec
+        name = spec.name if spec.label else f"{spec.trial_id:04d}"
+        writer = SummaryWriter(log_dir=str(self.log_dir / f"trial_{name}"))
+        try:
+            writer.add_hparams(hparams, metrics, run_name=".")
+            for tag, value in metrics.items():
+                writer.add_scalar(tag, value, global_step=spec.micro_batch)
+        finally:
+            writer.close()

@@ -41,6 +41,7 @@ from toolkit.dsat.search.batch import (
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
 from toolkit.dsat.tensorboard import TensorBoardTrials
 from toolkit.dsat.trial.reporting import instrumentation_overrides
+from toolkit.launch.progress import remaining_text
 
 __all__ = ["Autotuner", "SearchOutcome", "best_metrics_record", "BEST_METRICS_EXTRA_KEYS"]
 
@@ -168,9 +169,13 @@ class Autotuner:
         kind = "profiling trial" if result.spec.profile else "re-run" if result.spec.rerun else "trial"
         limit = "" if result.spec.rerun else f"/{self.plan.search.max_trials}"
         count = len([r for r in self.results.values() if r.spec.rerun is result.spec.rerun])
+        durations = [r.duration_s for r in self.results.values()]
+        left = "" if result.spec.rerun else " | " + remaining_text(
+            durations, remaining=max(self.plan.search.max_trials - count, 0),
+            concurrency=self.plan.runner.max_concurrent, running=[0.0] * running)
         self.say(f"[{count}{limit}] {kind} {result.spec.name} "
                  f"stage {result.spec.stage} mb {result.spec.micro_batch}: {result.status.value} {shown} | "
-                 f"{best_text} | running {running} | {time.monotonic() - self.started_at:.0f}s")
+                 f"{best_text} | running {running} | {time.monotonic() - self.started_at:.0f}s{left}")
 
     # ---------------------------------------------------------------- phases
     def _profile(self, runner: TrialRunner, events: list[dict[str, Any]]) -> ProfileInfo | None:

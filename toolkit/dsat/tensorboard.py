@@ -5,8 +5,8 @@
 * ``curves/stage_<s>[_offload_optimizer][_offload_param]/``: per ZeRO configuration, step = the
   micro-batch: ``metrics/<metric>`` of each trial that measured it (OK, not a memory-only
   profiling trial), ``memory/peak_MiB`` of each OK trial (a rank's peak: on CPU the resident size
-  the budget is held against) and ``memory/peak_MiB_oom`` of those judged out of memory (what
-  was seen before the end: a lower bound on GPUs).
+  the budget is held against) and ``memory/peak_MiB_oom`` of those judged out of memory (their
+  peak, at least the budget they ran out of).
 * ``curves/<config>_predicted/``: ``memory/peak_MiB`` as the memory model predicts it
   (:func:`toolkit.dsat.search.memory.predicted_peak_bytes`, from ``profile.json``), and
   ``curves/budget/``: the memory per slot; drawn on the same chart as the measured peaks.
@@ -82,9 +82,12 @@ def curve_series(results: Iterable[TrialResult], *, profile: ProfileInfo | None,
             for name in METRICS:
                 if name in r.metrics:
                     series.setdefault(f"metrics/{name}", []).append((m, float(r.metrics[name])))
-        if r.peak_bytes:
-            tag = "memory/peak_MiB" if r.status is TrialStatus.OK else "memory/peak_MiB_oom"
-            series.setdefault(tag, []).append((m, r.peak_bytes / _MIB))
+        if r.status is TrialStatus.OK and r.peak_bytes:
+            series.setdefault("memory/peak_MiB", []).append((m, r.peak_bytes / _MIB))
+        elif r.status is TrialStatus.OOM and (r.peak_bytes or profile is not None):
+            # out of memory: the peak reached the budget, whatever was seen before the end
+            peak = max(r.peak_bytes or 0, int(profile.memory_per_slot) if profile is not None else 0)
+            series.setdefault("memory/peak_MiB_oom", []).append((m, peak / _MIB))
     if profile is None or not tried:
         return runs
     everywhere: set[int] = set()
@@ -130,9 +133,10 @@ class TensorBoardTrials:
             write_run(self.log_dir / run, series, name="dsat-curve")
 
     def _trial_run(self, result: TrialResult) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # heavy import, only when there is a result
+        from torch.utils.tensorboard.summary import hparams as hparams_summaries  # slow imports
 
         from toolkit.dsat.records import flatten_zero, role
+        from toolkit.metrics.tb_events import write_run
 
         hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                    for k, v in flatten_zero(result.spec).items()}
@@ -145,10 +149,6 @@ class TensorBoardTrials:
             metrics["dsat/peak_MiB"] = result.peak_bytes / _MIB
         spec = result.spec
         name = spec.name if spec.label else f"{spec.trial_id:04d}"
-        writer = SummaryWriter(log_dir=str(self.log_dir / f"trial_{name}"))
-        try:
-            writer.add_hparams(hparams, metrics, run_name=".")
-            for tag, value in metrics.items():
-                writer.add_scalar(tag, value, global_step=spec.micro_batch)
-        finally:
-            writer.close()
+        points = {tag: [(spec.micro_batch, value)] for tag, value in metrics.items()}
+        write_run(self.log_dir / f"trial_{name}", points, name="dsat-trial",
+                  summaries=hparams_summaries(hparams, metrics))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-__all__ = ["format_duration", "time_left"]
+__all__ = ["format_duration", "remaining_text", "time_left"]
 
 
 def format_duration(seconds: float) -> str:
@@ -44,3 +44,15 @@ def time_left(durations: Sequence[float], *, remaining: int, concurrency: int,
     mean = sum(durations) / len(durations)
     work = remaining * mean + sum(max(mean - elapsed, 0.0) for elapsed in running)
     return work / max(concurrency, 1)
+
+
+def remaining_text(durations: Sequence[float], *, remaining: int, concurrency: int,
+                   running: Sequence[float] = ()) -> str:
+    """``"up to 6 more trials, about 2.4 min left"``: :func:`time_left` for people. Pure.
+
+    >>> remaining_text([], remaining=6, concurrency=2)
+    'up to 6 more trials, time left unknown until a trial ends'
+    """
+    left = time_left(durations, remaining=remaining, concurrency=concurrency, running=running)
+    eta = "time left unknown until a trial ends" if left is None else f"about {format_duration(left)} left"
+    return f"up to {remaining} more trial{'' if remaining == 1 else 's'}, {eta}"

@@ -31,23 +31,17 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m toolkit.run", description="Run a Determined experiment YAML on this machine."
     )
     parser.add_argument("config", help="the experiment YAML (Determined's format)")
-    parser.add_argument(
-        "model_dir", help="the directory the entrypoint runs in (Determined's context directory)"
-    )
+    parser.add_argument("model_dir", help="the entrypoint's working directory (Determined's context dir)")
     parser.add_argument("--output-dir", help="checkpoints, TensorBoard and metrics (default: runs/<name>)")
-    parser.add_argument(
-        "--grace", type=float, default=60.0, help="seconds the ranks get to stop after a signal"
-    )
+    parser.add_argument("--grace", type=float, default=60.0,
+                        help="seconds the ranks get to stop after a signal")
     parser.add_argument(
         "--max-slots", type=int, default=None,
         help="slots a search's trials share, resources.slots_per_trial each (default: this machine's GPUs, "
              "or on CPU its cores); searcher.max_concurrent_trials limits the trials at once further",
     )
-    parser.add_argument(
-        "--quiet", action="store_true",
-        help="show only the runner's and the searcher's lines; the ranks' lines still go to each trial's "
-             "logs/trial.log",
-    )
+    parser.add_argument("--quiet", action="store_true", help="show the runner's and the searcher's lines "
+                        "only; the ranks' lines still go to each trial's logs/trial.log")
     parser.add_argument(
         "--slurm", metavar="OPTIONS", default=None,
         help="run each trial of the search as its own Slurm job, submitted with these sbatch options "

@@ -155,15 +155,7 @@ def run_search(plan: RunPlan, *, grace_s: float = 60.0, max_slots: int | None = 
             machine (or ``max_slots``) runs (nothing is started).
         CheckpointError: ``search.json`` is not a search state (nothing is started).
     """
-    check_slots(plan)  # before anything is written
-    gpus = _gpus()
-    slots = max_slots or gpus or cpu_slots()
-    if plan.nproc > slots:
-        raise ConfigError(f"--max-slots={slots}: a trial needs {plan.nproc} slot(s) "
-                          "(resources.slots_per_trial or the wrapper's --nproc_per_node); expected at least "
-                          "that many")
-    if gpus and slots > gpus:
-        raise ConfigError(f"--max-slots={slots}: this machine has {gpus} GPU(s); expected at most {gpus}")
+    slots, gpus = _slots(plan, max_slots)  # before anything is written
     cap = concurrency(plan.config, slots=slots, nproc=plan.nproc)
     out = plan.output_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -174,8 +166,7 @@ def run_search(plan: RunPlan, *, grace_s: float = 60.0, max_slots: int | None = 
     running: dict[int, _InFlight] = {}
     signals = _Signals(running)
     status = 0
-    durations: list[float] = []
-    beat = time.monotonic()
+    progress = _Progress(plan, cap)
     logger.info("searcher: up to %d trial(s) at once on %d slot(s), %d per trial", cap, slots, plan.nproc)
     try:
         while True:
@@ -189,10 +180,8 @@ def run_search(plan: RunPlan, *, grace_s: float = 60.0, max_slots: int | None = 
             if not running:
                 break
             time.sleep(POLL_S)
-            status = _poll(running, pool, state, plan, durations) or status
-            if running and time.monotonic() - beat >= HEARTBEAT_S:
-                beat = time.monotonic()
-                logger.info("%s", _progress(running, state, plan, durations, cap))
+            status = _poll(running, pool, state, plan, progress.durations) or status
+            progress(running, state)
     finally:
         signals.restore()
         for flight in running.values():  # an exception in this thread: stop what runs, then leave
@@ -206,6 +195,35 @@ def run_search(plan: RunPlan, *, grace_s: float = 60.0, max_slots: int | None = 
     logger.info("search done: %d trials; best %s", len(state["trials"]),
                 json.dumps({k: best[k] for k in ("dir", "hparams", "metric")}) if best else None)
     return status
+
+
+def _slots(plan: RunPlan, max_slots: int | None) -> tuple[int, int]:
+    """The slots the trials share, and this machine's GPUs; a ConfigError for a process count they
+    cannot run."""
+    check_slots(plan)
+    gpus = _gpus()
+    slots = max_slots or gpus or cpu_slots()
+    if plan.nproc > slots:
+        raise ConfigError(f"--max-slots={slots}: a trial needs {plan.nproc} slot(s) "
+                          "(resources.slots_per_trial or the wrapper's --nproc_per_node); expected at least "
+                          "that many")
+    if gpus and slots > gpus:
+        raise ConfigError(f"--max-slots={slots}: this machine has {gpus} GPU(s); expected at most {gpus}")
+    return slots, gpus
+
+
+class _Progress:
+    """Logs :func:`_progress` every :data:`~toolkit.run.watch.HEARTBEAT_S` while trials run; keeps
+    the durations of the trials that ended (``_poll`` adds them)."""
+
+    def __init__(self, plan: RunPlan, cap: int) -> None:
+        self.plan, self.cap, self.last = plan, cap, time.monotonic()
+        self.durations: list[float] = []
+
+    def __call__(self, running: Mapping[int, _InFlight], state: dict[str, Any]) -> None:
+        if running and time.monotonic() - self.last >= HEARTBEAT_S:
+            self.last = time.monotonic()
+            logger.info("%s", _progress(running, state, self.plan, self.durations, self.cap))
 
 
 def _progress(running: Mapping[int, _InFlight], state: dict[str, Any], plan: RunPlan, durations: list[float],

@@ -100,34 +100,39 @@ def execute(
     env = environment(plan, extra=extra_env)
     own = forwarder is None
     forwarder = forwarder or Forwarder()
-    output = OutputPump(plan.output_dir / LOGS_DIR, label=label, echo=echo, fresh=False)
-    output.start()
-    who = f"{label}: " if label else ""
     try:
-        attempt = 0
-        while True:
-            if attempt:
-                _next_attempt(plan.output_dir)
-            status = run_once(plan, env, forwarder=forwarder, grace_s=grace_s, output=output)
-            if status == 0 or forwarder.stopping:
-                if forwarder.received is not None:
-                    name = signal.Signals(forwarder.received).name
-                    logger.info("%sstopped by %s (exit status %d); run the same command again to continue "
-                                "from the latest checkpoint", who, name, status)
-                return status
-            output.stop()  # read to the end: its last lines are this run's
-            failed = output.failure_text(f"{who}the run failed with exit status {status}")
-            if attempt >= plan.max_restarts:
-                logger.error("%s; max_restarts=%d reached", failed, plan.max_restarts)
-                return status
-            attempt += 1
-            delay = restart_delay(attempt)
-            logger.warning("%s\nrestart %d of %d in %.0f s, from the latest checkpoint", failed, attempt,
-                           plan.max_restarts, delay)
-            output = OutputPump(plan.output_dir / LOGS_DIR, label=label, echo=echo, fresh=False)
-            output.start()
-            _pause(delay, forwarder)
+        return _runs(plan, env, forwarder=forwarder, grace_s=grace_s, label=label, echo=echo)
     finally:
-        output.stop()
         if own:
             forwarder.restore()
+
+
+def _runs(plan: RunPlan, env: dict[str, str], *, forwarder: Forwarder, grace_s: float, label: str | None,
+          echo: bool) -> int:
+    """The runs of one trial, a failed one restarted up to ``max_restarts`` times; the last status."""
+    who = f"{label}: " if label else ""
+    attempt = 0
+    while True:
+        if attempt:
+            _next_attempt(plan.output_dir)
+        output = OutputPump(plan.output_dir / LOGS_DIR, label=label, echo=echo, fresh=False)
+        output.start()
+        try:
+            status = run_once(plan, env, forwarder=forwarder, grace_s=grace_s, output=output)
+        finally:
+            output.stop()  # read to the end: its last lines are this run's
+        if status == 0 or forwarder.stopping:
+            if forwarder.received is not None:
+                name = signal.Signals(forwarder.received).name
+                logger.info("%sstopped by %s (exit status %d); run the same command again to continue "
+                            "from the latest checkpoint", who, name, status)
+            return status
+        failed = output.failure_text(f"{who}the run failed with exit status {status}")
+        if attempt >= plan.max_restarts:
+            logger.error("%s; max_restarts=%d reached", failed, plan.max_restarts)
+            return status
+        attempt += 1
+        delay = restart_delay(attempt)
+        logger.warning("%s\nrestart %d of %d in %.0f s, from the latest checkpoint", failed, attempt,
+                       plan.max_restarts, delay)
+        _pause(delay, forwarder)

@@ -6,7 +6,7 @@ write (``<trial dir>/metrics.jsonl``: ``group``, ``steps_completed``, ``metrics`
 is asked of a trial. Example line::
 
     searcher: 2 running (trial-0000 step 200 validation x=12; trial-0001 step 40 training loss=0.31),
-    1 done, 5 to start, about 4.2 min left
+    1 done; up to 5 more trials, about 4.2 min left
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from toolkit._checks import is_number
-from toolkit.launch.progress import format_duration, time_left
+from toolkit.launch.progress import remaining_text
 
 __all__ = ["HEARTBEAT_S", "latest_report", "progress_line", "report_text"]
 
@@ -70,9 +70,8 @@ def progress_line(running: Sequence[tuple[str, str]], *, done: int, to_start: in
 
     >>> progress_line([("trial-0000", "step 8 validation x=12")], done=1, to_start=2, durations=[60.0],
     ...               elapsed=[30.0], concurrency=2)
-    'searcher: 1 running (trial-0000 step 8 validation x=12), 1 done, 2 to start, about 75 s left'
+    'searcher: 1 running (trial-0000 step 8 validation x=12), 1 done; up to 2 more trials, about 75 s left'
     """
-    left = time_left(durations, remaining=to_start, concurrency=concurrency, running=elapsed)
-    eta = "time left unknown until a trial ends" if left is None else f"about {format_duration(left)} left"
     trials = "; ".join(f"{name} {text}" for name, text in running)
-    return f"searcher: {len(running)} running ({trials}), {done} done, {to_start} to start, {eta}"
+    left = remaining_text(durations, remaining=to_start, concurrency=concurrency, running=elapsed)
+    return f"searcher: {len(running)} running ({trials}), {done} done; {left}"

@@ -45,7 +45,8 @@ def phase(progress: Mapping[str, Any] | None) -> str:
         return "starting (no training step yet)"
     timed, to_time = progress.get("timed"), progress.get("to_time")
     if not (is_int(timed) and is_int(to_time)) or timed == 0:
-        return f"warming up ({progress['step']} steps done)"
+        step = progress["step"]
+        return f"warming up ({step} step{'' if step == 1 else 's'} done)"
     if timed >= to_time:
         return f"timed {timed} steps, reporting"
     return f"timing step {timed + 1} of {to_time}"

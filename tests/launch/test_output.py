@@ -80,7 +80,12 @@ def test_the_pump_labels_every_line_by_rank_keeps_what_was_there_and_reads_to_th
     with single.launcher_file() as launcher:
         launcher.write(b"deepspeed: started\n")
     single.stop()
-    assert capsys.readouterr() == ("[rank 1] hi\n", "")
+    assert capsys.readouterr() == ("[rank 1] hi\n", "") and single.last_lines() == ["[rank 1] hi"]
+    across_hosts = OutputPump(tmp_path / "remote", label="trial 4", echo=False, fresh=True)
+    with across_hosts.launcher_file() as launcher:   # pdsh, srun: the ranks' lines come through the launcher
+        launcher.write(b"w1: Traceback\nw1: OSError: disk full\n")
+    across_hosts.stop()
+    assert across_hosts.last_lines() == ["[launcher] w1: Traceback", "[launcher] w1: OSError: disk full"]
 
 
 def test_a_closed_console_stops_the_echo_not_the_log(tmp_path, monkeypatch):

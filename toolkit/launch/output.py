@@ -1,14 +1,10 @@
 """A job's output by trial and rank: files per rank, one labelled log per trial, the console.
 
 Shared by dsat's trial runner and ``python -m toolkit.run``; launcher process only. The launcher
-writes each rank's output to files of its own under ``<trial dir>/ranks/``
-(:func:`rank_log_options`) and its own to ``launcher.log``; an :class:`OutputPump` thread follows
-those files and writes each line to ``trial.log`` as ``[rank N] text`` and, unless ``echo`` is
-off (``--quiet``), to this process's console as ``[<trial> rank N] text``. Files, not pipes: a
-rank never blocks on this process, and its files are whole even if this process is killed.
-Where each log is: docs/troubleshooting.md.
-
-Example::
+writes each rank's output to files under ``<trial dir>/ranks/`` (:func:`rank_log_options`), its
+own to ``launcher.log``; an :class:`OutputPump` thread follows them into ``trial.log`` (``[rank N]
+text``) and the console (``[<trial> rank N] text``, unless ``--quiet``). Files, not pipes: a rank
+never blocks on this process. Where each log is: docs/troubleshooting.md. Example::
 
     pump = OutputPump(trial_dir, label="trial 3", echo=True, fresh=True)
     argv = build_trial_argv(entrypoint, launcher="torchrun", nproc=2, master_port=port,
@@ -30,7 +26,7 @@ from pathlib import Path
 from typing import IO, BinaryIO
 
 __all__ = ["LAUNCHER_LOG", "RANKS_DIR", "TRIAL_LOG", "OutputPump", "rank_log_options", "rank_of",
-           "split_lines"]
+           "ranks_lines", "split_lines"]
 
 #: Under the trial's directory: the files the launcher writes per rank.
 RANKS_DIR = "ranks"
@@ -103,6 +99,18 @@ def split_lines(data: bytes, *, final: bool = False) -> tuple[list[bytes], bytes
     return lines, rest
 
 
+def ranks_lines(text: str) -> str:
+    """The ranks' lines of a ``trial.log`` text, or all of it when no rank wrote one: what a failed
+    trial said, not its launcher's epilogue around it. Pure.
+
+    >>> ranks_lines("[launcher] ChildFailedError\\n[rank 1] ValueError: x\\n")
+    '[rank 1] ValueError: x'
+    """
+    lines = text.splitlines()
+    ranks = [line for line in lines if not line.startswith("[launcher] ")]
+    return "\n".join(ranks if ranks else lines)
+
+
 class _Source:
     """One file being followed: where it was read to, and its unfinished last line."""
 
@@ -136,7 +144,7 @@ class OutputPump:
         echo_launcher: also the launcher's own lines (dsat shows them only at a failure's end).
         fresh: a new trial: the files of an earlier run in ``directory`` go; otherwise what they
             hold is kept and not shown again (a resumed run appends).
-        tail: how many recent lines :meth:`last_lines` keeps.
+        tail: how many recent lines of the ranks (and of the launcher) :meth:`last_lines` keeps.
     """
 
     def __init__(self, directory: Path, *, label: str | None, echo: bool, fresh: bool,
@@ -152,7 +160,7 @@ class OutputPump:
         self.ranks_dir.mkdir(parents=True, exist_ok=True)
         self._sources: dict[str, _Source] = {}
         self._scan(skip_existing=True)
-        self._recent: collections.deque[str] = collections.deque(maxlen=tail)
+        self._recent = {False: collections.deque[str](maxlen=tail), True: collections.deque[str](maxlen=tail)}
         self._log: BinaryIO = open(self.log_path, "ab")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -179,8 +187,9 @@ class OutputPump:
             self._log.close()
 
     def last_lines(self) -> list[str]:
-        """The most recent lines of the trial, labelled as in ``trial.log``."""
-        return list(self._recent)
+        """The ranks' most recent lines, labelled as in ``trial.log`` (the launcher's when no rank
+        wrote one)."""
+        return list(self._recent[False] or self._recent[True])
 
     def failure_text(self, what: str) -> str:
         """``what`` (e.g. "trial 3 failed: exit status 1"), its last lines and where its log is."""
@@ -210,7 +219,8 @@ class OutputPump:
 
     def _pass(self, *, final: bool) -> None:
         self._scan()
-        for source in list(self._sources.values()):
+        # the ranks first: a rank's last words come before its launcher's epilogue about them
+        for source in sorted(self._sources.values(), key=lambda s: s.rank is None):
             lines = source.read(final=final)
             if lines:
                 self._emit(source, lines)
@@ -224,7 +234,7 @@ class OutputPump:
             prefix = f"[{self.label} {tag}] " if self.label else f"[{tag}] "
         text = [line.decode("utf-8", errors="replace") for line in lines]
         self._log.write("".join(f"[{tag}] {t}\n" for t in text).encode("utf-8"))
-        self._recent.extend(f"[{tag}] {t}" for t in text)
+        self._recent[source.rank is None].extend(f"[{tag}] {t}" for t in text)
         if self.echo and (source.rank is not None or self.echo_launcher):
             stream = sys.stdout if source.stream == "out" else sys.stderr
             with _console_lock:

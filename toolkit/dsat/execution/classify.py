@@ -40,7 +40,7 @@ from toolkit.bounded_load import load_json
 from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus, clip_error
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.errors import ConfigError
-from toolkit.launch.output import TRIAL_LOG
+from toolkit.launch.output import TRIAL_LOG, ranks_lines
 
 __all__ = ["LAUNCHER_ONLY_VARIABLES", "check_result", "classify", "exit_text", "launcher_hint", "stderr_tail"]
 
@@ -74,7 +74,7 @@ def exit_text(code: int | None) -> str:
 
 def stderr_tail(path: Path) -> str:
     """The last lines of a trial's log before its launcher's epilogue, as a suffix for an error
-    (``""`` if none)."""
+    (``""`` if none). ``path``: the log, or the trial's directory (:func:`_read_tail`)."""
     text = _read_tail(path)
     lines = [line.rstrip()[:300] for line in text.splitlines() if line.strip()]
     # The launcher's own epilogue (torchrun's ChildFailedError table) hides the worker's error.
@@ -86,6 +86,12 @@ def stderr_tail(path: Path) -> str:
 
 
 def _read_tail(path: Path) -> str:
+    """The end of a log; of a trial's directory, its ranks' lines in ``trial.log`` (``stderr.log``
+    where there is none)."""
+    if path.is_dir():
+        if (path / TRIAL_LOG).exists():
+            return ranks_lines(_read_tail(path / TRIAL_LOG))
+        path = path / "stderr.log"
     try:
         with open(path, "rb") as fh:
             fh.seek(max(fh.seek(0, os.SEEK_END) - 16384, 0))
@@ -161,9 +167,8 @@ def classify(spec: TrialSpec, *, directory: Path, code: int | None, duration_s: 
     """
     def result(status: TrialStatus, error: str | None = None, **kw: Any) -> TrialResult:
         if status is TrialStatus.FAILED and error is not None:
-            log = directory / TRIAL_LOG if (directory / TRIAL_LOG).exists() else directory / "stderr.log"
-            error += launcher_hint(_read_tail(log))
-            error += stderr_tail(log)
+            error += launcher_hint(_read_tail(directory))
+            error += stderr_tail(directory)
         logger.info("trial %s ended: %s%s", spec.name, status.value, f" ({error})" if error else "")
         return TrialResult(spec, status, duration_s=duration_s, error=error, **kw)
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -278,7 +279,8 @@ def test_binary_search_finds_the_limit_and_writes_everything(tmp_path):
     # the curves per stage against the micro-batch, read with TensorBoard's own reader: a peak for every
     # trial (the runner's polls of the ranks), the metric for every trial that measured one
     points = {}
-    stages = [p for p in (out / "tensorboard" / "curves").iterdir() if p.name in ("stage_1", "stage_2")]
+    stages = [p for p in (out / "tensorboard" / "curves").iterdir()
+              if p.name.startswith(("stage_1", "stage_2")) and not p.name.endswith("_predicted")]
     assert stages
     for stage in stages:
         curve = EventAccumulator(str(stage), size_guidance={"scalars": 0})
@@ -311,9 +313,23 @@ def test_profiling_failure_is_one_trial_and_a_failed_search(tmp_path):
 
 def test_all_tuning_trials_failing_is_a_failed_search(tmp_path):
     model_dir = make_model_dir(tmp_path, hparams={"tuning": "crash"})
-    result = dsat(model_dir, "--max-trials", "3", "--zero-stages", "1", "--memory-per-slot", "100MiB")
+    result = dsat(model_dir, "--max-trials", "3", "--zero-stages", "1", "--memory-per-slot", "100MiB", "--quiet")
     assert result.returncode == 1 and "no tuning trial succeeded" in result.stdout
     assert [r["status"] for r in trial_rows(tmp_path / "out")] == ["ok", "failed", "failed"]
+    # --quiet: no rank's line on the console; a failed trial's last lines, with its log, still are
+    assert not re.search(r"^\[trial \S+ rank \d+\]", result.stdout, re.M), result.stdout[-3000:]
+    log = tmp_path / "out" / "trials" / "trial_1" / "trial.log"
+    assert f"trial 1 failed: exit status 1; its last lines (whole log: {log}):\n" \
+           "  [rank 0] simulated crash: the model failed to build" in result.stdout, result.stdout[-3000:]
+
+
+def test_the_usage_line_names_the_command_it_was_run_as(monkeypatch):
+    from toolkit.dsat.cli_args import build_parser
+
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/dsat", "--help"])   # the installed console script
+    assert build_parser().format_usage().startswith("usage: dsat ")
+    monkeypatch.setattr(sys, "argv", ["/repo/toolkit/dsat/__main__.py"])
+    assert build_parser().format_usage().startswith("usage: python -m toolkit.dsat ")
 
 
 def test_sigkilled_search_resumes_without_rerunning_finished_trials(tmp_path):

@@ -169,10 +169,11 @@ class Autotuner:
         kind = "profiling trial" if result.spec.profile else "re-run" if result.spec.rerun else "trial"
         limit = "" if result.spec.rerun else f"/{self.plan.search.max_trials}"
         count = len([r for r in self.results.values() if r.spec.rerun is result.spec.rerun])
-        durations = [r.duration_s for r in self.results.values()]
+        r, durations = self.plan.runner, [t.duration_s for t in self.results.values()]
+        at_once = min(r.max_concurrent, max(r.max_slots // r.slots_per_trial, 1))
         left = "" if result.spec.rerun else " | " + remaining_text(
-            durations, remaining=max(self.plan.search.max_trials - count, 0),
-            concurrency=self.plan.runner.max_concurrent, running=[0.0] * running)
+            durations, remaining=max(self.plan.search.max_trials - count, 0), concurrency=at_once,
+            running=[0.0] * running)
         self.say(f"[{count}{limit}] {kind} {result.spec.name} "
                  f"stage {result.spec.stage} mb {result.spec.micro_batch}: {result.status.value} {shown} | "
                  f"{best_text} | running {running} | {time.monotonic() - self.started_at:.0f}s{left}")
@@ -399,7 +400,7 @@ class Autotuner:
             return SearchOutcome(1, results, None,
                                  f"no tuning trial succeeded ({len(tuning)} run, "
                                  f"{'all failed' if broken else 'no result to choose from'}); see trials.csv "
-                                 "and each trial's stderr.log" + self._share_line())
+                                 "and each trial's trial.log" + self._share_line())
         best_config = self._config_for(best.spec, instrumented=False)
         change = global_batch_change(self.plan.base_ds_config, best_config, policy=self.plan.global_batch,
                                      data_parallel_size=self.plan.data_parallel_size, argv=self.argv,

@@ -2,7 +2,9 @@
 lines, and what TensorBoard's own reader finds in the runs written (no processes; the real dsat run
 that fills them: tests/dsat/test_e2e.py)."""
 
+import importlib.util
 import json
+import xml.etree.ElementTree as ET
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -11,6 +13,8 @@ from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus
 from toolkit.dsat.search.memory import approx_max_micro_batch
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.dsat.tensorboard import TensorBoardTrials, curve_key, curve_series
+
+from helpers import procutil
 
 MIB = 2**20
 PROFILE = ProfileInfo(num_params=10**6, trainable_params=10**6, activation_bytes_per_example=MIB,
@@ -76,3 +80,13 @@ def test_tensorboards_reader_finds_per_stage_curves_and_each_trials_run(tmp_path
     trial = EventAccumulator(str(out / "tensorboard" / "trial_0001"))
     trial.Reload()
     assert [(e.step, e.value) for e in trial.Scalars("dsat/peak_MiB")] == [(8, pytest.approx(330.0))]
+    # the picture of docs/dsat.md is drawn from these runs, read back the same way
+    spec = importlib.util.spec_from_file_location("tb_curves_svg", procutil.REPO / "scripts" / "tb_curves_svg.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main([str(out), str(tmp_path / "curves.svg")]) == 0
+    svg = ET.parse(tmp_path / "curves.svg").getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    # lines: stage 1's throughput; memory: the budget, 2 predicted, stage 1's measured (stage 3: one point,
+    # a dot); and the 2 out-of-memory trials as crosses
+    assert len(svg.findall(f"{ns}polyline")) == 1 + 4 and len(svg.findall(f"{ns}path")) == 2

@@ -1,25 +1,20 @@
 """dsat's TensorBoard run (``OUTPUT_DIR/tensorboard``): one run per trial, and curves per ZeRO config.
 
-* ``trial_<name>/``: the trial's config in the HParams view, its metrics (``dsat/<metric>``) and
-  peak memory (``dsat/peak_MiB``) at step = its micro-batch.
-* ``curves/stage_<s>[_offload_optimizer][_offload_param]/``: per ZeRO configuration, step = the
-  micro-batch: ``metrics/<metric>`` of each trial that measured it (OK, not a memory-only
-  profiling trial), ``memory/peak_MiB`` of each OK trial (a rank's peak: on CPU the resident size
-  the budget is held against) and ``memory/peak_MiB_oom`` of those judged out of memory (their
-  peak, at least the budget they ran out of).
-* ``curves/<config>_predicted/``: ``memory/peak_MiB`` as the memory model predicts it
-  (:func:`toolkit.dsat.search.memory.predicted_peak_bytes`, from ``profile.json``), and
-  ``curves/budget/``: the memory per slot; drawn on the same chart as the measured peaks.
-
-The curves are rewritten whole after each trial (:func:`toolkit.metrics.tb_events.write_run`),
-so their points draw in micro-batch order. ``scripts/tb_curves_svg.py`` draws them as a picture
-(docs/dsat.md). Autotuner process only. Example::
+``trial_<name>/``: the trial's config (HParams view), metrics and peak memory at step = its
+micro-batch. ``curves/stage_<s>[_offload_...][_line_<n>]/``: per ZeRO configuration
+(:func:`curve_names`), step = the micro-batch, ``metrics/<metric>`` of each trial that measured
+it and ``memory/peak_MiB`` (``_oom``: judged out of memory); ``curves/<stage>_predicted/`` the
+memory model's peak (from ``profile.json``) and ``curves/budget/`` the memory per slot, on the
+same chart. Rewritten whole after each trial (:func:`toolkit.metrics.tb_events.write_run`), so
+the points draw in micro-batch order; what each holds: docs/dsat.md (Watching a search).
+Autotuner process only. Example::
 
     tensorboard --logdir runs/dsat/tensorboard      # Scalars: metrics/throughput, memory/peak_MiB
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -29,7 +24,7 @@ from toolkit.dsat.search import memory
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.errors import ConfigError
 
-__all__ = ["TensorBoardTrials", "curve_key", "curve_series", "read_profile"]
+__all__ = ["TensorBoardTrials", "curve_key", "curve_names", "curve_series", "read_profile"]
 
 _MIB = float(2**20)
 Series = dict[str, list[tuple[int, float]]]
@@ -43,6 +38,25 @@ def curve_key(spec: TrialSpec) -> str:
     """
     off_opt, off_par = memory.offload_flags(spec.zero)
     return f"stage_{spec.stage}{'_offload_optimizer' if off_opt else ''}{'_offload_param' if off_par else ''}"
+
+
+def curve_names(specs: Iterable[TrialSpec]) -> dict[int, str]:
+    """Each trial's curve (by trial id): one per ZeRO configuration, its stage's :func:`curve_key`
+    for the configuration of the stage's lowest search line (the profiling trials', else the
+    first explored), ``<key>_line_<n>`` for another (``n``: its lowest line). Pure.
+
+    >>> curve_names([TrialSpec(0, 1, {"stage": 1}, line=-1), TrialSpec(4, 8, {"stage": 1, "x": 2}, line=3),
+    ...              TrialSpec(5, 8, {"stage": 1}, line=0)])
+    {0: 'stage_1', 4: 'stage_1_line_3', 5: 'stage_1'}
+    """
+    specs = list(specs)
+    group = {s.trial_id: (curve_key(s), json.dumps(dict(s.zero), sort_keys=True, default=str)) for s in specs}
+    lowest: dict[tuple[str, str], int] = {}
+    for s in specs:
+        lowest[group[s.trial_id]] = min(lowest.get(group[s.trial_id], s.line), s.line)
+    first = {key: min(line for (k, _), line in lowest.items() if k == key) for key, _ in lowest}
+    return {tid: key if lowest[(key, zero)] == first[key] else f"{key}_line_{lowest[(key, zero)]}"
+            for tid, (key, zero) in group.items()}
 
 
 def read_profile(output_dir: Path) -> ProfileInfo | None:
@@ -72,12 +86,14 @@ def curve_series(results: Iterable[TrialResult], *, profile: ProfileInfo | None,
     """
     runs: dict[str, Series] = {}
     tried: dict[str, tuple[TrialSpec, set[int]]] = {}
+    results = list(results)
+    names = curve_names(r.spec for r in results)
     for r in results:
         key, m = curve_key(r.spec), r.spec.micro_batch
         if r.status not in (TrialStatus.OK, TrialStatus.OOM):
             continue
         tried.setdefault(key, (r.spec, set()))[1].add(m)
-        series = runs.setdefault(f"curves/{key}", {})
+        series = runs.setdefault(f"curves/{names[r.spec.trial_id]}", {})
         if r.status is TrialStatus.OK and not memory_only(r.spec):
             for name in METRICS:
                 if name in r.metrics:

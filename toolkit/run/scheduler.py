@@ -17,10 +17,8 @@ A SIGTERM/SIGINT/SIGUSR1 to the runner goes to every trial in flight (each saves
 and starts nothing more; the same command again resumes those trials from their checkpoints,
 then continues the search. Exit status: 0, or the last failed (or paused) trial's.
 
-Every :data:`~toolkit.run.watch.HEARTBEAT_S` it logs each running trial's latest report and a
-rough time left (:mod:`toolkit.run.watch`); each trial's ranks print labelled by its directory
-(``[trial-0001 rank 0] ...``, ``--quiet``: to its log only); the searcher's view and each
-trial's HParams go to TensorBoard (:mod:`toolkit.run.tensorboard`).
+It logs the search's progress (:mod:`toolkit.run.watch`) and writes its TensorBoard view
+(:mod:`toolkit.run.tensorboard`).
 
 Example::
 

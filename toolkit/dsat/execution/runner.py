@@ -3,9 +3,8 @@
 The only module of toolkit that spawns trials. Each trial is the experiment's entrypoint started by
 torchrun or DeepSpeed's launcher (:func:`toolkit.launch.argv.build_trial_argv`) on its
 slots, in ``output_dir/trials/trial_<id>/`` (``ds_config.json``, ``hparams.json``, ``trial.json``,
-``trial.log``, ``ranks/`` and ``launcher.log`` (:mod:`toolkit.launch.output`), ``progress.json``,
-``result.json``, and ``output/`` for the trial's own files). A running trial's progress is logged
-every ``heartbeat_s`` (:mod:`toolkit.dsat.execution.watch`); a failed one's last lines at its end.
+logs (:mod:`toolkit.launch.output`), ``progress.json``, ``result.json``, and ``output/`` for the
+trial's own files); a heartbeat per ``heartbeat_s`` (:mod:`toolkit.dsat.execution.watch`).
 
 Every process of a trial carries ``TOOLKIT_DSAT_TRIAL=<abs path of trial.json>``; that mark plus
 the launcher's descendants, not the process group (torchrun gives each worker a session of its

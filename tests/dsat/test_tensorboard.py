@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus
 from toolkit.dsat.search.memory import approx_max_micro_batch
 from toolkit.dsat.search.types import TrialResult, TrialSpec
-from toolkit.dsat.tensorboard import TensorBoardTrials, curve_key, curve_series
+from toolkit.dsat.tensorboard import TensorBoardTrials, curve_key, curve_names, curve_series
 
 from helpers import procutil
 
@@ -58,6 +58,10 @@ def test_points_are_trials_that_measured_their_config_in_micro_batch_order_with_
         == [(64, 601.0)]
     offload = TrialSpec(9, 2, {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "none"}})
     assert curve_key(offload) == "stage_3_offload_param"
+    # one curve per ZeRO configuration: the stage's own (the profiling trials' line), and any other line
+    specs = [TrialSpec(0, 1, {"stage": 1}, line=-1), TrialSpec(4, 8, {"stage": 1, "reduce_bucket_size": 2}, line=3),
+             TrialSpec(5, 8, {"stage": 1}, line=0), TrialSpec(6, 8, {"stage": 2, "x": 1}, line=4)]
+    assert curve_names(specs) == {0: "stage_1", 4: "stage_1_line_3", 5: "stage_1", 6: "stage_2"}
 
 
 def test_tensorboards_reader_finds_per_stage_curves_and_each_trials_run(tmp_path):

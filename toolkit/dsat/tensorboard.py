@@ -31,24 +31,14 @@ Series = dict[str, list[tuple[int, float]]]
 
 
 def curve_key(spec: TrialSpec) -> str:
-    """The curve a trial belongs to: its stage and what it offloads. Pure.
-
-    >>> curve_key(TrialSpec(1, 4, {"stage": 3, "offload_optimizer": {"device": "cpu"}}))
-    'stage_3_offload_optimizer'
-    """
+    """The curves of a trial's stage and what it offloads: ``stage_3_offload_optimizer``."""
     off_opt, off_par = memory.offload_flags(spec.zero)
     return f"stage_{spec.stage}{'_offload_optimizer' if off_opt else ''}{'_offload_param' if off_par else ''}"
 
 
 def curve_names(specs: Iterable[TrialSpec]) -> dict[int, str]:
-    """Each trial's curve (by trial id): one per ZeRO configuration, its stage's :func:`curve_key`
-    for the configuration of the stage's lowest search line (the profiling trials', else the
-    first explored), ``<key>_line_<n>`` for another (``n``: its lowest line). Pure.
-
-    >>> curve_names([TrialSpec(0, 1, {"stage": 1}, line=-1), TrialSpec(4, 8, {"stage": 1, "x": 2}, line=3),
-    ...              TrialSpec(5, 8, {"stage": 1}, line=0)])
-    {0: 'stage_1', 4: 'stage_1_line_3', 5: 'stage_1'}
-    """
+    """Each trial's curve by trial id, one per ZeRO configuration: :func:`curve_key` for the one
+    of the stage's lowest search line (the profiling trials'), ``<key>_line_<n>`` for another."""
     specs = list(specs)
     group = {s.trial_id: (curve_key(s), json.dumps(dict(s.zero), sort_keys=True, default=str)) for s in specs}
     lowest: dict[tuple[str, str], int] = {}

@@ -46,15 +46,9 @@ _console_lock = threading.Lock()
 
 
 def rank_log_options(launcher: str, directory: Path) -> list[str]:
-    """The options that make ``launcher`` write each rank's output to files under ``directory``.
-
-    torchrun: ``--log-dir D --redirects 3`` (``D/<run id>/attempt_N/<local rank>/stdout.log`` and
-    ``stderr.log``); DeepSpeed's per-node launcher: ``--enable_each_rank_log=D``
-    (``D/<time>_rank<R>.log``, stdout and stderr together). Pure; any process.
-
-    >>> rank_log_options("torchrun", Path("/t/ranks"))
-    ['--log-dir', '/t/ranks', '--redirects', '3']
-    """
+    """The options that make ``launcher`` write each rank's output to files under ``directory``:
+    torchrun's ``--log-dir D --redirects 3`` (``D/<run id>/attempt_N/<rank>/stdout.log``,
+    ``stderr.log``), DeepSpeed's ``--enable_each_rank_log=D`` (``D/<time>_rank<R>.log``, both)."""
     if launcher == "torchrun":
         return ["--log-dir", str(directory), "--redirects", "3"]
     if launcher == "deepspeed":
@@ -63,12 +57,8 @@ def rank_log_options(launcher: str, directory: Path) -> list[str]:
 
 
 def rank_of(relative: str) -> tuple[int | None, str]:
-    """``(rank, stream)`` of a file the launcher wrote, by its path under ``ranks/``; stream is
-    ``"out"`` or ``"err"``. ``(None, "")``: not a rank's output (torchrun's ``error.json``). Pure.
-
-    >>> rank_of("none_x1/attempt_0/1/stderr.log"), rank_of("20260101120000_rank3.log")
-    ((1, 'err'), (3, 'out'))
-    """
+    """``(rank, "out" or "err")`` of a file under ``ranks/`` (``none_x/attempt_0/1/stderr.log``,
+    ``20260101120000_rank3.log``); ``(None, "")``: no rank's output (torchrun's ``error.json``)."""
     relative = relative.replace(os.sep, "/")
     match = _TORCHRUN_FILE.search(relative)
     if match:
@@ -80,13 +70,9 @@ def rank_of(relative: str) -> tuple[int | None, str]:
 
 
 def split_lines(data: bytes, *, final: bool = False) -> tuple[list[bytes], bytes]:
-    """The complete lines of ``data`` (ended by ``\\n``, ``\\r\\n`` or a lone ``\\r``, as a progress
-    bar redraws) and the rest, which ends no line yet (``final``: the rest is a line too).
-    Empty lines are dropped; a line over :data:`MAX_LINE` bytes is cut. Pure.
-
-    >>> split_lines(b"a\\r\\nb\\rc\\n\\nd")
-    ([b'a', b'b', b'c'], b'd')
-    """
+    """The complete lines of ``data`` (ended by a newline or a lone carriage return, as a progress
+    bar redraws; empty ones dropped, long ones cut at :data:`MAX_LINE` bytes) and the rest, which
+    ends no line yet (``final``: the rest is a line too)."""
     hold = b""
     if not final and data.endswith(b"\r"):  # perhaps the first half of a \r\n: wait for the next byte
         data, hold = data[:-1], b"\r"
@@ -101,11 +87,7 @@ def split_lines(data: bytes, *, final: bool = False) -> tuple[list[bytes], bytes
 
 def ranks_lines(text: str) -> str:
     """The ranks' lines of a ``trial.log`` text, or all of it when no rank wrote one: what a failed
-    trial said, not its launcher's epilogue around it. Pure.
-
-    >>> ranks_lines("[launcher] ChildFailedError\\n[rank 1] ValueError: x\\n")
-    '[rank 1] ValueError: x'
-    """
+    trial said, not its launcher's epilogue around it."""
     lines = text.splitlines()
     ranks = [line for line in lines if not line.startswith("[launcher] ")]
     return "\n".join(ranks if ranks else lines)
@@ -144,7 +126,7 @@ class OutputPump:
         echo_launcher: also the launcher's own lines (dsat shows them only at a failure's end).
         fresh: a new trial: the files of an earlier run in ``directory`` go; otherwise what they
             hold is kept and not shown again (a resumed run appends).
-        tail: how many recent lines of the ranks (and of the launcher) :meth:`last_lines` keeps.
+        tail: the recent lines of the ranks (and of the launcher) kept for :meth:`last_lines`.
     """
 
     def __init__(self, directory: Path, *, label: str | None, echo: bool, fresh: bool,

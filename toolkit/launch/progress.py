@@ -1,12 +1,7 @@
-"""How far a search is: a rough time left from the trials that ended, and durations for people.
+"""A search's rough time left, for dsat's and ``python -m toolkit.run``'s progress lines. Pure.
 
-Pure; used by dsat's progress lines and ``python -m toolkit.run``'s search heartbeat (launcher
-process only by use).
-
-Example::
-
-    left = time_left([40.0, 44.0], remaining=6, concurrency=2, running=[10.0])
-    print(f"about {format_duration(left)} left")            # about 2.4 min left
+Example: ``remaining_text([40.0, 44.0], remaining=6, concurrency=2)`` is
+``"up to 6 more trials, about 2.1 min left"``.
 """
 
 from __future__ import annotations
@@ -18,11 +13,7 @@ __all__ = ["format_duration", "remaining_text", "time_left"]
 
 
 def format_duration(seconds: float) -> str:
-    """``"45 s"``, ``"3.5 min"``, ``"1.2 h"``. Pure.
-
-    >>> format_duration(44.6), format_duration(210), format_duration(9000)
-    ('45 s', '3.5 min', '2.5 h')
-    """
+    """``"45 s"``, ``"3.5 min"``, ``"1.2 h"``."""
     if not math.isfinite(seconds) or seconds < 90:
         return f"{max(seconds, 0):.0f} s" if math.isfinite(seconds) else "?"
     if seconds < 5400:
@@ -32,13 +23,8 @@ def format_duration(seconds: float) -> str:
 
 def time_left(durations: Sequence[float], *, remaining: int, concurrency: int,
               running: Sequence[float] = ()) -> float | None:
-    """Seconds the search may still take: ``remaining`` trials not yet started and the ``running``
-    ones (their elapsed seconds), each expected to take the mean of ``durations`` (the trials that
-    ended), ``concurrency`` at a time. None before any trial ended. Pure.
-
-    >>> time_left([40.0, 44.0], remaining=6, concurrency=2, running=[10.0])
-    142.0
-    """
+    """Seconds for ``remaining`` trials and the rest of the ``running`` ones (their elapsed
+    seconds), each the mean of ``durations``, ``concurrency`` at a time; None before any ended."""
     if not durations:
         return None
     mean = sum(durations) / len(durations)
@@ -48,11 +34,7 @@ def time_left(durations: Sequence[float], *, remaining: int, concurrency: int,
 
 def remaining_text(durations: Sequence[float], *, remaining: int, concurrency: int,
                    running: Sequence[float] = ()) -> str:
-    """``"up to 6 more trials, about 2.4 min left"``: :func:`time_left` for people. Pure.
-
-    >>> remaining_text([], remaining=6, concurrency=2)
-    'up to 6 more trials, time left unknown until a trial ends'
-    """
+    """``"up to 6 more trials, about 2.4 min left"``: :func:`time_left` for people."""
     left = time_left(durations, remaining=remaining, concurrency=concurrency, running=running)
     eta = "time left unknown until a trial ends" if left is None else f"about {format_duration(left)} left"
     return f"up to {remaining} more trial{'' if remaining == 1 else 's'}, {eta}"

@@ -1,18 +1,10 @@
-"""A search's TensorBoard view under ``python -m toolkit.run``: the searcher's run and each trial's HParams.
+"""A ``python -m toolkit.run`` search in TensorBoard: the searcher's run and each trial's HParams.
 
-Beside the scalars each trial's chief writes (``<trial dir>/tensorboard``), the runner writes
-
-* ``<output_dir>/tensorboard/searcher``: per trial (step = its index) ``searcher/metric`` (its last
-  reported ``searcher.metric``), ``searcher/stopped_early`` (1: the searcher stopped it, 0: it
-  ended by itself) and ``searcher/error`` (1: it failed); under ASHA ``asha/rungs_reached`` and,
-  per rung, ``asha/<time_metric>_<rung time>``: the metric each trial had there. Rewritten whole
-  at each change (:func:`toolkit.metrics.tb_events.write_run`), so the points draw in order.
-* ``<trial dir>/tensorboard``: an HParams session of the trial (its values, and
-  ``validation/<searcher.metric>`` as the metric), so TensorBoard's HParams view compares trials.
-
-Runner process only. Example::
-
-    tensorboard --logdir runs/hp     # the trials' runs, and tensorboard/searcher
+Beside each trial's own scalars (``<trial dir>/tensorboard``): ``<output_dir>/tensorboard/searcher``,
+per trial (step = its index) its metric, whether the searcher stopped it, whether it failed, and
+under ASHA the rungs it reached and its metric at each (:func:`searcher_series`), rewritten whole
+at each change; and in each trial's directory an HParams session (its values, its validation
+metric). Runner process only. Example: ``tensorboard --logdir runs/hp``.
 """
 
 from __future__ import annotations
@@ -33,12 +25,9 @@ _FILE = "toolkit-searcher"
 
 def searcher_series(state: Mapping[str, Any],
                     config: Mapping[str, Any]) -> dict[str, list[tuple[int, float]]]:
-    """The searcher's scalars by tag, ``(trial index, value)`` points. Pure.
-
-    >>> searcher_series({"trials": [{"index": 0, "state": "COMPLETED", "metric": 2.5,
-    ...                              "stopped_early": True}]}, {})
-    {'searcher/metric': [(0, 2.5)], 'searcher/stopped_early': [(0, 1.0)], 'searcher/error': [(0, 0.0)]}
-    """
+    """The searcher's scalars, ``(trial index, value)`` by tag: ``searcher/metric``,
+    ``searcher/stopped_early``, ``searcher/error``; ASHA's ``asha/rungs_reached`` and
+    ``asha/<time_metric>_<rung time>`` (a trial's metric at that rung, NaN left out)."""
     series: dict[str, list[tuple[int, float]]] = {}
     for trial in state.get("trials") or ():
         index = int(trial["index"])

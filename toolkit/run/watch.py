@@ -1,9 +1,6 @@
-"""What a search under ``python -m toolkit.run`` says while it runs: each running trial's latest
-reported step and metric, the trials left and a rough time left. Runner process only.
-
-The trials' reports are read from what ``report_training_metrics`` / ``report_validation_metrics``
-write (``<trial dir>/metrics.jsonl``: ``group``, ``steps_completed``, ``metrics``); nothing else
-is asked of a trial. Example line::
+"""A ``python -m toolkit.run`` search's progress line: each running trial's latest report (the
+last line of its ``metrics.jsonl``: ``group``, ``steps_completed``, ``metrics``), the trials left
+and a rough time left. Runner process only. Example::
 
     searcher: 2 running (trial-0000 step 200 validation x=12; trial-0001 step 40 training loss=0.31),
     1 done; up to 5 more trials, about 4.2 min left
@@ -47,11 +44,7 @@ def latest_report(path: Path) -> dict[str, Any] | None:
 
 def report_text(report: Mapping[str, Any] | None, *, metric: str | None) -> str:
     """``"step 40 training loss=0.31"``: a report's step, group and the searcher's metric (else
-    its first two numbers); ``"no report yet"``. Pure.
-
-    >>> report_text({"group": "validation", "steps_completed": 8, "metrics": {"x": 12, "b": 8}}, metric="x")
-    'step 8 validation x=12'
-    """
+    its first two numbers); ``"no report yet"``."""
     if not report:
         return "no report yet"
     values = report.get("metrics") or {}
@@ -64,14 +57,8 @@ def report_text(report: Mapping[str, Any] | None, *, metric: str | None) -> str:
 
 def progress_line(running: Sequence[tuple[str, str]], *, done: int, to_start: int, durations: Sequence[float],
                   elapsed: Sequence[float], concurrency: int) -> str:
-    """The search's progress line from ``(trial dir, report text)`` of the running trials, the
-    trials ``done`` and ``to_start``, the durations of those that ended this session and the
-    ``elapsed`` seconds of the running ones. Pure.
-
-    >>> progress_line([("trial-0000", "step 8 validation x=12")], done=1, to_start=2, durations=[60.0],
-    ...               elapsed=[30.0], concurrency=2)
-    'searcher: 1 running (trial-0000 step 8 validation x=12), 1 done; up to 2 more trials, about 75 s left'
-    """
+    """The progress line from ``(trial dir, report text)`` of the running trials, the trials done
+    and to start, the durations of those that ended and the running ones' elapsed seconds."""
     trials = "; ".join(f"{name} {text}" for name, text in running)
     left = remaining_text(durations, remaining=to_start, concurrency=concurrency, running=elapsed)
     return f"searcher: {len(running)} running ({trials}), {done} done; {left}"

@@ -1,12 +1,9 @@
-"""What the runner says about a running dsat trial, and the peak memory it records of each.
+"""The runner's heartbeat of a running dsat trial, and the peak memory it records of each.
 
-The trial's chief notes how far it got in ``progress.json`` (:data:`~toolkit.dsat.contract.PROGRESS_FILE`,
-written by :mod:`toolkit.dsat.trial.session` at most once a second); the runner reads it for a
-heartbeat line every ``heartbeat_s``. Pure but for :func:`read_progress`; autotuner process only.
+The trial's chief notes how far it got in ``progress.json`` (:mod:`toolkit.dsat.trial.session`,
+at most once a second). Pure but for :func:`read_progress`; autotuner process only. Example::
 
-Example::
-
-    line = heartbeat_text(spec, elapsed_s=40, timeout_s=600, progress=read_progress(trial_dir))
+    heartbeat_text(spec, elapsed_s=40, timeout_s=600, progress=read_progress(trial_dir))
     # 'trial 3 (stage 2, mb 8): timing step 2 of 3 | 40 s of 600 s'
 """
 
@@ -34,13 +31,7 @@ def read_progress(directory: Path) -> dict[str, Any] | None:
 
 
 def phase(progress: Mapping[str, Any] | None) -> str:
-    """Where a trial is, from its progress note: starting, warming up, timing step k of n. Pure.
-
-    >>> phase(None), phase({"step": 2, "timed": 0, "to_time": 3})
-    ('starting (no training step yet)', 'warming up (2 steps done)')
-    >>> phase({"step": 5, "timed": 1, "to_time": 3})
-    'timing step 2 of 3'
-    """
+    """Where a trial is, from its progress note: starting, warming up, timing step k of n."""
     if not progress or not is_int(progress.get("step")):
         return "starting (no training step yet)"
     timed, to_time = progress.get("timed"), progress.get("to_time")
@@ -54,23 +45,15 @@ def phase(progress: Mapping[str, Any] | None) -> str:
 
 def heartbeat_text(spec: TrialSpec, *, elapsed_s: float, timeout_s: float,
                    progress: Mapping[str, Any] | None) -> str:
-    """The heartbeat line of a running trial. Pure.
-
-    >>> heartbeat_text(TrialSpec(3, 8, {"stage": 2}), elapsed_s=40, timeout_s=600, progress=None)
-    'trial 3 (stage 2, mb 8): starting (no training step yet) | 40 s of 600 s'
-    """
+    """The heartbeat line of a running trial: its phase, its time against its timeout."""
     return (f"trial {spec.name} (stage {spec.stage}, mb {spec.micro_batch}): {phase(progress)} | "
             f"{elapsed_s:.0f} s of {timeout_s:g} s")
 
 
 def peak_bytes(polled: int, progress: Mapping[str, Any] | None,
                profile: Mapping[str, Any] | None) -> int | None:
-    """A trial's peak memory: the largest of what the runner polled from its ranks (CPU), its
-    chief's last note and its profile's peaks (a profiling trial); None when nothing was seen. Pure.
-
-    >>> peak_bytes(0, {"peak_bytes": 5}, {"peak_bytes": 7, "startup_peak_bytes": 3})
-    7
-    """
+    """A trial's peak memory: the largest of the runner's polls of its ranks (CPU), its chief's
+    last note and its profile's peaks; None when none was seen."""
     seen = [polled] + [source.get(key) for source, key in ((progress or {}, "peak_bytes"),
                                                             (profile or {}, "peak_bytes"),
                                                             (profile or {}, "startup_peak_bytes"))]

@@ -76,7 +76,8 @@ def test_tensorboards_reader_finds_per_stage_curves_and_each_trials_run(tmp_path
     curves = out / "tensorboard" / "curves"
     assert sorted(p.name for p in curves.iterdir()) == ["budget", "stage_1", "stage_1_predicted", "stage_3",
                                                         "stage_3_predicted"]
-    assert [len(list(p.iterdir())) for p in curves.iterdir()] == [1] * 5   # one file each: the last
+    # a file per rewrite (the last one's purge hides the others' points from TensorBoard)
+    assert all(len(list(p.iterdir())) >= 1 for p in curves.iterdir())
     acc = EventAccumulator(str(curves / "stage_1"), size_guidance={"scalars": 0})
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("metrics/throughput")] == [(2, 30.0), (8, 80.0), (8, 82.0)]

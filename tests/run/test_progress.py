@@ -89,8 +89,8 @@ def test_tensorboard_reads_the_searchers_run_and_each_trials_hparams(tmp_path):
         write_trial_hparams(tmp_path / trial["dir"], {"lr": 0.1 * (index + 1), "opt": {"name": "adam"}},
                             metric="x")
     write_trial_hparams(tmp_path / "trial-0001", {"lr": 0.2, "opt": {"name": "adam"}}, metric="x")  # again
-    assert len(list((tmp_path / "tensorboard" / "searcher").iterdir())) == 1
-    assert len(list((tmp_path / "trial-0001" / "tensorboard").iterdir())) == 1
+    assert len(list((tmp_path / "tensorboard" / "searcher").iterdir())) == 2   # a rewrite per change
+    assert len(list((tmp_path / "trial-0001" / "tensorboard").iterdir())) == 1   # a trial's session once
     acc = EventAccumulator(str(tmp_path / "tensorboard" / "searcher"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("searcher/metric")] == [(0, 0.0), (1, 1.0)]

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
@@ -27,7 +28,7 @@ import google_crc32c
 from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 from tensorboard.compat.proto.summary_pb2 import Summary
 
-__all__ = ["EventFile", "record", "write_run"]
+__all__ = ["STALE_RUN_FILE_S", "EventFile", "record", "write_run"]
 
 _file_ids = itertools.count()  # two writers of one process in one second get two files
 
@@ -93,15 +94,22 @@ class EventFile:
             self._file.close()
 
 
+#: An earlier file of :func:`write_run` is removed once it is this old: by then a TensorBoard
+#: reading it (every 5 s by default) has gone on to the newer one; it would stop at a file removed
+#: under it.
+STALE_RUN_FILE_S = 600.0
+
+
 def write_run(log_dir: str | os.PathLike[str], series: Mapping[str, Iterable[tuple[int, float]]], *,
               name: str, purge: bool = True, summaries: Sequence[Summary] = ()) -> Path:
-    """Replace this writer's event file ``name`` in ``log_dir`` with one holding ``series`` (per
-    tag, its points in step order) and ``summaries``: a run rewritten whole each time a point comes
-    (points that arrive out of step order, such as trials by micro-batch, still draw as curves).
+    """A new event file ``name`` in ``log_dir`` holding ``series`` (per tag, its points in step
+    order) and ``summaries``: a run rewritten whole each time a point comes (points that arrive
+    out of step order, such as trials by micro-batch, still draw as curves).
 
-    ``purge``: the file starts with a ``SessionLog.START`` at step 0, so that a TensorBoard that
-    read the old file drops its points; only for a directory this writer alone fills (it hides
-    other files' points too). Any process; the caller's run only. Returns the new file.
+    ``purge``: the file starts with a ``SessionLog.START`` at step 0, so that TensorBoard drops the
+    points of the earlier files (removed after :data:`STALE_RUN_FILE_S`); only for a directory this
+    writer alone fills (it hides other files' points too; without it no file is removed). Any
+    process; the caller's run only. Returns the new file.
     """
     directory = Path(log_dir)
     old = sorted(directory.glob(f"events.out.tfevents.*.{name}")) if directory.is_dir() else []
@@ -118,6 +126,8 @@ def write_run(log_dir: str | os.PathLike[str], series: Mapping[str, Iterable[tup
                 events.add_scalars(int(step), {tag: float(value)}, wall_time=now)
     finally:
         events.close()
-    for path in old:  # after the new file is whole: a reader always finds one
-        path.unlink(missing_ok=True)
+    for path in old if purge else ():  # without a purge, what they hold still counts
+        with contextlib.suppress(OSError):
+            if time.time() - path.stat().st_mtime > STALE_RUN_FILE_S:
+                path.unlink()
     return events.path

@@ -20,7 +20,7 @@ __all__ = ["SEARCHER_RUN", "flat_hparams", "searcher_series", "write_searcher_vi
 
 #: Under the search's output directory: the searcher's run.
 SEARCHER_RUN = Path("tensorboard") / "searcher"
-_FILE = "toolkit-searcher"
+_FILE, _HPARAMS = "toolkit-searcher", "toolkit-hparams"
 
 
 def searcher_series(state: Mapping[str, Any],
@@ -81,11 +81,13 @@ def flat_hparams(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def write_trial_hparams(trial_dir: Path, hparams: Mapping[str, Any], *, metric: str | None) -> None:
     """The trial's HParams session in ``trial_dir/tensorboard`` (its metric: the chief's
-    ``validation/<metric>`` scalars there), replacing an earlier one of this runner."""
+    ``validation/<metric>`` scalars there), once: a trial's values never change."""
     from torch.utils.tensorboard.summary import hparams as hparams_summaries  # slow import
 
     from toolkit.metrics.tb_events import write_run
 
+    if any((Path(trial_dir) / "tensorboard").glob(f"events.out.tfevents.*.{_HPARAMS}")):
+        return
     metrics = {f"validation/{metric}": 0.0} if metric else {}
     summaries = hparams_summaries(flat_hparams(hparams), metrics)
-    write_run(Path(trial_dir) / "tensorboard", {}, name="toolkit-hparams", purge=False, summaries=summaries)
+    write_run(Path(trial_dir) / "tensorboard", {}, name=_HPARAMS, purge=False, summaries=summaries)

@@ -371,6 +371,11 @@ def test_deepspeed_launcher_runs_the_trial_on_two_processes(tmp_path):
     records = [rank_record(out, 1, r) for r in (0, 1)]
     assert [r["env"]["WORLD_SIZE"] for r in records] == ["2", "2"]
     assert all(not any(a.startswith("--local_rank") for a in r["argv"]) for r in records)
+    # DeepSpeed's launcher writes a file per rank (--enable_each_rank_log): the trial's log labels each line
+    trial = out / "trials" / "trial_1"
+    assert sorted(p.name.rsplit("_", 1)[1] for p in (trial / "ranks").iterdir()) == ["rank0.log", "rank1.log"]
+    log = (trial / "trial.log").read_text().splitlines()
+    assert {"[rank 0] fake trial 1 on rank 0", "[rank 1] fake trial 1 on rank 1"} <= set(log), log
     assert marked_processes(out) == []
 
 

@@ -296,8 +296,8 @@ def overlap(spans):
     (1, 3, 2, 2, "10,11,12,13,14,15,16,17,18"),   # under an inherited CUDA_VISIBLE_DEVICES (Slurm)
     (2, 3, 4, 1, None),
 ])
-def test_slot_and_concurrency_caps_are_never_exceeded(tmp_path, monkeypatch, slots_per_trial, max_slots,
-                                                      max_concurrent, cap, visible):
+def test_slot_and_concurrency_caps_are_never_exceeded(tmp_path, monkeypatch, capsys, slots_per_trial,
+                                                      max_slots, max_concurrent, cap, visible):
     out = tmp_path / "out"
     gpus = (4, 6, 8)
     if visible:
@@ -329,6 +329,14 @@ def test_slot_and_concurrency_caps_are_never_exceeded(tmp_path, monkeypatch, slo
             (a0, a1), (b0, b1) = spans[i], spans[j]
             if a0 < b1 and b0 < a1:
                 assert not set(held[i]) & set(held[j])
+    # trials at once: each one's log holds its own ranks' lines, and the console names the trial of each
+    for i in range(n):
+        lines = (out / "trials" / f"trial_{i}" / "trial.log").read_text().splitlines()
+        assert sorted(line for line in lines if "fake trial" in line) == [
+            f"[rank {r}] fake trial {i} on rank {r}" for r in range(slots_per_trial)], lines
+    shown = [line for line in capsys.readouterr().out.splitlines() if "fake trial" in line]
+    assert sorted(shown) == sorted(f"[trial {i} rank {r}] fake trial {i} on rank {r}"
+                                   for i in range(n) for r in range(slots_per_trial))
     assert marked_processes(out) == []
 
 

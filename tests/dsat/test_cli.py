@@ -313,7 +313,8 @@ def test_profiling_failure_is_one_trial_and_a_failed_search(tmp_path):
 
 def test_all_tuning_trials_failing_is_a_failed_search(tmp_path):
     model_dir = make_model_dir(tmp_path, hparams={"tuning": "crash"})
-    result = dsat(model_dir, "--max-trials", "3", "--zero-stages", "1", "--memory-per-slot", "100MiB", "--quiet")
+    result = dsat(model_dir, "--max-trials", "3", "--zero-stages", "1", "--memory-per-slot", "100MiB",
+                  "--quiet")
     assert result.returncode == 1 and "no tuning trial succeeded" in result.stdout
     assert [r["status"] for r in trial_rows(tmp_path / "out")] == ["ok", "failed", "failed"]
     # --quiet: no rank's line on the console; a failed trial's last lines, with its log, still are

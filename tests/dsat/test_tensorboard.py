@@ -9,12 +9,11 @@ import xml.etree.ElementTree as ET
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from helpers import procutil
 from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus
 from toolkit.dsat.search.memory import approx_max_micro_batch
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.dsat.tensorboard import TensorBoardTrials, curve_key, curve_names, curve_series
-
-from helpers import procutil
 
 MIB = 2**20
 PROFILE = ProfileInfo(num_params=10**6, trainable_params=10**6, activation_bytes_per_example=MIB,
@@ -33,7 +32,7 @@ RESULTS = [
     ok(4, 4, stage=3, throughput=20.0, peak=305),
     TrialResult(TrialSpec(5, 64, {"stage": 1}), TrialStatus.OOM, peak_bytes=601 * MIB),
     TrialResult(TrialSpec(8, 128, {"stage": 1}), TrialStatus.OOM),  # a CUDA OOM before any note: the budget
-    TrialResult(TrialSpec(6, 16, {"stage": 1}), TrialStatus.FAILED, error="exit status 1", peak_bytes=350 * MIB),
+    TrialResult(TrialSpec(6, 16, {"stage": 1}), TrialStatus.FAILED, error="exit 1", peak_bytes=350 * MIB),
     TrialResult(TrialSpec(7, 32, {"stage": 3}), TrialStatus.TIMEOUT, peak_bytes=500 * MIB),
 ]
 
@@ -54,12 +53,14 @@ def test_points_are_trials_that_measured_their_config_in_micro_batch_order_with_
     assert {v for _, v in budget} == {600.0} and {m for m, _ in budget} >= set(predicted)
     # without profile.json: the measured curves alone
     alone = curve_series(RESULTS, profile=None, data_parallel_size=2)
-    assert set(alone) == {"curves/stage_1", "curves/stage_3"} and alone["curves/stage_1"]["memory/peak_MiB_oom"] \
-        == [(64, 601.0)]
-    offload = TrialSpec(9, 2, {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "none"}})
+    assert set(alone) == {"curves/stage_1", "curves/stage_3"}
+    assert alone["curves/stage_1"]["memory/peak_MiB_oom"] == [(64, 601.0)]
+    offload = TrialSpec(9, 2, {"stage": 3, "offload_param": {"device": "cpu"},
+                               "offload_optimizer": {"device": "none"}})
     assert curve_key(offload) == "stage_3_offload_param"
     # one curve per ZeRO configuration: the stage's own (the profiling trials' line), and any other line
-    specs = [TrialSpec(0, 1, {"stage": 1}, line=-1), TrialSpec(4, 8, {"stage": 1, "reduce_bucket_size": 2}, line=3),
+    specs = [TrialSpec(0, 1, {"stage": 1}, line=-1), TrialSpec(4, 8, {"stage": 1, "reduce_bucket_size": 2},
+                                                                line=3),
              TrialSpec(5, 8, {"stage": 1}, line=0), TrialSpec(6, 8, {"stage": 2, "x": 1}, line=4)]
     assert curve_names(specs) == {0: "stage_1", 4: "stage_1_line_3", 5: "stage_1", 6: "stage_2"}
 
@@ -86,7 +87,8 @@ def test_tensorboards_reader_finds_per_stage_curves_and_each_trials_run(tmp_path
     trial.Reload()
     assert [(e.step, e.value) for e in trial.Scalars("dsat/peak_MiB")] == [(8, pytest.approx(330.0))]
     # the picture of docs/dsat.md is drawn from these runs, read back the same way
-    spec = importlib.util.spec_from_file_location("tb_curves_svg", procutil.REPO / "scripts" / "tb_curves_svg.py")
+    path = procutil.REPO / "scripts" / "tb_curves_svg.py"
+    spec = importlib.util.spec_from_file_location("tb_curves_svg", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     assert script.main([str(out), str(tmp_path / "curves.svg")]) == 0

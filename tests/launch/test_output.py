@@ -60,11 +60,14 @@ def test_the_pump_labels_every_line_by_rank_keeps_what_was_there_and_reads_to_th
     pump.stop()                                       # the launcher exited: everything is read
     log = (trial / "trial.log").read_text().splitlines()
     assert sorted(log) == sorted(["[rank 0] step 1 loss 0.5", "[rank 0] step 2 lo", "[rank 1] hello from 1",
-                                  "[launcher] torchrun: starting", "[rank 0] Traceback (most recent call last):",
+                                  "[launcher] torchrun: starting",
+                                  "[rank 0] Traceback (most recent call last):",
                                   "[rank 0] RuntimeError: boom"])
     console = capsys.readouterr()
-    assert "[trial-0001 rank 0] step 1 loss 0.5\n" in console.out and "[trial-0001 rank 1] hello from 1\n" in console.out
-    assert "[trial-0001 rank 0] RuntimeError: boom\n" in console.err and "[trial-0001] torchrun: starting" in console.err
+    assert "[trial-0001 rank 0] step 1 loss 0.5\n" in console.out
+    assert "[trial-0001 rank 1] hello from 1\n" in console.out
+    assert "[trial-0001 rank 0] RuntimeError: boom\n" in console.err
+    assert "[trial-0001] torchrun: starting" in console.err
     assert "earlier" not in console.out + "".join(log)
     text = pump.failure_text("trial-0001: the run failed with exit status 1")
     assert text.startswith("trial-0001: the run failed with exit status 1; its last lines (whole log: "

@@ -63,7 +63,8 @@ def test_a_run_rewritten_whole_reads_in_step_order_also_by_a_reader_that_read_it
     fresh = EventAccumulator(str(run), size_guidance={"scalars": 0})
     fresh.Reload()
     for reader in (live, fresh):   # the live one drops what it read (the purge at step 0), no duplicates
-        assert [(e.step, e.value) for e in reader.Scalars("metrics/throughput")] == [(2, 30.0), (4, 50.0), (8, 80.0)]
+        points = [(e.step, e.value) for e in reader.Scalars("metrics/throughput")]
+        assert points == [(2, 30.0), (4, 50.0), (8, 80.0)]
     # without the purge (a directory the trial's chief also writes to), the others' files stay
     other = EventFile(tmp_path / "trial")
     other.add_scalars(3, {"validation/x": 1.0}, wall_time=1_700_000_000.0)
@@ -71,7 +72,8 @@ def test_a_run_rewritten_whole_reads_in_step_order_also_by_a_reader_that_read_it
     write_run(tmp_path / "trial", {}, name="toolkit-hparams", purge=False)
     reader = EventAccumulator(str(tmp_path / "trial"))
     reader.Reload()
-    assert [e.step for e in reader.Scalars("validation/x")] == [3] and len(list((tmp_path / "trial").iterdir())) == 2
+    assert [e.step for e in reader.Scalars("validation/x")] == [3]
+    assert len(list((tmp_path / "trial").iterdir())) == 2
     # a file of an earlier rewrite is removed once old, the others kept
     first = sorted(run.iterdir())[0]
     os.utime(first, (time.time() - STALE_RUN_FILE_S - 1,) * 2)

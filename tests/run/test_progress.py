@@ -19,7 +19,8 @@ from toolkit.run.watch import latest_report, progress_line, report_text
 def test_time_left_is_the_mean_trial_over_the_slots_and_says_so_for_people():
     assert time_left([], remaining=3, concurrency=1) is None
     assert time_left([10.0, 30.0], remaining=3, concurrency=2, running=[5.0, 40.0]) == (60 + 15) / 2
-    assert [format_duration(s) for s in (3, 89.6, 90, 5399, 5400)] == ["3 s", "90 s", "1.5 min", "90.0 min", "1.5 h"]
+    assert [format_duration(s) for s in (3, 89.6, 90, 5399, 5400)] == [
+        "3 s", "90 s", "1.5 min", "90.0 min", "1.5 h"]
     assert remaining_text([60.0], remaining=1, concurrency=1) == "up to 1 more trial, about 60 s left"
 
 
@@ -46,11 +47,11 @@ def test_the_progress_line_names_each_running_trial_and_what_is_left(tmp_path):
     (tmp_path / "trial-0001").mkdir()
     (tmp_path / "trial-0001" / "metrics.jsonl").write_text(
         json.dumps({"group": "validation", "steps_completed": 8, "metrics": {"x": 2.5}}) + "\n")
-    running = {i: SimpleNamespace(trial=state["trials"][i], plan=SimpleNamespace(output_dir=tmp_path / t["dir"]),
-                                  started=0.0) for i, t in enumerate(state["trials"]) if i}
+    running = {i: SimpleNamespace(trial=t, plan=SimpleNamespace(output_dir=tmp_path / t["dir"]), started=0.0)
+               for i, t in enumerate(state["trials"]) if i}
     line = _progress(running, state, SimpleNamespace(config=config), [100.0], 2)
-    assert line.startswith("searcher: 2 running (trial-0001 step 8 validation x=2.5; trial-0002 no report yet), "
-                           "1 done; up to 2 more trials, about ")
+    assert line.startswith("searcher: 2 running (trial-0001 step 8 validation x=2.5; trial-0002 no report "
+                           "yet), 1 done; up to 2 more trials, about ")
     assert progress_line([], done=0, to_start=1, durations=[], elapsed=[], concurrency=1).endswith(
         "time left unknown until a trial ends")
 
@@ -101,4 +102,5 @@ def test_tensorboard_reads_the_searchers_run_and_each_trials_hparams(tmp_path):
     assert set(sessions) == {"trial-0000/tensorboard", "trial-0001/tensorboard"}
     start = metadata.parse_session_start_info_plugin_data(
         sessions["trial-0001/tensorboard"][metadata.SESSION_START_INFO_TAG])
-    assert start.hparams["lr"].number_value == pytest.approx(0.2) and start.hparams["opt.name"].string_value == "adam"
+    assert start.hparams["lr"].number_value == pytest.approx(0.2)
+    assert start.hparams["opt.name"].string_value == "adam"

@@ -159,6 +159,7 @@ def _each_trials_lines_are_its_own(console, out, increments, quiet=False):
         steps, x = map(int, pattern.search(line).groups())
         assert x == steps * increments[label.group(1)], line
     for trial, increment in increments.items():
-        logged = [pattern.search(line) for line in (out / trial / "logs" / "trial.log").read_text().splitlines()]
+        lines = (out / trial / "logs" / "trial.log").read_text().splitlines()
+        logged = [pattern.search(line) for line in lines]
         values = [(int(m.group(1)), int(m.group(2))) for m in logged if m]
         assert values and all(x == steps * increment for steps, x in values), (trial, values)

@@ -22,7 +22,8 @@ def test_the_phase_follows_the_chiefs_note_and_the_heartbeat_names_trial_config_
     assert phase({"step": 4, "timed": 2, "to_time": 3}) == "timing step 3 of 3"
     assert phase({"step": 6, "timed": 3, "to_time": 3}) == "timed 3 steps, reporting"
     spec = TrialSpec(-1, 16, {"stage": 3}, profile=True, label="p2")
-    assert heartbeat_text(spec, elapsed_s=40.4, timeout_s=600, progress={"step": 4, "timed": 1, "to_time": 3}) \
+    note = {"step": 4, "timed": 1, "to_time": 3}
+    assert heartbeat_text(spec, elapsed_s=40.4, timeout_s=600, progress=note) \
         == "trial p2 (stage 3, mb 16): timing step 2 of 3 | 40 s of 600 s"
 
 
@@ -45,8 +46,8 @@ def test_the_default_heartbeat_gives_a_60_s_trial_two_lines_at_least():
 
 
 @pytest.mark.slow
-def test_a_real_trial_beats_with_its_phases_and_leaves_its_labelled_logs_and_peak(tmp_path, monkeypatch, caplog,
-                                                                                     capsys):
+def test_a_real_trial_beats_with_its_phases_and_leaves_its_labelled_logs_and_peak(
+        tmp_path, monkeypatch, caplog, capsys):
     procutil.clean_launch_env(monkeypatch)
     settings = RunnerSettings(entrypoint=("python3", "dsat_train.py"), model_dir=procutil.WORKERS,
                               slots_per_trial=2, max_slots=2, max_concurrent=1, timeout_s=240,

@@ -227,7 +227,8 @@ def run_dsat(args: argparse.Namespace, experiment: Path, work: Path) -> dict[str
     from toolkit.launch.procs import run_to_completion
 
     out, log = work / "dsat", work / "dsat_log"
-    argv = [sys.executable, "-m", "toolkit.dsat", *dsat_cli_args(args, experiment, out)]
+    # --quiet: the log keeps the search's lines, not every rank's
+    argv = [sys.executable, "-m", "toolkit.dsat", *dsat_cli_args(args, experiment, out), "--quiet"]
     say(f"== dsat: python -m toolkit.dsat {' '.join(argv[3:])}")
     start = time.monotonic()
     limit = args.max_trials * (args.trial_timeout + 60) + 300

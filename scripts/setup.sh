@@ -13,6 +13,10 @@ venv="$root/.venv"
 python="${PYTHON:-python3}"
 torch_pin="${TOOLKIT_TORCH:-torch==2.13.0}"
 
+start=$SECONDS
+say() { echo "setup [$((SECONDS - start)) s]: $*"; }
+# pip's own lines, fewer: what it fetches and installs, not every requirement it finds satisfied
+pip_lines() { grep --line-buffered -E '^(Collecting|Downloading|Installing|Successfully|ERROR|WARNING)' || true; }
 stamp_of() { cat "$root/setup.cfg" "$root/pyproject.toml" "$root/scripts/setup.sh" | sha256sum | cut -c1-16; }
 want="$(stamp_of)"
 # DeepSpeed's CPU ops are built into the venv, not ~/.cache: a lock left there by another checkout's
@@ -24,6 +28,8 @@ build_ops() {
   # without toolkit.init_distributed leave them. Compilers starved by them fail (toolkit/runtime/ds_shm.py).
   "$venv/bin/python" -P "$root/toolkit/runtime/ds_shm.py"
   if [ "$(cat "$venv/.ops-stamp" 2>/dev/null)" != "$want:$TORCH_EXTENSIONS_DIR" ]; then
+    say "loading DeepSpeed's CPU ops (FusedAdam, CPU Adam, shared-memory all-reduce) from $TORCH_EXTENSIONS_DIR;" \
+        "compiling them the first time takes a few minutes, with no output while the compiler runs"
     PATH="$venv/bin:$PATH" "$venv/bin/python" "$root/scripts/build_ops.py"
     echo "$want:$TORCH_EXTENSIONS_DIR" > "$venv/.ops-stamp"
   fi
@@ -36,18 +42,20 @@ fi
 
 if [ ! -x "$venv/bin/python" ]; then
   if "$python" -c "import torch" 2>/dev/null; then
-    echo "setup: reusing the torch of $python ($("$python" -c 'import torch; print(torch.__version__)'))"
+    say "reusing the torch of $python ($("$python" -c 'import torch; print(torch.__version__)'))"
     "$python" -m venv --system-site-packages "$venv"
   else
     "$python" -m venv "$venv"
   fi
 fi
-pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+pip=("$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off)
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
-  echo "setup: installing $torch_pin"
-  "${pip[@]}" "$torch_pin"
+  say "installing $torch_pin (its CPU wheel; a minute or more; pip's whole output: $venv/setup.log)"
+  "${pip[@]}" "$torch_pin" 2>&1 | tee -a "$venv/setup.log" | pip_lines
 fi
-echo "setup: installing toolkit and its dependencies into $venv"
-"${pip[@]}" -e "$root[test,hf]"
+say "installing toolkit (editable) with DeepSpeed, TensorBoard, transformers and the test tools into $venv" \
+    "(a few minutes the first time; pip's whole output: $venv/setup.log)"
+"${pip[@]}" -e "$root[test,hf]" 2>&1 | tee -a "$venv/setup.log" | pip_lines
 echo "$want" > "$venv/.toolkit-stamp"
 build_ops
+say "done"

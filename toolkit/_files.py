@@ -48,13 +48,16 @@ def fsync_tree(path: str | os.PathLike[str]) -> None:
         fsync_dir(dirpath)
 
 
-def atomic_write(path: str | os.PathLike[str], data: bytes | str | Callable[[BinaryIO], None]) -> None:
+def atomic_write(path: str | os.PathLike[str], data: bytes | str | Callable[[BinaryIO], None], *,
+                 sync: bool = True) -> None:
     """Write ``path`` so that readers see the old file or the whole new one, even after a crash.
 
     Args:
         path: the file to write; its directory must exist.
         data: the bytes, a text (written as UTF-8), or a function writing the bytes to an open
             binary file (e.g. ``lambda fh: torch.save(obj, fh)``).
+        sync: fsync the file and its directory; False for a file that need not outlive a crash
+            (a trial's progress note): readers still see the old or the whole new one.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
@@ -65,19 +68,21 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str | Callable[[Bin
             else:
                 fh.write(data.encode("utf-8") if isinstance(data, str) else data)
             fh.flush()
-            os.fsync(fh.fileno())
+            if sync:
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
-    fsync_dir(path.parent)
+    if sync:
+        fsync_dir(path.parent)
 
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any, *,
-                      default: Callable[[Any], Any] | None = None) -> None:
+                      default: Callable[[Any], Any] | None = None, sync: bool = True) -> None:
     """:func:`atomic_write` of ``obj`` as indented JSON with sorted keys and a final newline.
 
     ``default`` is :func:`json.dumps`'s: ``repr`` keeps a readable trace of objects JSON cannot
     encode (a DeepSpeed config may hold some); None raises ``TypeError`` for them.
     """
-    atomic_write(path, json.dumps(obj, indent=2, sort_keys=True, default=default) + "\n")
+    atomic_write(path, json.dumps(obj, indent=2, sort_keys=True, default=default) + "\n", sync=sync)

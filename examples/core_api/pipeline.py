@@ -73,6 +73,8 @@ def main() -> None:
                 loss = engine.train_batch(data_iter=stream)   # grad_acc micro-batches, forward+backward+step
             steps_completed += 1
             metrics.report_training_metrics(steps_completed, {"loss": loss}, samples=samples_per_step)
+            if ctx.is_chief and steps_completed % hparams.get("log_every", 20) == 0:
+                logger.info("step %d of %d: loss %.4f", steps_completed, max_steps, float(loss))
             if steps_completed % hparams["validate_every"] == 0 or steps_completed == max_steps:
                 # eval_batch pulls gradient_accumulation_steps micro-batches from the iterator.
                 val_loss = engine.eval_batch(data_iter=((x.to(dtype), y) for x, y in validation))

@@ -114,6 +114,8 @@ def main() -> None:
                     engine.step()
             steps_completed += 1
             metrics.report_training_metrics(steps_completed, {"loss": loss.detach()}, samples=samples_per_step)
+            if ctx.is_chief and steps_completed % hparams.get("log_every", 20) == 0:
+                logger.info("step %d of %d: loss %.4f", steps_completed, max_steps, float(loss))
             if steps_completed % hparams["validate_every"] == 0 or steps_completed == max_steps:
                 metrics.report_validation_metrics(steps_completed, evaluate(engine, validation, ctx.device))
             stop = preemption.should_preempt()

@@ -67,7 +67,7 @@ def test_dsat_trial_through_pdsh_and_ssh_and_its_timeout(sshd, tmp_path):
         kill_until_gone(leftovers, grace_s=2.0, what="pdsh test leftovers")
     trial = out / "trials" / "trial_1"
     record = _read(trial / "placement.json")
-    assert ok.status is TrialStatus.OK, f"{ok.error}\n{(trial / 'stderr.log').read_text()[-3000:]}"
+    assert ok.status is TrialStatus.OK, f"{ok.error}\n{(trial / 'trial.log').read_text()[-3000:]}"
     assert record["launch"] == "pdsh" and record["argv"][2] == "toolkit.dsat.execution.pdsh_launch"
     ranks = [_read(f) for f in sorted(trial.glob("rank*.json"))]
     assert len(ranks) == 2 and all(r["env"]["TOOLKIT_DSAT_TRIAL"] == str(trial / "trial.json") for r in ranks)

@@ -52,7 +52,7 @@ def test_shell_syntax_in_a_remote_trial_arrives_as_literal_arguments(sshd, tmp_p
 
         kill_until_gone(leftovers, grace_s=2.0, what="pdsh quoting test leftovers")
     trial = out / "trials" / "trial_1"
-    assert result.status is TrialStatus.OK, f"{result.error}\n{(trial / 'stderr.log').read_text()[-3000:]}"
+    assert result.status is TrialStatus.OK, f"{result.error}\n{(trial / 'trial.log').read_text()[-3000:]}"
     assert json.loads((trial / "placement.json").read_text())["launch"] == "pdsh"
     (rank,) = [json.loads(f.read_text()) for f in trial.glob("rank*.json")]
     assert rank["argv"][1:] == list(args)

@@ -209,7 +209,7 @@ def test_dsat_trial_timeout_ends_its_srun_step_and_every_process(slurm, tmp_path
     # dsat signalled srun, and srun had Slurm cancel the step on its node. Which of Slurm's lines
     # about the cancel reach the log varies (slurmstepd's "CANCELLED AT" can be lost as the tasks
     # die); the processes and the step being gone, checked below, is what counts.
-    stderr = (trial / "stderr.log").read_text()
+    stderr = (trial / "launcher.log").read_text()  # srun's own lines
     assert "srun: forcing job termination" in stderr, stderr
     assert any(line in stderr for line in (" CANCELLED AT ", "Job step aborted", "Terminating StepId")), stderr
     assert not [r["pid"] for r in ranks if pid_alive(r["pid"])]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -233,7 +234,8 @@ def test_the_first_profiling_trial_measures_memory_without_the_kept_batch():
 
 # ---------------------------------------------------------------- searches with real trial processes
 def test_binary_search_finds_the_limit_and_writes_everything(tmp_path):
-    model_dir = make_model_dir(tmp_path, slots=2)
+    # each trial's ranks live 0.5 s: long enough for the runner to see their peak memory
+    model_dir = make_model_dir(tmp_path, slots=2, hparams={"sleep_s": 0.5})
     out = tmp_path / "out"
     # also --run-full-experiment: the best config trains once more after the search, outside a trial
     result = dsat(model_dir, "--max-trials", "6", "--zero-stages", "1", "2", "--memory-per-slot", "100MiB",
@@ -269,11 +271,26 @@ def test_binary_search_finds_the_limit_and_writes_everything(tmp_path):
     # every trial's config and logs, and TensorBoard runs with HParams data
     trial_config = json.loads((out / "trials" / "trial_1" / "ds_config.json").read_text())
     assert trial_config["zero_optimization"]["stage"] in (1, 2)
-    assert len(list((out / "tensorboard").iterdir())) == 8
+    assert len([p for p in (out / "tensorboard").iterdir() if p.name.startswith("trial_")]) == 8
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(out / "tensorboard" / "trial_0001"))
     acc.Reload()
     assert "hparams" in acc.PluginTagToContent("hparams") or acc.PluginTagToContent("hparams")
+    # the curves per stage against the micro-batch, read with TensorBoard's own reader: a peak for every
+    # trial (the runner's polls of the ranks), the metric for every trial that measured one
+    points = {}
+    stages = [p for p in (out / "tensorboard" / "curves").iterdir()
+              if p.name.startswith(("stage_1", "stage_2")) and not p.name.endswith("_predicted")]
+    assert stages
+    for stage in stages:
+        curve = EventAccumulator(str(stage), size_guidance={"scalars": 0})
+        curve.Reload()
+        for tag in curve.Tags()["scalars"]:
+            points.setdefault(tag, []).extend((e.step, e.value) for e in curve.Scalars(tag))
+    measured = [r for r in rows if r["status"] == "ok"]
+    assert sorted(points["metrics/FLOPS_per_gpu"]) == sorted(
+        (int(r["micro_batch"]), pytest.approx(float(r["FLOPS_per_gpu"]), rel=1e-6)) for r in measured)
+    assert len(points["memory/peak_MiB"]) + len(points.get("memory/peak_MiB_oom", [])) == len(rows)
     assert "stage" in result.stdout and "best" in result.stdout  # progress lines and the summary table
     records = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
     assert [record["trial_id"] for record in records] == list(range(8))
@@ -296,9 +313,24 @@ def test_profiling_failure_is_one_trial_and_a_failed_search(tmp_path):
 
 def test_all_tuning_trials_failing_is_a_failed_search(tmp_path):
     model_dir = make_model_dir(tmp_path, hparams={"tuning": "crash"})
-    result = dsat(model_dir, "--max-trials", "3", "--zero-stages", "1", "--memory-per-slot", "100MiB")
+    result = dsat(model_dir, "--max-trials", "3", "--zero-stages", "1", "--memory-per-slot", "100MiB",
+                  "--quiet")
     assert result.returncode == 1 and "no tuning trial succeeded" in result.stdout
     assert [r["status"] for r in trial_rows(tmp_path / "out")] == ["ok", "failed", "failed"]
+    # --quiet: no rank's line on the console; a failed trial's last lines, with its log, still are
+    assert not re.search(r"^\[trial \S+ rank \d+\]", result.stdout, re.M), result.stdout[-3000:]
+    log = tmp_path / "out" / "trials" / "trial_1" / "trial.log"
+    assert f"trial 1 failed: exit status 1; its last lines (whole log: {log}):\n" \
+           "  [rank 0] simulated crash: the model failed to build" in result.stdout, result.stdout[-3000:]
+
+
+def test_the_usage_line_names_the_command_it_was_run_as(monkeypatch):
+    from toolkit.dsat.cli_args import build_parser
+
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/dsat", "--help"])   # the installed console script
+    assert build_parser().format_usage().startswith("usage: dsat ")
+    monkeypatch.setattr(sys, "argv", ["/repo/toolkit/dsat/__main__.py"])
+    assert build_parser().format_usage().startswith("usage: python -m toolkit.dsat ")
 
 
 def test_sigkilled_search_resumes_without_rerunning_finished_trials(tmp_path):

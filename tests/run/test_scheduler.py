@@ -113,6 +113,7 @@ def test_two_trials_at_once_pause_together_and_continue_with_nothing_lost_or_rep
     proc.send_signal(signal.SIGTERM)  # pause the search inside both trials: each stops at its next report
     log = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, log[-4000:]
+    _each_trials_lines_are_its_own(log, out, {"trial-0000": inc0, "trial-0001": inc1})
     stop = re.search(r"searcher: stopping trial-0001 at batches=(\d+)", log)
     assert stop, log[-4000:]
     summary = json.loads((out / "search.json").read_text())
@@ -122,7 +123,7 @@ def test_two_trials_at_once_pause_together_and_continue_with_nothing_lost_or_rep
     # out, and it is done (not paused: the search will not resume it)
     assert second["state"] == "COMPLETED" and second["stopped_early"]
     assert _steps(metrics[1])[-1] == second["time"] == int(stop.group(1)) == 8
-    result = procutil.run(argv, env=procutil.child_env(DET_TEST_STEP_SLEEP="0.05"), timeout=300)
+    result = procutil.run(argv + ["--quiet"], env=procutil.child_env(DET_TEST_STEP_SLEEP="0.05"), timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]
     assert "trial-0001" not in result.stdout.replace("best", "")  # nothing of the stopped trial again
     summary = json.loads((out / "search.json").read_text())
@@ -133,3 +134,32 @@ def test_two_trials_at_once_pause_together_and_continue_with_nothing_lost_or_rep
     ids = [json.loads((out / t["dir"] / "determined_trial.json").read_text()) for t in (first, second)]
     assert [i["trial_run_id"] for i in ids] == [2, 1] and ids[0]["trial_id"] != ids[1]["trial_id"]
     assert summary["best"]["dir"] == "trial-0000"
+    _each_trials_lines_are_its_own(result.stdout, out, {"trial-0000": inc0}, quiet=True)
+    # the searcher's view in TensorBoard: the second trial stopped at the rung of 8, the first went on
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    view = EventAccumulator(str(out / "tensorboard" / "searcher"))
+    view.Reload()
+    assert [(e.step, e.value) for e in view.Scalars("searcher/stopped_early")] == [(0, 0.0), (1, 1.0)]
+    assert [(e.step, e.value) for e in view.Scalars("asha/rungs_reached")] == [(0, 2.0), (1, 1.0)]
+
+
+def _each_trials_lines_are_its_own(console, out, increments, quiet=False):
+    """Every validation line on the console names its trial and rank and carries that trial's x (its
+    increment times the step); each trial's logs/trial.log holds its own such lines and no other's.
+    ``quiet`` (--quiet): no rank's line on the console, the logs as always."""
+    pattern = re.compile(r"report_validation_metrics\(steps_completed=(\d+), metrics=\{'x': (\d+)")
+    shown = [line for line in console.splitlines() if pattern.search(line)]
+    if quiet:
+        assert not shown and not re.search(r"^\[trial-\d{4} rank", console, re.M), console[-4000:]
+    else:
+        assert shown, console[-4000:]
+    for line in shown:
+        label = re.match(r"\[(trial-\d{4}) rank 0\] ", line)
+        assert label and label.group(1) in increments, line
+        steps, x = map(int, pattern.search(line).groups())
+        assert x == steps * increments[label.group(1)], line
+    for trial, increment in increments.items():
+        lines = (out / trial / "logs" / "trial.log").read_text().splitlines()
+        logged = [pattern.search(line) for line in lines]
+        values = [(int(m.group(1)), int(m.group(2))) for m in logged if m]
+        assert values and all(x == steps * increment for steps, x in values), (trial, values)

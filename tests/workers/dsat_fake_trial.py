@@ -20,7 +20,7 @@ dsat_fake_trial.py``; what it does comes from the trial's hyperparameters
                 "compiler" touches ``alloc_mib`` MiB for ``hold_s`` s, then as ok
 
 Every rank writes ``rank<R>.json`` into the trial directory at start (pid, times, environment
-seen) and adds ``"end"`` when it leaves normally; grandchild pids go to ``grandchild<R>.pid``.
+seen), prints one line, and adds ``"end"`` when it leaves normally; grandchild pids go to ``grandchild<R>.pid``.
 With ``shm: true`` every rank first leaves a file where DeepSpeed leaves its shared-memory
 all-reduce segment (/dev/shm, named from the uid, MASTER_ADDR, MASTER_PORT and RANK).
 """
@@ -50,6 +50,7 @@ if hparams.get("shm"):  # before the marker: a test that saw the marker finds th
     segment.write_bytes(b"\0" * 4096)
 marker = trial_dir / f"rank{rank}.json"
 marker.write_text(json.dumps(record))
+print(f"fake trial {contract['trial_id']} on rank {rank}", flush=True)  # the runner's logs label it
 
 
 def write_result(payload: dict) -> None:

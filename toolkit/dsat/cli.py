@@ -266,7 +266,7 @@ def _build_settings(args: argparse.Namespace, inputs: _Inputs, machines: _Machin
                                 timed_window_s=args.timed_window,
                                 gpus=machines.gpus, hosts=machines.hosts, multihost_launcher=machines.via,
                                 experiment_config=args.config.resolve(),
-                                ssh_port=args.ssh_port)
+                                ssh_port=args.ssh_port, echo=not args.quiet)
     except ConfigError as err:
         problems.extend(user_terms(p) for p in err.problems)
     return search, runner

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
+import sys
 from pathlib import Path
 
 from toolkit.dsat.contract import METRICS
@@ -72,6 +74,12 @@ def _global_batch(text: str) -> str | int:
         raise argparse.ArgumentTypeError(f"{text!r}: expected keep, free or a number of samples") from None
 
 
+def prog() -> str:
+    """How dsat was started, for its usage line: ``dsat`` (the installed console script) or
+    ``python -m toolkit.dsat``."""
+    return "dsat" if sys.argv and os.path.basename(sys.argv[0]) == "dsat" else "python -m toolkit.dsat"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (one sub-command per search method)."""
     common = argparse.ArgumentParser(add_help=False)
@@ -95,11 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the search is recorded (default: MODEL_DIR/dsat_output)")
     o.add_argument("--resume", action="store_true",
                    help="continue the search recorded in --output-dir (default: off)")
+    o.add_argument("--quiet", action="store_true",
+                   help="show only the search's lines, not the trials' ranks' (each trial's trial.log holds "
+                        "them either way; default: off)")
     o.add_argument("--run-full-experiment", action="store_true",
                    help="after the search, run the entrypoint with the best config for searcher.max_length "
                         "steps (default: off)")
     description = "DeepSpeed autotuner: find the fastest DeepSpeed config that fits."
-    parser = argparse.ArgumentParser(prog="python -m toolkit.dsat", description=description)
+    parser = argparse.ArgumentParser(prog=prog(), description=description)
     _add_methods(parser, common)
     return parser
 

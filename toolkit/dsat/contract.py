@@ -30,6 +30,7 @@ __all__ = [
     "MAX_ERROR_CHARS",
     "METRICS",
     "OOM_EXIT_STATUS",
+    "PROGRESS_FILE",
     "ProfileInfo",
     "TrialContract",
     "TrialStatus",
@@ -46,6 +47,9 @@ OOM_EXIT_STATUS = 75
 METRICS = ("FLOPS_per_gpu", "throughput", "forward", "backward", "latency")
 #: The longest error text of a trial that the autotuner keeps (records, tables, console).
 MAX_ERROR_CHARS = 2000
+#: Beside the trial file: where a trial's chief says how far it got (the runner's heartbeat reads
+#: it): ``{"step": 4, "timed": 1, "to_time": 3, "peak_bytes": ..., "time": ...}``.
+PROGRESS_FILE = "progress.json"
 
 
 def clip_error(text: str | None, *, where: str = "") -> str | None:

@@ -30,7 +30,7 @@ from toolkit.dsat.profiling_phase import (
     extra_profiling_trials,
     record_boundaries,
 )
-from toolkit.dsat.records import EventLog, TensorBoardTrials, summary_table, write_trial_tables
+from toolkit.dsat.records import EventLog, summary_table, write_trial_tables
 from toolkit.dsat.search import confirm
 from toolkit.dsat.search.batch import (
     global_batch_change,
@@ -39,7 +39,9 @@ from toolkit.dsat.search.batch import (
     time_capped_micro_batch,
 )
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
+from toolkit.dsat.tensorboard import TensorBoardTrials
 from toolkit.dsat.trial.reporting import instrumentation_overrides
+from toolkit.launch.progress import remaining_text
 
 __all__ = ["Autotuner", "SearchOutcome", "best_metrics_record", "BEST_METRICS_EXTRA_KEYS"]
 
@@ -80,7 +82,8 @@ def best_metrics_record(metrics: Mapping[str, Any], *, trial_id: int, metric: st
 def _dsat_argv() -> list[str] | None:
     """This process's dsat arguments (after ``python -m toolkit.dsat``); None when it is not dsat's CLI."""
     main = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    if main is not None and main.name == "__main__.py" and main.parent.name == "dsat":
+    if main is not None and (main.name == "dsat"  # the console script
+                             or (main.name == "__main__.py" and main.parent.name == "dsat")):
         return list(sys.argv[1:])
     return None
 
@@ -104,7 +107,8 @@ class Autotuner:
             plan.search.method, str(plan.config_path), str(plan.runner.model_dir)]
         self.out = plan.output_dir
         self.log = EventLog(self.out / "events.jsonl")
-        self.tensorboard = TensorBoardTrials(self.out / "tensorboard")
+        self.tensorboard = TensorBoardTrials(self.out / "tensorboard", memory_only=plan.memory_only,
+                                             data_parallel_size=plan.data_parallel_size)
         self.results: dict[int, TrialResult] = {}
         self.taken: set[int] = set()  # profiling trials the searcher took as results
         self.started_at = time.monotonic()
@@ -138,7 +142,7 @@ class Autotuner:
         self.results[result.spec.trial_id] = result
         if not replayed:
             self.log.finished(result)
-            self.tensorboard.add(result)
+            self.tensorboard.add(result, self.results.values())
         write_trial_tables(self.out, self.results.values(), overrides=self._overrides)
 
     def _run_one(self, runner: TrialRunner, spec: TrialSpec) -> TrialResult:
@@ -165,9 +169,14 @@ class Autotuner:
         kind = "profiling trial" if result.spec.profile else "re-run" if result.spec.rerun else "trial"
         limit = "" if result.spec.rerun else f"/{self.plan.search.max_trials}"
         count = len([r for r in self.results.values() if r.spec.rerun is result.spec.rerun])
+        r, durations = self.plan.runner, [t.duration_s for t in self.results.values()]
+        at_once = min(r.max_concurrent, max(r.max_slots // r.slots_per_trial, 1))
+        left = "" if result.spec.rerun else " | " + remaining_text(
+            durations, remaining=max(self.plan.search.max_trials - count, 0), concurrency=at_once,
+            running=[0.0] * running)
         self.say(f"[{count}{limit}] {kind} {result.spec.name} "
                  f"stage {result.spec.stage} mb {result.spec.micro_batch}: {result.status.value} {shown} | "
-                 f"{best_text} | running {running} | {time.monotonic() - self.started_at:.0f}s")
+                 f"{best_text} | running {running} | {time.monotonic() - self.started_at:.0f}s{left}")
 
     # ---------------------------------------------------------------- phases
     def _profile(self, runner: TrialRunner, events: list[dict[str, Any]]) -> ProfileInfo | None:
@@ -391,7 +400,7 @@ class Autotuner:
             return SearchOutcome(1, results, None,
                                  f"no tuning trial succeeded ({len(tuning)} run, "
                                  f"{'all failed' if broken else 'no result to choose from'}); see trials.csv "
-                                 "and each trial's stderr.log" + self._share_line())
+                                 "and each trial's trial.log" + self._share_line())
         best_config = self._config_for(best.spec, instrumented=False)
         change = global_batch_change(self.plan.base_ds_config, best_config, policy=self.plan.global_batch,
                                      data_parallel_size=self.plan.data_parallel_size, argv=self.argv,

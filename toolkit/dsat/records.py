@@ -13,8 +13,10 @@ Layout of ``OUTPUT_DIR``::
     best_ds_metrics.json   its metrics at the top level (Determined's shape), with trial_id, trial,
                            metric, measurements (the best configuration's values and median) and
                            global_batch (the user's batch, the best's, and any change) beside them
-    tensorboard/           each trial's metrics, with its config in TensorBoard's HParams view
-    trials/trial_<id>/     each trial's ds_config.json, hparams.json, logs and result
+    tensorboard/           each trial's metrics, with its config in TensorBoard's HParams view, and
+                           the curves per ZeRO config against the micro-batch (toolkit.dsat.tensorboard)
+    trials/trial_<id>/     each trial's ds_config.json, hparams.json, logs (trial.log, ranks/,
+                           launcher.log), progress.json and result
     full_experiment/       with --run-full-experiment: the run with the best config
 
 Rank 0 only: everything here runs in the autotuner's own process.
@@ -37,8 +39,7 @@ from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus, clip_error
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.errors import ConfigError
 
-__all__ = ["EventLog", "event_problem", "write_trial_tables", "TensorBoardTrials", "summary_table",
-           "flatten_zero", "role"]
+__all__ = ["EventLog", "event_problem", "write_trial_tables", "summary_table", "flatten_zero", "role"]
 
 
 #: The largest event log read (a line is a few hundred bytes; a trial's error text is cut).
@@ -94,6 +95,9 @@ def event_problem(event: Any) -> str | None:
                 problem = problem and f"profile: {problem}"
             if problem is None and not isinstance(result.error, (str, type(None))):
                 problem = f"error={result.error!r:.60}: expected a string or null"
+            peak = event["result"].get("peak_bytes")
+            if problem is None and peak is not None and (type(peak) is not int or peak < 0):
+                problem = f"peak_bytes={peak!r:.60}: expected an integer >= 0 or null"
             if problem:
                 return problem
     except (KeyError, TypeError, ValueError, AttributeError) as err:
@@ -249,33 +253,6 @@ def write_trial_tables(output_dir: Path, results: Iterable[TrialResult], *,
     writer.writeheader()
     writer.writerows(records)
     atomic_write(output_dir / "trials.csv", buf.getvalue())
-
-
-class TensorBoardTrials:
-    """One TensorBoard run per trial: its metrics as scalars and its config in the HParams view."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-
-    def add(self, result: TrialResult) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # heavy import, only when there is a result
-
-        hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
-                   for k, v in flatten_zero(result.spec).items()}
-        hparams["status"] = result.status.value
-        hparams["role"] = role(result.spec)
-        metrics = {f"dsat/{m}": float(result.metrics[m]) for m in METRICS if m in result.metrics}
-        if not metrics:
-            metrics = {f"dsat/{METRICS[0]}": float("nan")}  # failed trials still appear in the table
-        spec = result.spec
-        name = spec.name if spec.label else f"{spec.trial_id:04d}"
-        writer = SummaryWriter(log_dir=str(self.log_dir / f"trial_{name}"))
-        try:
-            writer.add_hparams(hparams, metrics, run_name=".")
-            for name, value in metrics.items():
-                writer.add_scalar(name, value, global_step=max(result.spec.trial_id, 0))
-        finally:
-            writer.close()
 
 
 def _fmt(value: Any) -> str:

@@ -43,10 +43,12 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Mapping, Sequence
 
 from toolkit._checks import is_int
 from toolkit.errors import ConfigError
+from toolkit.launch.output import rank_log_options
 from toolkit.launch.wrappers import unwrap_launcher
 
 __all__ = ["DEEPSPEED_MODE_FLAGS", "LAUNCHERS", "LOOPBACK", "build_trial_argv", "parse_entrypoint",
@@ -165,7 +167,7 @@ def parse_entrypoint(entrypoint: Sequence[str]) -> tuple[str, str, list[str]]:
 
 
 def build_trial_argv(entrypoint: Sequence[str], *, launcher: str, nproc: int, master_port: int,
-                     include: str | None = None) -> list[str]:
+                     include: str | None = None, rank_logs: os.PathLike[str] | None = None) -> list[str]:
     """The argv that starts ``entrypoint`` on ``nproc`` local processes. Pure; any process.
 
     Args:
@@ -176,6 +178,8 @@ def build_trial_argv(entrypoint: Sequence[str], *, launcher: str, nproc: int, ma
         master_port: the trial's own rendezvous port on 127.0.0.1.
         include: ``deepspeed`` only: the GPU ids as ``"localhost:2,3"``; under torchrun GPUs are
             chosen with ``CUDA_VISIBLE_DEVICES`` alone, so passing it there is an error.
+        rank_logs: a directory where the launcher writes each rank's output to files of its own
+            (:func:`toolkit.launch.output.rank_log_options`); None: the ranks inherit its output.
 
     Returns:
         A new argv list starting with ``sys.executable``; never run through a shell.
@@ -206,10 +210,14 @@ def build_trial_argv(entrypoint: Sequence[str], *, launcher: str, nproc: int, ma
     if launcher == "torchrun":
         argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                 "--master_addr", LOOPBACK, "--master_port", str(master_port)]
-        argv += {"module": ["--module"], "exec": ["--no-python"], "script": []}[mode]
     else:
         argv = [sys.executable, "-m", "deepspeed.launcher.launch",
                 f"--world_info={world_info(include, nproc)}",
                 f"--master_addr={LOOPBACK}", f"--master_port={master_port}", "--no_local_rank"]
+    if rank_logs is not None:
+        argv += rank_log_options(launcher, Path(rank_logs))
+    if launcher == "torchrun":
+        argv += {"module": ["--module"], "exec": ["--no-python"], "script": []}[mode]
+    else:
         argv += DEEPSPEED_MODE_FLAGS[mode]
     return argv + [target] + args

@@ -15,19 +15,20 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
 import struct
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Mapping, Sequence
 
 import google_crc32c
 from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 from tensorboard.compat.proto.summary_pb2 import Summary
 
-__all__ = ["EventFile", "record"]
+__all__ = ["STALE_RUN_FILE_S", "EventFile", "record", "write_run"]
 
 _file_ids = itertools.count()  # two writers of one process in one second get two files
 
@@ -51,6 +52,7 @@ class EventFile:
         purge_step: when resuming, the first step written again: TensorBoard then hides the
             points at and after it from earlier files (a ``SessionLog.START`` at that step,
             as ``SummaryWriter(purge_step=...)`` writes).
+        name: the file's name (it must hold ``tfevents``); default: a new name of this process.
 
     Example (chief only)::
 
@@ -60,11 +62,12 @@ class EventFile:
             events.close()
     """
 
-    def __init__(self, log_dir: str | os.PathLike[str], *, purge_step: int | None = None) -> None:
+    def __init__(self, log_dir: str | os.PathLike[str], *, purge_step: int | None = None,
+                 name: str | None = None) -> None:
         directory = Path(log_dir)
         directory.mkdir(parents=True, exist_ok=True)
-        name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
-                f"{os.getpid()}.{next(_file_ids)}")
+        name = name or (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
+                        f"{os.getpid()}.{next(_file_ids)}")
         self.path = directory / name
         self._file = open(self.path, "wb")
         now = time.time()
@@ -78,6 +81,10 @@ class EventFile:
         summary = Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in values.items()])
         self._file.write(record(Event(wall_time=wall_time, step=step, summary=summary).SerializeToString()))
 
+    def add_summary(self, summary: Summary, *, step: int, wall_time: float) -> None:
+        """One event holding ``summary`` (any plugin's, e.g. the HParams session of a run)."""
+        self._file.write(record(Event(wall_time=wall_time, step=step, summary=summary).SerializeToString()))
+
     def flush(self) -> None:
         self._file.flush()
 
@@ -85,3 +92,42 @@ class EventFile:
         if not self._file.closed:
             self._file.flush()
             self._file.close()
+
+
+#: An earlier file of :func:`write_run` is removed once it is this old: by then a TensorBoard
+#: reading it (every 5 s by default) has gone on to the newer one; it would stop at a file removed
+#: under it.
+STALE_RUN_FILE_S = 600.0
+
+
+def write_run(log_dir: str | os.PathLike[str], series: Mapping[str, Iterable[tuple[int, float]]], *,
+              name: str, purge: bool = True, summaries: Sequence[Summary] = ()) -> Path:
+    """A new event file ``name`` in ``log_dir`` holding ``series`` (per tag, its points in step
+    order) and ``summaries``: a run rewritten whole each time a point comes (points that arrive
+    out of step order, such as trials by micro-batch, still draw as curves).
+
+    ``purge``: the file starts with a ``SessionLog.START`` at step 0, so that TensorBoard drops the
+    points of the earlier files (removed after :data:`STALE_RUN_FILE_S`); only for a directory this
+    writer alone fills (it hides other files' points too; without it no file is removed). Any
+    process; the caller's run only. Returns the new file.
+    """
+    directory = Path(log_dir)
+    old = sorted(directory.glob(f"events.out.tfevents.*.{name}")) if directory.is_dir() else []
+    # microseconds: after every file of an earlier second, and of this one (TensorBoard reads a
+    # directory's files in name order and does not go back)
+    events = EventFile(directory, purge_step=0 if purge else None,
+                       name=f"events.out.tfevents.{time.time_ns() // 1000:016d}.{name}")
+    now = time.time()
+    try:
+        for summary in summaries:
+            events.add_summary(summary, step=0, wall_time=now)
+        for tag, points in series.items():
+            for step, value in sorted(points, key=lambda p: p[0]):
+                events.add_scalars(int(step), {tag: float(value)}, wall_time=now)
+    finally:
+        events.close()
+    for path in old if purge else ():  # without a purge, what they hold still counts
+        with contextlib.suppress(OSError):
+            if time.time() - path.stat().st_mtime > STALE_RUN_FILE_S:
+                path.unlink()
+    return events.path

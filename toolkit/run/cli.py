@@ -31,18 +31,17 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m toolkit.run", description="Run a Determined experiment YAML on this machine."
     )
     parser.add_argument("config", help="the experiment YAML (Determined's format)")
-    parser.add_argument(
-        "model_dir", help="the directory the entrypoint runs in (Determined's context directory)"
-    )
+    parser.add_argument("model_dir", help="the entrypoint's working directory (Determined's context dir)")
     parser.add_argument("--output-dir", help="checkpoints, TensorBoard and metrics (default: runs/<name>)")
-    parser.add_argument(
-        "--grace", type=float, default=60.0, help="seconds the ranks get to stop after a signal"
-    )
+    parser.add_argument("--grace", type=float, default=60.0,
+                        help="seconds the ranks get to stop after a signal")
     parser.add_argument(
         "--max-slots", type=int, default=None,
         help="slots a search's trials share, resources.slots_per_trial each (default: this machine's GPUs, "
              "or on CPU its cores); searcher.max_concurrent_trials limits the trials at once further",
     )
+    parser.add_argument("--quiet", action="store_true", help="show the runner's and the searcher's lines "
+                        "only; the ranks' lines still go to each trial's logs/trial.log")
     parser.add_argument(
         "--slurm", metavar="OPTIONS", default=None,
         help="run each trial of the search as its own Slurm job, submitted with these sbatch options "
@@ -73,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         return _slurm(args, plan, searching=searching)
     if searching:
         try:
-            return run_search(plan, grace_s=args.grace, max_slots=args.max_slots)
+            return run_search(plan, grace_s=args.grace, max_slots=args.max_slots, echo=not args.quiet)
         except (ConfigError, CheckpointError) as err:  # search.json: another search, or not one
             print(f"python -m toolkit.run: error: {err}", file=sys.stderr)
             return 2
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"python -m toolkit.run: error: {problem}", file=sys.stderr)
         return 2
-    return execute(plan, grace_s=args.grace)
+    return execute(plan, grace_s=args.grace, echo=not args.quiet)
 
 
 def _joined_slurm(argv: list[str]) -> list[str]:

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Mapping
 
 from toolkit.compat.determined.info import CONTAINER_PER_RANK_ENV
@@ -34,6 +35,7 @@ from toolkit.compat.determined.wrap_rank import WRAPPED_ENV, shim_pythonpath
 from toolkit.errors import ConfigError
 from toolkit.launch.argv import build_trial_argv
 from toolkit.launch.experiment_env import CONFIG_WARNED_ENV, environment_variables
+from toolkit.launch.output import OutputPump
 from toolkit.launch.procs import (
     cpu_slots,
     find_trial_processes,
@@ -203,9 +205,10 @@ def deepspeed_include(plan: RunPlan, env: Mapping[str, str]) -> str | None:
     return "localhost:" + ",".join(ids)
 
 
-def _launch_argv(plan: RunPlan, port: int, env: Mapping[str, str]) -> list[str]:
+def _launch_argv(plan: RunPlan, port: int, env: Mapping[str, str],
+                 rank_logs: Path | None = None) -> list[str]:
     argv = build_trial_argv(plan.command, launcher=plan.launcher, nproc=plan.nproc, master_port=port,
-                            include=deepspeed_include(plan, env))
+                            include=deepspeed_include(plan, env), rank_logs=rank_logs)
     if plan.launcher == "torchrun" and "--max_restarts" not in argv:
         argv.insert(3, "--max_restarts=0")  # restarts are this runner's (with a resume)
     return argv
@@ -215,12 +218,15 @@ def _ignore_usr1() -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-def run_once(plan: RunPlan, env: dict[str, str], *, forwarder: Forwarder, grace_s: float) -> int:
+def run_once(plan: RunPlan, env: dict[str, str], *, forwarder: Forwarder, grace_s: float,
+             output: OutputPump | None = None) -> int:
     """Start the run, wait for it, kill what is left; its exit status. Runner only.
 
     A search's thread runs it; the searcher's stop comes through ``forwarder`` (preemption
     signal). When ``forwarder`` has already received a signal, nothing is started and 0 is
-    returned (a stop before the start).
+    returned (a stop before the start). ``output``: the ranks write their output to its files
+    (:mod:`toolkit.launch.output`), the launcher to its ``launcher.log``; None: they inherit this
+    process's.
     """
     if forwarder.received is not None:
         logger.info("%s received before the run started: not starting it",
@@ -228,12 +234,14 @@ def run_once(plan: RunPlan, env: dict[str, str], *, forwarder: Forwarder, grace_
         return 0
     mark = f"toolkit-run-{uuid.uuid4().hex[:12]}"
     port = _take_port()
-    argv = _launch_argv(plan, port, env)
+    argv = _launch_argv(plan, port, env, None if output is None else output.ranks_dir)
     logger.info("starting %s", shlex.join(argv))
     try:
         shield = _ignore_usr1 if env.get(SHIELD_USR1_ENV) == "1" else None  # only in a Slurm job's runner
-        proc = subprocess.Popen(argv, cwd=plan.model_dir, env={**env, MARK_ENV: mark}, start_new_session=True,
-                                preexec_fn=shield)
+        with output.launcher_file() if output is not None else contextlib.nullcontext() as out:
+            proc = subprocess.Popen(argv, cwd=plan.model_dir, env={**env, MARK_ENV: mark},
+                                    start_new_session=True, preexec_fn=shield, stdout=out,
+                                    stderr=None if out is None else subprocess.STDOUT)
     except BaseException:
         with _ports_lock:
             _ports_in_use.discard(port)

@@ -17,6 +17,9 @@ A SIGTERM/SIGINT/SIGUSR1 to the runner goes to every trial in flight (each saves
 and starts nothing more; the same command again resumes those trials from their checkpoints,
 then continues the search. Exit status: 0, or the last failed (or paused) trial's.
 
+It logs the search's progress (:mod:`toolkit.run.watch`) and writes its TensorBoard view
+(:mod:`toolkit.run.tensorboard`).
+
 Example::
 
     python -m toolkit.run 3_hpsearch.yaml . --output-dir runs/hp --max-slots 2
@@ -45,7 +48,9 @@ from toolkit.launch.procs import cpu_slots
 from toolkit.run.plan import RunPlan
 from toolkit.run.process import STOP_SIGNALS, Forwarder, check_slots
 from toolkit.run.search import _Watcher, finish_trial, load_state, save_state
+from toolkit.run.tensorboard import write_searcher_view, write_trial_hparams
 from toolkit.run.trial import execute
+from toolkit.run.watch import HEARTBEAT_S, latest_report, progress_line, report_text
 
 __all__ = ["POLL_S", "concurrency", "run_search"]
 
@@ -76,6 +81,7 @@ class _InFlight:
     forwarder: Forwarder
     watcher: _Watcher
     thread: threading.Thread
+    started: float = dataclasses.field(default_factory=time.monotonic)
     acked: int = -1
     status: int | None = None
 
@@ -134,10 +140,12 @@ def _ack(flight: _InFlight) -> None:
         flight.acked = flight.watcher.offset
 
 
-def run_search(plan: RunPlan, *, grace_s: float = 60.0, max_slots: int | None = None) -> int:
+def run_search(plan: RunPlan, *, grace_s: float = 60.0, max_slots: int | None = None,
+               echo: bool = True) -> int:
     """Run (or continue) the search of ``plan.config``; the exit status. Runner only.
 
     ``max_slots``: the slots of this machine the trials share (None: its GPUs, or its cores).
+    ``echo`` False (``--quiet``): the trials' lines go to their logs only, not to the console.
 
     Raises:
         ConfigError: ``search.json`` holds a search started from another searcher section,
@@ -145,15 +153,7 @@ def run_search(plan: RunPlan, *, grace_s: float = 60.0, max_slots: int | None = 
             machine (or ``max_slots``) runs (nothing is started).
         CheckpointError: ``search.json`` is not a search state (nothing is started).
     """
-    check_slots(plan)  # before anything is written
-    gpus = _gpus()
-    slots = max_slots or gpus or cpu_slots()
-    if plan.nproc > slots:
-        raise ConfigError(f"--max-slots={slots}: a trial needs {plan.nproc} slot(s) "
-                          "(resources.slots_per_trial or the wrapper's --nproc_per_node); expected at least "
-                          "that many")
-    if gpus and slots > gpus:
-        raise ConfigError(f"--max-slots={slots}: this machine has {gpus} GPU(s); expected at most {gpus}")
+    slots, gpus = _slots(plan, max_slots)  # before anything is written
     cap = concurrency(plan.config, slots=slots, nproc=plan.nproc)
     out = plan.output_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -164,19 +164,22 @@ def run_search(plan: RunPlan, *, grace_s: float = 60.0, max_slots: int | None = 
     running: dict[int, _InFlight] = {}
     signals = _Signals(running)
     status = 0
+    progress = _Progress(plan, cap)
     logger.info("searcher: up to %d trial(s) at once on %d slot(s), %d per trial", cap, slots, plan.nproc)
     try:
         while True:
             while signals.received is None and len(running) < cap and \
                     (trial := search.next_trial(state, plan.config)) is not None:
                 flight = running[trial["index"]] = _start(plan, state, trial, pool, grace_s=grace_s,
-                                                          experiment_id=experiment_id, threads=threads)
+                                                          experiment_id=experiment_id, threads=threads,
+                                                          echo=echo)
                 if signals.received is not None:  # it came while the trial was being started
                     flight.forwarder.handle(signals.received)
             if not running:
                 break
             time.sleep(POLL_S)
-            status = _poll(running, pool, state, plan) or status
+            status = _poll(running, pool, state, plan, progress.durations) or status
+            progress(running, state)
     finally:
         signals.restore()
         for flight in running.values():  # an exception in this thread: stop what runs, then leave
@@ -192,10 +195,55 @@ def run_search(plan: RunPlan, *, grace_s: float = 60.0, max_slots: int | None = 
     return status
 
 
-def _poll(running: dict[int, _InFlight], pool: SlotPool, state: dict[str, Any], plan: RunPlan) -> int:
+def _slots(plan: RunPlan, max_slots: int | None) -> tuple[int, int]:
+    """The slots the trials share, and this machine's GPUs; a ConfigError for a process count they
+    cannot run."""
+    check_slots(plan)
+    gpus = _gpus()
+    slots = max_slots or gpus or cpu_slots()
+    if plan.nproc > slots:
+        raise ConfigError(f"--max-slots={slots}: a trial needs {plan.nproc} slot(s) "
+                          "(resources.slots_per_trial or the wrapper's --nproc_per_node); expected at least "
+                          "that many")
+    if gpus and slots > gpus:
+        raise ConfigError(f"--max-slots={slots}: this machine has {gpus} GPU(s); expected at most {gpus}")
+    return slots, gpus
+
+
+class _Progress:
+    """Logs :func:`_progress` every :data:`~toolkit.run.watch.HEARTBEAT_S` while trials run; keeps
+    the durations of the trials that ended (``_poll`` adds them)."""
+
+    def __init__(self, plan: RunPlan, cap: int) -> None:
+        self.plan, self.cap, self.last = plan, cap, time.monotonic()
+        self.durations: list[float] = []
+
+    def __call__(self, running: Mapping[int, _InFlight], state: dict[str, Any]) -> None:
+        if running and time.monotonic() - self.last >= HEARTBEAT_S:
+            self.last = time.monotonic()
+            logger.info("%s", _progress(running, state, self.plan, self.durations, self.cap))
+
+
+def _progress(running: Mapping[int, _InFlight], state: dict[str, Any], plan: RunPlan, durations: list[float],
+              cap: int) -> str:
+    """The progress line: each running trial's latest report, the trials left, a rough time left."""
+    metric = (plan.config.get("searcher") or {}).get("metric")
+    reports = [(f.trial["dir"], report_text(latest_report(f.plan.output_dir / "metrics.jsonl"),
+                                            metric=metric)) for f in running.values()]
+    done = sum(t["state"] in ("COMPLETED", "ERROR") for t in state["trials"])
+    planned = search._planned(state, plan.config)  # the one count of the search's trials
+    now = time.monotonic()
+    return progress_line(reports, done=done, to_start=max(planned - done - len(running), 0),
+                         durations=durations, elapsed=[now - f.started for f in running.values()],
+                         concurrency=cap)
+
+
+def _poll(running: dict[int, _InFlight], pool: SlotPool, state: dict[str, Any], plan: RunPlan,
+          durations: list[float]) -> int:
     """One look at the trials in flight: their reports (the searcher's stops, the chiefs' answers),
-    and those that ended, recorded and their slots freed; the exit status of the last that failed
-    or paused with one (0: none)."""
+    and those that ended, recorded and their slots freed (their durations added to ``durations``,
+    their HParams and the searcher's view written); the exit status of the last that failed or
+    paused with one (0: none)."""
     status = 0
     for index, flight in list(running.items()):
         if flight.watcher() and not flight.forwarder.searcher_stopped:  # the watcher logs it
@@ -209,13 +257,17 @@ def _poll(running: dict[int, _InFlight], pool: SlotPool, state: dict[str, Any], 
         code = 1 if flight.status is None else flight.status  # None: the thread raised
         finish_trial(state, flight.trial, flight.watcher, flight.forwarder, code, flight.plan.output_dir)
         save_state(plan.output_dir, state, plan.config)
+        durations.append(time.monotonic() - flight.started)
+        metric = (plan.config.get("searcher") or {}).get("metric")
+        write_trial_hparams(flight.plan.output_dir, flight.trial["hparams"], metric=metric)
+        write_searcher_view(plan.output_dir, state, plan.config)
         if flight.trial["state"] in ("ERROR", "PAUSED") and code:
             status = code
     return status
 
 
 def _start(plan: RunPlan, state: dict[str, Any], trial: dict[str, Any], pool: SlotPool, *, grace_s: float,
-           experiment_id: int, threads: int) -> _InFlight:
+           experiment_id: int, threads: int, echo: bool) -> _InFlight:
     """Start one trial's thread on free slots (marked RUNNING in ``search.json`` first)."""
     out = plan.output_dir
     sub = plan.with_output_dir(out / trial["dir"])
@@ -225,7 +277,11 @@ def _start(plan: RunPlan, state: dict[str, Any], trial: dict[str, Any], pool: Sl
     (sub.output_dir / search.ACK_FILE).unlink(missing_ok=True)  # an earlier run's: read afresh
     held = pool.take(trial_id=trial["index"])
     forwarder = Forwarder(install=False)
-    watcher = _Watcher(state, trial, plan.config, sub.output_dir, lambda: save_state(out, state, plan.config))
+    def save() -> None:  # a report changed the search: its record and the searcher's view
+        save_state(out, state, plan.config)
+        write_searcher_view(out, state, plan.config)
+
+    watcher = _Watcher(state, trial, plan.config, sub.output_dir, save)
     logger.info("searcher: %s (trial %d) with %s%s", trial["dir"], trial["index"],
                 json.dumps(trial["hparams"]), f" on GPUs {held.gpus}" if held.gpus else "")
     flight = _InFlight(trial, sub, held, forwarder, watcher, threading.Thread(target=lambda: None))
@@ -233,7 +289,8 @@ def _start(plan: RunPlan, state: dict[str, Any], trial: dict[str, Any], pool: Sl
     def run() -> None:
         flight.status = execute(sub, grace_s=grace_s, forwarder=forwarder, hparams=trial["hparams"],
                                 hparams_seed=trial["seed"], experiment_id=experiment_id,
-                                extra_env=_trial_env(sub.output_dir, held, threads=threads))
+                                extra_env=_trial_env(sub.output_dir, held, threads=threads),
+                                label=trial["dir"], echo=echo)
 
     flight.thread = threading.Thread(target=run, name=f"toolkit.run {trial['dir']}", daemon=True)
     flight.thread.start()

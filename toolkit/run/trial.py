@@ -1,5 +1,9 @@
 """One trial of ``python -m toolkit.run``: its ids and values recorded, its runs and restarts. Runner only.
 
+Its ranks' output goes to ``<output_dir>/logs/`` (``trial.log``, ``ranks/``, ``launcher.log``:
+:mod:`toolkit.launch.output`, all runs of the trial appended) and, labelled, to the console; a
+failed run's last lines are logged with the log's path.
+
 A failed run is restarted (``max_restarts`` times at most) after a pause that doubles from
 :data:`RESTART_BACKOFF_S` to :data:`RESTART_BACKOFF_MAX_S` (1, 2, 4, ... 30 s): a run that
 fails at once does not spin. A signal during the pause ends it, and nothing more is started.
@@ -16,10 +20,11 @@ from typing import Any, Mapping
 from toolkit._files import atomic_write_json
 from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state, record_hparams
 from toolkit.errors import ConfigError
+from toolkit.launch.output import OutputPump
 from toolkit.run.plan import RunPlan
 from toolkit.run.process import Forwarder, check_slots, environment, run_once
 
-__all__ = ["RESTART_BACKOFF_MAX_S", "RESTART_BACKOFF_S", "execute", "restart_delay"]
+__all__ = ["LOGS_DIR", "RESTART_BACKOFF_MAX_S", "RESTART_BACKOFF_S", "execute", "restart_delay"]
 
 logger = logging.getLogger("toolkit.run")
 
@@ -27,6 +32,8 @@ logger = logging.getLogger("toolkit.run")
 RESTART_BACKOFF_S = 1.0
 #: ... up to this.
 RESTART_BACKOFF_MAX_S = 30.0
+#: Under a trial's output directory: its logs (:mod:`toolkit.launch.output`).
+LOGS_DIR = "logs"
 
 
 def restart_delay(restart: int) -> float:
@@ -62,13 +69,17 @@ def execute(
     hparams_seed: int | None = None,
     experiment_id: int | None = None,
     extra_env: Mapping[str, str] | None = None,
+    label: str | None = None,
+    echo: bool = True,
 ) -> int:
     """Run the plan, restarting failed runs; return the exit status. Runner only.
 
     A search (:mod:`toolkit.run.scheduler`) passes the trial's ``forwarder`` (its signals and the
     searcher's stop), ``hparams`` and the seed they were drawn with (``hparams_seed``, recorded in
     ``determined_trial.json``), the experiment's id, and ``extra_env`` (its GPUs or threads, the
-    searcher's handshake). A signal received before a run starts starts nothing (exit 0, a stop).
+    searcher's handshake), and ``label``, how the console names the trial (None: a single run, its
+    lines named by rank alone); ``echo`` False (``--quiet``): the ranks' lines go to the log
+    only. A signal received before a run starts starts nothing (exit 0, a stop).
     A process count this machine cannot run (:func:`~toolkit.run.process.check_slots`) starts
     and writes nothing: exit 2.
     """
@@ -90,26 +101,38 @@ def execute(
     own = forwarder is None
     forwarder = forwarder or Forwarder()
     try:
-        attempt = 0
-        while True:
-            if attempt:
-                _next_attempt(plan.output_dir)
-            status = run_once(plan, env, forwarder=forwarder, grace_s=grace_s)
-            if status == 0 or forwarder.stopping:
-                if forwarder.received is not None:
-                    logger.info("stopped by %s (exit status %d); run the same command again to continue from "
-                                "the latest checkpoint", signal.Signals(forwarder.received).name, status)
-                return status
-            if attempt >= plan.max_restarts:
-                logger.error(
-                    "the run failed with exit status %d; max_restarts=%d reached", status, plan.max_restarts
-                )
-                return status
-            attempt += 1
-            delay = restart_delay(attempt)
-            logger.warning("the run failed with exit status %d; restart %d of %d in %.0f s, from the latest "
-                           "checkpoint", status, attempt, plan.max_restarts, delay)
-            _pause(delay, forwarder)
+        return _runs(plan, env, forwarder=forwarder, grace_s=grace_s, label=label, echo=echo)
     finally:
         if own:
             forwarder.restore()
+
+
+def _runs(plan: RunPlan, env: dict[str, str], *, forwarder: Forwarder, grace_s: float, label: str | None,
+          echo: bool) -> int:
+    """The runs of one trial, a failed one restarted up to ``max_restarts`` times; the last status."""
+    who = f"{label}: " if label else ""
+    attempt = 0
+    while True:
+        if attempt:
+            _next_attempt(plan.output_dir)
+        output = OutputPump(plan.output_dir / LOGS_DIR, label=label, echo=echo, fresh=False)
+        output.start()
+        try:
+            status = run_once(plan, env, forwarder=forwarder, grace_s=grace_s, output=output)
+        finally:
+            output.stop()  # read to the end: its last lines are this run's
+        if status == 0 or forwarder.stopping:
+            if forwarder.received is not None:
+                name = signal.Signals(forwarder.received).name
+                logger.info("%sstopped by %s (exit status %d); run the same command again to continue "
+                            "from the latest checkpoint", who, name, status)
+            return status
+        failed = output.failure_text(f"{who}the run failed with exit status {status}")
+        if attempt >= plan.max_restarts:
+            logger.error("%s; max_restarts=%d reached", failed, plan.max_restarts)
+            return status
+        attempt += 1
+        delay = restart_delay(attempt)
+        logger.warning("%s\nrestart %d of %d in %.0f s, from the latest checkpoint", failed, attempt,
+                       plan.max_restarts, delay)
+        _pause(delay, forwarder)

@@ -95,7 +95,7 @@ def test_failed_trials_show_the_workers_error_not_torchruns_epilogue(tmp_path):
                 "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:", "train.py FAILED"]
     (tmp_path / "stderr.log").write_text("\n".join(worker + epilogue) + "\n")
     tail = stderr_tail(tmp_path / "stderr.log")
-    assert tail.splitlines()[:2] == ["", "last lines of stderr:"]
+    assert tail.splitlines()[:2] == ["", "last lines of its output:"]
     assert tail.splitlines()[2:] == [
         "  line 4",
         "  line 5",
@@ -106,3 +106,9 @@ def test_failed_trials_show_the_workers_error_not_torchruns_epilogue(tmp_path):
     r = classify(spec(), directory=tmp_path, code=1, duration_s=1.0)
     assert r.error == "exit status 1" + tail
     assert stderr_tail(tmp_path / "missing.log") == ""
+    # a trial's directory: its trial.log, the ranks' lines only, wherever the launcher's fell
+    (tmp_path / "trial.log").write_text("\n".join(
+        ["[rank 1] line 8", *(f"[launcher] {line}" for line in epilogue), "[rank 0] ValueError: bad x",
+         "[launcher] exits with return code = 1"]) + "\n")
+    assert stderr_tail(tmp_path).splitlines()[-2:] == ["  [rank 1] line 8", "  [rank 0] ValueError: bad x"]
+    assert classify(spec(), directory=tmp_path, code=1, duration_s=1.0).error.endswith("ValueError: bad x")

@@ -169,8 +169,13 @@ def test_outcomes_are_classified_from_exit_status_and_result_file(tmp_path):
 
     # the trial's files and environment
     trial0 = out / "trials" / "trial_0"
-    for name in ("ds_config.json", "hparams.json", "trial.json", "stdout.log", "stderr.log", "result.json"):
+    for name in ("ds_config.json", "hparams.json", "trial.json", "trial.log", "launcher.log", "result.json"):
         assert (trial0 / name).is_file(), name
+    # each trial's log: its own lines, labelled by rank; the rank's own files under ranks/
+    crashed = (out / "trials" / "trial_2" / "trial.log").read_text()
+    assert "[rank 0] RuntimeError: boom from the fake trial on rank 0" in crashed
+    assert "[launcher]" in crashed and "trial_0" not in crashed and "trial_3" not in crashed
+    assert "boom" in (out / "trials" / "trial_2" / "ranks").rglob("stderr.log").__next__().read_text()
     hparams = json.loads((trial0 / "hparams.json").read_text())
     assert hparams == {"behaviour": "orphan", "lr": 0.1, "deepspeed_config": str(trial0 / "ds_config.json")}
     assert json.loads((trial0 / "ds_config.json").read_text()) == {"train_micro_batch_size_per_gpu": 1}
@@ -311,8 +316,8 @@ def overlap(spans):
     (1, 3, 2, 2, "10,11,12,13,14,15,16,17,18"),   # under an inherited CUDA_VISIBLE_DEVICES (Slurm)
     (2, 3, 4, 1, None),
 ])
-def test_slot_and_concurrency_caps_are_never_exceeded(tmp_path, monkeypatch, slots_per_trial, max_slots,
-                                                      max_concurrent, cap, visible):
+def test_slot_and_concurrency_caps_are_never_exceeded(tmp_path, monkeypatch, capsys, slots_per_trial,
+                                                      max_slots, max_concurrent, cap, visible):
     out = tmp_path / "out"
     gpus = (4, 6, 8)
     if visible:
@@ -344,6 +349,14 @@ def test_slot_and_concurrency_caps_are_never_exceeded(tmp_path, monkeypatch, slo
             (a0, a1), (b0, b1) = spans[i], spans[j]
             if a0 < b1 and b0 < a1:
                 assert not set(held[i]) & set(held[j])
+    # trials at once: each one's log holds its own ranks' lines, and the console names the trial of each
+    for i in range(n):
+        lines = (out / "trials" / f"trial_{i}" / "trial.log").read_text().splitlines()
+        assert sorted(line for line in lines if "fake trial" in line) == [
+            f"[rank {r}] fake trial {i} on rank {r}" for r in range(slots_per_trial)], lines
+    shown = [line for line in capsys.readouterr().out.splitlines() if "fake trial" in line]
+    assert sorted(shown) == sorted(f"[trial {i} rank {r}] fake trial {i} on rank {r}"
+                                   for i in range(n) for r in range(slots_per_trial))
     assert marked_processes(out) == []
 
 
@@ -386,6 +399,11 @@ def test_deepspeed_launcher_runs_the_trial_on_two_processes(tmp_path):
     records = [rank_record(out, 1, r) for r in (0, 1)]
     assert [r["env"]["WORLD_SIZE"] for r in records] == ["2", "2"]
     assert all(not any(a.startswith("--local_rank") for a in r["argv"]) for r in records)
+    # DeepSpeed's launcher writes a file per rank (--enable_each_rank_log): the trial's log labels each line
+    trial = out / "trials" / "trial_1"
+    assert sorted(p.name.rsplit("_", 1)[1] for p in (trial / "ranks").iterdir()) == ["rank0.log", "rank1.log"]
+    log = (trial / "trial.log").read_text().splitlines()
+    assert {"[rank 0] fake trial 1 on rank 0", "[rank 1] fake trial 1 on rank 1"} <= set(log), log
     assert marked_processes(out) == []
 
 

@@ -14,6 +14,7 @@ from toolkit.dsat.search.memory import (
     model_memory_bytes,
     offload_flags,
     predict,
+    predicted_peak_bytes,
 )
 
 
@@ -260,3 +261,22 @@ def test_an_out_of_memory_trial_caps_the_prediction_below_it(stage, m):
     # a prediction already below it is left as it is
     low = calibration.with_oom(p, stage, micro_batch=10**7, model_memory=model, data_parallel_size=2)
     assert low == p
+
+
+@settings(max_examples=300, deadline=None)
+@given(params=st.integers(1, 10**7), activation=st.integers(0, 10**6), budget=st.integers(1, 10**10),
+       baseline=st.integers(0, 10**8), k=st.integers(0, 5000), extra=st.integers(-10**8, 10**8),
+       stage=st.sampled_from([0, 1, 2, 3]), dp=st.integers(1, 8), offload=st.booleans())
+def test_the_predicted_peak_curve_crosses_the_budget_at_the_predicted_largest_micro_batch(
+        params, activation, budget, baseline, k, extra, stage, dp, offload):
+    # dsat's TensorBoard draws predicted_peak_bytes against the budget: the line must cross it where
+    # approx_max_micro_batch says the largest micro-batch is (unless not even micro-batch 1 fits)
+    p = ProfileInfo(num_params=params, trainable_params=params, activation_bytes_per_example=activation,
+                    memory_per_slot=budget, baseline_bytes=baseline, micro_batch=k,
+                    stage_extra_bytes={str(stage): extra})
+    kw = dict(data_parallel_size=dp, offload_optimizer=offload and stage >= 2)
+    m = approx_max_micro_batch(p, stage, **kw)
+    if predicted_peak_bytes(p, stage, m, **kw) <= budget:
+        assert predicted_peak_bytes(p, stage, m + 1, **kw) > budget
+    else:
+        assert m == 1

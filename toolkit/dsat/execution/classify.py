@@ -14,7 +14,7 @@ any other exit                             FAILED "exit status N" / "killed by s
 =========================================  ==============================================
 
 The first two rows are the runner's verdicts (:mod:`toolkit.dsat.execution.runner`), passed to
-:func:`classify`. FAILED errors end with the last lines of the trial's stderr, for display only;
+:func:`classify`. FAILED errors end with the last lines of the trial's output, for display only;
 when those lines say that variables only one launcher sets are missing (``LOCAL_SIZE``,
 ``CROSS_RANK``, ``CROSS_SIZE``: DeepSpeed's; ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
 ``GROUP_WORLD_SIZE``: torchrun's), the error first names the flag that fixes it
@@ -40,6 +40,7 @@ from toolkit.bounded_load import load_json
 from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus, clip_error
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.errors import ConfigError
+from toolkit.launch.output import TRIAL_LOG, ranks_lines
 
 __all__ = ["LAUNCHER_ONLY_VARIABLES", "check_result", "classify", "exit_text", "launcher_hint", "stderr_tail"]
 
@@ -72,8 +73,8 @@ def exit_text(code: int | None) -> str:
 
 
 def stderr_tail(path: Path) -> str:
-    """The last lines of a trial's stderr before its launcher's epilogue, as a suffix for an error
-    (``""`` if none)."""
+    """The last lines of a trial's log before its launcher's epilogue, as a suffix for an error
+    (``""`` if none). ``path``: the log, or the trial's directory (:func:`_read_tail`)."""
     text = _read_tail(path)
     lines = [line.rstrip()[:300] for line in text.splitlines() if line.strip()]
     # The launcher's own epilogue (torchrun's ChildFailedError table) hides the worker's error.
@@ -81,10 +82,16 @@ def stderr_tail(path: Path) -> str:
     if ends and ends[0] > 0:
         lines = lines[:ends[0]]
     lines = lines[-_STDERR_LINES:]
-    return ("\nlast lines of stderr:\n  " + "\n  ".join(lines)) if lines else ""
+    return ("\nlast lines of its output:\n  " + "\n  ".join(lines)) if lines else ""
 
 
 def _read_tail(path: Path) -> str:
+    """The end of a log; of a trial's directory, its ranks' lines in ``trial.log`` (``stderr.log``
+    where there is none)."""
+    if path.is_dir():
+        if (path / TRIAL_LOG).exists():
+            return ranks_lines(_read_tail(path / TRIAL_LOG))
+        path = path / "stderr.log"
     try:
         with open(path, "rb") as fh:
             fh.seek(max(fh.seek(0, os.SEEK_END) - 16384, 0))
@@ -147,7 +154,8 @@ def classify(spec: TrialSpec, *, directory: Path, code: int | None, duration_s: 
     """How a trial ended, from the runner's verdict, its exit status and its result file.
 
     Autotuner process only; reads ``directory/result.json`` and, for a FAILED trial, the tail
-    of ``directory/stderr.log`` (display only: the decision never depends on it).
+    of its log (``trial.log``, or ``stderr.log`` where there is none; display only: the decision
+    never depends on it).
 
     Args:
         spec: the trial.
@@ -159,8 +167,8 @@ def classify(spec: TrialSpec, *, directory: Path, code: int | None, duration_s: 
     """
     def result(status: TrialStatus, error: str | None = None, **kw: Any) -> TrialResult:
         if status is TrialStatus.FAILED and error is not None:
-            error += launcher_hint(_read_tail(directory / "stderr.log"))
-            error += stderr_tail(directory / "stderr.log")
+            error += launcher_hint(_read_tail(directory))
+            error += stderr_tail(directory)
         logger.info("trial %s ended: %s%s", spec.name, status.value, f" ({error})" if error else "")
         return TrialResult(spec, status, duration_s=duration_s, error=error, **kw)
 

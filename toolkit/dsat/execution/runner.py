@@ -3,7 +3,8 @@
 The only module of toolkit that spawns trials. Each trial is the experiment's entrypoint started by
 torchrun or DeepSpeed's launcher (:func:`toolkit.launch.argv.build_trial_argv`) on its
 slots, in ``output_dir/trials/trial_<id>/`` (``ds_config.json``, ``hparams.json``, ``trial.json``,
-``stdout.log``, ``stderr.log``, ``result.json``, and ``output/`` for the trial's own files).
+logs (:mod:`toolkit.launch.output`), ``progress.json``, ``result.json``, and ``output/`` for the
+trial's own files); a heartbeat per ``heartbeat_s`` (:mod:`toolkit.dsat.execution.watch`).
 
 Every process of a trial carries ``TOOLKIT_DSAT_TRIAL=<abs path of trial.json>``; that mark plus
 the launcher's descendants, not the process group (torchrun gives each worker a session of its
@@ -35,15 +36,17 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from toolkit._files import atomic_write_json
-from toolkit.dsat.contract import TrialStatus, trial_hparams
+from toolkit.dsat.contract import PROGRESS_FILE, TrialStatus, trial_hparams
 from toolkit.dsat.execution.argv import build_multihost_argv, build_remote_kill_argv
 from toolkit.dsat.execution.classify import classify
 from toolkit.dsat.execution.hosts import format_include
 from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV, RunnerSettings
 from toolkit.dsat.execution.slots import SlotPool, Slots, device_ids
+from toolkit.dsat.execution.watch import heartbeat_text, peak_bytes, read_progress
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.dsat.trial.cpu_info import CPUINFO_ENV, measure_into
 from toolkit.launch.argv import LOOPBACK, build_trial_argv
+from toolkit.launch.output import OutputPump
 from toolkit.launch.procs import (
     block_interrupts,
     find_trial_processes,
@@ -80,8 +83,11 @@ class _Trial:
     slots: Slots    # its GPUs, or its placement on the hosts and the multihost launcher (None: local)
     port: int
     started: float
+    output: OutputPump
     verdict: tuple[TrialStatus, str] | None = None
     builds_seen: set[str] = dataclasses.field(default_factory=set)   # op directories a rank built in
+    peak: int = 0        # the largest VmHWM of its ranks seen so far (on this machine)
+    beat: float = 0.0    # when its last heartbeat was logged (time.monotonic)
 
 
 class TrialRunner:
@@ -152,6 +158,9 @@ class TrialRunner:
         self._build_ops(ds_config)
         directory = self._prepare_directory(spec, ds_config=ds_config, hparams=hparams)
         slots = self._slots.take(trial_id=spec.trial_id)
+        # the launcher's own lines are shown at a failure's end; across hosts the ranks' come through it
+        output = OutputPump(directory, label=f"trial {spec.name}", echo=self.settings.echo, fresh=True,
+                            echo_launcher=slots.via is not None)
         try:
             env, include = self._trial_env(directory, slots.gpus)
             if cpu_info is not None and slots.via is None:  # this machine's answer, for its ranks only
@@ -162,21 +171,24 @@ class TrialRunner:
             else:
                 s = self.settings
                 argv = build_trial_argv(list(s.entrypoint), launcher=s.launcher, nproc=s.slots_per_trial,
-                                        master_port=port, include=include)
+                                        master_port=port, include=include, rank_logs=output.ranks_dir)
             if slots.placement is not None:
                 atomic_write_json(directory / "placement.json", {
                     "hosts": {h: list(ids) for h, ids in slots.placement.items()},
                     "launch": slots.via or "local",
                     "include": format_include(slots.placement), "master_port": port, "argv": argv})
-            with open(directory / "stdout.log", "wb") as out, open(directory / "stderr.log", "wb") as err:
+            with output.launcher_file() as out:
                 process = subprocess.Popen(argv, cwd=self.settings.model_dir, env=env,
-                                           stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                           stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                            start_new_session=True)
         except BaseException:
+            output.stop()
             self._slots.give_back(slots)
             raise
-        self._running[spec.trial_id] = _Trial(spec, directory, env[TRIAL_ENV], process, slots, port,
-                                              time.monotonic())
+        output.start()
+        now = time.monotonic()
+        self._running[spec.trial_id] = _Trial(spec, directory, env[TRIAL_ENV], process, slots, port, now,
+                                              output, beat=now)
         logger.info("trial %s started (%s, pid %d, port %d%s%s): %s", spec.name, directory.name,
                     process.pid, port,
                     f", GPUs {slots.gpus}" if slots.gpus else "",
@@ -216,7 +228,7 @@ class TrialRunner:
         s = self.settings
         directory = self.trials_dir / f"trial_{spec.trial_id}"
         directory.mkdir(parents=True, exist_ok=True)
-        for stale in directory.glob("result.json*"):
+        for stale in [*directory.glob("result.json*"), directory / PROGRESS_FILE]:
             stale.unlink(missing_ok=True)
         shutil.rmtree(directory / "output", ignore_errors=True)  # no checkpoint of an earlier run to resume
         ds_path = directory / "ds_config.json"
@@ -397,17 +409,18 @@ class TrialRunner:
             # toolkit.init_distributed, or died during start-up, leaves them in /dev/shm.
             remove_buffers(addr=LOOPBACK, port=trial.port)
             clear_dead_locks()  # an op's build lock, if the trial was killed while loading one
+        trial.output.stop()  # the launcher is gone: its files are read to their end
         if self._running.pop(trial.spec.trial_id, None) is not None:
             self._slots.give_back(trial.slots)
 
     def _builds(self, trial: _Trial, members: set[int], table: Mapping[int, tuple[int, bytes]]) -> set[int]:
         """The trial's processes that build an op (a rank's ninja and compilers): not its memory. Said
-        once per op and trial; the trial's stderr.log says why it was built."""
+        once per op and trial; the trial's trial.log says why it was built."""
         building = build_processes(members, {pid: table[pid][0] for pid in members})
         for op_dir in sorted(set(building.values()) - trial.builds_seen - {""}):
             trial.builds_seen.add(op_dir)
             logger.warning("trial %s: its ranks build op %s (in %s); the build's memory is not counted "
-                           "against the memory budget, and its stderr.log says why it was built",
+                           "against the memory budget, and its trial.log says why it was built",
                            trial.spec.name, os.path.basename(op_dir), op_dir)
         return set(building)
 
@@ -420,23 +433,46 @@ class TrialRunner:
             if code is None:
                 if time.monotonic() - trial.started > s.timeout_s:
                     trial.verdict = (TrialStatus.TIMEOUT, f"ran past the timeout of {s.timeout_s:g} s")
-                elif s.memory_per_slot is not None:
-                    members = self._members(trial, table) - {trial.process.pid}
-                    building = self._builds(trial, members, table)
-                    for pid in members - building:
-                        if not is_rank_process(table[pid][1]):  # the launcher's fork before its exec
-                            continue
-                        peak = rss_bytes(pid, field="VmHWM")
-                        if peak > s.memory_per_slot:
-                            trial.verdict = (TrialStatus.OOM, f"peak RSS {peak / _MIB:.0f} MiB exceeded the "
-                                             f"memory budget {s.memory_per_slot / _MIB:.0f} MiB per slot")
-                            break
+                elif s.memory_per_slot is not None or s.gpus is None:
+                    self._check_memory(trial, table)
                 if trial.verdict is None:
+                    self._heartbeat(trial)
                     continue
                 logger.info("trial %s: %s; killing its processes", trial.spec.name, trial.verdict[1])
             # Ended, or to be ended: no process of it may outlive it (orphans in their own session too).
             self._terminate([trial])
             self._release(trial)
-            finished.append(classify(trial.spec, directory=trial.directory, code=trial.process.returncode,
-                                     duration_s=time.monotonic() - trial.started, verdict=trial.verdict))
+            result = classify(trial.spec, directory=trial.directory, code=trial.process.returncode,
+                              duration_s=time.monotonic() - trial.started, verdict=trial.verdict)
+            peak = peak_bytes(trial.peak, read_progress(trial.directory), result.profile)
+            result = dataclasses.replace(result, peak_bytes=peak)
+            if result.status in (TrialStatus.FAILED, TrialStatus.TIMEOUT):
+                why = (result.error or "").split("\n", 1)[0]
+                what = f"trial {trial.spec.name} {result.status.value}: {why}"
+                logger.warning("%s", trial.output.failure_text(what))
+            finished.append(result)
         return finished
+
+    def _check_memory(self, trial: _Trial, table: Mapping[int, tuple[int, bytes]]) -> None:
+        """Record the peak resident size of the trial's ranks; over ``memory_per_slot``: its verdict."""
+        budget = self.settings.memory_per_slot
+        members = self._members(trial, table) - {trial.process.pid}
+        for pid in members - self._builds(trial, members, table):   # a rank's op build is not its memory
+            if not is_rank_process(table[pid][1]):  # the launcher's fork before its exec
+                continue
+            peak = rss_bytes(pid, field="VmHWM")
+            trial.peak = max(trial.peak, peak)
+            if budget is not None and peak > budget:
+                trial.verdict = (TrialStatus.OOM, f"peak RSS {peak / _MIB:.0f} MiB exceeded the "
+                                 f"memory budget {budget / _MIB:.0f} MiB per slot")
+                return
+
+    def _heartbeat(self, trial: _Trial) -> None:
+        """Every ``heartbeat_s``: where the running trial is, against its timeout."""
+        now = time.monotonic()
+        if now - trial.beat < self.settings.heartbeat_s:
+            return
+        trial.beat = now
+        progress = read_progress(trial.directory)
+        logger.info("%s", heartbeat_text(trial.spec, elapsed_s=now - trial.started,
+                                         timeout_s=self.settings.timeout_s, progress=progress))

@@ -104,6 +104,10 @@ class RunnerSettings:
         ssh_port: ssh port of the hosts (DeepSpeed's runners), None for ssh's default.
         experiment_config: the experiment YAML, exported to every trial as
             ``TOOLKIT_EXPERIMENT_CONFIG`` (``det.get_cluster_info()`` reads it); None: not exported.
+        echo: show each line of the trials' ranks on the console, labelled by trial and rank
+            (``--quiet``: off); their logs are written either way (:mod:`toolkit.launch.output`).
+        heartbeat_s: how often a running trial's progress line is logged (its phase, elapsed
+            time against ``timeout_s``).
     """
 
     entrypoint: tuple[str, ...]
@@ -124,6 +128,8 @@ class RunnerSettings:
     multihost_launcher: str = "pdsh"
     ssh_port: int | None = None
     experiment_config: Path | None = None
+    echo: bool = True
+    heartbeat_s: float = 20.0
 
     def __post_init__(self) -> None:
         # Normalise containers (lists from argparse/YAML) before the checks; frozen, hence object.__setattr__.
@@ -155,7 +161,7 @@ class RunnerSettings:
             p.append(f"model_dir={str(self.model_dir)!r}: expected an existing directory (the entrypoint's)")
         p += [int_problem(name, getattr(self, name), minimum=1)
               for name in ("slots_per_trial", "max_slots", "max_concurrent")]
-        for name in ("timeout_s", "grace_s", "poll_s"):
+        for name in ("timeout_s", "grace_s", "poll_s", "heartbeat_s"):
             value = getattr(self, name)
             if not is_number(value) or not math.isfinite(value) or value <= 0:
                 p.append(f"{name}={value!r}: expected a number of seconds > 0")

@@ -60,7 +60,7 @@ from toolkit.dsat.contract import ProfileInfo
 
 __all__ = [
     "model_memory_bytes", "approx_max_micro_batch", "offload_flags", "predict", "format_prediction",
-    "free_bytes", "with_stage_extra", "ceil_div",
+    "free_bytes", "with_stage_extra", "ceil_div", "predicted_peak_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -149,6 +149,28 @@ def approx_max_micro_batch(profile: ProfileInfo, stage: int, *, data_parallel_si
     # beyond k the extra grows as extra * m / k: slope + extra / k per example, from micro-batch 0
     before_extra = int(profile.memory_per_slot) - int(profile.baseline_bytes) - model
     return max(before_extra * k // (activation * k + extra), 1)
+
+
+def predicted_peak_bytes(profile: ProfileInfo, stage: int, micro_batch: int, *, data_parallel_size: int,
+                         offload_optimizer: bool = False, offload_param: bool = False) -> int:
+    """The peak memory per slot the model predicts at ``micro_batch``: baseline, model state,
+    per-example memory and the stage's extra (growing beyond ``k`` as in
+    :func:`approx_max_micro_batch`, whose result is the largest micro-batch this keeps within
+    ``memory_per_slot``, where one fits). For dsat's curves. Pure; call anywhere.
+
+    Example:
+        >>> p = ProfileInfo(num_params=1000, trainable_params=1000,
+        ...                 activation_bytes_per_example=100, memory_per_slot=17000)
+        >>> predicted_peak_bytes(p, 0, 10, data_parallel_size=1)   # 16000 + 10 x 100
+        17000
+    """
+    model = model_memory_bytes(profile, stage, data_parallel_size=data_parallel_size,
+                               offload_optimizer=offload_optimizer, offload_param=offload_param)
+    activation = max(int(profile.activation_bytes_per_example), 1)
+    extra, k, m = int(profile.stage_extra_bytes.get(str(stage), 0)), int(profile.micro_batch), micro_batch
+    if extra > 0 and k >= 1 and m > k:
+        extra = ceil_div(extra * m, k)
+    return int(profile.baseline_bytes) + model + activation * m + extra
 
 
 def free_bytes(profile: ProfileInfo, stage: int, model_memory: int) -> int:

@@ -117,6 +117,9 @@ class TrialResult:
         error: a short human-readable reason for a non-OK status (exit code, signal, what was
             missing); the trial's own logs are in its directory.
         profile: for the profiling trial, its :class:`ProfileInfo` as a dict.
+        peak_bytes: the largest peak memory of a rank the runner saw (on CPU the ranks' peak
+            resident size, what the budget is held against; on GPUs the chief's reported peak);
+            None: not measured (a record older than this field).
     """
 
     spec: TrialSpec
@@ -125,17 +128,20 @@ class TrialResult:
     duration_s: float = 0.0
     error: str | None = None
     profile: Mapping[str, Any] | None = None
+    peak_bytes: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"spec": self.spec.to_json(), "status": self.status.value, "metrics": dict(self.metrics),
                 "duration_s": self.duration_s, "error": self.error,
-                "profile": dict(self.profile) if self.profile is not None else None}
+                "profile": dict(self.profile) if self.profile is not None else None,
+                **({"peak_bytes": self.peak_bytes} if self.peak_bytes is not None else {})}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "TrialResult":
+        peak = data.get("peak_bytes")
         return cls(TrialSpec.from_json(data["spec"]), TrialStatus(data["status"]),
                    dict(data.get("metrics") or {}), float(data.get("duration_s", 0.0)),
-                   data.get("error"), data.get("profile"))
+                   data.get("error"), data.get("profile"), int(peak) if peak is not None else None)
 
 
 @dataclasses.dataclass(frozen=True)

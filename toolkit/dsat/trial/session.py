@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable, Iterator, NoReturn
 
 from toolkit._files import atomic_write_json
-from toolkit.dsat.contract import TrialContract
+from toolkit.dsat.contract import PROGRESS_FILE, TrialContract
 from toolkit.dsat.trial import profiling
 from toolkit.dsat.trial.oom import exit_on_oom
 from toolkit.dsat.trial.profiling import ProfileProbe
@@ -226,8 +226,28 @@ class TrialSession:
             self.forward_flops = None
         if k >= c.end_profile_step and self.final_step is None:
             self.final_step = self._final_step(k)
+        self._note_progress(k)
         if self.final_step is not None and k >= self.final_step:
             self.report_and_exit()
+
+    _progress_at = -1.0  # when the chief last wrote the progress file (time.monotonic)
+
+    def _note_progress(self, k: int) -> None:
+        """Chief only, after step ``k``: how far the trial got, in ``progress.json`` beside the
+        trial file (the runner's heartbeat and peak memory), at most once a second and after the
+        last step; atomic, and a failed write never fails the trial."""
+        last = self.final_step is not None and k >= self.final_step
+        now = time.monotonic()
+        if not self.ctx.is_chief or (now - self._progress_at < 1.0 and not last):
+            return
+        self._progress_at = now
+        c = self.contract
+        final = self.final_step if self.final_step is not None else c.end_profile_step
+        with contextlib.suppress(Exception):
+            atomic_write_json(os.path.join(os.path.dirname(self.path), PROGRESS_FILE), {
+                "step": k + 1, "timed": len(self.step_s), "to_time": final - c.start_profile_step + 1,
+                "peak_bytes": profiling.peak_memory_bytes(getattr(self.engine, "device", "cpu")),
+                "time": time.time()}, sync=False)
 
     def _final_step(self, k: int) -> int:
         """The last timed step, from step ``k`` (``end_profile_step``): every rank decides the

@@ -126,7 +126,8 @@ def _base_config(hparams: dict[str, Any], flag: tuple[str, str] | None,
     the entrypoint's flag (with ``overwrite_deepspeed_args``), else none yet (the script builds it)."""
     if "deepspeed_config" in hparams:
         return get_ds_config_from_hparams(hparams, base_dir=model_dir), "hyperparameters.deepspeed_config"
-    if any(key in DS_TOP_LEVEL_KEYS for key in hparams) or hparams.get("overwrite_deepspeed_args"):
+    inline = any(key in DS_TOP_LEVEL_KEYS for key in hparams)
+    if inline or (hparams.get("overwrite_deepspeed_args") and not flag):
         return get_ds_config_from_hparams(hparams, base_dir=model_dir), "hyperparameters"
     if flag is not None:
         path = Path(flag[1]) if Path(flag[1]).is_absolute() else model_dir / flag[1]

@@ -196,7 +196,11 @@ class Autotuner:
         done: list[TrialResult] = []
         while not done:
             done = runner.wait(timeout=1.0)
-        result = self._discover(done[0]) if done[0].status is not TrialStatus.MISMATCH else done[0]
+        try:
+            result = self._discover(done[0]) if done[0].status is not TrialStatus.MISMATCH else done[0]
+        except SearchStop:
+            self._record(done[0])  # the trial ran: in the tables, as it was labelled
+            raise
         self._record(result)
         self._progress(result, 0)
         return result

@@ -123,9 +123,11 @@ T = "/out/trials/trial_3/ds_config.json"
 
 @pytest.mark.parametrize("entrypoint, flag, rewritten", [
     (["python3", "train.py", "--deepspeed", "--deepspeed_config", "ds.json", "--lr", "1"],
-     ("--deepspeed_config", "ds.json"), ["python3", "train.py", "--deepspeed", "--deepspeed_config", T, "--lr", "1"]),
+     ("--deepspeed_config", "ds.json"),
+     ["python3", "train.py", "--deepspeed", "--deepspeed_config", T, "--lr", "1"]),
     (["deepspeed", "--num_gpus", "2", "train.py", "--deepspeed_config=cfg/ds.json"],
-     ("--deepspeed_config", "cfg/ds.json"), ["deepspeed", "--num_gpus", "2", "train.py", f"--deepspeed_config={T}"]),
+     ("--deepspeed_config", "cfg/ds.json"),
+     ["deepspeed", "--num_gpus", "2", "train.py", f"--deepspeed_config={T}"]),
     (["python3", "run_clm.py", "--deepspeed", "ds_z2.json", "--do_train"],
      ("--deepspeed", "ds_z2.json"), ["python3", "run_clm.py", "--deepspeed", T, "--do_train"]),
     (["python3", "run_clm.py", "--deepspeed=ds_z2.json"], ("--deepspeed", "ds_z2.json"),

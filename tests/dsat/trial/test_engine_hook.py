@@ -24,14 +24,22 @@ from toolkit.dsat.trial.engine_hook import SCRIPT_CONFIG_FILE, given_config, ini
 from toolkit.dsat.trial.site import SITE_DIR
 from toolkit.dsat.tuned_keys import INSTRUMENTATION
 
-TRIAL_CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-                "zero_optimization": {"stage": 1}, **INSTRUMENTATION}
-SCRIPT_CONFIG = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
-                 "zero_optimization": {"stage": 2}}
+TRIAL_CONFIG = {
+    "train_batch_size": 4,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 1,
+    "zero_optimization": {"stage": 1},
+    **INSTRUMENTATION,
+}
+SCRIPT_CONFIG = {
+    "train_micro_batch_size_per_gpu": 8,
+    "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+    "zero_optimization": {"stage": 2},
+}
 
 # A stand-in for the deepspeed package: initialize with DeepSpeed 0.19's signature, an engine that
 # reports what its config says (FAKE_IGNORE: a config of its own), and the accelerator a session asks for.
-FAKE_DEEPSPEED = textwrap.dedent('''
+FAKE_DEEPSPEED = textwrap.dedent("""
     import os
 
     class Engine:
@@ -66,10 +74,10 @@ FAKE_DEEPSPEED = textwrap.dedent('''
         if os.environ.get("FAKE_IGNORE"):
             config = {"train_micro_batch_size_per_gpu": 2}
         return Engine(config), None, None, None
-''')
+""")
 FAKE_ACCELERATOR = "def get_accelerator():\n    return type('A', (), {'synchronize': lambda self: None})()\n"
 USER_SITE = "import os\nopen(os.environ['MARKER'], 'w').write('the user sitecustomize ran')\n"
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, os, sys
     print(json.dumps({"at_start": sorted({"toolkit", "torch", "deepspeed"} & set(sys.modules))}))
     import deepspeed
@@ -79,13 +87,14 @@ SCRIPT = textwrap.dedent('''
     if os.environ.get("FEED"):
         import torch
         engine(torch.zeros(int(os.environ["FEED"]), 16))
-''')
+""")
 
 
 def _trial(tmp_path, *, merge=True):
     (tmp_path / "ds_config.json").write_text(json.dumps(TRIAL_CONFIG))
-    TrialContract(3, str(tmp_path / "result.json"), 3, 5, ds_config=str(tmp_path / "ds_config.json"),
-                  merge_config=merge).write(tmp_path / "trial.json")
+    TrialContract(
+        3, str(tmp_path / "result.json"), 3, 5, ds_config=str(tmp_path / "ds_config.json"), merge_config=merge
+    ).write(tmp_path / "trial.json")
     return tmp_path / "trial.json"
 
 
@@ -98,14 +107,24 @@ def _run(tmp_path, *, trial, **env):
     user.mkdir(exist_ok=True)
     (user / "sitecustomize.py").write_text(USER_SITE)
     (tmp_path / "script.py").write_text(SCRIPT)
-    child = procutil.child_env(PYTHONPATH=os.pathsep.join([str(SITE_DIR), str(user), str(fake), str(procutil.REPO)]),
-                               MARKER=str(tmp_path / "marker"), SCRIPT_CONFIG=json.dumps(SCRIPT_CONFIG), **env)
+    child = procutil.child_env(
+        PYTHONPATH=os.pathsep.join([str(SITE_DIR), str(user), str(fake), str(procutil.REPO)]),
+        MARKER=str(tmp_path / "marker"),
+        SCRIPT_CONFIG=json.dumps(SCRIPT_CONFIG),
+        **env,
+    )
     for key in ("TOOLKIT_DSAT_TRIAL", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         child.pop(key, None)
     if trial is not None:
         child["TOOLKIT_DSAT_TRIAL"] = str(trial)
-    done = subprocess.run([sys.executable, str(tmp_path / "script.py")], env=child, capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "script.py")],
+        env=child,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return done, {k: v for line in lines for k, v in line.items()}
 
@@ -116,12 +135,19 @@ def test_the_bootstrap_merges_in_a_trial_only_and_runs_the_users_sitecustomize(t
     assert done.returncode == 0, done.stderr[-3000:]
     # Python started the bootstrap, which imported none of toolkit, torch or DeepSpeed by itself
     assert seen["at_start"] == [] and seen["wrapped"] is True
-    assert (tmp_path / "marker").read_text() == "the user sitecustomize ran"   # chained as Python would
-    assert seen["micro_batch"] == 4                                            # the trial's, not the script's 8
+    assert (tmp_path / "marker").read_text() == "the user sitecustomize ran"  # chained as Python would
+    assert seen["micro_batch"] == 4  # the trial's, not the script's 8
     recorded = json.loads((tmp_path / SCRIPT_CONFIG_FILE).read_text())
-    assert recorded == {"how": "a dict given as deepspeed.initialize(config=...)", "path": None,
-                        "source": "script", "config": SCRIPT_CONFIG}
-    assert "dsat trial 3: merged its tuned keys (micro-batch 4, gradient accumulation 1, ZeRO stage 1" in done.stderr
+    assert recorded == {
+        "how": "a dict given as deepspeed.initialize(config=...)",
+        "path": None,
+        "source": "script",
+        "config": SCRIPT_CONFIG,
+    }
+    assert (
+        "dsat trial 3: merged its tuned keys (micro-batch 4, gradient accumulation 1, ZeRO stage 1"
+        in done.stderr
+    )
     # outside a trial: nothing wrapped, the script's own config, the user's sitecustomize all the same
     (tmp_path / "marker").unlink()
     done, seen = _run(tmp_path, trial=None)
@@ -138,9 +164,15 @@ def test_an_engine_that_runs_another_config_ends_the_trial_as_a_mismatch(tmp_pat
     assert result["status"] == "mismatch" and result["trial_id"] == 3 and result["metrics"] == {}
     assert result["engine"]["micro_batch"] == 2 and result["expected"]["micro_batch"] == 4
     error = result["error"]
-    for part in ("micro-batch: the engine runs 2, the trial is labelled 4", "ZeRO stage: the engine runs 0",
-                 f"the trial's config ({tmp_path / 'ds_config.json'})", "a dict given as deepspeed.initialize",
-                 "dsat merged the trial's keys over it", "Fix: ", "--deepspeed_config"):
+    for part in (
+        "micro-batch: the engine runs 2, the trial is labelled 4",
+        "ZeRO stage: the engine runs 0",
+        f"the trial's config ({tmp_path / 'ds_config.json'})",
+        "a dict given as deepspeed.initialize",
+        "dsat merged the trial's keys over it",
+        "Fix: ",
+        "--deepspeed_config",
+    ):
         assert part in error, (part, error)
 
 
@@ -154,25 +186,50 @@ def test_a_loop_that_feeds_its_own_batch_size_ends_the_trial_as_a_mismatch(tmp_p
     assert done.returncode == MISMATCH_EXIT_STATUS, done.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["status"] == "mismatch" and result["data_batch"] == [3]
-    assert "feeds 3 examples per forward" in result["error"] and "engine.train_micro_batch_size_per_gpu()" in \
-        result["error"]
+    assert (
+        "feeds 3 examples per forward" in result["error"]
+        and "engine.train_micro_batch_size_per_gpu()" in result["error"]
+    )
 
 
-def _initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
-                lr_scheduler=None, distributed_port=29500, mpu=None, dist_init_required=None, collate_fn=None,
-                config=None, mesh_param=None, config_params=None):
+def _initialize(
+    args=None,
+    model=None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port=29500,
+    mpu=None,
+    dist_init_required=None,
+    collate_fn=None,
+    config=None,
+    mesh_param=None,
+    config_params=None,
+):
     """deepspeed.initialize's signature (DeepSpeed 0.19); records what it was given."""
     _initialize.calls.append({"args": args, "config": config, "config_params": config_params})
     ran = config if config is not None else json.loads(open(args.deepspeed_config).read())
-    engine = type("Engine", (), {"train_micro_batch_size_per_gpu": lambda self: ran[
-        "train_micro_batch_size_per_gpu"], "gradient_accumulation_steps": lambda self: 1,
-        "zero_optimization_stage": lambda self: ran["zero_optimization"]["stage"],
-        "zero_offload_optimizer": lambda self: None, "zero_offload_param": lambda self: None,
-        "forward": lambda self, x: x, "backward": lambda self, loss: None, "step": lambda self: None})()
+    engine = type(
+        "Engine",
+        (),
+        {
+            "train_micro_batch_size_per_gpu": lambda self: ran["train_micro_batch_size_per_gpu"],
+            "gradient_accumulation_steps": lambda self: 1,
+            "zero_optimization_stage": lambda self: ran["zero_optimization"]["stage"],
+            "zero_offload_optimizer": lambda self: None,
+            "zero_offload_param": lambda self: None,
+            "forward": lambda self, x: x,
+            "backward": lambda self, loss: None,
+            "step": lambda self: None,
+        },
+    )()
     return engine, None, None, None
 
 
-def test_the_config_of_args_deepspeed_config_is_merged_without_touching_the_scripts_args(tmp_path, monkeypatch):
+def test_the_config_of_args_deepspeed_config_is_merged_without_touching_the_scripts_args(
+    tmp_path, monkeypatch
+):
     """--deepspeed_config PATH with deepspeed.initialize(args=args): DeepSpeed refuses a config given both in
     args and in the call, so the merged dict goes as config= with a copy of args whose path is None."""
     (tmp_path / "trial").mkdir()
@@ -185,14 +242,21 @@ def test_the_config_of_args_deepspeed_config_is_merged_without_touching_the_scri
     _initialize.calls = []
     engine, *_ = initialize_in_trial(_initialize, (args,), {"model": "m"})
     call = _initialize.calls[0]
-    assert args.deepspeed_config == str(user_file)                       # the script's object, unchanged
-    assert call["args"] is not args and call["args"].deepspeed_config is None and call["args"].local_rank == -1
-    assert call["config"]["train_micro_batch_size_per_gpu"] == 4 and call["config"]["optimizer"] == \
-        SCRIPT_CONFIG["optimizer"] and call["config_params"] is None
+    assert args.deepspeed_config == str(user_file)  # the script's object, unchanged
+    assert (
+        call["args"] is not args and call["args"].deepspeed_config is None and call["args"].local_rank == -1
+    )
+    assert (
+        call["config"]["train_micro_batch_size_per_gpu"] == 4
+        and call["config"]["optimizer"] == SCRIPT_CONFIG["optimizer"]
+        and call["config_params"] is None
+    )
     assert engine.train_micro_batch_size_per_gpu() == 4
     recorded = json.loads((trial.parent / SCRIPT_CONFIG_FILE).read_text())
     assert recorded["source"] == "script" and recorded["path"] == str(user_file)
-    assert recorded["how"].startswith(f"args.deepspeed_config={str(user_file)!r} (the --deepspeed_config flag)")
+    assert recorded["how"].startswith(
+        f"args.deepspeed_config={str(user_file)!r} (the --deepspeed_config flag)"
+    )
     # the trial's own file, as the rewritten flag hands it back: passed as it is, recorded as the trial's
     _initialize.calls = []
     args = argparse.Namespace(deepspeed_config=str(trial.parent / "ds_config.json"))
@@ -211,15 +275,25 @@ def test_how_a_script_gives_its_config(tmp_path, how):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(SCRIPT_CONFIG))
     encoded = base64.urlsafe_b64encode(json.dumps(SCRIPT_CONFIG).encode()).decode()
-    bound = {"config": {"config": SCRIPT_CONFIG}, "config_params": {"config_params": SCRIPT_CONFIG},
-             "path": {"config": str(path)}, "base64": {"config": encoded},
-             "args": {"args": argparse.Namespace(deepspeed_config=str(path))}, "none": {}}[how]
+    bound = {
+        "config": {"config": SCRIPT_CONFIG},
+        "config_params": {"config_params": SCRIPT_CONFIG},
+        "path": {"config": str(path)},
+        "base64": {"config": encoded},
+        "args": {"args": argparse.Namespace(deepspeed_config=str(path))},
+        "none": {},
+    }[how]
     given = given_config(bound)
     assert given.config == (None if how == "none" else SCRIPT_CONFIG)
     assert given.path == (str(path) if how in ("path", "args") else None)
-    assert {"config": "deepspeed.initialize(config=...)", "config_params": "(config_params=...)",
-            "path": f"the file {path}", "base64": "a dict", "args": "--deepspeed_config flag",
-            "none": "no config given"}[how] in given.how or how == "base64"
+    assert {
+        "config": "deepspeed.initialize(config=...)",
+        "config_params": "(config_params=...)",
+        "path": f"the file {path}",
+        "base64": "a dict",
+        "args": "--deepspeed_config flag",
+        "none": "no config given",
+    }[how] in given.how or how == "base64"
 
 
 def test_a_config_file_that_cannot_be_read_is_passed_on_as_given():

@@ -62,7 +62,8 @@ TRIALS = {
     3: (TrialSpec(3, 2, {"stage": 2}, line=0), ds_config(micro_batch=2, stage=2), {"mock_oom_at": [4, 1]}),
     # a loop without the dsat line (as DeepSpeedExamples' scripts): the engine's own steps are timed,
     # one per optimizer boundary (2 micro-batches), the trial ended inside engine.step() after step END
-    9: (TrialSpec(9, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1, gas=2), {**SLEEP, "no_line": True}),
+    9: (TrialSpec(9, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1, gas=2),
+        {**SLEEP, "no_line": True}),
 }
 #: Trials under a timed window (--timed-window) longer than any of them: they time steps up to the
 #: contract's last_profile_step, END + 4 x 3 = 17, or as far as the loop goes.
@@ -350,7 +351,7 @@ def test_a_loop_without_the_line_is_timed_by_the_engines_own_steps(trials):
     written = json.loads((trials_dir / "trial_9" / "result.json").read_text())
     assert written["timed_by"] == "engine steps" and written["timed_steps"] == END - START + 1
     assert written["engine"] == {"micro_batch": 2, "gradient_accumulation_steps": 2, "stage": 1,
-                                 "offload_optimizer": "none", "offload_param": "none"}   # read from the engine
+                                 "offload_optimizer": "none", "offload_param": "none"}  # from the engine
     # a step is an optimizer boundary: 2 micro-batches, each with its sleeps, from the end of the last one
     assert m["forward"] >= 2 * SLEEP["sleep_forward_ms"] and m["backward"] >= 2 * SLEEP["sleep_backward_ms"]
     assert m["latency"] >= 2 * sum(SLEEP.values())
@@ -360,7 +361,8 @@ def test_a_loop_without_the_line_is_timed_by_the_engines_own_steps(trials):
     plain = max(sum(w[2 * START:2 * END]) / (END - START) for w in watches)  # two micro-batches per step
     assert 0.5 * plain <= m["latency"] <= 3.0 * plain
     assert m["throughput"] == pytest.approx(2 * 2 * 2 / (m["latency"] / 1000), rel=1e-9)
-    assert m["FLOPS_per_gpu"] * m["latency"] / 1000 == pytest.approx(3 * FWD_FLOPS_PER_EXAMPLE * 2 * 2, rel=1e-9)
+    flops = 3 * FWD_FLOPS_PER_EXAMPLE * 2 * 2  # counted on step START - 1: 2 micro-batches of 2
+    assert m["FLOPS_per_gpu"] * m["latency"] / 1000 == pytest.approx(flops, rel=1e-9)
 
 
 def test_an_engine_built_out_of_the_hooks_sight_is_checked_when_the_session_starts(tmp_path, monkeypatch):

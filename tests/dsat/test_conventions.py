@@ -89,60 +89,50 @@ def test_a_trial_whose_engine_ran_another_config_stops_the_search(tmp_path):
         and "No best config was written" in last
     )
     assert not list(out.glob("best_ds_*.json")) and not (out / "tensorboard").exists()
-    # nothing of it can be resumed
-    again = dsat(model_dir, "--max-trials", "6", "--memory-per-slot", "100MiB", "--resume")
-    assert again.returncode == 2 and "stopped at trial 0, whose engine ran another config" in again.stdout
 
 
-def test_a_script_building_its_config_that_records_none_stops_with_the_three_ways(tmp_path):
-    """No config named, and the first trial recorded none (the simulated script never calls
-    deepspeed.initialize): exit 2 after that trial, naming the three ways to give dsat the config."""
+def test_a_search_stopped_at_a_mismatch_cannot_be_resumed(tmp_path, capsys):
     model_dir = make_model_dir(tmp_path)
-    _yaml(model_dir, hparams={"oom_above": 37})  # the simulated model reads the trial's file all the same
-    result = dsat(model_dir, "--max-trials", "4", "--memory-per-slot", "100MiB")
-    assert result.returncode == 2, result.stdout[-3000:]
-    assert result.stdout.splitlines()[0].startswith(
-        "dsat: the search starts from the DeepSpeed config of the script itself"
+    (tmp_path / "out").mkdir()
+    result = {
+        "spec": {"trial_id": 0, "micro_batch": 1, "zero": {"stage": 1}, "profile": True},
+        "status": "mismatch",
+        "metrics": {},
+        "error": "its engine runs another config",
+    }
+    (tmp_path / "out" / "events.jsonl").write_text(
+        json.dumps({"event": "result", "trial_id": 0, "result": result}) + "\n"
     )
+    code, output = dsat_in_process(model_dir, "--resume", capsys=capsys)
+    assert code == 2 and "stopped at trial 0, whose engine ran another config than the trial's" in output
+
+
+def test_a_script_building_its_config_that_recorded_none_stops_with_the_three_ways(tmp_path):
+    """The first profiling trial ran, but nothing was recorded at deepspeed.initialize (a script whose
+    python runs without the site module, say): the search stops naming the three ways to give the config."""
+    from toolkit.dsat.contract import TrialStatus
+    from toolkit.dsat.plan import profile_spec
+    from toolkit.dsat.script_config import discovered_plan
+    from toolkit.dsat.search.types import TrialResult
+    from toolkit.errors import ConfigError
+
+    model_dir = make_model_dir(tmp_path)
+    _yaml(model_dir, hparams={"oom_above": 37})
+    plan = plan_for(tmp_path, model_dir, "--no-own-config")
+    assert plan.awaiting_config and not plan.own_config
+    first = TrialResult(profile_spec({}), TrialStatus.OK)
+    with pytest.raises(ConfigError) as err:
+        discovered_plan(plan, tmp_path / "out", first)
     assert (
-        NO_CONFIG in result.stdout
-        and "no config given to deepspeed.initialize by the script was recorded" in result.stdout
+        NO_CONFIG in err.value.problems[0]
+        and "no config given to deepspeed.initialize" in err.value.problems[0]
     )
-    assert [r["trial"] for r in trial_rows(tmp_path / "out")] == ["p1"]
-    assert not (tmp_path / "out" / "best_ds_config.json").exists()
-
-
-@pytest.mark.parametrize("skip", [False, True])
-def test_the_users_own_config_is_measured_beside_the_best(tmp_path, skip):
-    """The user's config: micro-batch 3, accumulation 2, stage 1; a search of 2 trials runs micro-batch 1
-    and one tuning trial (a power of 2), then (unless --no-own-config) the user's own config."""
-    model_dir = make_model_dir(
-        tmp_path,
-        ds={
-            "train_micro_batch_size_per_gpu": 3,
-            "gradient_accumulation_steps": 2,
-            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-            "zero_optimization": {"stage": 1},
-        },
-    )
-    flags = ("--no-own-config",) if skip else ()
-    result = dsat(model_dir, "--max-trials", "2", "--zero-stages", "1", "--memory-per-slot", "100MiB", *flags)
-    assert result.returncode == 0, result.stdout[-3000:]
-    rows = trial_rows(tmp_path / "out")
-    metrics = json.loads((tmp_path / "out" / "best_ds_metrics.json").read_text())
-    if skip:
-        assert [r["role"] for r in rows] == ["profiling", "tuning"] and metrics["own_config"] == {}
-        assert "your own config" not in result.stdout
-        return
-    assert [(r["role"], r["trial"], r["micro_batch"]) for r in rows][-1] == ("own", "own", "3")
-    own = metrics["own_config"]
-    assert (own["micro_batch"], own["stage"], own["trials"], own["statuses"]) == (3, 1, "own", ["ok"])
-    assert own["value"] == float(rows[-1]["FLOPS_per_gpu"]) and own["factor"] == pytest.approx(
-        metrics["FLOPS_per_gpu"] / own["value"]
-    )
-    line = next(x for x in result.stdout.splitlines() if x.startswith("your own config"))
-    assert line == (
-        f"your own config (stage 1, micro-batch 3; trial own): FLOPS_per_gpu = {own['value']:.4g}, "
-        f"the best's {metrics['FLOPS_per_gpu']:.4g}; the best is {own['factor']:.3g}x as good"
-    )
-    assert "measuring your own config as written (stage 1, micro-batch 3)" in result.stdout
+    # a recorded config of the script's own: the plan starts from it
+    trial_dir = tmp_path / "out" / "trials" / "trial_0"
+    trial_dir.mkdir(parents=True)
+    own = {"train_batch_size": 16, "optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 2}}
+    (trial_dir / "script_config.json").write_text(json.dumps({"source": "script", "config": own}))
+    planned, labelled = discovered_plan(plan, tmp_path / "out", first)
+    assert planned.base_ds_config == own and not planned.awaiting_config
+    assert planned.global_batch.train_batch_size == 16 and planned.search.micro_batches == (1, 2, 4, 8, 16)
+    assert planned.search.base_zero == {"stage": 2} and labelled.spec.zero == {"stage": 2}

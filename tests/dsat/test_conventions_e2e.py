@@ -87,11 +87,12 @@ def _best_beats_the_users_own(result, out, rows):
 def test_a_deepspeed_config_script_is_tuned_through_its_own_flag(tmp_path):
     result, out, rows = _search(tmp_path, "ds_config_flag.yaml")
     assert result.returncode == 0, result.stdout[-5000:]
-    assert result.stdout.splitlines()[0] == (
+    first = result.stdout.splitlines()[0]
+    assert first == (
         "dsat: the search starts from the DeepSpeed config of the entrypoint's --deepspeed_config "
-        "ds_config.json; each trial's own config file replaces --deepspeed_config ds_config.json in the entrypoint; every "
-        "trial's tuned keys (micro-batch, accumulation, global batch, zero_optimization) are merged over the "
-        "config the script gives deepspeed.initialize"
+        "ds_config.json; each trial's own config file replaces --deepspeed_config ds_config.json in the "
+        "entrypoint; every trial's tuned keys (micro-batch, accumulation, global batch, zero_optimization) "
+        "are merged over the config the script gives deepspeed.initialize"
     )
     _engines_ran_their_labels(out, rows)
     for row in rows:  # each trial was started with its own file in the flag, and its script read that file

@@ -299,3 +299,31 @@ def test_how_a_script_gives_its_config(tmp_path, how):
 def test_a_config_file_that_cannot_be_read_is_passed_on_as_given():
     assert engine_hook._merged(engine_hook.Given("x", None, "missing.json"), TRIAL_CONFIG, trial=True) is None
     assert engine_hook._merged(engine_hook.Given("x", None), TRIAL_CONFIG, trial=True) == TRIAL_CONFIG
+
+
+def test_the_full_run_merges_the_best_configs_tuned_keys_and_checks_nothing(tmp_path, monkeypatch):
+    """--run-full-experiment (TOOLKIT_DSAT_APPLY_CONFIG, no trial): a script building its config in code
+    trains the best config's micro-batch, accumulation and ZeRO section with its own other keys."""
+    best = {**TRIAL_CONFIG, "optimizer": {"type": "SGD"}}
+    for key in INSTRUMENTATION:
+        best.pop(key)
+    (tmp_path / "best_ds_config.json").write_text(json.dumps(best))
+    monkeypatch.delenv("TOOLKIT_DSAT_TRIAL", raising=False)
+    monkeypatch.setenv(engine_hook.APPLY_ENV, str(tmp_path / "best_ds_config.json"))
+    _initialize.calls = []
+    engine, *_ = initialize_in_trial(_initialize, (), {"model": "m", "config": SCRIPT_CONFIG})
+    given = _initialize.calls[0]["config"]
+    assert given == {
+        **SCRIPT_CONFIG,
+        **{
+            k: best[k]
+            for k in (
+                "train_batch_size",
+                "train_micro_batch_size_per_gpu",
+                "gradient_accumulation_steps",
+                "zero_optimization",
+            )
+        },
+    }
+    assert "flops_profiler" not in given and not (tmp_path / SCRIPT_CONFIG_FILE).exists()
+    assert not hasattr(engine, "_toolkit_dsat_steps")  # nothing timed outside a trial

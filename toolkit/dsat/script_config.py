@@ -102,4 +102,6 @@ def own_comparison(own: Sequence[TrialResult], best: TrialResult, metric: str) -
         factor = value / best_value if metric in SMALLER_IS_BETTER else best_value / value
     record.update(value=value, factor=factor)
     better = f"; the best is {factor:.3g}x as good" if factor is not None else ""
+    if any(r.spec.trial_id == best.spec.trial_id for r in own):
+        better = "; the best is your own config"
     return f"{head}: {metric} = {value:.4g}, the best's {best_value:.4g}{better}", record

@@ -84,9 +84,12 @@ SCRIPT = textwrap.dedent("""
     engine, *_ = deepspeed.initialize(model=None, config=dict(json.loads(os.environ["SCRIPT_CONFIG"])))
     print(json.dumps({"wrapped": getattr(deepspeed.initialize, "toolkit_dsat_hook", False),
                       "micro_batch": engine.train_micro_batch_size_per_gpu()}))
-    if os.environ.get("FEED"):
+    if os.environ.get("FEED"):  # forwards of these sizes (an evaluation's first), then one backward
         import torch
-        engine(torch.zeros(int(os.environ["FEED"]), 16))
+        for n in os.environ["FEED"].split(","):
+            engine(torch.zeros(int(n), 16))
+        engine.backward(0)
+        print(json.dumps({"trained": True}))
 """)
 
 
@@ -131,8 +134,8 @@ def _run(tmp_path, *, trial, **env):
 
 def test_the_bootstrap_merges_in_a_trial_only_and_runs_the_users_sitecustomize(tmp_path):
     trial = _trial(tmp_path)
-    done, seen = _run(tmp_path, trial=trial)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done, seen = _run(tmp_path, trial=trial, FEED="5,4")  # an evaluation's batch of 5, then the engine's 4
+    assert done.returncode == 0 and seen["trained"], done.stderr[-3000:]
     # Python started the bootstrap, which imported none of toolkit, torch or DeepSpeed by itself
     assert seen["at_start"] == [] and seen["wrapped"] is True
     assert (tmp_path / "marker").read_text() == "the user sitecustomize ran"  # chained as Python would
@@ -178,11 +181,11 @@ def test_an_engine_that_runs_another_config_ends_the_trial_as_a_mismatch(tmp_pat
 
 def test_a_loop_that_feeds_its_own_batch_size_ends_the_trial_as_a_mismatch(tmp_path):
     """The engine runs the trial's micro-batch 4, the script's data loader keeps 3: its throughput
-    would be counted for examples it never trained. Seen at the first forward (the engine's own steps
-    are timed: the script has no dsat line)."""
+    would be counted for examples it never trained. Held at the first backward, to the forward before
+    it (an evaluation's batch of 5 before is not); the engine's own steps are timed: no dsat line."""
     trial = _trial(tmp_path)
-    done, seen = _run(tmp_path, trial=trial, FEED="3")
-    assert seen["micro_batch"] == 4
+    done, seen = _run(tmp_path, trial=trial, FEED="5,3")
+    assert seen["micro_batch"] == 4 and "trained" not in seen
     assert done.returncode == MISMATCH_EXIT_STATUS, done.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["status"] == "mismatch" and result["data_batch"] == [3]

@@ -40,7 +40,6 @@ from toolkit.bounded_load import load_json
 from toolkit.dsat.contract import MISMATCH_EXIT_STATUS, TrialContract
 from toolkit.dsat.tuned_keys import (
     config_summary,
-    data_batch_sizes,
     describe_summary,
     engine_summary,
     merge_tuned,
@@ -224,11 +223,11 @@ def check_engine(engine: Any, contract: TrialContract, *, how: str | None, merge
         end_on_mismatch(contract, problems, actual=actual, expected=expected, how=how, merged=merged)
 
 
-def check_data_batch(engine: Any, contract: TrialContract, args: Any, kwargs: Any) -> None:
-    """At the engine's first forward: the examples the loop feeds (:func:`~toolkit.dsat.tuned_keys.
-    data_batch_sizes`) against the engine's micro-batch; a script whose data loader keeps its own batch
-    size would be timed as the engine's. A difference ends the trial as ``"mismatch"``. Every rank."""
-    sizes = data_batch_sizes(args, kwargs)
+def check_data_batch(engine: Any, contract: TrialContract, sizes: set[int]) -> None:
+    """At the engine's first backward: where the forward before it counted its examples
+    (:func:`~toolkit.dsat.tuned_keys.data_batch_sizes`) against the engine's micro-batch; a script whose
+    data loader keeps its own batch size would be timed as the engine's. A difference ends the trial
+    as ``"mismatch"`` (an evaluation forward, with no backward, is never held to it). Every rank."""
     if not sizes:
         return
     actual = engine_summary(engine)

@@ -28,7 +28,7 @@ from toolkit.dsat.trial import profiling
 from toolkit.dsat.trial.engine_hook import check_data_batch, check_engine
 from toolkit.dsat.trial.oom import exit_on_oom
 from toolkit.dsat.trial.profiling import ProfileProbe
-from toolkit.dsat.tuned_keys import engine_summary
+from toolkit.dsat.tuned_keys import data_batch_sizes, engine_summary
 from toolkit.errors import LaunchEnvError
 from toolkit.runtime.trial_env import TRIAL_ENV
 from toolkit.runtime.trial_oom import is_crashing, is_oom
@@ -124,6 +124,7 @@ class TrialSession:
         from deepspeed.accelerator import get_accelerator
         self.accelerator = get_accelerator()
         self.pipeline = hasattr(type(engine), "_INSTRUCTION_MAP")
+        self.fed: set[int] | None = None if self.pipeline else set()  # None: nothing (more) to check
         self.timing = False
         self.calls = {"forward": 0, "backward": 0}
         self.seconds = {"forward": 0.0, "backward": 0.0}
@@ -155,8 +156,8 @@ class TrialSession:
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             session.calls[kind] += 1
-            if kind == "forward" and session.calls[kind] == 1 and not session.pipeline:
-                check_data_batch(session.engine, session.contract, args, kwargs)  # the data's micro-batch
+            if session.fed is not None:  # until the first backward: the data's micro-batch is the engine's
+                session._hold_data(kind, args, kwargs)
             if kind == "forward" and session.forward_flops is not None and not session.counting:
                 return session._counted(fn, args, kwargs)
             if not session.timing:
@@ -169,6 +170,15 @@ class TrialSession:
                 session._sync()
                 session.seconds[kind] += time.perf_counter() - start
         return wrapper
+
+    def _hold_data(self, kind: str, args: Any, kwargs: Any) -> None:
+        """Where each forward counts its examples; at the first backward, the last forward's are held to
+        the engine's micro-batch (:func:`~toolkit.dsat.trial.engine_hook.check_data_batch`)."""
+        if kind == "forward":
+            self.fed = data_batch_sizes(args, kwargs)
+            return
+        fed, self.fed = self.fed, None
+        check_data_batch(self.engine, self.contract, fed or set())
 
     def _counted(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """Run one forward under torch's FLOP counter (aten level: matmul, conv, attention) and add

@@ -163,13 +163,13 @@ def initialize_in_trial(original: Callable[..., Any], args: tuple[Any, ...], kwa
         return original(*args, **kwargs)  # DeepSpeed's own error for the call
     arguments = dict(bound.arguments)
     given = given_config(arguments)
-    target = load_json(contract.ds_config if contract and contract.ds_config else str(apply_path),
-                       what="dsat's DeepSpeed config")
+    path = contract.ds_config if contract is not None else apply_path
+    target = load_json(path, what="dsat's DeepSpeed config") if path else None  # None: a contract naming none
     chief = _is_chief()
-    if contract is not None and chief:
+    if contract is not None and target is not None and chief:
         _record(contract, given, target)
     merge = contract.merge_config if contract is not None else True
-    if merge and given.config != target:
+    if merge and target is not None and given.config != target:
         merged = _merged(given, target, trial=contract is not None)
         if merged is not None:
             arguments = _with_config(arguments, merged)

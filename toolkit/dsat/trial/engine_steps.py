@@ -40,9 +40,10 @@ class EngineSteps:
             setattr(engine, name, self._wrap(name, getattr(engine, name)))
 
     def _decide(self) -> None:
-        """At the engine's first call: the line's session for this engine, or one driven from here."""
+        """At the engine's first call: the line's session (of this engine, or of another that stepped
+        first: a script's second engine, a reference model, is not timed), or one driven from here."""
         from toolkit.dsat.trial import reporting
-        if reporting.session_for(self.engine) is not None:
+        if reporting.active_session() is not None:
             self.mode = "line"
             return
         self.mode = "engine"

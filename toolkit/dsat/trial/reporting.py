@@ -79,7 +79,7 @@ from toolkit.dsat.tuned_keys import INSTRUMENTATION
 from toolkit.runtime.trial_env import TRIAL_ENV
 from toolkit.runtime.trial_oom import install_oom_excepthook
 
-__all__ = ["dsat_reporting_context", "engine_session", "instrumentation_overrides", "session_for",
+__all__ = ["active_session", "dsat_reporting_context", "engine_session", "instrumentation_overrides",
            "OOM_EXIT_STATUS"]
 
 _NOOP = contextlib.nullcontext()
@@ -144,9 +144,10 @@ def dsat_reporting_context(engine: Any, *, steps_completed: int | None = None
     return _session.step(None if steps_completed is None else int(steps_completed))
 
 
-def session_for(engine: Any) -> TrialSession | None:
-    """The reporting context's session of ``engine`` in this process, if the line made one. Any rank."""
-    return _session if _session is not None and _session.engine is engine else None
+def active_session() -> TrialSession | None:
+    """The session timing this trial in this process (the line's, or an engine's own steps'), if any.
+    Any rank."""
+    return _session
 
 
 def engine_session(engine: Any, contract_file: str) -> TrialSession:

@@ -51,20 +51,29 @@ def test_where_the_search_starts_from(tmp_path):
         "hyperparameters",
         {"train_micro_batch_size_per_gpu": 3},
     )
-    # none named: the script builds it; the first profiling trial records it
-    _yaml(model_dir, hparams={"oom_above": 37})
+    # --no-merge-config: the config the script gives is only checked
     plan = plan_for(tmp_path, model_dir, "--no-merge-config")
-    assert (plan.config_source, plan.base_ds_config, plan.awaiting_config) == ("script", {}, True)
-    assert "the first profiling trial records the config it gives deepspeed.initialize" in plan.config_line()
     assert (
         "--no-merge-config: the config the script gives deepspeed.initialize is only checked"
         in plan.config_line()
     )
     assert plan.fingerprint()["merge_config"] is False and not plan.runner.merge_config
+    # none named: the script builds it; the first profiling trial records it
+    _yaml(model_dir, hparams={"oom_above": 37})
+    plan = plan_for(tmp_path, model_dir)
+    assert (plan.config_source, plan.base_ds_config, plan.awaiting_config) == ("script", {}, True)
+    assert plan.config_line().endswith(
+        "the first profiling trial records the config it gives deepspeed.initialize; every trial's tuned "
+        "keys (micro-batch, accumulation, global batch, zero_optimization) are merged over the config the "
+        "script gives deepspeed.initialize"
+    )
 
 
 def test_a_flag_naming_a_missing_file_is_bad_input(tmp_path, capsys):
     model_dir = make_model_dir(tmp_path)
+    _yaml(model_dir, hparams={})  # no config named, and no merge: nothing could reach the engine
+    code, output = dsat_in_process(model_dir, "--no-merge-config", capsys=capsys)
+    assert code == 2 and "--no-merge-config with no config named" in output and "three ways" in output
     _yaml(model_dir, entrypoint="python3 model.py --deepspeed_config missing.json", hparams={})
     code, output = dsat_in_process(model_dir, capsys=capsys)
     assert (

@@ -15,9 +15,11 @@ EXAMPLES = procutil.REPO / "examples" / "dsat"
 USER = json.loads((EXAMPLES / "ds_config.json").read_text())  # train_in_code.py's dict is the same config
 
 
-def _search(tmp_path, yaml_name, *flags):
+def _search(tmp_path, yaml_name, *flags, hparams=None):
     config = yaml.safe_load((EXAMPLES / yaml_name).read_text())
     config["resources"]["slots_per_trial"] = 1
+    if hparams:
+        config["hyperparameters"] = hparams
     (tmp_path / yaml_name).write_text(yaml.safe_dump(config))
     out = tmp_path / "out"
     argv = [
@@ -128,13 +130,18 @@ def test_a_script_that_builds_its_config_in_code_is_tuned_with_the_one_line(tmp_
 
 @pytest.mark.slow
 def test_a_script_that_ignores_the_trials_config_stops_the_search_in_its_first_trial(tmp_path):
-    """--no-merge-config: the script trains the dict it builds, micro-batch 2, whatever the trial says."""
-    result, out, rows = _search(tmp_path, "in_code.yaml", "--no-merge-config")
+    """The YAML names the script's config file, which the script ignores (it builds its own dict, as the
+    first client of issue 37 read its own JSON), and --no-merge-config keeps dsat from merging: the engine
+    trains micro-batch 2 whatever the trial says."""
+    result, out, rows = _search(
+        tmp_path, "in_code.yaml", "--no-merge-config", hparams={"deepspeed_config": "ds_config.json"}
+    )
     assert result.returncode == 2, result.stdout[-5000:]
     assert [(r["trial"], r["status"]) for r in rows] == [("p1", "mismatch")]
     last = result.stdout.rstrip().splitlines()[-1]
     assert last.startswith(
-        "dsat: search stopped: stopped at trial p1 (labelled micro-batch 1, gradient accumulation 1)"
+        "dsat: search stopped: stopped at trial p1 (labelled micro-batch 1, gradient accumulation 1, ZeRO "
+        "stage 1, offload_optimizer none, offload_param none)"
     )
     for part in (
         "micro-batch: the engine runs 2, the trial is labelled 1",

@@ -323,6 +323,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
     problem = _output_dir_problem(output_dir, resume=args.resume)
     if problem:
         problems.append(problem)
+    if inputs.source == "script" and args.no_merge_config:
+        problems.append("--no-merge-config with no config named (no hyperparameters.deepspeed_config, no "
+                        "--deepspeed_config or --deepspeed in the entrypoint): no trial's config could reach "
+                        "the engine your script builds. Name your config (docs/dsat.md: three ways), or let "
+                        "dsat merge each trial's tuned keys over the one your script gives "
+                        "deepspeed.initialize")
     if args.confirm < 0:
         problems.append(f"--confirm {args.confirm}: expected an integer >= 0 (how many of the best "
                         "configurations are re-run; 0: none)")

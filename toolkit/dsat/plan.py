@@ -131,9 +131,10 @@ class Plan:
                   "script": "the script itself (no hyperparameters.deepspeed_config, no --deepspeed_config "
                             "or --deepspeed in the entrypoint): the first profiling trial records the config "
                             "it gives deepspeed.initialize"}[self.config_source]
-        passed = (f"each trial's own config file replaces {flag} in the entrypoint" if flag else
-                  "each trial's config is its hyperparameters' deepspeed_config (toolkit.get_hparams())")
-        return f"dsat: the search starts from the DeepSpeed config of {source}; {passed}; {merge}"
+        passed = (f"each trial's own config file replaces {flag} in the entrypoint; " if flag else
+                  "" if self.config_source == "script" else
+                  "each trial's config is its hyperparameters' deepspeed_config (toolkit.get_hparams()); ")
+        return f"dsat: the search starts from the DeepSpeed config of {source}; {passed}{merge}"
 
     def fingerprint(self) -> dict[str, Any]:
         """What must not change between a search and its ``--resume``."""

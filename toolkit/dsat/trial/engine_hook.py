@@ -1,22 +1,15 @@
 """Inside a dsat trial: the trial's config reaches ``deepspeed.initialize``, and its engine is checked.
 
 The trial bootstrap (:mod:`toolkit.dsat.trial.site`) wraps ``deepspeed.initialize`` with
-:func:`initialize_in_trial` once DeepSpeed is imported, whether the script imports toolkit or not.
-Every rank; no collective. There:
-
-* the config the script gives (``config=`` a dict or a path, ``config_params=``, or
-  ``args.deepspeed_config``) is recorded by the chief in the trial's ``script_config.json``;
-* unless ``--no-merge-config``, the trial's tuned keys are merged over it
-  (:func:`~toolkit.dsat.tuned_keys.merge_tuned`) and passed as ``config=``, with a copy of
-  ``args`` whose ``deepspeed_config`` is None (DeepSpeed refuses a config given both ways); the
-  script's objects are never changed;
-* the engine is checked against the trial's config (:func:`check_engine`); a mismatch ends the
-  trial as ``"mismatch"`` and the search stops;
-* its own steps are timed if the script never enters the reporting context
-  (:mod:`toolkit.dsat.trial.engine_steps`).
-
-With :data:`APPLY_ENV` (``--run-full-experiment``, not a trial) the named config's tuned keys are
-merged the same way; nothing is checked or timed.
+:func:`initialize_in_trial`, whether the script imports toolkit or not. Every rank, no collective:
+the config the script gives (``config=`` a dict or a path, ``config_params=``,
+``args.deepspeed_config``) is recorded by the chief in ``script_config.json``; unless
+``--no-merge-config`` the trial's tuned keys are merged over it and passed as ``config=``, with a
+copy of ``args`` whose ``deepspeed_config`` is None (DeepSpeed refuses a config given both ways);
+the engine is held to the trial's config (:func:`check_engine`; a mismatch ends the trial, and the
+search stops) and its own steps are timed if the loop has no dsat line
+(:mod:`toolkit.dsat.trial.engine_steps`). Under :data:`APPLY_ENV` (``--run-full-experiment``) the
+best config's tuned keys are merged the same way; nothing is checked or timed. Design: docs/dsat.md.
 """
 
 from __future__ import annotations

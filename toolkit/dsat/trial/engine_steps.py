@@ -1,16 +1,13 @@
 """Inside a dsat trial: time the engine's own steps when the script never enters the reporting context.
 
-Installed on each engine that :func:`toolkit.dsat.trial.engine_hook.initialize_in_trial` builds
-(instance attributes over ``forward``, ``backward`` and ``step``; pipeline engines:
-``train_batch``). The engine's first such call decides: when the reporting context already holds
-this engine's session (the one dsat line of the loop), the line times the steps and this passes
-every call through. Otherwise a :class:`~toolkit.dsat.trial.session.TrialSession` is driven by the
-engine: a step is one optimizer boundary, from the end of the previous one (the first: from the
-engine's first call) to the return of ``step()`` at a gradient-accumulation boundary (pipeline
-engines: of ``train_batch()``), with the line's warm-up, window, FLOPs, memory checks and end of
-the trial. Every rank; the session's collectives run at the same boundaries on every rank.
-
-Example (inside a trial; the engine hook does this)::
+Installed on each engine :func:`toolkit.dsat.trial.engine_hook.initialize_in_trial` builds (instance
+attributes over ``forward``, ``backward`` and ``step``; pipeline engines: ``train_batch``). The
+engine's first call decides: when the reporting context already holds a session (the loop's one
+dsat line), every call passes through. Otherwise a :class:`~toolkit.dsat.trial.session.TrialSession`
+is driven by the engine: a step is one optimizer boundary, from the end of the previous one to the
+return of ``step()`` at a gradient-accumulation boundary (pipeline engines: of ``train_batch()``),
+with the line's warm-up, window, FLOPs, memory checks and end of the trial. Every rank; the
+session's collectives run at the same boundaries on every rank. Example (the hook does this)::
 
     engine, *_ = deepspeed.initialize(...)
     time_engine_steps(engine, os.environ[TRIAL_ENV])

@@ -78,7 +78,7 @@ def _hung(item) -> None:
 SPLIT_FILES: tuple[str, ...] = (
     "tests/test_examples.py", "tests/test_preemption.py", "tests/dsat/test_e2e.py",
     "tests/runtime/test_op_builds.py", "tests/dsat/test_cli.py", "tests/runtime/test_context.py",
-    "tests/dsat/execution/test_runner.py",
+    "tests/dsat/execution/test_runner.py", "tests/dsat/test_conventions_e2e.py",
 )
 
 #: Units that take a minute or more, slowest first, from the wall times of a 3-worker run (the
@@ -92,6 +92,7 @@ SLOW_UNITS: tuple[str, ...] = (
     "tests/compat/test_determined_storage.py",
     "tests/test_examples.py::test_sigterm", "tests/checkpoint/test_exact_resume.py",
     "tests/dsat/trial/test_reporting.py", "tests/dsat/test_e2e.py", "tests/compat/test_determined_launcher.py",
+    "tests/dsat/test_conventions_e2e.py",
     "tests/reliability/test_chaos.py", "tests/test_examples.py", "tests/runtime/test_multinode.py",
     "tests/test_preemption.py::test_sigterm_to_torchrun_with_dataloader_workers",
     "tests/runtime/test_ds_shm.py", "tests/run/test_scheduler.py", "tests/compat/test_determined_legacy.py",

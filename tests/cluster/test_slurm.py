@@ -169,7 +169,7 @@ def salloc_dsat(slurm, model_dir: Path, out: Path, *flags: str, timeout: float):
     argv = ["salloc", "--ntasks=2", "--immediate=60", sys.executable,
             str(procutil.WORKERS / "cluster_dsat_remote.py"),
             "binary", str(model_dir / "deepspeed.yaml"), str(model_dir), "--output-dir", str(out),
-            "--zero-stages", "1", "--memory-per-slot", "1GiB", "--confirm", "0", *flags]
+            "--zero-stages", "1", "--memory-per-slot", "1GiB", "--confirm", "0", "--no-own-config", *flags]
     return slurm.run(*argv, env=slurm.env(procutil.child_env()), check=False, timeout=timeout,
                      cwd=model_dir.parent)
 

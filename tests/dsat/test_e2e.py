@@ -51,8 +51,10 @@ def test_binary_search_on_the_example_then_train_with_the_best_config(tmp_path):
                     # first two trials run out of memory (a loaded machine's peaks) still finds a fit
                     # (another stage's point: tests/dsat/test_profiling_phase.py)
                     "--zero-stages", "1", "--start-profile-step", "2", "--end-profile-step", "3",
-                    # no re-runs of the best here (tests/dsat/test_cli.py confirms one on the simulated model)
-                    "--confirm", "0", "--trial-timeout", "240", "--output-dir", str(out)], timeout=1200)
+                    # no re-runs of the best here (tests/dsat/test_cli.py confirms one on the simulated
+                    # model), nor of the example's own config (tests/dsat/test_conventions.py measures one)
+                    "--confirm", "0", "--no-own-config", "--trial-timeout", "240", "--output-dir", str(out)],
+                           timeout=1200)
     assert result.returncode == 0, result.stdout[-5000:]
     with open(out / "trials.csv") as fh:
         rows = list(csv.DictReader(fh))
@@ -121,7 +123,7 @@ def test_an_offload_trial_runs_on_cpu(tmp_path):
     result = procutil.run([sys.executable, "-m", "toolkit.dsat", "binary", str(config), str(EXAMPLES),
                     "--max-trials", "2", "--memory-per-slot", "1400MiB", "--zero-stages", "2",
                     "--offload", "always", "--global-batch", "8", "--start-profile-step", "2",
-                    "--end-profile-step", "3", "--confirm", "0", "--trial-timeout", "240",
+                    "--end-profile-step", "3", "--confirm", "0", "--no-own-config", "--trial-timeout", "240",
                     "--output-dir", str(out)], timeout=900)
     assert result.returncode == 0, result.stdout[-5000:]
     assert "global batch: fixed train_batch_size=8" in result.stdout

@@ -93,7 +93,7 @@ def test_the_extra_keys_never_hide_a_metric():
     record = best_metrics_record({"throughput": 5.0, "trial_id": "a metric"}, trial_id=3, metric="throughput",
                                  global_batch={"policy": "free"})
     assert record == {"throughput": 5.0, "trial_id": "a metric", "trial": "3", "metric": "throughput",
-                      "global_batch": {"policy": "free"}, "measurements": {}}
+                      "global_batch": {"policy": "free"}, "measurements": {}, "own_config": {}}
 
 
 def test_tuning_trials_that_only_ran_out_of_memory_leave_the_profiling_results(tmp_path):

@@ -18,9 +18,9 @@ from toolkit.compat import determined as det  # was: import determined as det
 from toolkit.compat.determined.pytorch import dsat  # was: from determined.pytorch import dsat
 
 
-def batch(step, rank):
+def batch(step, rank, size):
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(2, 4, generator=gen)
+    x = torch.randn(size, 4, generator=gen)
     return x, x.sum(1, keepdim=True)
 
 
@@ -39,7 +39,9 @@ def main(core_context, hparams, latest_checkpoint):
     for op in core_context.searcher.operations():
         while steps_completed < op.length:
             with dsat.dsat_reporting_context(core_context, op):
-                x, y = batch(steps_completed, core_context.distributed.rank)
+                # the engine's micro-batch (what dsat tunes; 2 in this script's own config)
+                x, y = batch(steps_completed, core_context.distributed.rank,
+                             model_engine.train_micro_batch_size_per_gpu())
                 loss = ((model_engine(x) - y) ** 2).mean()
                 model_engine.backward(loss)
                 model_engine.step()

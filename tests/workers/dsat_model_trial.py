@@ -5,7 +5,9 @@ whose micro-batch limit is ``oom_above`` (hyperparameter): above it the chief re
 exits 75, as dsat_reporting_context does on an out-of-memory error. Otherwise it reports metrics
 that grow with the micro-batch (FLOPS_per_gpu, throughput) and a latency that grows too.
 ``profile`` hyperparameter: "ok" (default) or "crash" for the profiling trial; ``tuning``: "ok"
-or "crash" for every other trial. Each start is appended to ``<trial dir>/starts.log``.
+or "crash" for every other trial. ``script_micro_batch``: the simulated engine runs this
+micro-batch whatever the trial's config says, and its result says so (``engine``), as a real
+trial's does. Each start is appended to ``<trial dir>/starts.log``.
 """
 import json
 import os
@@ -40,5 +42,11 @@ if behaviour == "crash":
 if rank != 0:
     sys.exit(0)
 oom = mb > int(hparams.get("oom_above", 10**9))
-write_result(contract, simulated_result(contract, ds_config, oom=oom))
+result = simulated_result(contract, ds_config, oom=oom)
+if hparams.get("script_micro_batch"):
+    result["engine"] = {"micro_batch": hparams["script_micro_batch"],
+                        "gradient_accumulation_steps": ds_config["gradient_accumulation_steps"],
+                        "stage": ds_config["zero_optimization"]["stage"],
+                        "offload_optimizer": "none", "offload_param": "none"}
+write_result(contract, result)
 sys.exit(75 if oom else 0)

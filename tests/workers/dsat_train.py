@@ -11,6 +11,9 @@ hyperparameters (``toolkit.get_hparams()``):
     sleep_step_ms     sleep in the step, outside forward and backward      -> only "latency"
     first_step        the loop's first steps_completed (a loop resumed from a checkpoint; default 0)
     one_line          call dsat_reporting_context(engine) without steps_completed
+    no_line           no dsat_reporting_context at all: dsat times the engine's own steps
+    own_micro_batch   train this micro-batch whatever the trial's config says (a script with a
+                      config of its own, its engine built where dsat's hook does not see it)
     mock_oom_at       [step, rank]: raise torch.cuda.OutOfMemoryError there, inside the step;
                       ["start", rank]: before deepspeed.initialize (outside any step). A real
                       CUDA OOM cannot happen on this CPU-only machine; the raise is what toolkit sees.
@@ -23,6 +26,7 @@ counts them (matrix products only): 2*16*32 + 2*32*4 = 1280.
 Each rank writes ``stopwatch<rank>.json`` into the trial directory: its own wall time around each
 ``with`` block (perf_counter), the external stopwatch the test compares the metrics with.
 """
+import contextlib
 import json
 import os
 import time
@@ -68,6 +72,8 @@ def main():
     ctx = toolkit.init_distributed()
     hparams = toolkit.get_hparams()
     ds_config = toolkit.get_ds_config_from_hparams(hparams)
+    if hparams.get("own_micro_batch"):
+        ds_config["train_micro_batch_size_per_gpu"] = hparams["own_micro_batch"]
     torch.manual_seed(0)
     contract = json.loads(Path(os.environ["TOOLKIT_DSAT_TRIAL"]).read_text())
     stopwatch_file = Path(contract["result_path"]).parent / f"stopwatch{ctx.rank}.json"
@@ -94,7 +100,8 @@ def main():
     first = int(hparams.get("first_step", 0))
     for step in range(first, first + int(hparams.get("steps", 20))):
         t0 = time.perf_counter()
-        context = dsat_reporting_context(engine) if hparams.get("one_line") else \
+        context = contextlib.nullcontext() if hparams.get("no_line") else \
+            dsat_reporting_context(engine) if hparams.get("one_line") else \
             dsat_reporting_context(engine, steps_completed=step)
         try:
             with context:

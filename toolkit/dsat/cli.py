@@ -1,14 +1,14 @@
 """Command line of the autotuner: ``python -m toolkit.dsat {binary,random,asha} CONFIG MODEL_DIR``.
 
 Exit status: 0 a best config was found; 1 the search failed (the profiling trial failed, or no
-tuning trial succeeded); 2 bad input (nothing was launched and nothing written); 130 interrupted
-(every trial killed; ``--resume`` continues).
+tuning trial succeeded); 2 bad input (nothing was launched and nothing written), or the search
+stopped at a trial whose engine ran another config than the trial's (no best written); 130
+interrupted (every trial killed; ``--resume`` continues).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import os
 import re
@@ -16,16 +16,21 @@ import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from toolkit._checks import is_int
-from toolkit.config.deepspeed import BATCH_KEYS, get_ds_config_from_hparams, validate_ds_config
+from toolkit.config.deepspeed import (
+    BATCH_KEYS,
+    DS_TOP_LEVEL_KEYS,
+    get_ds_config_from_hparams,
+    validate_ds_config,
+)
 from toolkit.config.experiment import entrypoint_argv, load_experiment_config
 from toolkit.dsat.cli_args import build_parser, parse_bytes
+from toolkit.dsat.execution.argv import config_flag
 from toolkit.dsat.execution.hosts import Host, read_hostfile, slurm_hosts
 from toolkit.dsat.execution.settings import RunnerSettings, available_memory_bytes, default_memory_per_slot
 from toolkit.dsat.search.batch import GlobalBatch, allowed_micro_batches, global_batch_policy
-from toolkit.dsat.search.space import default_zero_autos
 from toolkit.dsat.search.types import SearchSettings
 from toolkit.errors import ConfigError
 from toolkit.launch.wrappers import entrypoint_launcher
@@ -110,6 +115,27 @@ class _Inputs:
     slots: Any              # checked by the experiment loader and RunnerSettings
     entrypoint: list[str]
     base: dict[str, Any]
+    source: str = "hyperparameters.deepspeed_config"   # one of plan.CONFIG_SOURCES
+    flag: tuple[str, str] | None = None                 # the entrypoint's config flag and its path
+
+
+def _base_config(hparams: dict[str, Any], flag: tuple[str, str] | None,
+                 model_dir: Path) -> tuple[dict[str, Any], str]:
+    """The search's base config and where it comes from (:data:`toolkit.dsat.plan.CONFIG_SOURCES`):
+    ``hyperparameters.deepspeed_config``, else DeepSpeed keys in the hyperparameters, else the file of
+    the entrypoint's flag (with ``overwrite_deepspeed_args``), else none yet (the script builds it)."""
+    if "deepspeed_config" in hparams:
+        return get_ds_config_from_hparams(hparams, base_dir=model_dir), "hyperparameters.deepspeed_config"
+    inline = any(key in DS_TOP_LEVEL_KEYS for key in hparams)
+    if inline or (hparams.get("overwrite_deepspeed_args") and not flag):
+        return get_ds_config_from_hparams(hparams, base_dir=model_dir), "hyperparameters"
+    if flag is not None:
+        path = Path(flag[1]) if Path(flag[1]).is_absolute() else model_dir / flag[1]
+        if not path.is_file():
+            raise ConfigError(f"the entrypoint's {flag[0]} {flag[1]}: no such file in MODEL_DIR {model_dir}; "
+                              "dsat starts the search from it")
+        return get_ds_config_from_hparams({**hparams, "deepspeed_config": str(path)}), "entrypoint flag"
+    return {}, "script"
 
 
 def _load_inputs(args: argparse.Namespace, problems: list[str]) -> _Inputs:
@@ -125,8 +151,7 @@ def _load_inputs(args: argparse.Namespace, problems: list[str]) -> _Inputs:
     slots = (experiment.get("resources") or {}).get("slots_per_trial")
     missing = [f"{args.config}: {key} is required by dsat and missing"
                for key, present in [("entrypoint", "entrypoint" in experiment),
-                                    ("resources.slots_per_trial", slots is not None),
-                                    ("hyperparameters.deepspeed_config", "deepspeed_config" in hparams)]
+                                    ("resources.slots_per_trial", slots is not None)]
                if not present]
     if missing:
         raise UsageError(missing)
@@ -134,11 +159,12 @@ def _load_inputs(args: argparse.Namespace, problems: list[str]) -> _Inputs:
     script = next((part for part in entrypoint if part.endswith(".py")), None)  # the script a trial runs
     if script is not None and not (model_dir / script).is_file():
         problems.append(f"entrypoint {shlex.join(entrypoint)!r}: {script} not found in MODEL_DIR {model_dir}")
+    flag = config_flag(entrypoint)
     try:
-        base = get_ds_config_from_hparams(hparams, base_dir=model_dir)
+        base, source = _base_config(hparams, flag, model_dir)
     except (ConfigError, OSError, TypeError) as err:
         raise UsageError([*problems, *_problems_of(err)]) from None
-    return _Inputs(model_dir, experiment, hparams, slots, entrypoint, base)
+    return _Inputs(model_dir, experiment, hparams, slots, entrypoint, base, source, flag)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,28 +228,19 @@ def _hidden_size(inputs: _Inputs, problems: list[str]) -> int | None:
     return value
 
 
-def _as_written(base: Mapping[str, Any]) -> dict[str, Any]:
-    """The user's config less what dsat fills itself: "auto" batch keys and "auto" ZeRO sizes."""
-    config = copy.deepcopy(dict(base))
-    for key in BATCH_KEYS:
-        if config.get(key) == "auto":
-            del config[key]
-    if "zero_optimization" in config:
-        config["zero_optimization"] = default_zero_autos(config["zero_optimization"])
-    return config
-
-
 def _check_ds_config(args: argparse.Namespace, inputs: _Inputs, dp: Any, *, device: str,
                      problems: list[str]) -> tuple[GlobalBatch | None, int | None]:
     """The user's DeepSpeed config (JSON + overwrite_deepspeed_args) as written, against every rule
     of ``validate_ds_config``, before dsat substitutes its own values; then the global batch policy
     and the profiling trial's config. Returns (the policy, ``hidden_size``); None: a problem."""
-    from toolkit.dsat.plan import profile_spec, trial_ds_config
+    from toolkit.dsat.plan import as_written, profile_spec, trial_ds_config
     hidden = _hidden_size(inputs, problems)
     if not (is_int(dp) and dp >= 1):
         return None, hidden  # reported as a value; the config cannot be checked without it
+    if inputs.source == "script":  # checked once the first profiling trial recorded it (with_base_config)
+        return GlobalBatch("free"), hidden
     try:
-        validate_ds_config(_as_written(inputs.base), device=device, data_parallel_size=dp)
+        validate_ds_config(as_written(inputs.base), device=device, data_parallel_size=dp)
         policy = global_batch_policy(args.global_batch, user_train_batch_size=inputs.base.get(BATCH_KEYS[0]))
         if policy.train_batch_size is not None:
             allowed_micro_batches(policy.train_batch_size, data_parallel_size=dp)
@@ -266,7 +283,8 @@ def _build_settings(args: argparse.Namespace, inputs: _Inputs, machines: _Machin
                                 timed_window_s=args.timed_window,
                                 gpus=machines.gpus, hosts=machines.hosts, multihost_launcher=machines.via,
                                 experiment_config=args.config.resolve(),
-                                ssh_port=args.ssh_port, echo=not args.quiet)
+                                ssh_port=args.ssh_port, echo=not args.quiet,
+                                merge_config=not args.no_merge_config)
     except ConfigError as err:
         problems.extend(user_terms(p) for p in err.problems)
     return search, runner
@@ -306,6 +324,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
     problem = _output_dir_problem(output_dir, resume=args.resume)
     if problem:
         problems.append(problem)
+    if inputs.source == "script" and args.no_merge_config:
+        problems.append("--no-merge-config with no config named (no hyperparameters.deepspeed_config, no "
+                        "--deepspeed_config or --deepspeed in the entrypoint): no trial's config could reach "
+                        "the engine your script builds. Name your config (docs/dsat.md: three ways), or let "
+                        "dsat merge each trial's tuned keys over the one your script gives "
+                        "deepspeed.initialize")
     if args.confirm < 0:
         problems.append(f"--confirm {args.confirm}: expected an integer >= 0 (how many of the best "
                         "configurations are re-run; 0: none)")
@@ -315,7 +339,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 hparams=inputs.hparams, data_parallel_size=dp, search=search, runner=runner,
                 output_dir=output_dir, resume=args.resume, run_full_experiment=args.run_full_experiment,
                 memory_per_slot=machines.memory_per_slot, global_batch=policy, hidden_size=hidden,
-                confirm=args.confirm)
+                confirm=args.confirm, config_source=inputs.source, config_flag=inputs.flag,
+                awaiting_config=inputs.source == "script", global_batch_flag=args.global_batch,
+                own_config=not args.no_own_config)
     problem = plan.resume_problem() if args.resume else None
     if problem:
         raise UsageError(problem)
@@ -338,6 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print("\n  ".join(["dsat: bad input, nothing was launched:", *err.problems]), file=sys.stderr)
         return EXIT_USAGE
+    print(plan.config_line(), flush=True)
     launcher, why = choose_launcher(args.launcher, plan.runner.entrypoint)
     print(f"dsat: trials on this machine start with {launcher}: {why}", flush=True)
     from toolkit.dsat.full_run import run_full_experiment
@@ -356,7 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(("dsat: " if outcome.exit_code == 0 else "dsat: search failed: ") + outcome.message, flush=True)
+    prefix = {0: "dsat: ", 2: "dsat: search stopped: "}.get(outcome.exit_code, "dsat: search failed: ")
+    print(prefix + outcome.message, flush=True)
     if outcome.exit_code == 0 and plan.run_full_experiment:
         return run_full_experiment(plan, outcome, say=lambda line: print(line, flush=True))
     return outcome.exit_code

@@ -83,8 +83,10 @@ def prog() -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (one sub-command per search method)."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("config", type=Path, help="experiment YAML (entrypoint, resources.slots_per_trial, "
-                        "hyperparameters.deepspeed_config)")
+    common.add_argument("config", type=Path,
+                        help="experiment YAML (entrypoint, resources.slots_per_trial; the DeepSpeed config: "
+                             "hyperparameters.deepspeed_config, the entrypoint's --deepspeed_config, or the "
+                             "one the script gives deepspeed.initialize)")
     common.add_argument("model_dir", type=Path,
                         help="directory holding the entrypoint and the DeepSpeed JSON")
     _add_search_flags(common.add_argument_group("search"))
@@ -140,6 +142,10 @@ def _add_search_flags(g: argparse._ArgumentGroup) -> None:
                    help="auto: when the memory model or the trials say no stage fits micro-batch 1, search "
                         "offload_optimizer (stages 2, 3) then offload_param (stage 3) to the CPU; never; "
                         "always: every trial offloads (default: %(default)s)")
+    g.add_argument("--no-own-config", action="store_true",
+                   help="do not measure your DeepSpeed config as written after the search (default: when no "
+                        "trial of the search ran it, one more trial, not counted in --max-trials, whose "
+                        "measurement the closing lines give beside the best's)")
     g.add_argument("--random-seed", type=_integer, default=42, metavar="N",
                    help="seed of the search's random draws (default: %(default)s)")
     g.add_argument("--start-profile-step", type=_integer, default=3, metavar="STEP",
@@ -170,6 +176,11 @@ def _add_limit_flags(g: argparse._ArgumentGroup) -> None:
                         "whose peak resident size (VmHWM) goes above it is killed and recorded as "
                         "out-of-memory (default: (80%% of the memory "
                         "available now - 2 GiB reserved for the system and the autotuner) / --max-slots)")
+    g.add_argument("--no-merge-config", action="store_true",
+                   help="inside a trial, do not merge the trial's tuned keys (micro-batch, accumulation, "
+                        "global batch, zero_optimization) over the config the script gives "
+                        "deepspeed.initialize: only check that its engine runs the trial's config, and stop "
+                        "the search at the first that does not (default: merge)")
     g.add_argument("--launcher", choices=("torchrun", "deepspeed"), default=None,
                    help="starts a trial whose slots are all on this machine (default: the launcher the "
                         "entrypoint's Determined wrapper stands for: deepspeed for python3 -m "

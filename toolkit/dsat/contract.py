@@ -7,9 +7,10 @@ code imports this module; it imports nothing of the tuner.
 The result file (JSON, written atomically by the trial's chief, or by a rank that ran out of
 memory)::
 
-    {"trial_id": 3, "status": "ok" | "oom" | "failed", "metrics": {...METRICS...},
+    {"trial_id": 3, "status": "ok" | "oom" | "failed" | "mismatch", "metrics": {...METRICS...},
      "profile": {...ProfileInfo...} | null, "timed_steps": 10 (ok only),
-     "error": "..." (oom / failed only)}
+     "engine": {...tuned_keys.engine_summary...} (what the engine ran; ok and mismatch),
+     "error": "..." (oom / failed / mismatch)}
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from toolkit.errors import ConfigError
 __all__ = [
     "MAX_ERROR_CHARS",
     "METRICS",
+    "MISMATCH_EXIT_STATUS",
     "OOM_EXIT_STATUS",
     "PROGRESS_FILE",
     "ProfileInfo",
@@ -40,6 +42,8 @@ __all__ = [
 
 #: Exit status of a trial process that ran out of memory (EX_TEMPFAIL: the config does not fit).
 OOM_EXIT_STATUS = 75
+#: Exit status of a trial whose engine runs another config than the trial's (EX_CONFIG).
+MISMATCH_EXIT_STATUS = 78
 
 #: Metrics a trial reports. Units: FLOPS_per_gpu in floating-point operations per second per
 #: rank; throughput in samples per second over all ranks; forward, backward and latency in
@@ -72,6 +76,7 @@ class TrialStatus(str, enum.Enum):
     OOM = "oom"            # out of memory: CUDA OOM reported by the trial, or the CPU budget exceeded
     FAILED = "failed"      # any other failure: non-zero exit, no or corrupt result file
     TIMEOUT = "timeout"    # ran past the per-trial timeout; its process group was killed
+    MISMATCH = "mismatch"  # its engine ran another config than the trial's: no result; the search stops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +174,10 @@ class TrialContract:
     shared machine is noisy), the trial times more steps, as many as the steps so far predict
     the window needs, up to ``last_profile_step`` (None: ``end_profile_step``, no more). A loop
     that ends after ``end_profile_step`` reports the steps it timed.
+
+    ``ds_config``: the trial's own DeepSpeed config file (its engine is checked against it; None:
+    not checked); ``merge_config``: merge its tuned keys over a config the script gives
+    ``deepspeed.initialize`` (:mod:`toolkit.dsat.trial.engine_hook`).
     """
 
     trial_id: int
@@ -179,6 +188,8 @@ class TrialContract:
     memory_per_slot: int | None = None
     timed_window_s: float = 0.0
     last_profile_step: int | None = None
+    ds_config: str | None = None
+    merge_config: bool = True
 
     @property
     def final_step_bound(self) -> int:

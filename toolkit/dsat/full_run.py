@@ -13,8 +13,11 @@ from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
 from toolkit.config.experiment import max_length_steps
 from toolkit.dsat.contract import trial_hparams
+from toolkit.dsat.execution.argv import with_config_flag
 from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV
 from toolkit.dsat.plan import Plan
+from toolkit.dsat.trial.engine_hook import APPLY_ENV
+from toolkit.dsat.trial.site import site_pythonpath
 from toolkit.launch.argv import LOOPBACK, build_trial_argv
 from toolkit.launch.procs import free_port, run_to_completion
 from toolkit.runtime.ds_shm import remove_buffers
@@ -33,9 +36,11 @@ def run_full_experiment(plan: Plan, outcome: SearchOutcome, *, say: Callable[[st
                         timeout_s: float = FULL_RUN_TIMEOUT_S) -> int:
     """Launch the entrypoint with the best config; return its exit status.
 
-    The script runs exactly as it would by hand, with ``toolkit.get_hparams`` returning the
-    experiment's hyperparameters with ``deepspeed_config`` pointing at ``best_ds_config.json``;
-    it trains for ``searcher.max_length`` steps of the experiment config (the script reads it).
+    The script runs as it would by hand, with ``best_ds_config.json`` where the trials had theirs:
+    ``toolkit.get_hparams``'s ``deepspeed_config``, the entrypoint's ``--deepspeed_config`` /
+    ``--deepspeed``, and merged over the config the script gives ``deepspeed.initialize`` (its tuned
+    keys, as in a trial: :mod:`toolkit.dsat.trial.engine_hook`). It trains for
+    ``searcher.max_length`` steps of the experiment config (the script reads it).
     The best config carries the global batch of the search's policy (kept: the user's own); when
     that is not the batch the user's config implies, the last line says so again
     (``outcome.batch_notice``), since the search's own closing lines are far above by then.
@@ -48,9 +53,13 @@ def run_full_experiment(plan: Plan, outcome: SearchOutcome, *, say: Callable[[st
                       trial_hparams(plan.hparams, ds_config=best_config, ds_config_path=best_path))
     steps = max_length_steps(plan.experiment)
     port = free_port()
-    argv = build_trial_argv(list(plan.runner.entrypoint), launcher=plan.runner.launcher,
-                            nproc=plan.runner.slots_per_trial, master_port=port)
-    env = {TRIAL_HPARAMS_ENV: str(directory / "hparams.json"), EXPERIMENT_CONFIG_ENV: str(plan.config_path)}
+    argv = build_trial_argv(with_config_flag(plan.runner.entrypoint, best_path),
+                            launcher=plan.runner.launcher, nproc=plan.runner.slots_per_trial,
+                            master_port=port)
+    env = {TRIAL_HPARAMS_ENV: str(directory / "hparams.json"), EXPERIMENT_CONFIG_ENV: str(plan.config_path),
+           APPLY_ENV: str(best_path), "PYTHONPATH": site_pythonpath(os.environ.get("PYTHONPATH"))}
+    if not plan.runner.merge_config:
+        del env[APPLY_ENV]
     if plan.runner.memory_per_slot is not None:  # on CPU, the allocator the trials measured with
         env.update({key: os.environ.get(key, value) for key, value in CPU_ALLOCATOR_ENV})
     say(f"full experiment: {' '.join(argv)} ({steps or 'script-defined'} steps, train_batch_size "

@@ -18,11 +18,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 from toolkit._files import atomic_write_json
 from toolkit.config.deepspeed import BATCH_KEYS, overwrite_deepspeed_config
-from toolkit.dsat import search
+from toolkit.dsat import script_config, search
 from toolkit.dsat.contract import ProfileInfo, TrialContract, TrialStatus
 from toolkit.dsat.execution.runner import TrialRunner
 from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV
-from toolkit.dsat.plan import Plan, trial_ds_config
+from toolkit.dsat.plan import Plan, own_spec, trial_ds_config
 from toolkit.dsat.profiling_phase import (
     ProfilingPhase,
     budget_share,
@@ -41,20 +41,32 @@ from toolkit.dsat.search.batch import (
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
 from toolkit.dsat.tensorboard import TensorBoardTrials
 from toolkit.dsat.trial.reporting import instrumentation_overrides
+from toolkit.dsat.tuned_keys import config_summary, describe_summary
+from toolkit.errors import ConfigError
 from toolkit.launch.progress import remaining_text
 
-__all__ = ["Autotuner", "SearchOutcome", "best_metrics_record", "BEST_METRICS_EXTRA_KEYS"]
+__all__ = ["Autotuner", "SearchOutcome", "SearchStop", "best_metrics_record", "BEST_METRICS_EXTRA_KEYS"]
 
 logger = logging.getLogger(__name__)
 TBS, MBS, GAS = BATCH_KEYS
 
 #: What ``best_ds_metrics.json`` holds beside the best trial's metrics (never a metric's name).
-BEST_METRICS_EXTRA_KEYS = ("trial_id", "trial", "metric", "global_batch", "measurements")
+BEST_METRICS_EXTRA_KEYS = ("trial_id", "trial", "metric", "global_batch", "measurements", "own_config")
+
+
+class SearchStop(Exception):
+    """The search stops here with no best (``exit_code`` 2): a trial's engine ran another config than
+    the trial's, or the script's own config cannot be planned from. ``message`` says why and the fix."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 @dataclasses.dataclass
 class SearchOutcome:
-    """How a search ended. ``exit_code``: 0 found a best config, 1 the search failed.
+    """How a search ended. ``exit_code``: 0 found a best config, 1 the search failed, 2 it stopped
+    (:class:`SearchStop`).
     ``batch_notice``: the line saying the best config's global batch is not the user's (None when it is)."""
 
     exit_code: int
@@ -66,15 +78,17 @@ class SearchOutcome:
 
 def best_metrics_record(metrics: Mapping[str, Any], *, trial_id: int, metric: str,
                         global_batch: Mapping[str, Any], trial: str | None = None,
-                        measurements: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                        measurements: Mapping[str, Any] | None = None,
+                        own_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``best_ds_metrics.json`` as Determined's dsat wrote it: the best trial's metrics at the top
     level (``{"throughput": ..., "FLOPS_per_gpu": ...}``), with :data:`BEST_METRICS_EXTRA_KEYS`
     beside them: ``trial_id`` (the trial at the best configuration's median; its directory is
     ``trials/trial_<trial_id>``), ``trial`` (its name as shown: ``p1`` for a profiling trial),
-    ``measurements`` (the configuration's values of the metric, their median and trials). A
-    metric of the trial never gives way to an extra key. Pure; any rank."""
+    ``measurements`` (the configuration's values of the metric, their median and trials),
+    ``own_config`` (the user's own config's measurement beside it). A metric of the trial never
+    gives way to an extra key. Pure; any rank."""
     values = (trial_id, trial if trial is not None else str(trial_id), metric, dict(global_batch),
-              dict(measurements or {}))
+              dict(measurements or {}), dict(own_config or {}))
     extras = dict(zip(BEST_METRICS_EXTRA_KEYS, values, strict=True))
     return {**{k: v for k, v in extras.items() if k not in metrics}, **metrics}
 
@@ -112,13 +126,18 @@ class Autotuner:
         self.results: dict[int, TrialResult] = {}
         self.taken: set[int] = set()  # profiling trials the searcher took as results
         self.started_at = time.monotonic()
+        self._phase: ProfilingPhase | None = None
 
     # ---------------------------------------------------------------- helpers
     def _config_for(self, spec: TrialSpec, *, instrumented: bool) -> dict[str, Any]:
         plan = self.plan
-        config = trial_ds_config(plan.base_ds_config, spec, data_parallel_size=plan.data_parallel_size,
-                                 train_batch_size=plan.global_batch.train_batch_size,
-                                 hidden_size=plan.hidden_size)
+        if plan.awaiting_config:  # the script's config is not known yet: micro-batch 1 merged over it
+            config: dict[str, Any] = {MBS: spec.micro_batch, GAS: 1,
+                                      TBS: spec.micro_batch * plan.data_parallel_size}
+        else:
+            config = trial_ds_config(plan.base_ds_config, spec, data_parallel_size=plan.data_parallel_size,
+                                     train_batch_size=plan.global_batch.train_batch_size,
+                                     hidden_size=plan.hidden_size)
         if instrumented:
             runner = self.plan.runner
             contract = TrialContract(spec.trial_id, "", runner.start_profile_step, runner.end_profile_step,
@@ -138,12 +157,42 @@ class Autotuner:
         runner.start(spec, ds_config=config, hparams=self.plan.hparams)  # see contract.trial_hparams
 
     def _record(self, result: TrialResult, *, replayed: bool = False) -> None:
-        """Keep a finished trial's result; log it unless it was replayed from the log; rewrite the tables."""
+        """Keep a finished trial's result; log it unless it was replayed from the log; rewrite the
+        tables. A trial whose engine ran another config stops the search (:class:`SearchStop`)."""
         self.results[result.spec.trial_id] = result
         if not replayed:
             self.log.finished(result)
             self.tensorboard.add(result, self.results.values())
         write_trial_tables(self.out, self.results.values(), overrides=self._overrides)
+        if result.status is TrialStatus.MISMATCH:
+            spec = result.spec
+            label = describe_summary(config_summary(self._config_for(spec, instrumented=False)))
+            logs = self.out / "trials" / f"trial_{spec.trial_id}"
+            raise SearchStop(f"stopped at trial {spec.name} (labelled {label}): {result.error}. No best "
+                             f"config was written; its logs are in {logs}")
+
+    def _discover(self, result: TrialResult) -> TrialResult:
+        """After the first profiling trial of a script that builds its config in code: plan from the
+        config it recorded (:func:`~toolkit.dsat.script_config.discovered_plan`)."""
+        if self.plan.config_source != "script" or result.spec.trial_id != 0 \
+                or result.status is not TrialStatus.OK:
+            return result
+        try:
+            self.plan, result = script_config.discovered_plan(self.plan, self.out, result)
+        except ConfigError as err:
+            where = f"{err.source}: " if err.source else ""
+            raise SearchStop("; ".join(where + p for p in err.problems)) from None
+        if self._phase is not None:
+            self._phase.plan = self.plan
+        self.say(f"the script's own DeepSpeed config, recorded by trial {result.spec.name}, is the search's "
+                 f"base: {describe_summary(config_summary(self.plan.base_ds_config))}")
+        self.say(self.plan.global_batch.describe(
+            implied_global_batch(self.plan.base_ds_config, data_parallel_size=self.plan.data_parallel_size)))
+        return result
+
+    def _keep(self, result: TrialResult) -> None:
+        """A profiling trial reused from the event log (``--resume``): discovered again, recorded."""
+        self._record(self._discover(result), replayed=True)
 
     def _run_one(self, runner: TrialRunner, spec: TrialSpec) -> TrialResult:
         """Start one trial, wait for its end, record and show it (the profiling trials run so)."""
@@ -151,9 +200,14 @@ class Autotuner:
         done: list[TrialResult] = []
         while not done:
             done = runner.wait(timeout=1.0)
-        self._record(done[0])
-        self._progress(done[0], 0)
-        return done[0]
+        try:
+            result = self._discover(done[0]) if done[0].status is not TrialStatus.MISMATCH else done[0]
+        except SearchStop:
+            self._record(done[0])  # the trial ran: in the tables, as it was labelled
+            raise
+        self._record(result)
+        self._progress(result, 0)
+        return result
 
     def _candidates(self) -> list[TrialResult]:
         """The results the best is chosen from: the tuning trials, their re-runs, and the profiling
@@ -166,12 +220,15 @@ class Autotuner:
         value = result.metrics.get(metric)
         shown = f"{metric}={value:.4g}" if value is not None else (result.error or "")[:120]
         best_text = f"best {best.metrics[metric]:.4g} (trial {best.spec.name})" if best else "no best yet"
-        kind = "profiling trial" if result.spec.profile else "re-run" if result.spec.rerun else "trial"
-        limit = "" if result.spec.rerun else f"/{self.plan.search.max_trials}"
-        count = len([r for r in self.results.values() if r.spec.rerun is result.spec.rerun])
+        spec = result.spec
+        kind = "profiling trial" if spec.profile else "re-run" if spec.rerun else \
+            "your own config" if spec.baseline else "trial"
+        limit = "" if spec.rerun or spec.baseline else f"/{self.plan.search.max_trials}"
+        count = len([r for r in self.results.values() if (r.spec.rerun, r.spec.baseline) == (spec.rerun,
+                                                                                               spec.baseline)])
         r, durations = self.plan.runner, [t.duration_s for t in self.results.values()]
         at_once = min(r.max_concurrent, max(r.max_slots // r.slots_per_trial, 1))
-        left = "" if result.spec.rerun else " | " + remaining_text(
+        left = "" if spec.rerun or spec.baseline else " | " + remaining_text(
             durations, remaining=max(self.plan.search.max_trials - count, 0), concurrency=at_once,
             running=[0.0] * running)
         self.say(f"[{count}{limit}] {kind} {result.spec.name} "
@@ -181,10 +238,9 @@ class Autotuner:
     # ---------------------------------------------------------------- phases
     def _profile(self, runner: TrialRunner, events: list[dict[str, Any]]) -> ProfileInfo | None:
         """The profiling phase (:class:`ProfilingPhase`) with this search's trials and records."""
-        phase = ProfilingPhase(self.plan, out=self.out, say=self.say, events=events,
-                               run_trial=lambda spec: self._run_one(runner, spec),
-                               keep=lambda result: self._record(result, replayed=True))
-        return phase.run()
+        self._phase = ProfilingPhase(self.plan, out=self.out, say=self.say, events=events,
+                                     run_trial=lambda spec: self._run_one(runner, spec), keep=self._keep)
+        return self._phase.run()
 
     def run_profiling(self) -> ProfileInfo | None:
         """Only the profiling trials and the memory model (``profile.json``), no search: for
@@ -196,17 +252,31 @@ class Autotuner:
         """
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "trials").mkdir(exist_ok=True)
-        with TrialRunner(self.plan.runner, output_dir=self.out) as runner:
-            return self._profile(runner, self.log.read())
+        try:
+            with TrialRunner(self.plan.runner, output_dir=self.out) as runner:
+                return self._profile(runner, self.log.read())
+        except SearchStop as stop:
+            self.say(stop.message)
+            return None
 
     def run(self) -> SearchOutcome:
-        """Run (or resume) the search. Interrupting it (Ctrl-C) kills every trial; the record stays."""
+        """Run (or resume) the search. Interrupting it (Ctrl-C) kills every trial; the record stays.
+        A :class:`SearchStop` kills every trial too and ends it with exit code 2, no best written."""
+        try:
+            return self._run()
+        except SearchStop as stop:
+            results = list(self.results.values())
+            self.say(summary_table(results, metric=self.plan.search.metric, best_id=None))
+            return SearchOutcome(2, results, None, stop.message)
+
+    def _run(self) -> SearchOutcome:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "trials").mkdir(exist_ok=True)
         events = self.log.read()
         atomic_write_json(self.out / "search.json", self.plan.fingerprint())
-        self.say(self.plan.global_batch.describe(
-            implied_global_batch(self.plan.base_ds_config, data_parallel_size=self.plan.data_parallel_size)))
+        if not self.plan.awaiting_config:  # else said once the first trial recorded the script's config
+            self.say(self.plan.global_batch.describe(implied_global_batch(
+                self.plan.base_ds_config, data_parallel_size=self.plan.data_parallel_size)))
         if self.plan.runner.memory_per_slot is not None:
             self.say("CPU budget: trials run with " + " ".join(f"{k}={v}" for k, v in CPU_ALLOCATOR_ENV)
                      + " unless set (glibc's heap otherwise makes the peak memory jump with the "
@@ -235,6 +305,7 @@ class Autotuner:
                     self._progress(result, runner.running())
                     for note in searcher.notes[notes:]:
                         self.say(note)
+            self._measure_own(runner, events)
             self._confirm(runner, events)
         return self._conclude()
 
@@ -297,7 +368,7 @@ class Autotuner:
             if event["trial_id"] <= 0:  # the profiling trials
                 continue
             spec = event["spec"] if event["event"] == "start" else event["result"]["spec"]
-            if spec.get("rerun"):
+            if spec.get("rerun") or spec.get("baseline"):
                 if event["event"] == "result":
                     self._record(TrialResult.from_json(event["result"]), replayed=True)
             elif event["event"] == "start":
@@ -315,6 +386,28 @@ class Autotuner:
         for spec in in_flight:
             self._start(runner, spec, observed_before=observed_before[spec.trial_id], log=False)
         return len(results)
+
+    def _own_results(self, spec: TrialSpec) -> list[TrialResult]:
+        """The trials that measured the configuration of ``spec`` (the user's own), in the order they ran."""
+        key = confirm.config_key(spec)
+        return [r for r in self.results.values() if confirm.config_key(r.spec) == key
+                and not self.plan.memory_only(r.spec) and r.status in (TrialStatus.OK, TrialStatus.OOM)]
+
+    def _measure_own(self, runner: TrialRunner, events: list[dict[str, Any]]) -> None:
+        """The user's own config as written (:func:`~toolkit.dsat.plan.own_spec`), measured once
+        after the search when no trial did, so that the closing lines compare the best with it;
+        not counted in ``--max-trials``. A candidate like any trial."""
+        next_id = max([*self.results, *(e["trial_id"] for e in events)], default=0) + 1
+        spec = own_spec(self.plan, next_id)
+        if not self.plan.own_config or self._broken() or spec is None or self._own_results(spec):
+            return
+        self.say(f"measuring your own config as written (stage {spec.stage}, micro-batch "
+                 f"{spec.micro_batch}), which no trial of the search ran, to compare the best with")
+        self._start(runner, spec, observed_before=0)
+        while runner.running():
+            for result in runner.wait(timeout=1.0):
+                self._record(result)
+                self._progress(result, runner.running())
 
     def _confirm(self, runner: TrialRunner, events: list[dict[str, Any]]) -> None:
         """Re-run the ``--confirm`` best configurations, one after the other, until each has
@@ -372,12 +465,12 @@ class Autotuner:
         """Tuning trials that all crashed say the trials are broken: no best, nothing confirmed.
         Tuning trials that only ran out of memory or time leave the profiling trials the searcher
         took as its results."""
-        tuning = [r for r in self.results.values() if not r.spec.profile and not r.spec.rerun]
+        tuning = [r for r in self.results.values() if not (r.spec.profile or r.spec.rerun or r.spec.baseline)]
         return bool(tuning) and all(r.status is TrialStatus.FAILED for r in tuning)
 
     def _conclude(self) -> SearchOutcome:
         results = list(self.results.values())
-        tuning = [r for r in results if not r.spec.profile and not r.spec.rerun]
+        tuning = [r for r in results if not (r.spec.profile or r.spec.rerun or r.spec.baseline)]
         metric = self.plan.search.metric
         broken = self._broken()
         candidates = [] if broken else confirm.group(self._candidates())
@@ -401,7 +494,12 @@ class Autotuner:
                                  f"no tuning trial succeeded ({len(tuning)} run, "
                                  f"{'all failed' if broken else 'no result to choose from'}); see trials.csv "
                                  "and each trial's trial.log" + self._share_line())
-        best_config = self._config_for(best.spec, instrumented=False)
+        best_config = script_config.best_config(self.out, best.spec,
+                                                self._config_for(best.spec, instrumented=False),
+                                                self.plan.base_ds_config)
+        own = own_spec(self.plan, 0)
+        own_line, own_record = script_config.own_comparison(self._own_results(own) if own else [], best,
+                                                            metric)
         change = global_batch_change(self.plan.base_ds_config, best_config, policy=self.plan.global_batch,
                                      data_parallel_size=self.plan.data_parallel_size, argv=self.argv,
                                      output_dir=str(self.out))
@@ -412,7 +510,7 @@ class Autotuner:
         atomic_write_json(self.out / "best_ds_config.json", best_config)
         atomic_write_json(self.out / "best_ds_metrics.json", best_metrics_record(
             best.metrics, trial_id=best.spec.trial_id, trial=best.spec.name, metric=metric,
-            measurements=measurements,
+            measurements=measurements, own_config=own_record,
             global_batch={**self.plan.global_batch.to_json(), **{k: best_config[k] for k in (TBS, GAS, MBS)},
                           **change.to_json()}))
         counts = {s.value: sum(r.status is s for r in tuning) for s in TrialStatus}
@@ -425,7 +523,7 @@ class Autotuner:
         message = (f"best {metric} = {best.metrics[metric]:.4g} (trial {spec.name}: stage {spec.stage}, "
                    f"micro-batch {spec.micro_batch}; {how}); {profiling} profiling trials, {len(tuning)} "
                    f"tuning trials: {counts}, {reruns} re-runs; wrote {self.out / 'best_ds_config.json'}")
-        message += self._share_line()
+        message += ("\n" + own_line if own_line else "") + self._share_line()
         notice = change.notice()
         if notice:  # the last line the CLI prints (and the full run's, after it)
             message += "\n" + notice

@@ -16,17 +16,28 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from toolkit.bounded_load import load_json
-from toolkit.config.deepspeed import BATCH_KEYS, overwrite_deepspeed_config, resolve_ds_config
+from toolkit.config.deepspeed import (
+    BATCH_KEYS,
+    overwrite_deepspeed_config,
+    resolve_ds_config,
+    validate_ds_config,
+)
 from toolkit.dsat.execution.settings import RunnerSettings
 from toolkit.dsat.records import EventLog
-from toolkit.dsat.search.batch import GlobalBatch
-from toolkit.dsat.search.space import default_zero_autos
+from toolkit.dsat.search.batch import GlobalBatch, allowed_micro_batches, global_batch_policy
+from toolkit.dsat.search.space import default_zero_autos, offloads_nothing
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
 from toolkit.errors import ConfigError
 
-__all__ = ["Plan", "memory_only", "profile_spec", "trial_ds_config"]
+__all__ = ["CONFIG_SOURCES", "Plan", "as_written", "memory_only", "own_spec", "profile_spec",
+           "trial_ds_config"]
 
 TBS, MBS, GAS = BATCH_KEYS
+#: Where the search's base config comes from (:attr:`Plan.config_source`): the YAML's
+#: ``hyperparameters.deepspeed_config``, DeepSpeed keys written in the hyperparameters, the
+#: entrypoint's ``--deepspeed_config`` / ``--deepspeed`` file, or the script itself (built in code:
+#: the first profiling trial records it).
+CONFIG_SOURCES = ("hyperparameters.deepspeed_config", "hyperparameters", "entrypoint flag", "script")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +65,15 @@ class Plan:
             :data:`~toolkit.dsat.search.confirm.CONFIRM_MEASUREMENTS` trials, and the best is
             picked by the median (``--confirm``; the re-runs are not counted in ``--max-trials``);
             0: the best single measurement.
+        config_source: one of :data:`CONFIG_SOURCES`.
+        config_flag: the entrypoint's config flag and the path it names, e.g. ``("--deepspeed_config",
+            "ds_config.json")``; None: none.
+        awaiting_config: the script builds its config in code and no trial has recorded it yet:
+            ``base_ds_config`` is empty until the first profiling trial's record
+            (:meth:`with_base_config`).
+        global_batch_flag: ``--global-batch`` as given (the policy is derived again from it then).
+        own_config: after the search, measure the user's config as written when no trial did
+            (``--no-own-config``: False).
     """
 
     config_path: Path
@@ -70,6 +90,51 @@ class Plan:
     global_batch: GlobalBatch = GlobalBatch("free")
     hidden_size: int | None = None
     confirm: int = 2
+    config_source: str = CONFIG_SOURCES[0]
+    config_flag: tuple[str, str] | None = None
+    awaiting_config: bool = False
+    global_batch_flag: str | int | None = None
+    own_config: bool = True
+
+    def with_base_config(self, base: Mapping[str, Any]) -> "Plan":
+        """This plan with ``base`` as the user's config: the global batch policy, the searched
+        ZeRO section and micro-batches derived from it as the CLI derives them. Pure.
+
+        Raises:
+            ConfigError: ``base`` breaks a rule of ``validate_ds_config``, or no micro-batch keeps
+                its global batch.
+        """
+        dp, device = self.data_parallel_size, "cpu" if self.runner.gpus is None else "cuda"
+        validate_ds_config(as_written(base), device=device, data_parallel_size=dp)
+        policy = global_batch_policy(self.global_batch_flag, user_train_batch_size=base.get(TBS))
+        kept = policy.train_batch_size
+        micro_batches = allowed_micro_batches(kept, data_parallel_size=dp) if kept is not None else None
+        first = trial_ds_config(base, profile_spec(base), data_parallel_size=dp, train_batch_size=kept,
+                                hidden_size=self.hidden_size)
+        validate_ds_config(first, device=device, data_parallel_size=dp)
+        zero = base.get("zero_optimization")
+        search = dataclasses.replace(self.search, base_zero=dict(zero) if isinstance(zero, Mapping) else {},
+                                     micro_batches=micro_batches)
+        return dataclasses.replace(self, base_ds_config=copy.deepcopy(dict(base)), global_batch=policy,
+                                   search=search, awaiting_config=False)
+
+    def config_line(self) -> str:
+        """The search's first line: the convention the entrypoint follows for its config. Pure."""
+        merge = ("every trial's tuned keys (micro-batch, accumulation, global batch, zero_optimization) "
+                 "are merged over the config the script gives deepspeed.initialize"
+                 if self.runner.merge_config else "--no-merge-config: the config the script gives "
+                 "deepspeed.initialize is only checked")
+        flag = f"{self.config_flag[0]} {self.config_flag[1]}" if self.config_flag else None
+        source = {"hyperparameters.deepspeed_config": "hyperparameters.deepspeed_config",
+                  "hyperparameters": "the DeepSpeed keys of the hyperparameters",
+                  "entrypoint flag": f"the entrypoint's {flag}",
+                  "script": "the script itself (no hyperparameters.deepspeed_config, no --deepspeed_config "
+                            "or --deepspeed in the entrypoint): the first profiling trial records the config "
+                            "it gives deepspeed.initialize"}[self.config_source]
+        passed = (f"each trial's own config file replaces {flag} in the entrypoint; " if flag else
+                  "" if self.config_source == "script" else
+                  "each trial's config is its hyperparameters' deepspeed_config (toolkit.get_hparams()); ")
+        return f"dsat: the search starts from the DeepSpeed config of {source}; {passed}{merge}"
 
     def fingerprint(self) -> dict[str, Any]:
         """What must not change between a search and its ``--resume``."""
@@ -83,7 +148,8 @@ class Plan:
                 "start_profile_step": self.runner.start_profile_step,
                 "end_profile_step": self.runner.end_profile_step,
                 "timed_window_s": self.runner.timed_window_s,
-                "global_batch": self.global_batch.to_json(), "hidden_size": self.hidden_size}
+                "global_batch": self.global_batch.to_json(), "hidden_size": self.hidden_size,
+                **({} if self.runner.merge_config else {"merge_config": False})}
 
     def allowed_at_most(self, m: int | None) -> int | None:
         """The largest micro-batch the global batch policy allows that is ``<= m`` (None stays None)."""
@@ -93,7 +159,10 @@ class Plan:
         return max(a for a in allowed if a <= m)
 
     def memory_only(self, spec: TrialSpec) -> bool:
-        """:func:`memory_only` under this plan's global batch policy."""
+        """:func:`memory_only` under this plan's global batch policy; the first profiling trial
+        always when the script builds its config (it ran micro-batch 1 with accumulation 1)."""
+        if self.config_source == "script" and spec.profile and spec.trial_id == 0:
+            return True
         return memory_only(spec, train_batch_size=self.global_batch.train_batch_size,
                            data_parallel_size=self.data_parallel_size)
 
@@ -119,7 +188,7 @@ class Plan:
         """
         path = self.output_dir / "search.json"
         try:
-            EventLog(self.output_dir / "events.jsonl").read()
+            events = EventLog(self.output_dir / "events.jsonl").read()
             recorded = load_json(path, what="record of the search's settings") if path.exists() else None
         except ConfigError as err:
             where = f"{err.source}: " if err.source else ""
@@ -127,6 +196,13 @@ class Plan:
                 "; it only guards --resume against changed settings: delete it to resume with the current "
                 "flags and config, if they are the ones the search was started with")
             return f"--resume: {where}{'; '.join(err.problems)}{fix}"
+        stopped = next((e for e in events if e["event"] == "result" and e["result"]["status"] == "mismatch"),
+                       None)
+        if stopped is not None:
+            return (f"--resume: the search in {self.output_dir} stopped at trial {stopped['trial_id']}, "
+                    "whose engine ran another config than the trial's; none of its measurements can be "
+                    "trusted: start a new search in another --output-dir once the script takes the trial's "
+                    "config")
         now = self.fingerprint()
         if recorded is None or recorded == now:
             return None
@@ -135,12 +211,48 @@ class Plan:
                 f"({', '.join(changed)}); resume with the same flags and config")
 
 
-def profile_spec(base_ds_config: Mapping[str, Any]) -> TrialSpec:
-    """The profiling trial: micro-batch 1, the user's own ZeRO section."""
+def own_zero(base_ds_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The user's own ZeRO section with its stage, as written but for offload sections that move
+    nothing (``{"device": "none"}``: the same configuration to DeepSpeed). Pure."""
     zero = base_ds_config.get("zero_optimization")
     zero = copy.deepcopy(dict(zero)) if isinstance(zero, Mapping) else {"stage": int(bool(zero))}
     zero.setdefault("stage", 0)
-    return TrialSpec(trial_id=0, micro_batch=1, zero=zero, line=-1, profile=True)
+    return {key: value for key, value in zero.items() if not offloads_nothing(key, value)}
+
+
+def profile_spec(base_ds_config: Mapping[str, Any]) -> TrialSpec:
+    """The profiling trial: micro-batch 1, the user's own ZeRO section (:func:`own_zero`)."""
+    return TrialSpec(trial_id=0, micro_batch=1, zero=own_zero(base_ds_config), line=-1, profile=True)
+
+
+def own_spec(plan: Plan, trial_id: int) -> TrialSpec | None:
+    """The user's own config as written (its micro-batch and ZeRO section, labelled ``own``) under the
+    plan's global batch policy; None when its micro-batch is unknown ("auto", or not derivable) or
+    the policy cannot keep it. Pure."""
+    base = plan.base_ds_config
+    if not any(isinstance(base.get(k), int) for k in BATCH_KEYS):
+        return None
+    try:
+        resolved = resolve_ds_config(as_written(base), data_parallel_size=plan.data_parallel_size,
+                                     hidden_size=plan.hidden_size)
+    except ConfigError:
+        return None
+    mb = resolved.get(MBS)
+    allowed = plan.search.micro_batches
+    if type(mb) is not int or mb < 1 or (allowed is not None and mb not in allowed):
+        return None
+    return TrialSpec(trial_id=trial_id, micro_batch=mb, zero=own_zero(base), label="own", baseline=True)
+
+
+def as_written(base: Mapping[str, Any]) -> dict[str, Any]:
+    """The user's config less what dsat fills itself: "auto" batch keys and "auto" ZeRO sizes. Pure."""
+    config = copy.deepcopy(dict(base))
+    for key in BATCH_KEYS:
+        if config.get(key) == "auto":
+            del config[key]
+    if "zero_optimization" in config:
+        config["zero_optimization"] = default_zero_autos(config["zero_optimization"])
+    return config
 
 
 def memory_only(spec: TrialSpec, *, train_batch_size: int | None, data_parallel_size: int) -> bool:

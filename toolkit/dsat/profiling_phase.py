@@ -130,7 +130,8 @@ class ProfilingPhase:
             self._keep(result)
             self.say(f"profiling trial {spec.name}: reusing the recorded result")
             return result
-        self.say(f"profiling trial {spec.name} (stage {spec.stage}, micro-batch {spec.micro_batch}) ...")
+        stage = "the script's own ZeRO section" if self.plan.awaiting_config else f"stage {spec.stage}"
+        self.say(f"profiling trial {spec.name} ({stage}, micro-batch {spec.micro_batch}) ...")
         result = self._run(spec)
         self.results[spec.trial_id] = result
         return result

@@ -6,7 +6,7 @@ Layout of ``OUTPUT_DIR``::
     events.jsonl           append-only log: one "start" and one "result" line per trial
     profile.json           the profiling numbers and the memory model's prediction
     trials.jsonl           one record per finished trial: trial (its name: p1, p2, ... for the
-                           profiling trials), role (profiling, tuning or re-run), config, status,
+                           profiling trials), role (profiling, tuning, own or re-run), config, status,
                            metrics, duration; trial_id is the internal id (profiling: 0 and below)
     trials.csv             the same as a table
     best_ds_config.json    the best DeepSpeed config: complete, no autotuning leftovers
@@ -14,9 +14,11 @@ Layout of ``OUTPUT_DIR``::
                            metric, measurements (the best configuration's values and median) and
                            global_batch (the user's batch, the best's, and any change) beside them
     tensorboard/           each trial's metrics, with its config in TensorBoard's HParams view, and
-                           the curves per ZeRO config against the micro-batch (toolkit.dsat.tensorboard)
+                           the curves per ZeRO config against the micro-batch (toolkit.dsat.tensorboard);
+                           a "mismatch" trial measured another config: not there
     trials/trial_<id>/     each trial's ds_config.json, hparams.json, logs (trial.log, ranks/,
-                           launcher.log), progress.json and result
+                           launcher.log), progress.json, result, and script_config.json: the
+                           config its script gave deepspeed.initialize
     full_experiment/       with --run-full-experiment: the run with the best config
 
 Rank 0 only: everything here runs in the autotuner's own process.
@@ -210,9 +212,9 @@ def flatten_zero(spec: TrialSpec) -> dict[str, Any]:
 
 
 def role(spec: TrialSpec) -> str:
-    """What a trial was for: ``profiling`` (the memory model's), ``re-run`` (confirming the best)
-    or ``tuning`` (the search method's). Pure."""
-    return "profiling" if spec.profile else "re-run" if spec.rerun else "tuning"
+    """What a trial was for: ``profiling`` (the memory model's), ``re-run`` (confirming the best),
+    ``own`` (the user's config as written) or ``tuning`` (the search method's). Pure."""
+    return "profiling" if spec.profile else "re-run" if spec.rerun else "own" if spec.baseline else "tuning"
 
 
 def _order(result: TrialResult) -> tuple[int, int]:
@@ -269,7 +271,7 @@ def summary_table(results: Iterable[TrialResult], *, metric: str, best_id: int |
     the best marked with ``*``; then ``spreads``: each configuration measured more than once, with
     its measurements (``confirm.Candidate.spread``)."""
     header = ["trial", "stage", "mb", "status", *METRICS, "secs"]
-    sections: dict[str, list[list[str]]] = {"profiling": [], "tuning": [], "re-run": []}
+    sections: dict[str, list[list[str]]] = {"profiling": [], "tuning": [], "own": [], "re-run": []}
     for r in sorted(results, key=_order):
         mark = "*" if r.spec.trial_id == best_id else ""
         sections[role(r.spec)].append([f"{r.spec.name}{mark}", str(r.spec.stage), str(r.spec.micro_batch),
@@ -279,7 +281,8 @@ def summary_table(results: Iterable[TrialResult], *, metric: str, best_id: int |
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
     titles = {"profiling": "profiling trials (the memory model's; p1 is micro-batch 1)",
-              "tuning": "tuning trials (the search's)", "re-run": "re-runs (confirming the best)"}
+              "tuning": "tuning trials (the search's)", "own": "your own config as written",
+              "re-run": "re-runs (confirming the best)"}
     for kind, section in sections.items():
         if section:
             lines.append(f"-- {titles[kind]}: {len(section)}")

@@ -127,6 +127,8 @@ class TensorBoardTrials:
 
     def add(self, result: TrialResult, results: Iterable[TrialResult] = ()) -> None:
         """The trial's own run; then the curves of ``results`` (every trial so far) rewritten."""
+        if result.status is TrialStatus.MISMATCH:
+            return  # it measured another config than its label: nothing to show as this config's
         self._trial_run(result)
         profile = read_profile(self.log_dir.parent)
         self.write_curves(curve_series(results, profile=profile, data_parallel_size=self.data_parallel_size,

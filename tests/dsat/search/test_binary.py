@@ -232,6 +232,32 @@ def test_profiling_trials_at_configurations_of_the_search_are_taken_as_results()
         searcher.observe_profiling(priors)
 
 
+def test_a_section_that_differs_only_by_deepspeeds_defaults_is_the_same_configuration():
+    """DeepSpeed-Chat's get_train_ds_config at stage 2: offload sections with device "none" (offload_param
+    too, which stage 2 never reads) and 3e7-style floats. Its profiling trials p1 and p2 ran the user's
+    section as written; they are the search's results like the stage points p3 and p4, whose section the
+    search built (issue 37: p2 was left out)."""
+    from toolkit.dsat.plan import profile_spec
+    from toolkit.dsat.search.space import canonical_zero, zero_config_for_stage
+
+    chat = {"stage": 2, "offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"},
+            "stage3_param_persistence_threshold": 1e4, "stage3_max_live_parameters": 3e7,
+            "stage3_prefetch_bucket_size": 3e7, "memory_efficient_linear": False}
+    run = peaked(10**6, 512)
+    s = settings_for("binary", zero_stages=(2, 3), metric="throughput", base_zero=chat)
+    searcher = make_searcher(s, profile_with_range(4096))
+    first = profile_spec({"zero_optimization": chat}).zero  # what p1 runs: nothing moved, no "none" section
+    priors = [profiling(2, 1, 0, run, zero=chat), profiling(2, 64, -1, run, zero=first),
+              profiling(2, 256, -12, run, zero=zero_config_for_stage(chat, 2)),
+              profiling(3, 256, -13, run, zero=zero_config_for_stage(chat, 3))]
+    assert [r.spec.trial_id for r in searcher.observe_profiling(priors)] == [0, -1, -12, -13]
+    assert canonical_zero(chat) == canonical_zero(first) == canonical_zero(zero_config_for_stage(chat, 2))
+    cpu = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    assert canonical_zero(cpu) != canonical_zero({"stage": 2})
+    assert canonical_zero({"stage": 3, "overlap_comm": True}) == canonical_zero({"stage": 3})  # its default
+    assert canonical_zero({"stage": 2, "overlap_comm": True}) != canonical_zero({"stage": 2})
+
+
 def test_profiling_trials_must_keep_the_global_batch():
     run = peaked(10**6, 64)
     s = settings_for("binary", zero_stages=(1,), metric="throughput", micro_batches=(1, 2, 4, 8, 16, 32, 64))

@@ -18,7 +18,7 @@ import timeit
 import pytest
 
 from helpers import procutil
-from toolkit.dsat.contract import METRICS, ProfileInfo, TrialContract, TrialStatus
+from toolkit.dsat.contract import METRICS, MISMATCH_EXIT_STATUS, ProfileInfo, TrialContract, TrialStatus
 from toolkit.dsat.execution.classify import classify
 from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
 from toolkit.dsat.search.types import TrialSpec
@@ -60,6 +60,10 @@ TRIALS = {
         {"pipeline": True, "sleep_forward_ms": 10, "sleep_backward_ms": 5, "one_line": True},
     ),
     3: (TrialSpec(3, 2, {"stage": 2}, line=0), ds_config(micro_batch=2, stage=2), {"mock_oom_at": [4, 1]}),
+    # a loop without the dsat line (as DeepSpeedExamples' scripts): the engine's own steps are timed,
+    # one per optimizer boundary (2 micro-batches), the trial ended inside engine.step() after step END
+    9: (TrialSpec(9, 2, {"stage": 1}, line=0), ds_config(micro_batch=2, stage=1, gas=2),
+        {**SLEEP, "no_line": True}),
 }
 #: Trials under a timed window (--timed-window) longer than any of them: they time steps up to the
 #: contract's last_profile_step, END + 4 x 3 = 17, or as far as the loop goes.
@@ -208,18 +212,20 @@ def test_out_of_memory_inside_the_step_is_reported(trials):
     assert len(stopwatch(trials_dir, 3, 1)) == 4
 
 
-def run_alone(directory, monkeypatch, trial_id, hparams, *, memory_per_slot=None):
+def run_alone(directory, monkeypatch, trial_id, hparams, *, memory_per_slot=None, checked=False):
     """One rank of dsat_train.py under plain ``python`` (no launcher: what is checked is the
     chief's own report), with a contract as the runner writes it; its result as the runner
-    classifies it (:func:`classify` on the exit status and the trial directory)."""
+    classifies it (:func:`classify` on the exit status and the trial directory). ``checked``: the
+    contract names the trial's config, which the engine is held to (no trial bootstrap here: the
+    session checks it)."""
     procutil.clean_launch_env(monkeypatch)
     from toolkit.runtime.trial_env import TRIAL_ENV, TRIAL_HPARAMS_ENV
     directory.mkdir(parents=True)
     config_path = directory / "ds_config.json"
     config_path.write_text(json.dumps(ds_config(micro_batch=2, stage=1, trial_id=trial_id)))
     (directory / "hparams.json").write_text(json.dumps({"deepspeed_config": str(config_path), **hparams}))
-    TrialContract(trial_id, str(directory / "result.json"), START, END,
-                  memory_per_slot=memory_per_slot).write(directory / "trial.json")
+    TrialContract(trial_id, str(directory / "result.json"), START, END, memory_per_slot=memory_per_slot,
+                  ds_config=str(config_path) if checked else None).write(directory / "trial.json")
     env = {**os.environ, TRIAL_ENV: str(directory / "trial.json"),
            TRIAL_HPARAMS_ENV: str(directory / "hparams.json")}
     with open(directory / "stderr.log", "wb") as err:
@@ -337,3 +343,34 @@ def test_a_peak_over_the_cpu_budget_is_reported_by_the_trial_itself(tmp_path, mo
     assert r.error == written["error"]
     assert written["error"].startswith("peak RSS ") and written["error"].endswith(
         "MiB on rank 0 exceeded the memory budget 64 MiB per slot"), written["error"]
+
+
+def test_a_loop_without_the_line_is_timed_by_the_engines_own_steps(trials):
+    trials_dir, results = trials
+    m = ok(results[9])
+    written = json.loads((trials_dir / "trial_9" / "result.json").read_text())
+    assert written["timed_by"] == "engine steps" and written["timed_steps"] == END - START + 1
+    assert written["engine"] == {"micro_batch": 2, "gradient_accumulation_steps": 2, "stage": 1,
+                                 "offload_optimizer": "none", "offload_param": "none"}  # from the engine
+    # a step is an optimizer boundary: 2 micro-batches, each with its sleeps, from the end of the last one
+    assert m["forward"] >= 2 * SLEEP["sleep_forward_ms"] and m["backward"] >= 2 * SLEEP["sleep_backward_ms"]
+    assert m["latency"] >= 2 * sum(SLEEP.values())
+    watches = [stopwatch(trials_dir, 9, rank) for rank in (0, 1)]
+    # the trial ended in engine.step() of micro-batch 2 x (END + 1), on every rank
+    assert all(len(w) == 2 * (END + 1) for w in watches), [len(w) for w in watches]
+    plain = max(sum(w[2 * START:2 * END]) / (END - START) for w in watches)  # two micro-batches per step
+    assert 0.5 * plain <= m["latency"] <= 3.0 * plain
+    assert m["throughput"] == pytest.approx(2 * 2 * 2 / (m["latency"] / 1000), rel=1e-9)
+    flops = 3 * FWD_FLOPS_PER_EXAMPLE * 2 * 2  # counted on step START - 1: 2 micro-batches of 2
+    assert m["FLOPS_per_gpu"] * m["latency"] / 1000 == pytest.approx(flops, rel=1e-9)
+
+
+def test_an_engine_built_out_of_the_hooks_sight_is_checked_when_the_session_starts(tmp_path, monkeypatch):
+    # Plain python without the trial bootstrap (as a python started with -S would run): the script
+    # trains micro-batch 3, its own, where the trial's config says 2. The first reporting context
+    # checks the engine and ends the trial before any step is timed.
+    code, r = run_alone(tmp_path / "trial_6", monkeypatch, 6, {"own_micro_batch": 3}, checked=True)
+    assert code == MISMATCH_EXIT_STATUS and r.status is TrialStatus.MISMATCH, (code, r)
+    assert "micro-batch: the engine runs 3, the trial is labelled 2" in r.error
+    assert "deepspeed.initialize was not seen" in r.error
+    assert not (tmp_path / "trial_6" / "stopwatch0.json").exists()   # no step ran

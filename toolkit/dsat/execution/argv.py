@@ -46,7 +46,7 @@ from toolkit._checks import is_int
 from toolkit.launch.argv import DEEPSPEED_MODE_FLAGS, parse_entrypoint
 
 __all__ = ["MULTIHOST_LAUNCHERS", "PDSH_RUNNER_MODULE", "build_multihost_argv", "build_remote_kill_argv",
-           "pdsh_remote_command"]
+           "config_flag", "pdsh_remote_command", "with_config_flag"]
 
 #: Launchers of a trial across hosts: DeepSpeed's multinode runners, or ``srun``.
 MULTIHOST_LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "srun")
@@ -203,3 +203,47 @@ def build_remote_kill_argv(hosts: Sequence[str], *, master_port: int,
         raise ValueError(f"master_port={master_port!r}: expected an integer port in 1..65535")
     pattern = f"'[d]eepspeed.launcher.launch.*--master_port={master_port}( |$)'"
     return ["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts), "pkill", "-TERM", "-f", pattern]
+
+
+def _config_flags(entrypoint: Sequence[str]) -> list[tuple[int, str, str]]:
+    """(index of the path, flag, path) of each DeepSpeed config flag: ``--deepspeed_config PATH``,
+    ``--deepspeed_config=PATH``, HF Trainer's ``--deepspeed PATH`` / ``--deepspeed=PATH`` (a value
+    naming a ``.json``, DeepSpeed's autotuner's rule: alone, ``--deepspeed`` is DeepSpeed's switch)."""
+    found = []
+    words = list(entrypoint)
+    for i, word in enumerate(words):
+        flag, eq, value = word.partition("=")
+        if flag not in ("--deepspeed_config", "--deepspeed"):
+            continue
+        if not eq:
+            if i + 1 >= len(words) or words[i + 1].startswith("-"):
+                continue
+            value, i = words[i + 1], i + 1
+        if flag == "--deepspeed_config" or ".json" in value:
+            found.append((i, flag, value))
+    return found
+
+
+def config_flag(entrypoint: Sequence[str]) -> tuple[str, str] | None:
+    """The entrypoint's first DeepSpeed config flag and the path it names, or None. Pure.
+
+    >>> config_flag(["python3", "train.py", "--deepspeed", "--deepspeed_config", "ds.json"])
+    ('--deepspeed_config', 'ds.json')
+    >>> config_flag(["python3", "train.py", "--deepspeed=ds_config.json"])
+    ('--deepspeed', 'ds_config.json')
+    """
+    found = _config_flags(entrypoint)
+    return (found[0][1], found[0][2]) if found else None
+
+
+def with_config_flag(entrypoint: Sequence[str], path: str | os.PathLike[str]) -> list[str]:
+    """``entrypoint`` with every DeepSpeed config flag (:func:`config_flag`) naming ``path``; a new
+    list, the rest unchanged. dsat's trials only (``python -m toolkit.run`` keeps the user's argv). Pure.
+
+    >>> with_config_flag(["python3", "train.py", "--deepspeed_config=ds.json", "--lr", "1"], "/t/ds.json")
+    ['python3', 'train.py', '--deepspeed_config=/t/ds.json', '--lr', '1']
+    """
+    words = list(entrypoint)
+    for i, flag, _old in _config_flags(words):
+        words[i] = f"{flag}={os.fspath(path)}" if words[i].startswith(flag + "=") else os.fspath(path)
+    return words

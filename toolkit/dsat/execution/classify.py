@@ -8,6 +8,10 @@ result ``"oom"``                           OOM (out of memory inside the trial, 
 result ``"ok"`` with the 5 metrics, exit 0 OK (the profiling trial also needs its profile)
 unreadable or malformed result             FAILED "corrupt result file: ..." (also: over 256 MiB,
                                            not UTF-8, a number that is not finite)
+result ``"mismatch"``                      MISMATCH with the trial's own words (its engine ran
+                                           another config; the search stops)
+result ``"ok"`` whose ``engine`` differs   MISMATCH (the engine's summary against the trial's
+from the trial's ``ds_config.json``        ``ds_config.json``, :mod:`toolkit.dsat.tuned_keys`)
 result ``"failed"``, exit 0                FAILED with the trial's own reason
 exit 0 and no result                       FAILED "exited 0 without a result file"
 any other exit                             FAILED "exit status N" / "killed by signal SIGX"
@@ -39,6 +43,7 @@ from toolkit._checks import is_number
 from toolkit.bounded_load import load_json
 from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus, clip_error
 from toolkit.dsat.search.types import TrialResult, TrialSpec
+from toolkit.dsat.tuned_keys import SUMMARY_NAMES, config_summary, mismatches
 from toolkit.errors import ConfigError
 from toolkit.launch.output import TRIAL_LOG, ranks_lines
 
@@ -130,8 +135,11 @@ def check_result(data: Any, spec: TrialSpec) -> str | None:
     if data.get("trial_id") != spec.trial_id:
         return f"trial_id={data.get('trial_id')!r}, expected {spec.trial_id}"
     status = data.get("status")
-    if status not in ("ok", "oom", "failed"):
-        return f"status={status!r}, expected 'ok', 'oom' or 'failed'"
+    if status not in ("ok", "oom", "failed", "mismatch"):
+        return f"status={status!r}, expected 'ok', 'oom', 'failed' or 'mismatch'"
+    engine = data.get("engine")
+    if engine is not None and not (isinstance(engine, dict) and set(engine) <= set(SUMMARY_NAMES)):
+        return f"engine={engine!r:.200}: expected an object with {', '.join(SUMMARY_NAMES)}"
     if status != "ok":
         return None
     metrics = data.get("metrics")
@@ -147,6 +155,18 @@ def check_result(data: Any, spec: TrialSpec) -> str | None:
         if problem is not None:
             return f"profile={profile!r:.200}: {problem}"
     return None
+
+
+def _engine_mismatch(engine: Any, ds_config: Path) -> str:
+    """How the engine a result reports differs from the trial's config file; ``""`` when it does not,
+    or when either is missing (a result of a script that times itself carries no engine)."""
+    if not isinstance(engine, dict) or not ds_config.exists():
+        return ""
+    try:
+        expected = config_summary(load_json(ds_config, what="trial's DeepSpeed config"))
+    except (OSError, ConfigError):
+        return ""
+    return "; ".join(mismatches(engine, expected))
 
 
 def classify(spec: TrialSpec, *, directory: Path, code: int | None, duration_s: float,
@@ -187,10 +207,16 @@ def classify(spec: TrialSpec, *, directory: Path, code: int | None, duration_s: 
     if problem is not None:
         return result(TrialStatus.FAILED, f"corrupt result file: {problem}")
     own = clip_error(str(data.get("error") or ""), where=str(path)) or None  # the trial's own words, cut
+    if data["status"] == "mismatch":
+        return result(TrialStatus.MISMATCH, own or "its engine ran another config than the trial's")
     if data["status"] == "oom":
         return result(TrialStatus.OOM, own or "out of memory (reported by the trial)")
     if data["status"] == "failed":  # the trial's own reason; an exit status says more if there is one
         return result(TrialStatus.FAILED, exit_text(code) if code else own or "failed")
+    wrong = _engine_mismatch(data.get("engine"), directory / "ds_config.json")
+    if wrong:
+        return result(TrialStatus.MISMATCH, f"its result was measured on an engine that runs another config "
+                                            f"than the trial's ({wrong})")
     if code != 0:
         return result(TrialStatus.FAILED, f"{exit_text(code)} (after writing its result)")
     metrics = {name: float(data["metrics"][name]) for name in METRICS}

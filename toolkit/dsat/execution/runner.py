@@ -37,7 +37,7 @@ from typing import Any, Iterable, Mapping
 
 from toolkit._files import atomic_write_json
 from toolkit.dsat.contract import PROGRESS_FILE, TrialStatus, trial_hparams
-from toolkit.dsat.execution.argv import build_multihost_argv, build_remote_kill_argv
+from toolkit.dsat.execution.argv import build_multihost_argv, build_remote_kill_argv, with_config_flag
 from toolkit.dsat.execution.classify import classify
 from toolkit.dsat.execution.hosts import format_include
 from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV, RunnerSettings
@@ -45,6 +45,7 @@ from toolkit.dsat.execution.slots import SlotPool, Slots, device_ids
 from toolkit.dsat.execution.watch import heartbeat_text, peak_bytes, read_progress
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.dsat.trial.cpu_info import CPUINFO_ENV, measure_into
+from toolkit.dsat.trial.site import site_pythonpath
 from toolkit.launch.argv import LOOPBACK, build_trial_argv
 from toolkit.launch.output import OutputPump
 from toolkit.launch.procs import (
@@ -166,11 +167,13 @@ class TrialRunner:
             if cpu_info is not None and slots.via is None:  # this machine's answer, for its ranks only
                 env[CPUINFO_ENV] = str(cpu_info)
             port = self._free_port()
+            # the entrypoint's --deepspeed_config / --deepspeed names this trial's own config file
+            entrypoint = with_config_flag(self.settings.entrypoint, directory / "ds_config.json")
             if slots.via is not None and slots.placement is not None:
-                argv = self._multihost_argv(directory, slots.placement, slots.via, port, env)
+                argv = self._multihost_argv(directory, slots.placement, slots.via, port, env, entrypoint)
             else:
                 s = self.settings
-                argv = build_trial_argv(list(s.entrypoint), launcher=s.launcher, nproc=s.slots_per_trial,
+                argv = build_trial_argv(entrypoint, launcher=s.launcher, nproc=s.slots_per_trial,
                                         master_port=port, include=include, rank_logs=output.ranks_dir)
             if slots.placement is not None:
                 atomic_write_json(directory / "placement.json", {
@@ -236,7 +239,7 @@ class TrialRunner:
         atomic_write_json(directory / "hparams.json",
                           trial_hparams(hparams, ds_config=ds_config, ds_config_path=ds_path))
         s.trial_contract(spec.trial_id, result_path=directory / "result.json",
-                         profile=spec.profile).write(directory / "trial.json")
+                         profile=spec.profile, ds_config=ds_path).write(directory / "trial.json")
         return directory
 
     def _trial_env(self, directory: Path, gpus: tuple[int, ...] | None) -> tuple[dict[str, str], str | None]:
@@ -248,6 +251,8 @@ class TrialRunner:
         env.update({TRIAL_HPARAMS_ENV: str(directory / "hparams.json"),
                     TRIAL_ENV: str(directory / "trial.json"),
                     "PYTHONUNBUFFERED": "1", OUTPUT_DIR_ENV: str(directory / "output")})
+        # the trial bootstrap (toolkit.dsat.trial.site): deepspeed.initialize gets the trial's config
+        env["PYTHONPATH"] = site_pythonpath(env.get("PYTHONPATH"))
         if s.experiment_config is not None:
             env[EXPERIMENT_CONFIG_ENV] = str(s.experiment_config)
             # The YAML's environment.environment_variables, for every rank (as Determined's containers);
@@ -321,7 +326,7 @@ class TrialRunner:
     # -- internals ---------------------------------------------------------------------------
 
     def _multihost_argv(self, directory: Path, placement: Mapping[str, tuple[int, ...]], via: str, port: int,
-                        env: dict[str, str]) -> list[str]:
+                        env: dict[str, str], entrypoint: list[str]) -> list[str]:
         """Argv of a trial on other hosts; its hostfile and exported variables go to its directory.
 
         DeepSpeed's runners pass on only some variables (PYTHON*, UCX*, ...) plus those of the
@@ -330,20 +335,21 @@ class TrialRunner:
         """
         s = self.settings
         if via == "srun":
-            return build_multihost_argv(list(s.entrypoint), placement=placement, via=via, master_port=port,
+            return build_multihost_argv(entrypoint, placement=placement, via=via, master_port=port,
                                         gpus=s.gpus is not None)
         hostfile = directory / "hostfile"
         hostfile.write_text("".join(f"{h} slots={len(ids)}\n" for h, ids in placement.items()),
                             encoding="utf-8")
         exported = {k: env[k] for k in (TRIAL_HPARAMS_ENV, TRIAL_ENV, OUTPUT_DIR_ENV, EXPERIMENT_CONFIG_ENV,
                                         "PYTHONUNBUFFERED",
-                                        "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "PATH") if k in env}
+                                        "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "PATH", "PYTHONPATH")
+                    if k in env}
         env_file = directory / "ds_env"
         env_file.write_text("".join(f"{k}={v}\n" for k, v in exported.items()), encoding="utf-8")
         env["DS_ENV_FILE"] = str(env_file)
         if via == "pdsh":
             env["PDSH_RCMD_TYPE"] = "ssh"
-        return build_multihost_argv(list(s.entrypoint), placement=placement, via=via, master_port=port,
+        return build_multihost_argv(entrypoint, placement=placement, via=via, master_port=port,
                                     hostfile=hostfile, ssh_port=s.ssh_port)
 
     def _stop_remote(self, trial: _Trial) -> None:

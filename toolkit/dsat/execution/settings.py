@@ -108,6 +108,8 @@ class RunnerSettings:
             (``--quiet``: off); their logs are written either way (:mod:`toolkit.launch.output`).
         heartbeat_s: how often a running trial's progress line is logged (its phase, elapsed
             time against ``timeout_s``).
+        merge_config: inside a trial, merge its tuned keys over the config the script gives
+            ``deepspeed.initialize`` (``--no-merge-config``: False, the engine is only checked).
     """
 
     entrypoint: tuple[str, ...]
@@ -130,6 +132,7 @@ class RunnerSettings:
     experiment_config: Path | None = None
     echo: bool = True
     heartbeat_s: float = 20.0
+    merge_config: bool = True
 
     def __post_init__(self) -> None:
         # Normalise containers (lists from argparse/YAML) before the checks; frozen, hence object.__setattr__.
@@ -195,13 +198,17 @@ class RunnerSettings:
         profiled = self.end_profile_step - self.start_profile_step + 1
         return self.end_profile_step + WINDOW_STEPS_FACTOR * profiled
 
-    def trial_contract(self, trial_id: int, *, result_path: Path, profile: bool) -> TrialContract:
-        """What a trial under these settings is told (its ``trial.json``). Pure; any process."""
+    def trial_contract(self, trial_id: int, *, result_path: Path, profile: bool,
+                       ds_config: Path | None = None) -> TrialContract:
+        """What a trial under these settings is told (its ``trial.json``); ``ds_config``: the
+        trial's own DeepSpeed config file, which its engine is held to. Pure; any process."""
         return TrialContract(trial_id=trial_id, result_path=str(result_path), profile=profile,
                              start_profile_step=self.start_profile_step,
                              end_profile_step=self.end_profile_step, memory_per_slot=self.memory_per_slot,
                              timed_window_s=float(self.timed_window_s),
-                             last_profile_step=self.last_profile_step)
+                             last_profile_step=self.last_profile_step,
+                             ds_config=None if ds_config is None else str(ds_config),
+                             merge_config=bool(self.merge_config))
 
     def _slot_problems(self) -> list[str]:
         """The GPU ids, and the slot counts against each other, the GPUs given or this machine's cores."""

@@ -22,12 +22,12 @@ Example (rank 0, after the search)::
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from typing import Iterable, Sequence
 
 from toolkit.dsat.contract import TrialStatus
 from toolkit.dsat.search.lines import metric_value
+from toolkit.dsat.search.space import canonical_zero
 from toolkit.dsat.search.types import SMALLER_IS_BETTER, TrialResult, TrialSpec
 
 __all__ = ["CONFIRM_MEASUREMENTS", "Candidate", "config_key", "group", "next_to_confirm", "pick",
@@ -39,8 +39,9 @@ CONFIRM_MEASUREMENTS = 3
 
 
 def config_key(spec: TrialSpec) -> tuple[int, str]:
-    """What makes two trials the same configuration: the micro-batch and the ZeRO section. Pure."""
-    return spec.micro_batch, json.dumps(dict(spec.zero), sort_keys=True, default=str)
+    """What makes two trials the same configuration: the micro-batch and the ZeRO section as
+    DeepSpeed sees it (:func:`~toolkit.dsat.search.space.canonical_zero`). Pure."""
+    return spec.micro_batch, canonical_zero(spec.zero)
 
 
 @dataclasses.dataclass(frozen=True)

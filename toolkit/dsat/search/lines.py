@@ -42,7 +42,7 @@ from toolkit._checks import is_int, is_number
 from toolkit.dsat.contract import ProfileInfo, TrialStatus
 from toolkit.dsat.search import memory, offload
 from toolkit.dsat.search.memory import approx_max_micro_batch, offload_flags
-from toolkit.dsat.search.space import ZeroSpace, zero_config_for_stage
+from toolkit.dsat.search.space import ZeroSpace, canonical_zero, zero_config_for_stage
 from toolkit.dsat.search.types import SMALLER_IS_BETTER, SearchSettings, TrialResult, TrialSpec, is_better
 
 __all__ = ["best_result", "metric_value", "Line", "LineSearcher"]
@@ -64,8 +64,9 @@ _VERDICT = {TrialStatus.OK: "fitting (it ran)", TrialStatus.OOM: "out of memory"
 
 
 def _config(spec: TrialSpec) -> tuple[int, str]:
-    """A configuration: its micro-batch and ZeRO section (the same key as the confirmation's)."""
-    return spec.micro_batch, json.dumps(dict(spec.zero), sort_keys=True, default=str)
+    """A configuration: its micro-batch and ZeRO section, as DeepSpeed sees it (the same key as the
+    confirmation's; :func:`~toolkit.dsat.search.space.canonical_zero`)."""
+    return spec.micro_batch, canonical_zero(spec.zero)
 
 
 def _fingerprint(spec: TrialSpec) -> tuple[int, int, str]:
@@ -250,8 +251,8 @@ class LineSearcher(Generic[LineT]):
         allowed, metric = self.settings.micro_batches, self.settings.metric
         taken: list[TrialResult] = []
         for stage in self._space.stages:
-            zero = json.dumps(zero_config_for_stage(base, stage), sort_keys=True, default=str)
-            mine = [r for r in results if json.dumps(dict(r.spec.zero), sort_keys=True, default=str) == zero]
+            zero = canonical_zero(zero_config_for_stage(base, stage))  # offload {"device": "none"} is none
+            mine = [r for r in results if canonical_zero(r.spec.zero) == zero]
             for result in mine:
                 if result.status in (TrialStatus.OK, TrialStatus.OOM):
                     self._verdicts.setdefault(_config(result.spec), []).append(result)

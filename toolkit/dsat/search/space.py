@@ -30,13 +30,15 @@ Pure; any rank (the tuner uses it on rank 0). Example::
 from __future__ import annotations
 
 import copy
+import json
 import math
 import random
 from typing import Any, Iterable, Mapping, Sequence
 
 from toolkit._checks import is_mapping
 
-__all__ = ["STAGE_KNOBS", "ZeroSpace", "default_zero_autos", "zero_config_for_stage"]
+__all__ = ["STAGE_KNOBS", "ZeroSpace", "canonical_zero", "default_zero_autos", "offloads_nothing",
+           "zero_config_for_stage"]
 
 _BUCKETS = (50_000_000, 200_000_000, 500_000_000)
 _STAGE12 = (
@@ -96,6 +98,42 @@ def default_zero_autos(zero: Any) -> Any:
     return {key: (_KNOB_DEFAULTS[key] if value == "auto" and key in _AUTO_KNOBS else copy.deepcopy(value))
             for key, value in zero.items()}
 
+
+def offloads_nothing(key: str, value: Any) -> bool:
+    """Whether ``key: value`` of a ZeRO section is an offload section that moves nothing (its device
+    ``"none"``, DeepSpeed's default). Pure.
+
+    >>> offloads_nothing("offload_param", {"device": "none", "pin_memory": True})
+    True
+    """
+    return key in ("offload_optimizer", "offload_param") and is_mapping(value) \
+        and str(value.get("device", "none")) == "none"
+
+
+def canonical_zero(zero: Mapping[str, Any]) -> str:
+    """What makes two ZeRO sections the same configuration to DeepSpeed, as a JSON key: offload
+    sections that move nothing, and knobs at DeepSpeed's values for the stage, left out; whole
+    floats as integers (``3e7`` is ``30000000``); ``stage3_`` aliases under one name. Pure.
+
+    >>> canonical_zero({"stage": 2, "offload_param": {"device": "none"}, "reduce_bucket_size": 5e8})
+    '{"stage": 2}'
+    """
+    stage = zero.get("stage", 0)
+    out: dict[str, Any] = {}
+    for key, value in zero.items():
+        if offloads_nothing(key, value):
+            continue
+        name = next((alias for alias, field in _FIELD_NAMES.items() if field == key), key)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        default = (stage == 3) if name == "overlap_comm" else _KNOB_DEFAULTS.get(name, _NO_DEFAULT)
+        if name != "stage" and isinstance(value, bool) == isinstance(default, bool) and value == default:
+            continue
+        out[name] = value
+    return json.dumps(out, sort_keys=True, default=str)
+
+
+_NO_DEFAULT = object()
 
 #: The ZeRO values HF-style configs may leave "auto" (toolkit.resolve_ds_config's hidden_size rule).
 _AUTO_KNOBS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")

@@ -68,6 +68,8 @@ class TrialSpec:
             ran; the orchestrator sets it); empty: the trial id.
         rerun: a re-run of a configuration already measured, to confirm the best (the
             orchestrator's, after the search; no searcher proposed it).
+        baseline: the user's own config as written, measured after the search when no trial
+            did (the orchestrator's; labelled ``own``), to compare the best with.
     """
 
     trial_id: int
@@ -77,6 +79,7 @@ class TrialSpec:
     profile: bool = False
     label: str = ""
     rerun: bool = False
+    baseline: bool = False
 
     @property
     def stage(self) -> int:
@@ -93,7 +96,8 @@ class TrialSpec:
                 "zero_optimization": json.loads(json.dumps(dict(self.zero)))}
 
     def to_json(self) -> dict[str, Any]:
-        extra = {**({"label": self.label} if self.label else {}), **({"rerun": True} if self.rerun else {})}
+        extra = {**({"label": self.label} if self.label else {}), **({"rerun": True} if self.rerun else {}),
+                 **({"baseline": True} if self.baseline else {})}
         return {"trial_id": self.trial_id, "micro_batch": self.micro_batch,
                 "zero": json.loads(json.dumps(dict(self.zero))), "line": self.line,
                 "profile": self.profile, **extra}
@@ -102,7 +106,8 @@ class TrialSpec:
     def from_json(cls, data: Mapping[str, Any]) -> "TrialSpec":
         return cls(int(data["trial_id"]), int(data["micro_batch"]), dict(data["zero"]),
                    int(data.get("line", -1)), bool(data.get("profile", False)),
-                   str(data.get("label") or ""), bool(data.get("rerun", False)))
+                   str(data.get("label") or ""), bool(data.get("rerun", False)),
+                   bool(data.get("baseline", False)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,6 +40,8 @@ Outside a trial (:data:`~toolkit.runtime.trial_env.TRIAL_ENV` unset) it returns 
   convolutions, attention; elementwise operations count nothing), so the model's FLOPs per
   sample are the same at every ZeRO stage: what ZeRO runs around the model (gathers, hooks,
   its own ``F.linear``) is not the model's arithmetic.
+* A loop without the line is timed by its engine's own steps (:mod:`toolkit.dsat.trial.engine_steps`);
+  once that began, the line is a no-op for that engine.
 * The profiling trial (``TrialContract.profile``, micro-batch 1) also records a
   :class:`~toolkit.dsat.contract.ProfileInfo` during its first wrapped step (see
   :mod:`toolkit.dsat.trial.profiling`) and reports metrics as well.
@@ -67,16 +69,19 @@ timed (the chief's own measurements: the other ranks have left).
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from typing import Any
 
 from toolkit.dsat.contract import OOM_EXIT_STATUS, TrialContract
 from toolkit.dsat.trial.session import TrialSession
+from toolkit.dsat.tuned_keys import INSTRUMENTATION
 from toolkit.runtime.op_builds import install_build_guards
 from toolkit.runtime.trial_env import TRIAL_ENV
 from toolkit.runtime.trial_oom import install_oom_excepthook
 
-__all__ = ["dsat_reporting_context", "instrumentation_overrides", "OOM_EXIT_STATUS"]
+__all__ = ["active_session", "dsat_reporting_context", "engine_session", "instrumentation_overrides",
+           "OOM_EXIT_STATUS"]
 
 _NOOP = contextlib.nullcontext()
 _UNSET = object()
@@ -98,7 +103,7 @@ def instrumentation_overrides(contract: TrialContract) -> dict[str, Any]:
         trial_config = merge(user_config, spec.ds_overrides(), instrumentation_overrides(contract))
     """
     del contract  # the same overrides for every trial
-    return {"flops_profiler": {"enabled": False}, "autotuning": {"enabled": False}}
+    return copy.deepcopy(dict(INSTRUMENTATION))
 
 
 def dsat_reporting_context(engine: Any, *, steps_completed: int | None = None
@@ -132,11 +137,29 @@ def dsat_reporting_context(engine: Any, *, steps_completed: int | None = None
         _trial_file = os.environ.get(TRIAL_ENV) or None
     if _trial_file is None:
         return _NOOP
+    if _session is not None and _session.engine is engine and _session.auto:
+        return _NOOP  # the engine's own steps are timed (toolkit.dsat.trial.engine_steps)
     if _session is None or _session.engine is not engine:
         install_oom_excepthook()   # usually done already by toolkit.init_distributed
         install_build_guards()     # likewise; for the ops the engine loads from here on
         _session = TrialSession(engine, _trial_file)
     return _session.step(None if steps_completed is None else int(steps_completed))
+
+
+def active_session() -> TrialSession | None:
+    """The session timing this trial in this process (the line's, or an engine's own steps'), if any.
+    Any rank."""
+    return _session
+
+
+def engine_session(engine: Any, contract_file: str) -> TrialSession:
+    """The session that times ``engine``'s own steps (:mod:`toolkit.dsat.trial.engine_steps`), made
+    on the first call; the line is a no-op for this engine from then on. Every rank."""
+    global _session
+    if _session is None or _session.engine is not engine:
+        install_oom_excepthook()
+        _session = TrialSession(engine, contract_file, auto=True)
+    return _session
 
 
 def _reset_for_tests() -> None:

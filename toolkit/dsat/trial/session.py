@@ -25,8 +25,10 @@ from typing import Any, Callable, Iterator, NoReturn
 from toolkit._files import atomic_write_json
 from toolkit.dsat.contract import PROGRESS_FILE, TrialContract
 from toolkit.dsat.trial import profiling
+from toolkit.dsat.trial.engine_hook import check_data_batch, check_engine
 from toolkit.dsat.trial.oom import exit_on_oom
 from toolkit.dsat.trial.profiling import ProfileProbe
+from toolkit.dsat.tuned_keys import data_batch_sizes, engine_summary
 from toolkit.errors import LaunchEnvError
 from toolkit.runtime.trial_env import TRIAL_ENV
 from toolkit.runtime.trial_oom import is_crashing, is_oom
@@ -98,18 +100,31 @@ def reduce_metrics(everyone: list[dict[str, Any]], *, samples_per_step: float) -
     }
 
 
+def _engine_record(engine: Any) -> dict[str, Any]:
+    """``{"engine": summary}`` of what the engine ran, for the autotuner's own check; ``{}`` for an
+    object that is no DeepSpeed engine (a test's stand-in)."""
+    try:
+        return {"engine": engine_summary(engine)}
+    except (AttributeError, TypeError):
+        return {}
+
+
 class TrialSession:
     """Per-process state of one trial: the contract, the timers wrapped around the engine."""
 
-    def __init__(self, engine: Any, contract_file: str) -> None:
+    def __init__(self, engine: Any, contract_file: str, *, auto: bool = False) -> None:
         import toolkit.runtime.context
         self.engine = engine
         self.path = contract_file
         self.contract = read_contract(contract_file)
+        self.auto = auto  # driven by the engine's own steps, not by the reporting context
+        # an engine deepspeed.initialize did not build under the trial's hook is checked here
+        check_engine(engine, self.contract, how=None, merged=self.contract.merge_config)
         self.ctx = toolkit.runtime.context.init_distributed()  # adopts an existing process group
         from deepspeed.accelerator import get_accelerator
         self.accelerator = get_accelerator()
         self.pipeline = hasattr(type(engine), "_INSTRUCTION_MAP")
+        self.fed: set[int] | None = None if self.pipeline else set()  # None: nothing (more) to check
         self.timing = False
         self.calls = {"forward": 0, "backward": 0}
         self.seconds = {"forward": 0.0, "backward": 0.0}
@@ -141,6 +156,8 @@ class TrialSession:
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             session.calls[kind] += 1
+            if session.fed is not None:  # until the first backward: the data's micro-batch is the engine's
+                session._hold_data(kind, args, kwargs)
             if kind == "forward" and session.forward_flops is not None and not session.counting:
                 return session._counted(fn, args, kwargs)
             if not session.timing:
@@ -153,6 +170,15 @@ class TrialSession:
                 session._sync()
                 session.seconds[kind] += time.perf_counter() - start
         return wrapper
+
+    def _hold_data(self, kind: str, args: Any, kwargs: Any) -> None:
+        """Where each forward counts its examples; at the first backward, the last forward's are held to
+        the engine's micro-batch (:func:`~toolkit.dsat.trial.engine_hook.check_data_batch`)."""
+        if kind == "forward":
+            self.fed = data_batch_sizes(args, kwargs)
+            return
+        fed, self.fed = self.fed, None
+        check_data_batch(self.engine, self.contract, fed or set())
 
     def _counted(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """Run one forward under torch's FLOP counter (aten level: matmul, conv, attention) and add
@@ -326,7 +352,9 @@ class TrialSession:
         metrics = reduce_metrics(everyone, samples_per_step=samples)
         profile = profiling.merge_profiles([r["profile"] for r in everyone]) if c.profile else None
         atomic_write_json(c.result_path, {"trial_id": c.trial_id, "status": "ok", "metrics": metrics,
-                                          "profile": profile, "timed_steps": len(self.step_s)})
+                                          "profile": profile, "timed_steps": len(self.step_s),
+                                          **_engine_record(engine),
+                                          "timed_by": "engine steps" if self.auto else "reporting context"})
         logger.info("dsat trial %d: %s over %d timed steps", c.trial_id,
                     ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()), len(self.step_s))
 
@@ -345,4 +373,5 @@ class TrialSession:
             "trial_id": c.trial_id, "status": "failed", "metrics": {}, "profile": None,
             "error": (f"the training loop stopped after {self.last_step + 1} step(s), before "
                       f"end_profile_step={c.end_profile_step}; let the entrypoint run at least "
-                      f"{c.end_profile_step + 1} steps with dsat_reporting_context around each")})
+                      f"{c.end_profile_step + 1} " + ("optimizer steps" if self.auto else
+                                                      "steps with dsat_reporting_context around each"))})

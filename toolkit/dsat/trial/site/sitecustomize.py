@@ -1,0 +1,104 @@
+"""The ``sitecustomize`` of every process of a dsat trial (and of ``--run-full-experiment``).
+
+The trial runner puts this directory first on the trial's ``PYTHONPATH``. Inside a trial
+(``TOOLKIT_DSAT_TRIAL`` set) or a full run (``TOOLKIT_DSAT_APPLY_CONFIG`` set) it installs an
+import hook on ``deepspeed`` alone: once DeepSpeed is imported, ``deepspeed.initialize`` goes
+through :func:`toolkit.dsat.trial.engine_hook.initialize_in_trial`, so scripts that never import
+toolkit are reached too. It imports neither toolkit, torch nor DeepSpeed itself, and does nothing
+elsewhere. Then it runs the next ``sitecustomize`` on ``sys.path`` (the user's, a test suite's),
+as Python would have without this one. Every process of the trial.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+from typing import Any
+
+_TRIAL_ENV = "TOOLKIT_DSAT_TRIAL"          # toolkit.runtime.trial_env.TRIAL_ENV
+_APPLY_ENV = "TOOLKIT_DSAT_APPLY_CONFIG"   # toolkit.dsat.trial.engine_hook.APPLY_ENV
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _bootstrap() -> None:
+    """toolkit's side, once DeepSpeed is imported: the trial's OOM hook, op-build guards, cpuinfo."""
+    partial = sys.modules.get("toolkit")
+    if partial is not None and not hasattr(partial, "init_distributed"):
+        return  # toolkit is being imported right now; the engine hook does this at initialize
+    try:
+        from toolkit.dsat.trial.engine_hook import bootstrap
+        bootstrap()
+    except Exception as err:  # noqa: BLE001 (the script must still run; the trial's check still holds)
+        logging.getLogger(__name__).warning("dsat trial bootstrap: %s: %s", type(err).__name__, err)
+
+
+def wrap_initialize(module: Any) -> None:
+    """Route ``module.initialize`` (DeepSpeed's) through the trial's engine hook; once."""
+    original = getattr(module, "initialize", None)
+    if original is None or getattr(original, "toolkit_dsat_hook", False):
+        return
+
+    @functools.wraps(original)
+    def initialize(*args: Any, **kwargs: Any) -> Any:
+        from toolkit.dsat.trial.engine_hook import initialize_in_trial
+        return initialize_in_trial(original, args, kwargs)
+
+    initialize.toolkit_dsat_hook = True  # type: ignore[attr-defined]
+    module.initialize = initialize
+    _bootstrap()
+
+
+class _AfterDeepSpeedImport(importlib.abc.MetaPathFinder):
+    """Wraps ``deepspeed.initialize`` right after the ``deepspeed`` package is executed."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "deepspeed":
+            return None
+        sys.meta_path.remove(self)
+        spec = None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            execute(module)
+            wrap_initialize(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _install() -> None:
+    if not (os.environ.get(_TRIAL_ENV) or os.environ.get(_APPLY_ENV)):
+        return
+    if "deepspeed" in sys.modules:
+        wrap_initialize(sys.modules["deepspeed"])
+    elif not any(isinstance(f, _AfterDeepSpeedImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterDeepSpeedImport())
+
+
+def _chain() -> None:
+    """Run the ``sitecustomize`` Python would have found without this directory, if any."""
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is None or spec.loader is None or spec.origin is None \
+            or os.path.dirname(os.path.abspath(spec.origin)) == _HERE:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    spec.loader.exec_module(module)
+
+
+_install()
+if __name__ == "sitecustomize":  # started by Python's site module, not imported as toolkit's module
+    _chain()

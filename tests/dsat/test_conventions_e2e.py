@@ -123,7 +123,7 @@ def test_a_script_that_builds_its_config_in_code_is_tuned_with_the_one_line(tmp_
     )
     assert recorded["config"] == {k: v for k, v in USER.items() if k != "gradient_accumulation_steps"}
     _engines_ran_their_labels(out, rows)
-    tuning = out / "trials" / f"trial_{rows[1]['trial_id']}" / "stderr.log"
+    tuning = out / "trials" / f"trial_{rows[1]['trial_id']}" / "trial.log"
     assert f"merged its tuned keys (micro-batch {rows[1]['micro_batch']}, " in tuning.read_text()
     _best_beats_the_users_own(result, out, rows)
 

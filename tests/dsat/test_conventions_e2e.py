@@ -3,6 +3,7 @@ real DeepSpeed trials (one rank each: what is checked is the config each engine 
 engine; 2-rank trials of the same hook: tests/dsat/trial/test_reporting.py)."""
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -15,11 +16,13 @@ EXAMPLES = procutil.REPO / "examples" / "dsat"
 USER = json.loads((EXAMPLES / "ds_config.json").read_text())  # train_in_code.py's dict is the same config
 
 
-def _search(tmp_path, yaml_name, *flags, hparams=None):
+def _search(tmp_path, yaml_name, *flags, hparams=None, model_dir=EXAMPLES):
     config = yaml.safe_load((EXAMPLES / yaml_name).read_text())
     config["resources"]["slots_per_trial"] = 1
     if hparams:
         config["hyperparameters"] = hparams
+    if model_dir != EXAMPLES:
+        config["entrypoint"] = "python3 dsat_own_json.py"
     (tmp_path / yaml_name).write_text(yaml.safe_dump(config))
     out = tmp_path / "out"
     argv = [
@@ -28,7 +31,7 @@ def _search(tmp_path, yaml_name, *flags, hparams=None):
         "toolkit.dsat",
         "binary",
         str(tmp_path / yaml_name),
-        str(EXAMPLES),
+        str(model_dir),
         "--output-dir",
         str(out),
         "--metric",
@@ -151,3 +154,31 @@ def test_a_script_that_ignores_the_trials_config_stops_the_search_in_its_first_t
     ):
         assert part in last, part
     assert not list(out.glob("best_ds_*.json"))
+
+
+@pytest.mark.slow
+def test_a_script_that_reads_its_own_json_and_sizes_its_loader_from_it_is_tuned(tmp_path):
+    """The YAML names the file the script reads itself: in a trial that read opens the trial's config,
+    so the loader follows the trial's micro-batch; a micro-batch larger than the data set (3000) is a
+    failed trial of that config, not a mismatch, and the search goes on."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    shutil.copy(procutil.REPO / "tests" / "workers" / "dsat_own_json.py", model_dir)
+    shutil.copy(EXAMPLES / "ds_config.json", model_dir)
+    result, out, rows = _search(tmp_path, "in_code.yaml", hparams={"deepspeed_config": "ds_config.json"},
+                                model_dir=model_dir)
+    assert result.returncode == 0, result.stdout[-5000:]
+    statuses = {r["status"] for r in rows}
+    assert statuses <= {"ok", "failed"} and "ok" in statuses, rows
+    for row in rows:
+        if row["status"] == "failed":
+            assert row["micro_batch"] > 3000 and "the data set (per rank) is smaller" in row["error"], row
+        else:
+            engine = json.loads((out / "trials" / f"trial_{row['trial_id']}" / "result.json").read_text())
+            assert engine["engine"]["micro_batch"] == row["micro_batch"], (row, engine)
+    first_ok = next(r for r in rows if r["status"] == "ok")
+    log = (out / "trials" / f"trial_{first_ok['trial_id']}" / "trial.log").read_text()
+    assert f"reads its DeepSpeed config {model_dir / 'ds_config.json'}" in log
+    assert json.loads((model_dir / "ds_config.json").read_text()) == USER  # the user's file as written
+    metrics = json.loads((out / "best_ds_metrics.json").read_text())
+    assert metrics["own_config"]["factor"] > 1, metrics

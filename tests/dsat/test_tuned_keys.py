@@ -125,8 +125,9 @@ def test_summaries_of_configs_and_engines_and_what_differs():
 
 def test_where_a_forward_call_counts_its_examples():
     x, ids, seq_first = torch.zeros(8, 3), torch.zeros(8, 128, dtype=torch.long), torch.zeros(50, 4, 16)
-    assert data_batch_sizes((x,), {}) == {8}
-    assert data_batch_sizes((), {"input_ids": ids, "labels": ids}) == {8}  # 2-D: the first dimension only
-    assert data_batch_sizes(((x, x),), {}) == {8} and data_batch_sizes(({"x": x},), {}) == {8}
-    assert data_batch_sizes((seq_first,), {}) == {50, 4}  # 3-D: sequence-first layouts too
+    assert data_batch_sizes((x,), {}) == {8, 3}
+    assert data_batch_sizes((), {"input_ids": ids, "labels": ids}) == {8, 128}
+    assert data_batch_sizes(((x, x),), {}) == {8, 3} and data_batch_sizes(({"x": x},), {}) == {8, 3}
+    assert data_batch_sizes((seq_first,), {}) == {50, 4}  # sequence-first layouts too
+    assert data_batch_sizes((ids.T,), {}) == {128, 8}  # [T, B] token ids (word_language_model's layout)
     assert data_batch_sizes((1, "text", torch.tensor(3.0)), {}) == set()  # no tensor with a dimension

@@ -138,6 +138,15 @@ def _base_config(hparams: dict[str, Any], flag: tuple[str, str] | None,
     return {}, "script"
 
 
+def _config_files(inputs: _Inputs) -> tuple[Path, ...]:
+    """The user's DeepSpeed config files a trial's script may open itself: the YAML's
+    ``hyperparameters.deepspeed_config`` and the file of the entrypoint's flag."""
+    named = [inputs.hparams.get("deepspeed_config"), inputs.flag[1] if inputs.flag else None]
+    paths = [Path(p) if Path(p).is_absolute() else inputs.model_dir / p
+             for p in named if isinstance(p, str) and p]
+    return tuple(dict.fromkeys(p.resolve() for p in paths if p.is_file()))
+
+
 def _load_inputs(args: argparse.Namespace, problems: list[str]) -> _Inputs:
     """Load the experiment and the user's DeepSpeed config; UsageError when nothing else can be checked."""
     model_dir = args.model_dir.resolve()
@@ -284,7 +293,7 @@ def _build_settings(args: argparse.Namespace, inputs: _Inputs, machines: _Machin
                                 gpus=machines.gpus, hosts=machines.hosts, multihost_launcher=machines.via,
                                 experiment_config=args.config.resolve(),
                                 ssh_port=args.ssh_port, echo=not args.quiet,
-                                merge_config=not args.no_merge_config)
+                                merge_config=not args.no_merge_config, config_files=_config_files(inputs))
     except ConfigError as err:
         problems.extend(user_terms(p) for p in err.problems)
     return search, runner

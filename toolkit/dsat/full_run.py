@@ -14,7 +14,7 @@ from toolkit.bounded_load import load_json
 from toolkit.config.experiment import max_length_steps
 from toolkit.dsat.contract import trial_hparams
 from toolkit.dsat.execution.argv import with_config_flag
-from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV
+from toolkit.dsat.execution.settings import CONFIG_READS_ENV, CPU_ALLOCATOR_ENV
 from toolkit.dsat.plan import Plan
 from toolkit.dsat.trial.engine_hook import APPLY_ENV
 from toolkit.dsat.trial.site import site_pythonpath
@@ -60,6 +60,8 @@ def run_full_experiment(plan: Plan, outcome: SearchOutcome, *, say: Callable[[st
            APPLY_ENV: str(best_path), "PYTHONPATH": site_pythonpath(os.environ.get("PYTHONPATH"))}
     if not plan.runner.merge_config:
         del env[APPLY_ENV]
+    elif plan.runner.config_files:  # a script that reads its own config file reads the best config
+        env[CONFIG_READS_ENV] = os.pathsep.join(str(p) for p in plan.runner.config_files)
     if plan.runner.memory_per_slot is not None:  # on CPU, the allocator the trials measured with
         env.update({key: os.environ.get(key, value) for key, value in CPU_ALLOCATOR_ENV})
     say(f"full experiment: {' '.join(argv)} ({steps or 'script-defined'} steps, train_batch_size "

@@ -133,8 +133,9 @@ def mismatches(engine: Mapping[str, Any], expected: Mapping[str, Any]) -> list[s
 
 def data_batch_sizes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> set[int]:
     """Where a forward call's examples may be counted: the first dimension of each tensor argument
-    (top level, or one level into a list, tuple or dict), and the second of those with 3 or more
-    dimensions (sequence-first layouts). Empty when no tensor is passed. Pure; any process."""
+    (top level, or one level into a list, tuple or dict), and the second of those with 2 or more
+    dimensions (sequence-first layouts: ``[T, B]`` token ids, ``[T, B, H]``). Empty when no tensor is
+    passed. Pure; any process."""
     found: set[int] = set()
     values = [*args, *kwargs.values()]
     for value in list(values):
@@ -147,7 +148,7 @@ def data_batch_sizes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> set[int]
         if shape is None or not hasattr(value, "dtype") or len(shape) == 0:
             continue
         found.add(int(shape[0]))
-        if len(shape) >= 3:
+        if len(shape) >= 2:
             found.add(int(shape[1]))
     return found
 

@@ -23,6 +23,7 @@ from toolkit.dsat.trial import engine_hook
 from toolkit.dsat.trial.engine_hook import SCRIPT_CONFIG_FILE, given_config, initialize_in_trial
 from toolkit.dsat.trial.site import SITE_DIR
 from toolkit.dsat.tuned_keys import INSTRUMENTATION
+from toolkit.runtime.trial_env import TRIAL_ENV
 
 TRIAL_CONFIG = {
     "train_batch_size": 4,
@@ -188,9 +189,9 @@ def test_a_loop_that_feeds_its_own_batch_size_ends_the_trial_as_a_mismatch(tmp_p
     assert seen["micro_batch"] == 4 and "trained" not in seen
     assert done.returncode == MISMATCH_EXIT_STATUS, done.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["status"] == "mismatch" and result["data_batch"] == [3]
+    assert result["status"] == "mismatch" and result["data_batch"] == [3, 16]  # [B, F]: either may be B
     assert (
-        "feeds 3 examples per forward" in result["error"]
+        "feeds 3/16 examples per forward" in result["error"]
         and "engine.train_micro_batch_size_per_gpu()" in result["error"]
     )
 
@@ -330,3 +331,46 @@ def test_the_full_run_merges_the_best_configs_tuned_keys_and_checks_nothing(tmp_
     }
     assert "flops_profiler" not in given and not (tmp_path / SCRIPT_CONFIG_FILE).exists()
     assert not hasattr(engine, "_toolkit_dsat_steps")  # nothing timed outside a trial
+
+
+READS = """
+import io, json, os, pathlib
+path = os.environ["USER_CONFIG"]
+seen = {"open": json.load(open(path)), "pathlib": json.loads(pathlib.Path(path).read_text()),
+        "io": json.load(io.open(path, "rb")), "relative": json.load(open(os.path.basename(path)))}
+open(path + ".other", "w").write("x")                       # writes and other files are untouched
+seen["other"] = open(path + ".other").read()
+with open(path, "a") as f:                                  # an append opens the user's own file
+    seen["append"] = f.name
+print(json.dumps(seen))
+"""
+
+
+def test_in_a_trial_a_script_that_reads_its_own_config_file_reads_the_trials(tmp_path):
+    """Only reads of the named files, by any path to them, through open, io.open and pathlib;
+    outside a trial nothing changes (the bootstrap alone, no DeepSpeed, in a child process)."""
+    user, trial = tmp_path / "ds_config.json", tmp_path / "trial_3" / "ds_config.json"
+    trial.parent.mkdir()
+    user.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
+    trial.write_text(json.dumps({"train_micro_batch_size_per_gpu": 64}))
+    env = procutil.child_env(PYTHONPATH=str(SITE_DIR), USER_CONFIG=str(user),
+                             TOOLKIT_DSAT_CONFIG_READS=str(user))
+    run = [sys.executable, "-c", READS]
+    inside = procutil.run(run, env={**env, TRIAL_ENV: str(trial.parent / "trial.json")}, cwd=tmp_path,
+                          timeout=60)
+    seen = json.loads(inside.stdout.splitlines()[-1])
+    read = [seen[k]["train_micro_batch_size_per_gpu"] for k in ("open", "pathlib", "io", "relative")]
+    assert read == [64] * 4
+    assert (seen["other"], seen["append"]) == ("x", str(user))
+    assert f"reads its DeepSpeed config {user}" in inside.stdout
+    outside = json.loads(procutil.run(run, env=env, cwd=tmp_path, timeout=60).stdout.splitlines()[-1])
+    assert outside["open"] == outside["relative"] == {"train_micro_batch_size_per_gpu": 2}
+
+
+def test_a_short_data_set_fails_the_micro_batch_and_a_loader_of_its_own_is_a_mismatch():
+    verdict = engine_hook.data_batch_verdict
+    assert verdict({64, 128}, micro_batch=64, own=2) is None and verdict(set(), micro_batch=64, own=2) is None
+    assert verdict({2, 128}, micro_batch=64, own=2) == "mismatch"      # the script's own batch: ignores it
+    assert verdict({3000, 128}, micro_batch=4096, own=4096) == "failed"  # follows it, the data runs short
+    assert verdict({3000}, micro_batch=4096, own=None) == "mismatch"     # how it was given is unknown
+    assert verdict({5000}, micro_batch=4096, own=4096) == "mismatch"     # more than the micro-batch

@@ -40,7 +40,7 @@ from toolkit.dsat.contract import PROGRESS_FILE, TrialStatus, trial_hparams
 from toolkit.dsat.execution.argv import build_multihost_argv, build_remote_kill_argv, with_config_flag
 from toolkit.dsat.execution.classify import classify
 from toolkit.dsat.execution.hosts import format_include
-from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV, RunnerSettings
+from toolkit.dsat.execution.settings import CONFIG_READS_ENV, CPU_ALLOCATOR_ENV, RunnerSettings
 from toolkit.dsat.execution.slots import SlotPool, Slots, device_ids
 from toolkit.dsat.execution.watch import heartbeat_text, peak_bytes, read_progress
 from toolkit.dsat.search.types import TrialResult, TrialSpec
@@ -253,6 +253,9 @@ class TrialRunner:
                     "PYTHONUNBUFFERED": "1", OUTPUT_DIR_ENV: str(directory / "output")})
         # the trial bootstrap (toolkit.dsat.trial.site): deepspeed.initialize gets the trial's config
         env["PYTHONPATH"] = site_pythonpath(env.get("PYTHONPATH"))
+        env.pop(CONFIG_READS_ENV, None)
+        if s.merge_config and s.config_files:  # a script that reads its own config file reads the trial's
+            env[CONFIG_READS_ENV] = os.pathsep.join(str(p) for p in s.config_files)
         if s.experiment_config is not None:
             env[EXPERIMENT_CONFIG_ENV] = str(s.experiment_config)
             # The YAML's environment.environment_variables, for every rank (as Determined's containers);

@@ -24,8 +24,12 @@ from toolkit.errors import ConfigError
 from toolkit.launch.argv import LAUNCHERS, build_trial_argv
 from toolkit.launch.procs import cpu_slots
 
-__all__ = ["CPU_ALLOCATOR_ENV", "CPU_MEMORY_FRACTION", "CPU_MEMORY_RESERVE", "RunnerSettings",
-           "WINDOW_STEPS_FACTOR", "available_memory_bytes", "default_memory_per_slot"]
+__all__ = ["CONFIG_READS_ENV", "CPU_ALLOCATOR_ENV", "CPU_MEMORY_FRACTION", "CPU_MEMORY_RESERVE",
+           "RunnerSettings", "WINDOW_STEPS_FACTOR", "available_memory_bytes", "default_memory_per_slot"]
+
+#: The user's DeepSpeed config files (``os.pathsep``-joined) whose reads in a trial's processes open
+#: the trial's own config instead (toolkit/dsat/trial/site/sitecustomize.py reads it).
+CONFIG_READS_ENV = "TOOLKIT_DSAT_CONFIG_READS"
 
 #: The CPU default of ``--memory-per-slot``: this fraction of the memory available when dsat
 #: starts, less this reserve for the system, the autotuner and the launchers, shared by the slots.
@@ -110,6 +114,8 @@ class RunnerSettings:
             time against ``timeout_s``).
         merge_config: inside a trial, merge its tuned keys over the config the script gives
             ``deepspeed.initialize`` (``--no-merge-config``: False, the engine is only checked).
+        config_files: the user's DeepSpeed config files (the YAML's, the entrypoint flag's): with
+            ``merge_config``, a trial's script that opens one to read it reads the trial's config.
     """
 
     entrypoint: tuple[str, ...]
@@ -133,11 +139,13 @@ class RunnerSettings:
     echo: bool = True
     heartbeat_s: float = 20.0
     merge_config: bool = True
+    config_files: tuple[Path, ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise containers (lists from argparse/YAML) before the checks; frozen, hence object.__setattr__.
         if isinstance(self.entrypoint, (list, tuple)):
             object.__setattr__(self, "entrypoint", tuple(self.entrypoint))
+        object.__setattr__(self, "config_files", tuple(Path(p) for p in self.config_files))
         if isinstance(self.model_dir, (str, os.PathLike)):
             object.__setattr__(self, "model_dir", Path(self.model_dir))
         if isinstance(self.gpus, list):

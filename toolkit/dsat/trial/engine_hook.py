@@ -51,6 +51,7 @@ APPLY_ENV = "TOOLKIT_DSAT_APPLY_CONFIG"
 SCRIPT_CONFIG_FILE = "script_config.json"
 
 _checked: "weakref.WeakKeyDictionary[Any, str | None]" = weakref.WeakKeyDictionary()  # engine -> how given
+_own_batch: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # engine -> own mbs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +173,8 @@ def initialize_in_trial(original: Callable[..., Any], args: tuple[Any, ...], kwa
     result = original(**arguments)
     engine = result[0] if isinstance(result, tuple) and result else result
     if contract is not None:
+        with contextlib.suppress(TypeError):  # an engine that cannot be weakly referenced: no data-limit rule
+            _own_batch[engine] = (given.config or {}).get("train_micro_batch_size_per_gpu")
         check_engine(engine, contract, how=given.how, merged=merge)
         from toolkit.dsat.trial.engine_steps import time_engine_steps
         time_engine_steps(engine, os.environ[TRIAL_ENV])
@@ -221,18 +224,37 @@ def check_data_batch(engine: Any, contract: TrialContract, sizes: set[int]) -> N
     (:func:`~toolkit.dsat.tuned_keys.data_batch_sizes`) against the engine's micro-batch; a script whose
     data loader keeps its own batch size would be timed as the engine's. A difference ends the trial
     as ``"mismatch"`` (an evaluation forward, with no backward, is never held to it). Every rank."""
-    if not sizes:
-        return
     actual = engine_summary(engine)
-    if actual["micro_batch"] in sizes:
+    verdict = data_batch_verdict(sizes, micro_batch=actual["micro_batch"], own=_own_batch.get(engine))
+    if verdict is None:
         return
     fed = "/".join(map(str, sorted(sizes)))
+    if verdict == "failed":
+        _end(contract, f"its loop feeds {fed} examples per forward, fewer than micro-batch "
+             f"{actual['micro_batch']}: the data set (per rank) is smaller than the micro-batch, so this "
+             "micro-batch cannot be measured with this data (a larger data set measures it)",
+             {"engine": actual, "data_batch": sorted(sizes)}, status="failed")
     text = (f"its loop feeds {fed} examples per forward (the input's first dimension) to an engine that runs "
             f"micro-batch {actual['micro_batch']}, so its throughput would be counted for examples it never "
             f"trained. The script's config: {_checked.get(engine) or 'not seen'}. Fix: let the data loader "
             "take its batch size from engine.train_micro_batch_size_per_gpu() (or DeepSpeed's "
             "training_data=), not a size of its own")
     _end(contract, text, {"engine": actual, "data_batch": sorted(sizes)})
+
+
+def data_batch_verdict(sizes: set[int], *, micro_batch: int, own: Any) -> str | None:
+    """None when a forward's example counts ``sizes`` hold the engine's ``micro_batch`` (or none was
+    seen); ``"failed"`` when all are smaller and none is the script's own micro-batch ``own`` (the loader
+    follows the config but the data set runs short); else ``"mismatch"``. Pure.
+
+    >>> data_batch_verdict({2}, micro_batch=64, own=2), data_batch_verdict({30}, micro_batch=40, own=40)
+    ('mismatch', 'failed')
+    """
+    if not sizes or micro_batch in sizes:
+        return None
+    if own is not None and own not in sizes and max(sizes) < micro_batch:
+        return "failed"
+    return "mismatch"
 
 
 def mismatch_text(problems: list[str], *, actual: Mapping[str, Any], expected: Mapping[str, Any],
@@ -259,14 +281,16 @@ def end_on_mismatch(contract: TrialContract, problems: list[str], *, actual: Map
     _end(contract, text, {"engine": dict(actual), "expected": dict(expected)})
 
 
-def _end(contract: TrialContract, text: str, record: Mapping[str, Any]) -> NoReturn:
+def _end(contract: TrialContract, text: str, record: Mapping[str, Any], *,
+         status: str = "mismatch") -> NoReturn:
+    """End the trial with ``status`` (``"failed"``: a config this script's data cannot measure, exit 0)."""
     logger.error("dsat trial %d: %s", contract.trial_id, text)
     try:
-        atomic_write_json(contract.result_path, {"trial_id": contract.trial_id, "status": "mismatch",
+        atomic_write_json(contract.result_path, {"trial_id": contract.trial_id, "status": status,
                                                  "metrics": {}, "profile": None, **record, "error": text})
     finally:
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        os._exit(MISMATCH_EXIT_STATUS)
+        os._exit(MISMATCH_EXIT_STATUS if status == "mismatch" else 0)

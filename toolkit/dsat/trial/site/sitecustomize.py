@@ -22,6 +22,7 @@ from typing import Any
 
 _TRIAL_ENV = "TOOLKIT_DSAT_TRIAL"          # toolkit.runtime.trial_env.TRIAL_ENV
 _APPLY_ENV = "TOOLKIT_DSAT_APPLY_CONFIG"   # toolkit.dsat.trial.engine_hook.APPLY_ENV
+_READS_ENV = "TOOLKIT_DSAT_CONFIG_READS"   # toolkit.dsat.execution.settings.CONFIG_READS_ENV
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -78,9 +79,43 @@ class _AfterDeepSpeedImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _redirect_config_reads() -> None:
+    """A script that reads its own DeepSpeed config file (the files named by ``_READS_ENV``) for its
+    data loader or its dict reads the trial's config instead (the run's, under ``_APPLY_ENV``): the
+    read-only ``open`` of those exact files, by path, through ``builtins.open`` and ``io.open``."""
+    import builtins
+    import io
+
+    trial = os.environ.get(_TRIAL_ENV)
+    target = os.path.join(os.path.dirname(trial), "ds_config.json") if trial else os.environ.get(_APPLY_ENV)
+    names = [p for p in os.environ.get(_READS_ENV, "").split(os.pathsep) if p]
+    if not target or not names or getattr(builtins.open, "toolkit_dsat_reads", False):
+        return
+    real = {os.path.realpath(p) for p in names}
+    bases = {os.path.basename(p) for p in real}
+    original = builtins.open
+    said: list[str] = []
+
+    def open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:  # noqa: A001 (the builtin's name)
+        if isinstance(file, (str, os.PathLike)) and not set(mode) & set("wax+"):
+            path = os.fspath(file)
+            if isinstance(path, str) and os.path.basename(path) in bases and os.path.realpath(path) in real:
+                if not said and os.environ.get("RANK", "0") == "0":
+                    said.append(path)
+                    logging.getLogger("toolkit.dsat.trial").warning(
+                        "dsat: the script reads its DeepSpeed config %s; it reads this trial's config %s "
+                        "instead (--no-merge-config keeps the file as written)", path, target)
+                file = target
+        return original(file, mode, *args, **kwargs)
+
+    open.toolkit_dsat_reads = True  # type: ignore[attr-defined]
+    builtins.open = io.open = open
+
+
 def _install() -> None:
     if not (os.environ.get(_TRIAL_ENV) or os.environ.get(_APPLY_ENV)):
         return
+    _redirect_config_reads()
     if "deepspeed" in sys.modules:
         wrap_initialize(sys.modules["deepspeed"])
     elif not any(isinstance(f, _AfterDeepSpeedImport) for f in sys.meta_path):

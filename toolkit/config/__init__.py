@@ -1,14 +1,7 @@
-"""Experiment YAML and DeepSpeed configs: load, merge, resolve, validate.
+"""Experiment YAML and DeepSpeed configs: load, merge, resolve, validate (docs/configs.md).
 
-Pure (apart from reading the named files), any rank, and no function mutates its inputs. Every
-wrong config, hyperparameter or argument, a config that is not a mapping included, raises one
-:class:`toolkit.ConfigError` listing every problem (the rule of :mod:`toolkit.errors`), before
-anything is launched. What is accepted, warned about and refused: docs/configs.md.
-
-Example::
-
-    hparams = get_hparams("deepspeed.yaml")                      # any rank
-    ds_config = build_ds_config(hparams, data_parallel_size=2)  # same result on every rank
+Pure apart from reading the named files; any rank; inputs are never mutated. Every wrong config
+is one :class:`toolkit.ConfigError` listing every problem, raised before anything is launched.
 """
 
 from toolkit.config.deepspeed import (

@@ -1,19 +1,7 @@
-"""DeepSpeed configs: load and merge, and the one-call path from hyperparameters to a checked config.
+"""DeepSpeed configs: load and merge, and :func:`build_ds_config` from hyperparameters to a checked config.
 
-DeepSpeed configs stay plain dicts and are never mutated: every function here returns a new dict.
-:func:`build_ds_config` is :func:`get_ds_config_from_hparams`, then :func:`resolve_ds_config`,
-then :func:`validate_ds_config`; this module re-exports those and the key names, so
-``toolkit.config.deepspeed`` keeps its public names. Pure (reading a JSON file aside), any rank;
-a wrong config of any kind is a :class:`~toolkit.errors.ConfigError`, a missing JSON file a
-``FileNotFoundError`` naming the path looked at.
-
-Example::
-
-    # torchrun --nproc_per_node 2 train.py      (any rank: the same result on every rank)
-    ctx = toolkit.init_distributed()
-    hparams = toolkit.get_hparams("deepspeed.yaml")
-    ds_config = toolkit.build_ds_config(hparams, data_parallel_size=ctx.world_size,
-                                        base_dir=Path(__file__).parent, device=ctx.device)
+Re-exports :func:`resolve_ds_config`, :func:`validate_ds_config` and the key names, so
+``toolkit.config.deepspeed`` keeps its public names. Pure (reading a JSON file aside); any rank.
 """
 
 from __future__ import annotations
@@ -52,19 +40,10 @@ __all__ = [
 
 
 def load_json_strict(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Load a DeepSpeed JSON config, bounded (:mod:`toolkit.bounded_load`). Any rank (reads the file).
+    """A DeepSpeed JSON config, read by :mod:`toolkit.bounded_load`. Any rank.
 
-    Duplicate keys, numbers that are not finite (``NaN``, ``Infinity``, ``1e999``), nesting
-    deeper than ``MAX_DEPTH``, a file over ``MAX_CONFIG_BYTES`` and non-UTF-8 text are refused.
-
-    Raises:
-        FileNotFoundError: naming the absolute path looked at.
-        ConfigError: malformed JSON (line and column), any of the above, or a non-object.
-
-    Example::
-
-        ds_config = load_json_strict(Path(__file__).with_name("ds_config.json"))
-        # '{"zero_optimization": {"stage": 1, "stage": 3}}' -> ConfigError: duplicate key 'stage'
+    Duplicate keys, non-finite numbers, deep nesting, an oversize or non-UTF-8 file and a non-object
+    are a ConfigError; a missing file is FileNotFoundError naming the absolute path looked at.
     """
     file = Path(path)
     if not file.is_file():
@@ -85,28 +64,14 @@ def _merge_into(base: dict[str, Any], source: Mapping[str, Any]) -> dict[str, An
 
 def overwrite_deepspeed_config(base_ds_config: str | os.PathLike[str] | Mapping[str, Any],
                                source_ds_dict: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Merge ``source_ds_dict`` into a DeepSpeed config, recursively; the source wins. Any rank.
+    """``source_ds_dict`` merged into a DeepSpeed config, recursively; the source wins. Any rank.
 
-    Nested mappings are merged key by key, anything else (numbers, lists) is replaced, and keys
-    only in the source are added. Neither input is modified.
+    ``base_ds_config`` is a JSON file's path or a mapping; ``source_ds_dict`` (e.g.
+    ``hparams["overwrite_deepspeed_args"]``) may be None. Nested mappings merge key by key, anything
+    else is replaced. Returns a new dict; bad types of both arguments are one ConfigError.
 
-    Args:
-        base_ds_config: a path to a JSON file (duplicate keys rejected) or a mapping.
-        source_ds_dict: the values that win, e.g. ``hparams["overwrite_deepspeed_args"]``;
-            ``None`` means nothing to overwrite.
-
-    Returns:
-        A new dict.
-
-    Raises:
-        ConfigError: ``base_ds_config`` is neither a path nor a mapping, the source is not a
-            mapping, or the JSON file is malformed (both kinds listed when both are wrong).
-        FileNotFoundError: the JSON file is missing.
-
-    Example:
-        >>> overwrite_deepspeed_config({"optimizer": {"params": {"lr": 1e-3, "eps": 1e-8}}},
-        ...                            {"optimizer": {"params": {"lr": 5e-3}}})
-        {'optimizer': {'params': {'lr': 0.005, 'eps': 1e-08}}}
+    >>> overwrite_deepspeed_config({"optimizer": {"lr": 1e-3, "eps": 1e-8}}, {"optimizer": {"lr": 5e-3}})
+    {'optimizer': {'lr': 0.005, 'eps': 1e-08}}
     """
     problems = []
     is_path = isinstance(base_ds_config, (str, os.PathLike))
@@ -126,34 +91,13 @@ def overwrite_deepspeed_config(base_ds_config: str | os.PathLike[str] | Mapping[
 
 def get_ds_config_from_hparams(hparams: Mapping[str, Any], base_dir: str | os.PathLike[str] = ".",
                                ) -> dict[str, Any]:
-    """The DeepSpeed config named or written in the hyperparameters. Any rank.
+    """The DeepSpeed config the hyperparameters name or hold, as in Determined. Any rank.
 
-    Two forms, as in Determined:
-
-    * ``deepspeed_config: ds_config.json`` (relative to ``base_dir``, not to the working
-      directory unless ``base_dir`` is ``"."``), plus optional ``overwrite_deepspeed_args``
-      merged on top;
-    * no ``deepspeed_config``: the DeepSpeed keys written inline in the hyperparameters
-      (``train_batch_size``, ``zero_optimization``, ...), plus ``overwrite_deepspeed_args``.
-
-    Args:
-        hparams: from :func:`toolkit.get_hparams`.
-        base_dir: the directory relative paths are resolved against; scripts pass their own
-            directory, ``Path(__file__).parent``, so they work from any working directory.
-
-    Returns:
-        A new dict; not yet resolved (see :func:`resolve_ds_config`).
-
-    Raises:
-        ConfigError: ``hparams`` is not a mapping, ``deepspeed_config`` or
-            ``overwrite_deepspeed_args`` has the wrong type, or neither form is present (the
-            message lists the keys that were found).
-        FileNotFoundError: the JSON file is missing (the message gives the path looked at).
-
-    Example:
-        >>> get_ds_config_from_hparams({"train_micro_batch_size_per_gpu": 4, "lr": 0.1,
-        ...                             "overwrite_deepspeed_args": {"zero_optimization": {"stage": 1}}})
-        {'train_micro_batch_size_per_gpu': 4, 'zero_optimization': {'stage': 1}}
+    Either ``deepspeed_config: ds_config.json`` (relative to ``base_dir``; scripts pass
+    ``Path(__file__).parent``) or DeepSpeed keys written inline; ``overwrite_deepspeed_args`` is
+    merged on top of either. Returns a new, unresolved dict (see :func:`resolve_ds_config`).
+    ConfigError for wrong types or neither form (naming the keys found); FileNotFoundError for a
+    missing JSON file.
     """
     require_mapping(hparams, "hparams", "a dict of hyperparameters")
     overwrite = hparams.get("overwrite_deepspeed_args")
@@ -183,13 +127,10 @@ def get_ds_config_from_hparams(hparams: Mapping[str, Any], base_dir: str | os.Pa
 def build_ds_config(hparams: Mapping[str, Any], *, data_parallel_size: int,
                     base_dir: str | os.PathLike[str] = ".", pipeline: bool = False,
                     device: Any = None, hidden_size: int | None = None) -> dict[str, Any]:
-    """Hyperparameters to a complete, checked DeepSpeed config, in one call. Any rank.
+    """Hyperparameters to a complete, checked DeepSpeed config in one call. Any rank (same result on each).
 
-    :func:`get_ds_config_from_hparams`, then :func:`resolve_ds_config` (with the hparams'
-    ``global_batch_size`` / ``data_parallel_world_size`` checked), then
-    :func:`validate_ds_config`.
-
-    Example::
+    :func:`get_ds_config_from_hparams`, :func:`resolve_ds_config` (checking the hparams'
+    ``global_batch_size`` / ``data_parallel_world_size``), then :func:`validate_ds_config`::
 
         # torchrun --nproc_per_node 2 train.py
         ds_config = toolkit.build_ds_config(hparams, data_parallel_size=ctx.world_size,

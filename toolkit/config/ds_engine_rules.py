@@ -1,15 +1,11 @@
-"""The rules DeepSpeed 0.19's engine applies when ``deepspeed.initialize`` builds the optimizer, the LR
-scheduler, the gradient reduction and the checkpoint settings from a config, mirrored so that a
-config it cannot run is refused before launch (:func:`toolkit.validate_ds_config` calls them).
+"""The rules DeepSpeed 0.19's engine applies to the optimizer, LR scheduler, gradient reduction and
+checkpoint settings in ``deepspeed.initialize``, mirrored for :func:`toolkit.validate_ds_config`.
 
-Each rule cites the DeepSpeed code it mirrors (``runtime/engine.py``: ``_configure_basic_optimizer``,
-``_do_sanity_check``, ``_do_optimizer_sanity_check``, ``_scheduler_from_config``; ``runtime/config.py``;
-``runtime/zero/stage_1_and_2.py`` and ``stage3.py``). Rules that depend on the device say which device
-they judged for; ``device=None`` skips them. The machine is read only for those (what this CPU
-supports, whether libaio is installed), once per process.
-
-Pure otherwise; any rank. Each function appends its sentences to ``problems`` (the config cannot
-run) or ``notes`` (DeepSpeed runs it but ignores or reinterprets a setting: a ``ConfigWarning``).
+Mirrored from ``runtime/engine.py`` (``_configure_basic_optimizer``, ``_do_sanity_check``,
+``_do_optimizer_sanity_check``, ``_scheduler_from_config``), ``runtime/config.py`` and ``runtime/zero/``.
+Each rule appends to ``problems`` (refused) or ``notes`` (a ConfigWarning); device rules name the
+device judged for, ``device=None`` skips them. Pure but for this CPU's fp16 support and libaio,
+read once per process; any rank.
 """
 
 from __future__ import annotations
@@ -75,12 +71,8 @@ def deepspeed_version() -> str | None:
 
 
 def is_tested_deepspeed(version: str | None) -> bool:
-    """Whether ``version`` is in :data:`~toolkit.config.ds_schema.TESTED_DEEPSPEED` (None, no
-    DeepSpeed installed: judged by the tested rules). Pure.
-
-    >>> is_tested_deepspeed("0.19.8"), is_tested_deepspeed("0.14.4+cu121"), is_tested_deepspeed("1.0")
-    (True, False, False)
-    """
+    """Whether ``version`` is in :data:`~toolkit.config.ds_schema.TESTED_DEEPSPEED` ("0.19.8" is,
+    "0.14.4+cu121" is not); None, no DeepSpeed installed, counts as tested. Pure."""
     if version is None:
         return True
     match = re.match(r"\s*v?(\d+)\.(\d+)", version)

@@ -1,19 +1,5 @@
-"""What a DeepSpeed config is, for every module of this package: the keys DeepSpeed reads, the batch
-triple and its relation, the ZeRO stage, and the one check that a config is a mapping at all.
-
-Pure; any rank. Nothing here mutates its input.
-
-Errors follow :mod:`toolkit.errors`: a DeepSpeed config, hyperparameters or any other argument that
-carries configuration is the user's value even when it is not a mapping at all (a JSON or YAML file
-may hold a list at the top, and the caller cannot always tell), so :func:`require_mapping` raises
-:class:`~toolkit.errors.ConfigError`, never ``TypeError``. Every public function of
-:mod:`toolkit.config` follows it, so a script catches one type for "this config is wrong".
-
-Example::
-
-    ds_config = require_mapping(ds_config, "ds_config", "a dict of DeepSpeed keys")  # ConfigError if not
-    if zero_stage(ds_config) == 3:
-        ...
+"""What a DeepSpeed config is, for every module of :mod:`toolkit.config`: the keys DeepSpeed reads,
+the batch triple, the ZeRO stage, and the check that a config is a mapping at all. Pure; any rank.
 """
 
 from __future__ import annotations
@@ -174,30 +160,16 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
 def mapping_problem(value: Any, name: str, expected: str) -> str | None:
-    """The sentence saying ``value`` is not a mapping, or None when it is one. Pure; any rank.
-
-    Example:
-        >>> mapping_problem(3, "hparams", "a dict of hyperparameters")
-        'hparams=3: expected a dict of hyperparameters, got int'
-    """
+    """The sentence saying ``value`` is not a mapping, or None when it is one. Pure; any rank."""
     if is_mapping(value):
         return None
     return f"{name}={value!r:.80}: expected {expected}, got {type_name(value)}"
 
 
 def require_mapping(value: Any, name: str, expected: str) -> Mapping[str, Any]:
-    """``value`` itself when it is a mapping, else :class:`ConfigError`. Pure; any rank.
+    """``value`` when it is a mapping, else ConfigError naming ``name`` and ``expected``. Pure; any rank.
 
-    Args:
-        name: the argument or key, as the user knows it (``"ds_config"``, ``"hparams"``).
-        expected: what it should be, for the message (``"a dict of DeepSpeed keys"``).
-
-    Example:
-        >>> try:
-        ...     require_mapping([1], "ds_config", "a dict of DeepSpeed keys")
-        ... except ConfigError as err:
-        ...     err.problems
-        ['ds_config=[1]: expected a dict of DeepSpeed keys, got list']
+    Never TypeError: a file may hold a list at the top, and that is still the user's config.
     """
     problem = mapping_problem(value, name, expected)
     if problem:
@@ -206,25 +178,14 @@ def require_mapping(value: Any, name: str, expected: str) -> Mapping[str, Any]:
 
 
 def plain_copy(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A deep copy in which every nested mapping is a plain ``dict``. Pure; any rank.
-
-    Example:
-        >>> plain_copy({"zero_optimization": {"stage": 1}})
-        {'zero_optimization': {'stage': 1}}
-    """
+    """A deep copy in which every nested mapping is a plain ``dict``. Pure; any rank."""
     return {key: plain_copy(value) if is_mapping(value) else copy.deepcopy(value)
             for key, value in config.items()}
 
 
 def stage_value(raw: Any) -> int | None:
-    """A ZeRO stage as DeepSpeed's config model reads it: an integer 0..3, also written as a bool,
-    an integral float or a numeric string (pydantic's lax mode); None when it is none of those.
-    Pure; any rank.
-
-    Example:
-        >>> stage_value("2"), stage_value(3.0), stage_value(4), stage_value("two")
-        (2, 3, None, None)
-    """
+    """A ZeRO stage as DeepSpeed's config model reads it (0..3, also as a bool, an integral float or a
+    numeric string: pydantic's lax mode), or None. Pure; any rank."""
     if isinstance(raw, str):
         raw = raw.strip()
         raw = int(raw) if raw.isdigit() else None
@@ -236,13 +197,8 @@ def stage_value(raw: Any) -> int | None:
 
 
 def zero_stage(ds_config: Mapping[str, Any]) -> int:
-    """The ZeRO stage a config asks for: 0 when ``zero_optimization`` is absent, -1 when the stage
-    is not one DeepSpeed reads (see :func:`stage_value`). Pure; any rank.
-
-    Example:
-        >>> zero_stage({"zero_optimization": True})  # DeepSpeed's legacy form: stage 1
-        1
-    """
+    """The ZeRO stage a config asks for: 0 without ``zero_optimization``, 1 for DeepSpeed's legacy
+    ``true``, -1 when :func:`stage_value` cannot read it. Pure; any rank."""
     zero: Any = ds_config.get("zero_optimization")
     if isinstance(zero, bool):  # DeepSpeed's legacy form: true means stage 1
         return int(zero)
@@ -254,12 +210,7 @@ def zero_stage(ds_config: Mapping[str, Any]) -> int:
 
 def batch_relation_problem(tbs: int, mbs: int, gas: int, dp: int) -> str | None:
     """The sentence saying the batch triple breaks ``tbs == mbs * gas * dp`` and how to fix it, or
-    None when it holds. Pure; any rank.
-
-    Example:
-        >>> batch_relation_problem(8, 2, 2, 2) is None
-        True
-    """
+    None when it holds. Pure; any rank."""
     if tbs == mbs * gas * dp:
         return None
     return (f"batch sizes do not add up: {TBS}={tbs} but {MBS}={mbs} x {GAS}={gas} x "
@@ -268,10 +219,6 @@ def batch_relation_problem(tbs: int, mbs: int, gas: int, dp: int) -> str | None:
 
 
 def tested_deepspeed_range() -> str:
-    """:data:`TESTED_DEEPSPEED` as a requirement specifier. Pure.
-
-    >>> tested_deepspeed_range()
-    '>=0.19,<0.20'
-    """
+    """:data:`TESTED_DEEPSPEED` as a requirement specifier, ``'>=0.19,<0.20'``. Pure."""
     (low_major, low_minor), (high_major, high_minor) = TESTED_DEEPSPEED
     return f">={low_major}.{low_minor},<{high_major}.{high_minor}"

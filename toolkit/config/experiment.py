@@ -1,15 +1,6 @@
-"""Experiment configs (the Determined-compatible ``deepspeed.yaml``) and hyperparameters.
-
-:func:`get_hparams` returns the YAML's ``hyperparameters``, or, inside a dsat trial, the trial's
-own (from ``TOOLKIT_TRIAL_HPARAMS``), so a script runs unchanged as a trial or on its own.
-Pure apart from reading the named files and environment variables; any rank (every rank reads the
-same files). Everything wrong is one :class:`~toolkit.errors.ConfigError` naming each key; unknown
-keys only warn (:class:`ConfigWarning`). The YAML's keys: docs/configs.md.
-
-Example::
-
-    # torchrun --nproc_per_node 2 train.py      (any rank: every rank reads the same file)
-    hparams = toolkit.get_hparams(Path(__file__).with_name("deepspeed.yaml"))
+"""Experiment configs (the Determined-compatible ``deepspeed.yaml``) and hyperparameters: load, check,
+warn about unknown keys. Pure apart from reading the named files and environment variables; any
+rank (every rank reads the same files). The YAML's keys: docs/configs.md.
 """
 
 from __future__ import annotations
@@ -51,31 +42,16 @@ _SEARCHER = ("name", "metric", "smaller_is_better", "max_length")
 
 
 class ConfigWarning(UserWarning):
-    """An unknown key in a config: probably a typo; the message suggests the closest known key.
-
-    Emitted on whichever rank reads the config. To make typos fatal (e.g. in CI)::
-
-        warnings.simplefilter("error", toolkit.ConfigWarning)
-    """
+    """An unknown or not-honoured config key, with the closest known key; on the rank that read it.
+    ``warnings.simplefilter("error", toolkit.ConfigWarning)`` makes them fatal (e.g. in CI)."""
 
 
 def warn_unknown_keys(mapping: Mapping[str, Any], known: tuple[str, ...] | frozenset[str], *,
                       where: str, not_honoured: Mapping[str, str] | None = None) -> list[str]:
-    """Warn once per unknown key, suggesting the closest known one. Any rank.
+    """Warn once per unknown key, suggesting the closest known one; returns the messages. Any rank.
 
-    Args:
-        where: the prefix naming the section in the message (``"resources."``; ``""`` at the top).
-        not_honoured: keys that are no typo but not honoured here, with why (Determined's
-            cluster-only keys, :data:`~toolkit.config.not_honoured.NOT_HONOURED`): their warning
-            says so instead.
-
-    Returns:
-        The warning messages (also emitted as :class:`ConfigWarning`).
-
-    Example:
-        >>> warn_unknown_keys({"slot_per_trial": 2}, ("slots_per_trial",), where="resources.")
-        ["unknown key resources.'slot_per_trial' is ignored; did you mean 'slots_per_trial'?"]
-    """
+    ``where`` prefixes the key in the message (``"resources."``); ``not_honoured`` maps Determined's
+    cluster-only keys to why they are not honoured here, which their warning says instead."""
     messages = []
     for key in mapping:
         if key in known:
@@ -95,26 +71,9 @@ def warn_unknown_keys(mapping: Mapping[str, Any], known: tuple[str, ...] | froze
 
 
 def check_experiment_config(config: Any, *, source: str = "") -> None:
-    """Check a loaded experiment config, listing every problem. Pure; any rank.
-
-    :func:`load_experiment_config` calls it on the parsed YAML; call it yourself on a config
-    built in code. Unknown keys only warn (:class:`ConfigWarning`).
-
-    Args:
-        config: the parsed YAML (a mapping).
-        source: where it came from, for the message (the YAML's path).
-
-    Raises:
-        ConfigError: listing every problem (a config that is not a mapping included), each
-            naming its key, the value given and what is expected.
-
-    Example:
-        >>> try:
-        ...     check_experiment_config({"resources": {"slots_per_trial": 0}}, source="deepspeed.yaml")
-        ... except ConfigError as err:
-        ...     err.problems
-        ['resources.slots_per_trial=0: expected an integer >= 1']
-    """
+    """Check a parsed experiment config (a YAML's, or one built in code): one ConfigError lists every
+    problem, each naming its key; unknown keys only warn. ``source``: the path, for the message.
+    Pure; any rank."""
     if not is_mapping(config):
         raise ConfigError(f"the file must hold a mapping of keys (name, entrypoint, ...), "
                           f"got {type_name(config)}: {config!r:.80}", source=source or None)
@@ -238,28 +197,10 @@ def _unwrap_const(hparams: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_experiment_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Load and check an experiment YAML. Any rank.
+    """Load and check an experiment YAML (:func:`toolkit.bounded_load.load_yaml`, SafeLoader). Any rank.
 
-    Args:
-        path: the YAML file, read by :func:`toolkit.bounded_load.load_yaml` (``yaml.SafeLoader``:
-            no Python objects are constructed; size, nesting and aliases bounded; duplicate keys
-            and numbers that are not finite refused).
-
-    Returns:
-        A new dict. Hyperparameters written as ``{type: const, val: X}`` are unwrapped to ``X``.
-
-    Raises:
-        FileNotFoundError: the file does not exist (the message gives the absolute path).
-        ConfigError: malformed YAML (with line and column), a bound of
-            :mod:`toolkit.bounded_load` broken (not UTF-8, too big, too deep, too many aliases,
-            a duplicate key, a number that is not finite) or wrong types and impossible values,
-            all listed, each naming its key. Unknown keys only warn (:class:`ConfigWarning`).
-
-    Example:
-        >>> config = load_experiment_config("examples/core_api/deepspeed.yaml")  # from the repository root
-        >>> config["resources"]["slots_per_trial"]
-        2
-    """
+    Returns a new dict, ``{type: const, val: X}`` hyperparameters unwrapped to ``X``. A missing file
+    is FileNotFoundError (absolute path); malformed YAML, a broken bound or wrong values one ConfigError."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"experiment config {str(path)!r} not found (looked at {file.resolve()})")
@@ -274,17 +215,8 @@ def load_experiment_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def entrypoint_argv(config: Mapping[str, Any]) -> list[str]:
-    """The experiment's ``entrypoint`` as an argv list (split like a POSIX shell, never run by one).
-
-    Pure; any rank.
-
-    Raises:
-        ConfigError: the entrypoint is missing, empty, or neither a string nor a list of strings.
-
-    Example:
-        >>> entrypoint_argv({"entrypoint": "python3 train.py --epochs 1"})
-        ['python3', 'train.py', '--epochs', '1']
-    """
+    """The experiment's ``entrypoint`` as an argv list, split like a POSIX shell (never run by one).
+    Pure; any rank. ConfigError when it is missing, empty, or neither a string nor a list of strings."""
     ep = config.get("entrypoint")
     if ep is None:
         raise ConfigError("entrypoint is missing: expected e.g. 'entrypoint: python3 train.py'")
@@ -335,12 +267,6 @@ def get_hparams(config_path: str | os.PathLike[str] | None = None) -> dict[str, 
 
 
 def get_output_dir(default: str | os.PathLike[str]) -> Path:
-    """Where this run writes: ``$TOOLKIT_OUTPUT_DIR`` when set (dsat trials), else ``default``. Any rank.
-
-    Example::
-
-        # torchrun --nproc_per_node 2 train.py --output-dir runs/exp1
-        out = Path(args.output_dir) if args.output_dir else toolkit.get_output_dir("runs/exp1")
-    """
+    """Where this run writes: ``$TOOLKIT_OUTPUT_DIR`` when set (dsat trials), else ``default``. Any rank."""
     env = os.environ.get(OUTPUT_DIR_ENV)
     return Path(env) if env else Path(default)

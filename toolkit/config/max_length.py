@@ -1,7 +1,5 @@
 """``searcher.max_length`` in batches, records or epochs (Determined 0.38's forms), as a number of steps.
-
-Pure; any rank. Re-exported by :mod:`toolkit.config.experiment`.
-"""
+Pure; any rank. Re-exported by :mod:`toolkit.config.experiment`."""
 
 from __future__ import annotations
 
@@ -37,10 +35,8 @@ def _max_length(config: Mapping[str, Any]) -> tuple[str, int] | None:
 
 
 def max_length_unit(config: Mapping[str, Any]) -> tuple[str, int] | None:
-    """``searcher.max_length`` as written: (``"batches"``, ``"records"`` or ``"epochs"``, N); None when unset.
-
-    Pure; any rank. Raises ConfigError for any other form (see :func:`max_length_steps`).
-    """
+    """``searcher.max_length`` as written: (``"batches"``, ``"records"`` or ``"epochs"``, N), or None
+    when unset. Pure; any rank; ConfigError for any other form."""
     return _max_length(config)
 
 
@@ -56,23 +52,10 @@ def max_length_steps(config: Mapping[str, Any], default: int | None = None, *,
                      global_batch_size: int | None = None) -> int | None:
     """``searcher.max_length`` as a number of steps (batches); ``default`` when unset. Pure; any rank.
 
-    Accepts ``max_length: 500``, ``{batches: 500}``, and Determined 0.38's ``{records: N}``
-    (``ceil(N / global_batch_size)`` steps) and ``{epochs: N}`` (``N * records_per_epoch``
-    records, ``records_per_epoch`` at the experiment's top level). The global batch size is
-    ``global_batch_size`` when given (a search trial's sampled value), else Determined's
-    ``hyperparameters.global_batch_size``.
-
-    Raises:
-        ConfigError: any other form, a number < 1, a ``searcher`` that is not a mapping, or
-            records/epochs without what converting them needs (named).
-
-    Example:
-        >>> max_length_steps({"searcher": {"max_length": {"batches": 500}}})
-        500
-        >>> max_length_steps({"searcher": {"max_length": {"epochs": 2}}, "records_per_epoch": 1000,
-        ...                   "hyperparameters": {"global_batch_size": 64}})
-        32
-    """
+    Accepts ``500``, ``{batches: 500}``, and Determined 0.38's ``{records: N}`` (``ceil(N / global
+    batch size)`` steps) and ``{epochs: N}`` (``N * records_per_epoch`` records). The global batch size
+    is ``global_batch_size`` when given (a search trial's), else ``hyperparameters.global_batch_size``.
+    ConfigError names any other form, and what converting records or epochs lacks."""
     found = _max_length(config)
     if found is None:
         return default

@@ -1,10 +1,6 @@
-"""Keys of Determined's experiment config that only its cluster used: each is "not honoured here".
-
-A YAML written for Determined keeps them; toolkit warns once per key (:class:`ConfigWarning`,
-through :func:`toolkit.config.experiment.warn_unknown_keys`) with the reason, instead of the typo
-message "unknown key". The sections and keys follow Determined 0.38's experiment config reference.
-Pure data; any process.
-"""
+"""Keys of Determined's experiment config that only its cluster used (Determined 0.38's reference),
+each with why it is not honoured here: :func:`toolkit.config.experiment.warn_unknown_keys` says
+so, once per key, instead of "unknown key". Pure data; any process."""
 
 from __future__ import annotations
 

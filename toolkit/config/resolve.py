@@ -1,17 +1,7 @@
 """Resolve a DeepSpeed config: fill "auto" values and complete the batch triple exactly.
 
-Pure; any rank (every rank computes the same result from the same inputs). The input is never
-mutated: :func:`resolve_ds_config` works on a plain-dict copy.
-
-Errors follow :mod:`toolkit.errors`: every wrong input, including a ``ds_config`` or ``hparams``
-that is not a mapping and a bad keyword argument (``data_parallel_size=0``), is a
-:class:`~toolkit.errors.ConfigError`; the argument problems are collected and raised together.
-
-Example::
-
-    # torchrun --nproc_per_node 2 train.py
-    ds_config = resolve_ds_config({"train_micro_batch_size_per_gpu": 4}, data_parallel_size=2)
-    # -> train_batch_size 8, gradient_accumulation_steps 1
+Pure; any rank (every rank computes the same result); the input is never mutated. Every wrong
+input, a bad keyword argument such as ``data_parallel_size=0`` included, is one ConfigError.
 """
 
 from __future__ import annotations
@@ -42,36 +32,14 @@ def resolve_ds_config(ds_config: Mapping[str, Any], *, data_parallel_size: int,
                       hparams: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Fill "auto" values and complete the batch triple exactly. Pure; any rank.
 
-    The batch keys follow DeepSpeed's own rules (``runtime/config.py``) for every combination
-    given, but exactly: ``train_batch_size == train_micro_batch_size_per_gpu *
-    gradient_accumulation_steps * data_parallel_size`` holds afterwards, or :class:`ConfigError`
-    says which numbers break it and how to fix them (DeepSpeed itself floors the division and
-    trains with a different batch than asked).
+    DeepSpeed's rules (``runtime/config.py``) for every combination given, but exact: afterwards
+    ``train_batch_size == micro-batch x accumulation x data_parallel_size``, or a ConfigError says
+    which numbers break it (DeepSpeed floors the division and trains another batch). A batch key
+    missing or "auto" takes its keyword argument; ``hidden_size`` fills ZeRO's model-size "auto"
+    values; ``hparams``' ``global_batch_size`` / ``data_parallel_world_size`` must agree. The rules:
+    docs/configs.md. ``data_parallel_size`` is world size / (pipeline stages x model parallel size)::
 
-    * A batch key that is missing or ``"auto"`` takes the keyword argument when given.
-    * ``gradient_accumulation_steps: "auto"`` with nothing to derive it from is 1.
-    * Given two of the three, the third is derived; given only ``train_batch_size``,
-      accumulation is 1; given only the micro-batch, accumulation is 1.
-    * ``hidden_size`` fills the model-size "auto" values of ZeRO the way HF Transformers does:
-      ``reduce_bucket_size = h*h``, ``stage3_prefetch_bucket_size = 0.9*h*h``,
-      ``stage3_param_persistence_threshold = 10*h``.
-    * ``hparams`` with Determined's ``global_batch_size`` / ``data_parallel_world_size`` must
-      agree with the result.
-
-    Args:
-        ds_config: the config (not modified).
-        data_parallel_size: model replicas: world size / (pipeline stages x model parallel size).
-
-    Returns:
-        A new dict with all three batch keys set to positive integers.
-
-    Raises:
-        ConfigError: listing every problem (a non-mapping ``ds_config`` or ``hparams`` included).
-
-    Example::
-
-        resolve_ds_config({"train_batch_size": 32, "gradient_accumulation_steps": "auto"},
-                          data_parallel_size=4, micro_batch_size=2)   # accumulation 4
+        resolve_ds_config({"train_micro_batch_size_per_gpu": 4}, data_parallel_size=2)  # tbs 8, gas 1
     """
     _check_arguments(ds_config, data_parallel_size=data_parallel_size, hidden_size=hidden_size,
                      hparams=hparams)

@@ -1,19 +1,9 @@
-"""Validate a DeepSpeed config before launch, as DeepSpeed 0.19 itself judges it, every problem at once.
+"""Validate a DeepSpeed config before launch as DeepSpeed 0.19 judges it, every problem at once.
 
-The rule: a config that ``deepspeed.initialize`` runs is accepted; a setting it runs but ignores
-or reinterprets is a :class:`toolkit.ConfigWarning` naming the key; a config it refuses is a
-:class:`~toolkit.errors.ConfigError` naming the key, listing every problem found. Each rule mirrors
-the DeepSpeed code that applies it (the ZeRO and precision rules here, the optimizer, scheduler,
-gradient-reduction and checkpoint rules in :mod:`toolkit.config.ds_engine_rules`);
-tests/config/test_ds_verdicts.py compares the verdicts with DeepSpeed's own, config by config.
-
-Pure (device-dependent rules read this machine's fp16 support and libaio once); any rank; nothing
-is mutated. A ``ds_config`` that is not a mapping is a ``ConfigError`` too (:mod:`toolkit.errors`).
-
-Example::
-
-    # torchrun --nproc_per_node 2 train.py
-    validate_ds_config(ds_config, device=ctx.device, data_parallel_size=ctx.world_size)
+Refused: one ConfigError; run but ignored or reinterpreted: a ConfigWarning (docs/configs.md lists
+both). The ZeRO and precision rules are here, the engine's in :mod:`toolkit.config.ds_engine_rules`;
+tests/config/test_ds_verdicts.py checks the verdicts against DeepSpeed's own. Pure (the device rules
+read this machine's fp16 support and libaio once); any rank.
 """
 
 from __future__ import annotations
@@ -62,30 +52,16 @@ __all__ = ["find_auto", "validate_ds_config"]
 
 def validate_ds_config(ds_config: Mapping[str, Any], *, pipeline: bool = False,
                        device: Any = None, data_parallel_size: int | None = None) -> None:
-    """Judge a DeepSpeed config as DeepSpeed 0.19 would, listing every problem. Pure; any rank.
+    """Judge a DeepSpeed config as DeepSpeed 0.19 would; one ConfigError lists every problem. Any rank.
 
-    Refused, one :class:`ConfigError` for all: what ``deepspeed.initialize`` or the first steps
-    would fail on (removed sections, unknown ZeRO/fp16/bf16 keys, impossible offload, optimizer or
-    scheduler settings, bad batch values, NaN or infinity anywhere). Warned
-    (:class:`toolkit.ConfigWarning`): what DeepSpeed runs but ignores or reinterprets. The full
-    list: docs/configs.md. Under a DeepSpeed release outside ``TESTED_DEEPSPEED`` (0.19), one
-    warning says so and DeepSpeed's refusals are warnings; the batch arithmetic and NaN stay errors.
+    What DeepSpeed runs but ignores or reinterprets is a :class:`toolkit.ConfigWarning`.
+    ``pipeline``: a ``PipelineModule`` engine (ZeRO 0 or 1 only). ``device``: the training device;
+    None skips the device rules. ``data_parallel_size``: checks the batch relation exactly, else only
+    divisibility. Under a DeepSpeed outside ``TESTED_DEEPSPEED`` the refusals are warnings (the batch
+    arithmetic and NaN stay errors)::
 
-    Args:
-        ds_config: the config (not modified).
-        pipeline: the engine is a ``PipelineModule`` engine (ZeRO stage 0 or 1 only).
-        device: the training device (``torch.device`` or string); ``None`` skips the
-            device-dependent rules, which otherwise say which device they judged for.
-        data_parallel_size: when given, the batch relation is checked exactly; otherwise only
-            that ``train_batch_size`` is a multiple of micro-batch x accumulation.
-
-    Raises:
-        ConfigError: listing every problem found (a non-mapping ``ds_config`` included).
-
-    Example::
-
-        validate_ds_config({"train_batch_size": 8, "amp": {"enabled": True}}, device="cpu")
-        # ConfigError: amp: NVIDIA Apex AMP: DeepSpeed 0.19 removed it ...
+        # torchrun --nproc_per_node 2 train.py
+        validate_ds_config(ds_config, device=ctx.device, data_parallel_size=ctx.world_size)
     """
     require_mapping(ds_config, "ds_config", DS_CONFIG_EXPECTED)
     problems: list[str] = []
@@ -302,12 +278,10 @@ def _precision_problems(ds_config: Mapping[str, Any], *, device: Any = None, sta
 
 
 def _batch_problems(ds_config: Mapping[str, Any], *, data_parallel_size: int | None = None) -> list[str]:
-    """Batch numbers that are not positive integers, and the batch relation. Pure; any rank.
+    """Batch values that are not positive integers, and the batch relation. Pure; any rank.
 
-    "auto" is left to :func:`find_auto`. Without ``data_parallel_size`` only divisibility is checked.
-    With it, one or two keys given must complete exactly (DeepSpeed floors the division and then
-    refuses the triple); none given is left to :func:`~toolkit.resolve_ds_config`, which fills them.
-    """
+    Without ``data_parallel_size`` only divisibility; with it, one or two keys given must complete
+    exactly (DeepSpeed floors, then refuses); none given is left to :func:`resolve_ds_config`."""
     problems = []
     numbers = {}
     for key in BATCH_KEYS:
@@ -338,12 +312,7 @@ def _batch_problems(ds_config: Mapping[str, Any], *, data_parallel_size: int | N
 
 
 def find_auto(node: Any, prefix: str = "") -> list[str]:
-    """The dotted paths of every value that is still ``"auto"``. Pure; any rank.
-
-    Example:
-        >>> find_auto({"zero_optimization": {"reduce_bucket_size": "auto"}})
-        ['zero_optimization.reduce_bucket_size']
-    """
+    """The dotted paths of every value that is still ``"auto"``. Pure; any rank."""
     if is_mapping(node):
         found = []
         for key, value in node.items():

@@ -1,8 +1,5 @@
-"""Metric reports waiting for their batch's collective, for :class:`toolkit.MetricsWriter`.
-
-Pure bookkeeping of one rank (no collective). The reports are kept in a few growing lists of
-numbers, not as one object each: see :class:`PendingReports` for why.
-"""
+"""Metric reports waiting for their batch's collective, for :class:`toolkit.MetricsWriter`. One
+rank's bookkeeping, no collective."""
 
 from __future__ import annotations
 
@@ -24,22 +21,10 @@ class Report:
 
 
 class PendingReports:
-    """The reports waiting for their batch's collective, kept in a few growing lists.
+    """The reports waiting for their batch's collective, kept in a few growing lists of numbers.
 
-    Why not a list of :class:`Report`: each waiting report would add objects that the cyclic
-    garbage collector tracks (a dataclass instance, a list), and a batch of hundreds of them
-    surviving for seconds is what makes the collector run its full passes over every object
-    of the training process, PyTorch's and DeepSpeed's included, which slows the training loop
-    measurably (``scripts/bench_overhead.py``; figures in docs/benchmarks.md).
-    Appending ints and floats to existing lists creates no tracked object; the distinct
-    signatures (a handful) are kept once each.
-
-    Example (one rank; the writer drains at each collective)::
-
-        pending = PendingReports()
-        pending.append("training", (("loss",), False, ()), 10, [0.25], now)
-        reports = pending.drain()
-    """
+    Not one object each: hundreds of GC-tracked objects living for seconds make the cyclic collector
+    run full passes over the whole training process (docs/training.md, What a report costs)."""
 
     def __init__(self) -> None:
         self._kinds: list[tuple[str, tuple]] = []            # distinct (group, signature)
@@ -85,9 +70,8 @@ class PendingReports:
 
 @functools.lru_cache(maxsize=256)
 def signature_size(signature: tuple) -> int:
-    """How many floats a report with this signature sends: values, samples and batch values.
-
-    Cached: a writer sees a handful of signatures, and every report of a batch asks three times."""
+    """How many floats a report with this signature sends: values, samples and batch values. Cached:
+    a writer sees a handful of signatures, each report of a batch asks three times."""
     keys, has_samples, batch_keys = signature
     return len(keys) + (2 if has_samples else 0) + sum(len(k) for k in batch_keys)
 

@@ -1,14 +1,6 @@
-"""Averaging a batch of metric reports across ranks in one all-reduce, with the ranks' agreement checked.
-
-Used by :class:`toolkit.MetricsWriter`. Call on all ranks, with the same reports in the same
-order; ranks that passed different steps or names are found in the same all-reduce, exactly.
-The vector's layout and why the check is exact: docs/training.md (What a report costs).
-
-Example::
-
-    # torchrun --nproc_per_node 2 train.py   (inside MetricsWriter, on all ranks)
-    means, seconds_per_report = reduce_reports(ctx, pending.drain(), agreed, elapsed=dt, where="close")
-"""
+"""Averaging a batch of metric reports across ranks in one all-reduce, the ranks' agreement on names
+and steps checked exactly, for :class:`toolkit.MetricsWriter`. All ranks, the same reports in the
+same order. The vector's layout: docs/training.md (What a report costs)."""
 
 from __future__ import annotations
 
@@ -70,20 +62,10 @@ def _check_steps_agree(ctx: DistributedContext, reports: list[Report], sums: lis
 
 def reduce_reports(ctx: DistributedContext, reports: list[Report], agreed: dict[str, tuple], *,
                    elapsed: float, where: str) -> tuple[list[list[float]], float]:
-    """Average ``reports`` over the ranks. Call on all ranks, with the same reports in order.
+    """Average ``reports`` over the ranks. All ranks, with the same reports in the same order.
 
-    Args:
-        agreed: group -> the signature every rank used last; updated when the names change.
-        elapsed: this rank's seconds since the previous batch.
-        where: the calling method, for messages.
-
-    Returns:
-        Each report's values averaged over the ranks, and the mean seconds per report over all
-        ranks (the same on every rank, for :func:`next_batch_size`).
-
-    Raises:
-        ValueError: on every rank, when the ranks passed different names or steps.
-    """
+    ``agreed``: group -> the signature every rank used last (updated here). Returns each report's means
+    and the mean seconds per report over all ranks; ValueError on every rank if names or steps differ."""
     sizes = [HEADER + signature_size(agreed[r.group]) if r.group in agreed else HEADER for r in reports]
     offsets = list(itertools.accumulate(sizes[:-1], initial=1))
     sums: Any = ctx.all_reduce(_vector(reports, agreed, elapsed, real=False), op="sum")
@@ -101,8 +83,6 @@ def reduce_reports(ctx: DistributedContext, reports: list[Report], agreed: dict[
 
 def next_batch_size(seconds_per_report: float, reduce_secs: float) -> int:
     """How many reports the next adaptive batch holds: about ``reduce_secs`` worth, 1 to MAX_BATCH.
-
-    Pure; every rank computes it from reduced values, so every rank picks the same size.
-    """
+    Pure; every rank computes it from reduced values, so every rank picks the same size."""
     wanted = reduce_secs / seconds_per_report if seconds_per_report > 0 else MAX_BATCH
     return max(1, min(MAX_BATCH, round(wanted)))

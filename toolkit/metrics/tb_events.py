@@ -1,17 +1,6 @@
-"""TensorBoard event files written by the calling thread, for :class:`toolkit.MetricsWriter`.
-
-``torch.utils.tensorboard.SummaryWriter``'s writer thread contends with the training loop for the
-GIL; here the same events are written in one burst per batch of reports, by the thread that
-reports them, with ``google_crc32c`` checksums, one new file per writer. Rank 0 only by use (no
-collective). Why: docs/training.md (What a report costs).
-
-Example::
-
-    # rank 0 only, as MetricsWriter's chief does
-    if ctx.is_chief:
-        events = EventFile("runs/exp1")
-        events.add_scalars(10, {"training/loss": 0.25}, wall_time=time.time())
-"""
+"""TensorBoard event files written by the calling thread, for :class:`toolkit.MetricsWriter` and the
+dsat / toolkit.run curves: the records ``SummaryWriter`` writes, without its writer thread
+(docs/training.md, What a report costs). Rank 0 only by use; no collective."""
 
 from __future__ import annotations
 
@@ -45,22 +34,11 @@ def record(data: bytes) -> bytes:
 
 
 class EventFile:
-    """A new ``events.out.tfevents.*`` file in ``log_dir``, appended to synchronously.
+    """A new ``events.out.tfevents.*`` file in ``log_dir`` (created if missing), appended to synchronously.
 
-    Args:
-        log_dir: created if missing.
-        purge_step: when resuming, the first step written again: TensorBoard then hides the
-            points at and after it from earlier files (a ``SessionLog.START`` at that step,
-            as ``SummaryWriter(purge_step=...)`` writes).
-        name: the file's name (it must hold ``tfevents``); default: a new name of this process.
-
-    Example (chief only)::
-
-        if ctx.is_chief:
-            events = EventFile("runs/exp1")
-            events.add_scalars(10, {"training/loss": 0.25}, wall_time=time.time())
-            events.close()
-    """
+    ``purge_step``: when resuming, the first step written again; TensorBoard then hides earlier files'
+    points from it on (a ``SessionLog.START``, as ``SummaryWriter(purge_step=...)``). ``name``: the
+    file's name (holding ``tfevents``), by default a new one of this process. Chief only by use."""
 
     def __init__(self, log_dir: str | os.PathLike[str], *, purge_step: int | None = None,
                  name: str | None = None) -> None:
@@ -102,15 +80,11 @@ STALE_RUN_FILE_S = 600.0
 
 def write_run(log_dir: str | os.PathLike[str], series: Mapping[str, Iterable[tuple[int, float]]], *,
               name: str, purge: bool = True, summaries: Sequence[Summary] = ()) -> Path:
-    """A new event file ``name`` in ``log_dir`` holding ``series`` (per tag, its points in step
-    order) and ``summaries``: a run rewritten whole each time a point comes (points that arrive
-    out of step order, such as trials by micro-batch, still draw as curves).
-
-    ``purge``: the file starts with a ``SessionLog.START`` at step 0, so that TensorBoard drops the
-    points of the earlier files (removed after :data:`STALE_RUN_FILE_S`); only for a directory this
-    writer alone fills (it hides other files' points too; without it no file is removed). Any
-    process; the caller's run only. Returns the new file.
-    """
+    """A new event file ``name`` in ``log_dir`` (its path returned) holding ``series`` (tag -> points)
+    and ``summaries``: a run rewritten whole per new point, so points out of step order still draw as
+    curves. Any process. ``purge``: start with a ``SessionLog.START`` at step 0 so TensorBoard drops
+    earlier files' points (removed after :data:`STALE_RUN_FILE_S`); only for a directory this writer
+    alone fills."""
     directory = Path(log_dir)
     old = sorted(directory.glob(f"events.out.tfevents.*.{name}")) if directory.is_dir() else []
     # microseconds: after every file of an earlier second, and of this one (TensorBoard reads a

@@ -1,8 +1,5 @@
-"""Metric values as the ranks pass them, checked and turned into floats before any collective.
-
-Pure helpers of :mod:`toolkit.metrics.writer` (any rank, no collective): a bad value raises on the rank
-that has it, with the metric's name, what was given and what is expected.
-"""
+"""Metric values as the ranks pass them, checked and turned into floats before any collective, for
+:mod:`toolkit.metrics.writer`. Any rank; a bad value raises on the rank that has it."""
 
 from __future__ import annotations
 

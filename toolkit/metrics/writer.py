@@ -1,20 +1,7 @@
 """Training and validation metrics, averaged across ranks, for TensorBoard and a JSON-lines file.
 
-Every rank reports its own values; the writer averages them and the chief alone writes them.
-Training reports are averaged in batches, one small collective about every ``reduce_secs``
-seconds (``reduce_every`` fixes the batch), because a blocking collective every step makes every
-rank wait for the slowest; validation reports and ``close()`` average what is pending at once.
-Files, costs and failure modes: docs/training.md (Metrics).
-
-Example::
-
-    # torchrun --nproc_per_node 2 train.py
-    ctx = toolkit.init_distributed()
-    with toolkit.MetricsWriter(ctx, "runs/exp1") as metrics:          # call on all ranks
-        for step, batch in enumerate(loader, start=1):
-            loss = engine(batch); engine.backward(loss); engine.step()
-            metrics.report_training_metrics(step, {"loss": loss}, samples=len(batch))
-"""
+Every rank reports; training reports are averaged in batches (one small collective about every
+``reduce_secs``); the chief alone writes. Files, costs and failures: docs/training.md (Metrics)."""
 
 from __future__ import annotations
 
@@ -51,26 +38,12 @@ _monotonic = time.perf_counter
 
 @dataclasses.dataclass(frozen=True)
 class MetricsSettings:
-    """Options of a :class:`MetricsWriter`; validated on creation. Any rank (no collective).
+    """Options of a :class:`MetricsWriter`, validated on creation (docs/training.md). Any rank.
 
-    Attributes:
-        jsonl_name: file name of the JSON-lines file in ``log_dir``.
-        flush_every: flush both files to disk after this many reports.
-        flush_secs: ...or when this many seconds passed since the last flush, whichever first.
-        reduce_every: training reports averaged (and written) together, with one collective:
-            a report returns its averages only when it completes a batch (``None`` otherwise);
-            1 averages every report at once. ``None`` (the default) adapts the batch: the first
-            report is averaged alone, then each batch holds about ``reduce_secs`` worth of
-            reports (from the mean time between reports of all ranks, so every rank picks the
-            same size), 1 to 1000. Validation reports and ``close()`` average the pending ones
-            right away; a writer left by an exception drops them (a collective then could hang).
-        reduce_secs: with ``reduce_every=None``, the aimed time between collectives: points
-            reach the files about this much later than a report (plus the flush interval).
-        resume_step: when resuming from a checkpoint taken at this ``steps_completed``, pass it:
-            TensorBoard then hides the points *after* it that the interrupted run wrote (they are
-            about to be written again); the points up to and including it belong to the
-            checkpoint and stay. ``None`` for a fresh run.
-    """
+    ``reduce_every``: reports averaged together, one collective (``None``: adaptive, about
+    ``reduce_secs`` apart, 1 to 1000); a report returns its averages only when it completes a batch.
+    ``resume_step``: the ``steps_completed`` of the checkpoint resumed from: TensorBoard hides the
+    points the interrupted run wrote after it. Files flush every ``flush_every`` reports or ``flush_secs``."""
 
     jsonl_name: str = "metrics.jsonl"
     flush_every: int = 100
@@ -106,27 +79,15 @@ class MetricsSettings:
 
 
 class MetricsWriter:
-    """Averages metrics across ranks and writes them, on the chief, to TensorBoard and JSON lines.
+    """Averages metrics across ranks; the chief writes them to TensorBoard and JSON lines.
 
-    Construct it on all ranks (no collective) with the same ``log_dir``; only the chief creates
-    the directory and files. Every ``report_*`` call, and ``close()``, is a collective: call them
-    on all ranks, in the same order, with the same metric names and the same ``steps_completed``.
-
-    Cost: one small all-reduce per batch of reports; on the chief, one buffered TensorBoard event
-    and JSON line per report, written by the reporting thread. A bad value raises before any
-    collective; ranks that disagree about names or steps all raise ValueError (docs/training.md).
-
-    Args:
-        ctx: the context from :func:`toolkit.init_distributed`.
-        log_dir: the TensorBoard directory of this run, the same on all ranks.
-        **settings: fields of :class:`MetricsSettings` (``jsonl_name``, ``flush_every``,
-            ``flush_secs``, ``reduce_every``, ``reduce_secs``, ``resume_step``).
-
-    Example::
+    Construct it on all ranks (no collective) with the same ``log_dir``; ``**settings`` are
+    :class:`MetricsSettings` fields. Every ``report_*`` call, and ``close()``, is a collective: all
+    ranks, same order, same names and ``steps_completed``; a bad value raises before any collective::
 
         # torchrun --nproc_per_node 2 train.py
         with toolkit.MetricsWriter(ctx, "runs/exp1", resume_step=start) as metrics:  # all ranks
-            metrics.report_validation_metrics(start, {"accuracy": acc})
+            metrics.report_training_metrics(step, {"loss": loss}, samples=len(batch))
     """
 
     def __init__(self, ctx: DistributedContext, log_dir: str | os.PathLike, **settings: Any) -> None:
@@ -170,28 +131,11 @@ class MetricsWriter:
                                 samples: int | None = None) -> dict[str, float] | None:
         """Average training metrics; the chief writes ``training/<name>``. Call on all ranks.
 
-        Args:
-            steps_completed: optimizer steps done so far (>= 0): the x axis.
-            metrics: name -> scalar (int, float, numpy scalar, 0-d or one-element tensor).
-            batch_metrics: optional, one dict per batch since the previous report, oldest
-                first; the last belongs to step ``steps_completed``, the one before to
-                ``steps_completed - 1``, and so on. Written as ``training_batch/<name>``.
-            samples: optional, the samples this rank processed since the previous report.
-                The writer then adds ``samples_per_second``: the samples of all ranks over the
-                wall time since the previous training or validation report (or since the
-                writer was created), averaged over ranks. Validation time is therefore left
-                out when the validation report comes right after the evaluation loop.
-
-        Returns:
-            When this report completes a batch (every report with ``reduce_every=1``; see
-            :class:`MetricsSettings`): its averaged metrics (and ``samples_per_second``), the same on
-            every rank. Otherwise None: the report waits, on every rank, for the batch.
-
-        Raises:
-            TypeError, ValueError: a value is None, a string, or not a scalar (the name, type
-                and shape are given); ``steps_completed`` is not an integer >= 0; the ranks
-                passed different names or steps; the writer is closed.
-        """
+        ``metrics``: name -> scalar (number, numpy scalar, one-element tensor). ``batch_metrics``: one dict
+        per step since the previous report, the last for ``steps_completed`` (``training_batch/<name>``).
+        ``samples``: this rank's samples since the previous report; adds ``samples_per_second`` over the
+        time since the previous training or validation report. Returns the averages, the same on every
+        rank, when this report completes a batch, else None. TypeError / ValueError name a bad value."""
         where = "report_training_metrics"
         self._check_open(where)
         now = _monotonic()
@@ -214,19 +158,7 @@ class MetricsWriter:
     def report_validation_metrics(self, steps_completed: int,
                                   metrics: Mapping[str, Any]) -> dict[str, float]:
         """Average validation metrics; the chief writes ``validation/<name>``. Call on all ranks.
-
-        Pending training reports are averaged and written first, in the same collective.
-
-        Args:
-            steps_completed: optimizer steps done when the validation ran (>= 0).
-            metrics: name -> scalar, as for :meth:`report_training_metrics`.
-
-        Returns:
-            The averaged metrics, the same on every rank.
-
-        Raises:
-            TypeError, ValueError: as for :meth:`report_training_metrics`.
-        """
+        Pending training reports are averaged first, in the same collective. Returns the averages."""
         where = "report_validation_metrics"
         self._check_open(where)
         now = _monotonic()
@@ -240,11 +172,8 @@ class MetricsWriter:
         return self._reduce_pending(where)[-1]
 
     def flush(self) -> None:
-        """Write buffered metrics to disk now. Any rank (no collective; a no-op off the chief).
-
-        Training reports still waiting for their batch (see :class:`MetricsSettings`) are not averaged
-        yet and are written by the report that completes the batch, or by :meth:`close`.
-        """
+        """Write buffered metrics to disk now. Any rank (no collective; a no-op off the chief). Training
+        reports still waiting for their batch are written by the report completing it, or by close()."""
         if self._tb is not None and not self._closed:
             self._jsonl.flush()
             self._tb.flush()
@@ -252,11 +181,8 @@ class MetricsWriter:
         self._last_flush = _monotonic()
 
     def close(self) -> None:
-        """Average and write pending reports, flush and close the files. Call on all ranks.
-
-        A collective only when training reports are pending (the same on every rank, as they
-        are reported on every rank). Later reports raise; a second call does nothing.
-        """
+        """Average and write pending reports, flush and close the files. Call on all ranks (a collective
+        only when reports are pending). Later reports raise; a second call does nothing."""
         if self._closed:
             return
         try:
@@ -293,10 +219,7 @@ class MetricsWriter:
             raise RuntimeError(f"{where}: this MetricsWriter is closed; create a new one to report more")
 
     def _reduce_pending(self, where: str) -> list[dict[str, float]]:
-        """Average every pending report with one all-reduce; the chief writes them. All ranks.
-
-        See :mod:`toolkit.metrics.reduce` for the vector and how the ranks' agreement is checked.
-        """
+        """Average every pending report with one all-reduce; the chief writes them. All ranks."""
         reports = self._pending.drain()
         now = _monotonic()
         means, per_report = reduce_reports(self.ctx, reports, self._agreed, elapsed=now - self._last_reduce,
@@ -327,10 +250,8 @@ class MetricsWriter:
 
     def _write(self, group: str, steps: int, metrics: dict[str, float],
                batches: list[tuple[int, dict[str, float]]], now: float) -> None:
-        """Chief only: one TensorBoard event per step and one JSON line for the report.
-
-        Written by this thread into buffers (see :mod:`toolkit.metrics.tb_events`); the files get
-        them on :meth:`flush`."""
+        """Chief only: one TensorBoard event per step and one JSON line for the report, buffered by this
+        thread until :meth:`flush`."""
         if self._tb is None:
             return
         wall = time.time()

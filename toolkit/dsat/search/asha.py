@@ -1,7 +1,7 @@
 """``asha``: asynchronous successive halving with binary-search lines as the resource.
 
-Pure logic, rank 0 only by use (the orchestrator drives it through
-:func:`~toolkit.dsat.search.make_searcher`).
+Pure; rank 0 only by use (the orchestrator, through :func:`~toolkit.dsat.search.make_searcher`).
+Design: docs/design-dsat-search.md#random-and-asha.
 """
 
 from __future__ import annotations
@@ -21,13 +21,8 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class AshaLine(Line):
-    """A line of ``asha``: the range of :class:`~toolkit.dsat.search.lines.Line` and its rungs.
-
-    Attributes:
-        rung: the rung the line is allowed to run to.
-        finished_rung: the highest rung it finished (-1: none yet).
-        rung_best: rung -> the line's best result when it finished that rung (its score there).
-    """
+    """A line of ``asha``: the rung it may run to, the highest it finished (-1: none), and its best
+    result when it finished each rung (its score there)."""
 
     rung: int = 0
     finished_rung: int = -1
@@ -35,28 +30,8 @@ class AshaLine(Line):
 
 
 class AshaSearcher(LineSearcher[AshaLine]):
-    """``asha``: asynchronous successive halving with binary-search lines as the resource.
-
-    Rung ``r`` (``0 .. max_rungs - 1``) allows a line
-    ``T(r) = min_binary_search_trials * divisor ** (asha_early_stopping + r)`` trials in total
-    (counting its trials of earlier rungs). A line *finishes* rung ``r`` when it has ``T(r)``
-    trials or its range closes; its best result at that moment is its score for rung ``r``.
-
-    Promotion rule (asynchronous, checked whenever a trial slot is free): for ``r`` from the
-    highest rung down, the lines that finished rung ``r`` are ranked by their rung-``r`` score
-    (``is_better`` in the metric's direction; lines without a successful trial rank last; ties
-    by line id). The first ``floor(n / divisor)`` of the ``n`` lines are the top; a line of the top
-    that is waiting at rung ``r`` (not promoted yet, range still open, at least one success) is
-    promoted to rung ``r + 1`` and continues its bisection. Closed lines and lines without a
-    success are never promoted, but still count in ``n`` and may occupy top places.
-
-    Priority of a free slot: a line still inside its rung's budget, then the best promotion,
-    then a new line at rung 0. Pure; rank 0 only by use.
-
-    Example (rank 0 only)::
-
-        searcher = make_searcher(SearchSettings(method="asha", max_rungs=3, divisor=2), profile)
-    """
+    """``asha``: rung ``r`` allows a line ``min_binary_search_trials x divisor ** (asha_early_stopping + r)``
+    trials; the top ``1 / divisor`` of a rung's finished lines with a success go on. Rank 0 only by use."""
 
     def _make_line(self, line_id: int, zero: dict[str, Any], hi: int) -> AshaLine:
         return AshaLine(line_id=line_id, zero=zero, lo=1, hi=hi)

@@ -1,27 +1,7 @@
-"""The global batch policy, and which micro-batches a trial may use.
+"""The global batch policy (``--global-batch``), the micro-batches that keep it, and the cap that
+keeps a trial within ``--trial-timeout``.
 
-A real run fixes its global batch (``train_batch_size``: the learning rate was tuned for it), so
-by default dsat keeps the user's: it searches the micro-batches ``m`` that divide
-``train_batch_size / data_parallel_size`` and derives ``gradient_accumulation_steps`` so that
-``m x accumulation x data_parallel_size = train_batch_size`` exactly. The policies
-(``--global-batch``):
-
-* ``keep``: the user's integer ``train_batch_size`` (the default when the config sets one);
-* ``N`` (``fixed``): ``train_batch_size = N``, whatever the config says;
-* ``free``: Determined's behaviour, ``train_batch_size = micro-batch x accumulation x
-  data_parallel_size`` with the user's accumulation (the default when the config sets none).
-
-When the best config's global batch differs from the one the user's config implies
-(:func:`implied_global_batch`), :func:`global_batch_change` says so, by what factor, and with the
-command that tunes within the user's batch: the closing lines and ``best_ds_metrics.json`` carry it.
-
-Also here: the largest micro-batch whose predicted step time (on the line through the profiling
-trials' step times) keeps a trial within ``--trial-timeout``.
-
-Pure; any rank (the autotuner uses it on rank 0). Example::
-
-    policy = global_batch_policy(None, user_train_batch_size=64)    # keep 64
-    allowed_micro_batches(64, data_parallel_size=2)                  # (1, 2, 4, 8, 16, 32)
+Pure; any rank (the autotuner uses it on rank 0). Design: docs/design-dsat-search.md.
 """
 
 from __future__ import annotations
@@ -44,13 +24,8 @@ TBS, MBS, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_
 
 @dataclasses.dataclass(frozen=True)
 class GlobalBatch:
-    """The global batch policy in force. Validated on construction.
-
-    Attributes:
-        policy: ``"keep"`` (the user's ``train_batch_size``), ``"fixed"`` (``--global-batch N``)
-            or ``"free"`` (micro-batch x accumulation x data-parallel size).
-        train_batch_size: the global batch every trial keeps; None for ``"free"``.
-    """
+    """The global batch policy in force: ``keep`` (the user's ``train_batch_size``), ``fixed``
+    (``--global-batch N``) or ``free`` (no ``train_batch_size``). Validated on construction."""
 
     policy: str
     train_batch_size: int | None = None
@@ -84,15 +59,8 @@ class GlobalBatch:
 
 
 def global_batch_policy(flag: str | int | None, *, user_train_batch_size: Any) -> GlobalBatch:
-    """The policy of ``--global-batch`` (None: not given) for the user's ``train_batch_size``.
-
-    Not given: keep the user's positive integer, else free (a bad value is the config check's to
-    report). ``"keep"`` with no integer in the config is a :class:`ConfigError`. Pure; any rank.
-
-    Example:
-        >>> global_batch_policy(None, user_train_batch_size="auto").policy
-        'free'
-    """
+    """The policy of ``--global-batch`` (None, not given: the user's integer kept, else free);
+    ``keep`` without an integer in the config is a :class:`ConfigError`. Pure; any rank."""
     user = None
     if is_int(user_train_batch_size) and user_train_batch_size >= 1:
         user = int(user_train_batch_size)
@@ -112,15 +80,9 @@ def global_batch_policy(flag: str | int | None, *, user_train_batch_size: Any) -
 
 
 def implied_global_batch(ds_config: Mapping[str, Any], *, data_parallel_size: int) -> int | None:
-    """The global batch the user's DeepSpeed config implies, as DeepSpeed derives it: an integer
-    ``train_batch_size``; else ``train_micro_batch_size_per_gpu x gradient_accumulation_steps``
-    (1 when unset or "auto", as dsat's trials take it) ``x data_parallel_size``; None when
-    neither batch key is a positive integer. Pure; any rank.
-
-    Example:
-        >>> implied_global_batch({"train_micro_batch_size_per_gpu": 8}, data_parallel_size=2)
-        16
-    """
+    """The global batch the user's config implies, as DeepSpeed derives it: ``train_batch_size``, else
+    micro-batch x accumulation (1 if unset or "auto") x ``data_parallel_size``; None if neither is set.
+    Pure; any rank."""
     tbs, mbs, gas = (ds_config.get(k) for k in (TBS, MBS, GAS))
     if is_int(tbs) and tbs >= 1:
         return int(tbs)
@@ -130,15 +92,8 @@ def implied_global_batch(ds_config: Mapping[str, Any], *, data_parallel_size: in
 
 
 def rerun_command(argv: Sequence[str], *, global_batch: str, output_dir: str) -> str:
-    """The dsat command ``python -m toolkit.dsat ARGV`` as a new search with ``--global-batch``
-    and ``--output-dir`` set (replacing the given ones, abbreviated or with ``=``) and
-    ``--resume`` dropped; quoted for a POSIX shell. Pure; any rank.
-
-    Example:
-        >>> rerun_command(["binary", "d.yaml", ".", "--global-batch", "free"], global_batch="16",
-        ...               output_dir="out-batch16")
-        'python -m toolkit.dsat binary d.yaml . --global-batch 16 --output-dir out-batch16'
-    """
+    """``python -m toolkit.dsat ARGV`` as a new search: ``--global-batch`` and ``--output-dir`` replaced
+    (abbreviated or with ``=`` too), ``--resume`` dropped, quoted for a POSIX shell. Pure; any rank."""
     def flag(token: str) -> str | None:  # argparse takes any unambiguous prefix of a flag
         name = token.split("=", 1)[0]
         if len(name) < 3 or not name.startswith("--"):
@@ -159,15 +114,8 @@ def rerun_command(argv: Sequence[str], *, global_batch: str, output_dir: str) ->
 
 @dataclasses.dataclass(frozen=True)
 class BatchChange:
-    """The best config's global batch against the one the user's config implies.
-
-    Attributes:
-        policy: the policy the search ran with (:class:`GlobalBatch`'s, ``--global-batch``).
-        user: the global batch the user's config implies (:func:`implied_global_batch`); None: none.
-        best: the best config's ``train_batch_size``.
-        micro_batch, accumulation, data_parallel_size: its factors.
-        command: the dsat command that tunes within ``user`` (None when ``user`` is None).
-    """
+    """The best config's global batch (``best`` and its factors) against the one the user's config implies
+    (``user``; None: none), with the dsat ``command`` that tunes within ``user``."""
 
     policy: GlobalBatch
     user: int | None
@@ -210,19 +158,9 @@ class BatchChange:
 def global_batch_change(user_ds_config: Mapping[str, Any], best_ds_config: Mapping[str, Any], *,
                         policy: GlobalBatch, data_parallel_size: int, argv: Sequence[str],
                         output_dir: str) -> BatchChange:
-    """How the best config's global batch compares with the user's (see :class:`BatchChange`).
-
-    ``argv``: the search's dsat arguments (after ``python -m toolkit.dsat``), from which the
-    command tuning within the user's batch is made: ``--global-batch keep`` when the user's
-    config sets an integer ``train_batch_size``, else ``--global-batch N``, and the output
-    directory ``OUTPUT_DIR-batchN`` (a new search). Pure; any rank.
-
-    Example:
-        >>> change = global_batch_change({MBS: 8}, {TBS: 1090, MBS: 545, GAS: 1}, policy=GlobalBatch("free"),
-        ...                              data_parallel_size=2, argv=["binary", "d.yaml", "."], output_dir="o")
-        >>> change.user, change.best, change.changed
-        (16, 1090, True)
-    """
+    """How the best config's global batch compares with the user's. ``argv``: the search's dsat
+    arguments, made into the command that keeps the user's batch (in ``OUTPUT_DIR-batchN``).
+    Pure; any rank."""
     user = implied_global_batch(user_ds_config, data_parallel_size=data_parallel_size)
     command = None
     if user is not None:
@@ -234,17 +172,8 @@ def global_batch_change(user_ds_config: Mapping[str, Any], best_ds_config: Mappi
 
 
 def allowed_micro_batches(train_batch_size: int, *, data_parallel_size: int) -> tuple[int, ...]:
-    """The micro-batches that keep ``train_batch_size``: the divisors of ``train_batch_size /
-    data_parallel_size``, ascending. Pure; any rank.
-
-    Raises:
-        ConfigError: ``train_batch_size`` is not a multiple of ``data_parallel_size`` (no
-            micro-batch can keep it).
-
-    Example:
-        >>> allowed_micro_batches(24, data_parallel_size=2)
-        (1, 2, 3, 4, 6, 12)
-    """
+    """The divisors of ``train_batch_size / data_parallel_size``, ascending; :class:`ConfigError`
+    when ``train_batch_size`` is not a multiple of ``data_parallel_size``. Pure; any rank."""
     if train_batch_size % data_parallel_size:
         raise ConfigError(f"{TBS}={train_batch_size} is not a multiple of the data-parallel size "
                           f"{data_parallel_size}: no micro-batch x gradient_accumulation_steps x "
@@ -257,20 +186,9 @@ def allowed_micro_batches(train_batch_size: int, *, data_parallel_size: int) -> 
 
 
 def step_time_line(measured: list[tuple[int, float]]) -> tuple[int, float, float] | None:
-    """The step time's line for :func:`time_capped_micro_batch`, from profiling trials'
-    ``(micro_batch, step ms)``: ``(m0, t0, ms per example)`` anchored at the smallest micro-batch
-    measured, with the steepest slope from it to any larger one (stages differ: the slowest
-    bounds them all). Through the origin, ``t0 / m0`` per example, when only one micro-batch was
-    measured or no slope is positive. A step's fixed cost (launch, communication, the optimizer)
-    makes micro-batch 1 cost several times its share, so scaling it alone caps the micro-batch far
-    below what the timeout allows. None when nothing usable was measured. Pure; any rank.
-
-    Example:
-        >>> step_time_line([(1, 24.0), (125, 148.0), (1397, 1420.0)])   # 1 ms per example beyond 1
-        (1, 24.0, 1.0)
-        >>> step_time_line([(1, 24.0)])
-        (1, 24.0, 24.0)
-    """
+    """The profiling trials' step-time line ``(m0, t0, ms per example)`` from their ``(micro_batch, ms)``:
+    from the smallest, the steepest slope to a larger one (without one: through the origin); None if
+    nothing usable. Pure; any rank."""
     usable = sorted((int(m), float(t)) for m, t in measured
                     if is_int(m) and int(m) >= 1 and is_number(t) and math.isfinite(t) and t > 0)
     if not usable:
@@ -283,20 +201,9 @@ def step_time_line(measured: list[tuple[int, float]]) -> tuple[int, float, float
 def time_capped_micro_batch(latency_ms: float, *, steps: int, timeout_s: float,
                             overhead_s: float = 0.0, micro_batch: int = 1,
                             per_example_ms: float | None = None) -> int | None:
-    """The largest micro-batch whose trial is predicted to end within ``timeout_s``; None: no cap.
-
-    A trial at micro-batch ``m`` is predicted to take ``overhead_s + steps x step(m) / 1000``,
-    where ``step(m) = latency_ms + per_example_ms x (m - micro_batch)``: the line through the
-    profiling trials' step times (:func:`step_time_line`). Without ``per_example_ms`` the
-    latency scales in proportion to the micro-batch (an upper bound when the global batch is
-    kept). At least ``micro_batch`` (a profiling trial ran it). Pure; any rank.
-
-    Example:
-        >>> time_capped_micro_batch(100.0, steps=5, timeout_s=60.0, overhead_s=10.0)
-        100
-        >>> time_capped_micro_batch(100.0, steps=5, timeout_s=60.0, overhead_s=10.0, per_example_ms=1.0)
-        9901
-    """
+    """The largest micro-batch whose trial, ``overhead_s + steps x step(m)`` with
+    ``step(m) = latency_ms + per_example_ms x (m - micro_batch)`` (None: in proportion), ends within
+    ``timeout_s``; at least ``micro_batch``; None: no cap. Pure; any rank."""
     if not is_number(latency_ms) or latency_ms <= 0 or not math.isfinite(latency_ms):
         return None
     slope = latency_ms / max(micro_batch, 1) if per_example_ms is None else per_example_ms

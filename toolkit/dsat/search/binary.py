@@ -1,22 +1,7 @@
-"""``binary``: each ZeRO configuration's best micro-batch, its peak bracketed on a log scale.
+"""``binary``: each ZeRO configuration's best micro-batch, its throughput peak bracketed on a log
+scale (:mod:`~toolkit.dsat.search.peak`), or Determined's upward bisection for the times.
 
-Pure logic, rank 0 only by use (the orchestrator drives it through
-:func:`~toolkit.dsat.search.make_searcher`). A line (one ZeRO configuration) is searched on
-``[1, hi]``, ``hi`` the memory model's largest micro-batch (x ``search_range_factor``):
-
-- ``throughput`` and ``FLOPS_per_gpu``: :func:`~toolkit.dsat.search.peak.next_probe` brackets
-  the line's maximum (powers of two, or the micro-batches that keep the global batch), bisecting
-  the memory boundary as Determined's ``binary`` did only when the best is the largest success
-  and a larger micro-batch ran out of memory (until within ``bisect_tolerance``);
-- ``forward``, ``backward``, ``latency`` (smaller is better, so a smaller micro-batch wins
-  trivially): Determined's upward bisection of ``[1, hi]`` alone, until the range closes or
-  ``hi - f <= bisect_tolerance * f`` (``f`` the largest fitting micro-batch found).
-
-A line without a success yet bisects ``[lo, hi]`` (for throughput and FLOPS, at the grid's
-micro-batch nearest the middle; its first trial: the search's best micro-batch when there is
-one). The profiling trials at
-configurations of the search (taken by every method alike,
-:meth:`~toolkit.dsat.search.lines.LineSearcher.observe_profiling`) count as the lines' first results.
+Pure; rank 0 only by use. Design: docs/design-dsat-search.md#binary.
 """
 
 from __future__ import annotations
@@ -38,14 +23,8 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class BinaryLine(Line):
-    """A line of ``binary``.
-
-    Attributes:
-        tried: micro-batches tried on the line (profiling trials taken as results included).
-        values: micro-batch -> finite metric of its successful trials.
-        failed_above: a trial above the line's largest success failed (the memory boundary).
-        next_mb: the micro-batch of its next trial, decided when it is proposed.
-    """
+    """A line of ``binary``: the micro-batches ``tried``, the ``values`` of its successes, whether a trial
+    above its best failed (``failed_above``), and its next micro-batch once proposed."""
 
     tried: set[int] = dataclasses.field(default_factory=set)
     values: dict[int, float] = dataclasses.field(default_factory=dict)
@@ -59,40 +38,21 @@ class BinaryLine(Line):
 
 
 class BinarySearcher(LineSearcher[BinaryLine]):
-    """``binary``: bracket each ZeRO configuration's throughput peak (module docstring).
-
-    Lines: first one per searched stage, lowest stage first, with the user's own ZeRO section
-    at that stage (the tuned result is then at least the user's configuration at its best
-    micro-batch); then random ZeRO configurations of the stages not dominated. With a best in
-    the search, a line that does not hold it is first tried at the best's micro-batch (snapped
-    into its range): a line more than :data:`~toolkit.dsat.search.peak.NOISE` below the best
-    there (its best anywhere) is *dominated* and stops, and its stage gets no random
-    configurations unless it holds the best. Idle lines get trials in this order: those within
-    ``NOISE`` of the best, lowest stage first (a tie goes to less communication), then the best's
-    line, then by their own best, then the oldest. The search ends early once no line has a trial
-    due and no configuration is left to start. Pure; rank 0 only by use.
-
-    Example (rank 0 only)::
-
-        searcher = make_searcher(SearchSettings(method="binary", metric="throughput"), profile)
-        searcher.observe_profiling(profiling_results)   # before the first propose
-    """
+    """``binary``: the user's section per stage, lowest first, then random sections of the stages not
+    dominated (more than ``NOISE`` below the best). Pure; rank 0 only by use."""
 
     def _make_line(self, line_id: int, zero: dict[str, Any], hi: int) -> BinaryLine:
         return BinaryLine(line_id=line_id, zero=zero, lo=1, hi=hi)
 
     # -- the profiling trials as results -------------------------------------------------------
     def observe_profiling(self, results: Sequence[TrialResult]) -> list[TrialResult]:
-        """The profiling trials taken as results, as every method takes them
-        (:meth:`~toolkit.dsat.search.lines.LineSearcher.observe_profiling`); here each stage's
-        taken trials also start its line (:meth:`_take_profiling`). Rank 0 only."""
+        """As every method; here the trials taken also start their stage's line. Rank 0 only."""
         taken = super().observe_profiling(results)
         self._settle()
         return taken
 
     def _take_profiling(self, stage: int, results: list[TrialResult]) -> None:
-        """Start (or extend) ``stage``'s line with the user's own section from the profiling
-        trials taken there: they count as the line's first results."""
+        """Start (or extend) ``stage``'s line, the user's section, with the trials taken there."""
         line = next((x for x in self._lines if x.stage == stage and x.offload == self.level), None) \
             or self._new_line(user_stage=stage)
         assert line is not None  # a user section is always available
@@ -137,9 +97,8 @@ class BinarySearcher(LineSearcher[BinaryLine]):
         self._settle()
 
     def _settle(self) -> None:
-        """Stop every idle line that has no trial due, after each result: which lines stop then
-        depends on the results alone, not on when ``propose`` is called (a replay proposes less
-        often than the search it rebuilds)."""
+        """Stop every idle line with no trial due, after each result: stops depend on the results
+        alone, not on when ``propose`` is called (a replay proposes less often)."""
         for line in self._idle_lines():
             m, why = self._due(line)
             if m is None:
@@ -168,10 +127,8 @@ class BinarySearcher(LineSearcher[BinaryLine]):
 
     # -- the rules -------------------------------------------------------------------------------
     def _by_priority(self, lines: list[BinaryLine]) -> list[BinaryLine]:
-        """The lines within :data:`~toolkit.dsat.search.peak.NOISE` of the search's best first,
-        lowest ZeRO stage first among them (a tie the measurements cannot break goes to the stage
-        that communicates less: DeepSpeed's advice, the lowest stage that fits), then the best's
-        line, then by their own best (larger is better or not), then the oldest."""
+        """Lines near the best first, lowest stage first (a tie goes to less communication), then
+        the best's line, then by their own best, then the oldest."""
         metric = self.settings.metric
         sign = 1.0 if metric in SMALLER_IS_BETTER else -1.0
 
@@ -184,8 +141,7 @@ class BinarySearcher(LineSearcher[BinaryLine]):
         return sorted(lines, key=key)
 
     def _near_best(self, value: float) -> bool:
-        """Whether ``value`` is within :data:`~toolkit.dsat.search.peak.NOISE` of the search's
-        best (False with no best yet): too close for one measurement to rank them."""
+        """``value`` is within ``NOISE`` of the search's best: too close for one measurement to rank."""
         best = self._best_value()
         if best is None:
             return False
@@ -194,9 +150,7 @@ class BinarySearcher(LineSearcher[BinaryLine]):
         return value * (1 + NOISE) >= best
 
     def _open_stages(self) -> list[int]:
-        """Stages whose lines are not dominated: random configurations are drawn from these. The
-        stage holding the search's best stays open: a random section of it measuring below the
-        best (the user's section at that stage, say) says nothing against the stage."""
+        """Stages not dominated (never the best's): random sections are drawn from these."""
         dominated = {line.stage for line in self._lines
                      if line.offload == self.level and (line.stopped or "").startswith("dominated")}
         if self._best is not None:
@@ -204,8 +158,7 @@ class BinarySearcher(LineSearcher[BinaryLine]):
         return [st for st in self._space.stages if st not in dominated]
 
     def _first(self, line: BinaryLine) -> int:
-        """A new line's first micro-batch: the search's best one (snapped into its range), else
-        the middle of its range (Determined's first bisection)."""
+        """A new line's first micro-batch: the best's (snapped into its range), else the middle."""
         if self._best is not None and self.settings.metric not in SMALLER_IS_BETTER:
             return self._top(min(self._best.spec.micro_batch, line.hi))
         m = self._due(line)[0]

@@ -1,22 +1,7 @@
 """The best is confirmed: each configuration's measurements, the re-runs of the top candidates,
 and the pick by the median.
 
-One timed measurement on a shared machine is noisy (the same config measured 1.053e10 and
-8.598e9 FLOPS per GPU on the HelloDeepSpeed port), so the search's best is not one lucky run:
-the orchestrator re-runs the ``--confirm`` best configurations, one after the other in their
-order, until each has :data:`CONFIRM_MEASUREMENTS` trials, and picks the configuration whose
-median is best among those measured more than once. A later one is re-run only while it could
-still win (:func:`next_to_confirm`): when none of its measurements beats the best median
-confirmed so far, its re-runs would not change the pick, and are not spent. A configuration
-judged both fitting and out of memory is decided by the majority of its verdicts (its re-runs
-break the tie), never by the last one. Pure functions; rank 0 only by use (the orchestrator).
-
-Example (rank 0, after the search)::
-
-    chosen = [config_key(c.spec) for c in to_confirm(group(results), metric, top=2)]
-    while (c := next_to_confirm(group(results), chosen, metric)) is not None:
-        results += c.reruns_needed() more trials of c.spec
-    best = pick(group(results), metric)
+Pure; rank 0 only by use (the orchestrator). Design: docs/design-dsat-search.md#the-confirmation.
 """
 
 from __future__ import annotations
@@ -39,24 +24,19 @@ CONFIRM_MEASUREMENTS = 3
 
 
 def config_key(spec: TrialSpec) -> tuple[int, str]:
-    """What makes two trials the same configuration: the micro-batch and the ZeRO section as
-    DeepSpeed sees it (:func:`~toolkit.dsat.search.space.canonical_zero`). Pure."""
+    """The micro-batch and the ZeRO section as DeepSpeed sees it (``canonical_zero``). Pure."""
     return spec.micro_batch, canonical_zero(spec.zero)
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One configuration and every finished trial of it, in the order they ran.
-
-    Attributes:
-        results: its trials (search trials, profiling trials taken as results, re-runs).
-    """
+    """One configuration and its finished trials (search, profiling, re-runs), in run order."""
 
     results: tuple[TrialResult, ...]
 
     @property
     def spec(self) -> TrialSpec:
-        """Its first trial's spec (the configuration)."""
+        """Its first trial's spec."""
         return self.results[0].spec
 
     def values(self, metric: str) -> list[float]:
@@ -65,8 +45,7 @@ class Candidate:
 
     @property
     def fits(self) -> bool:
-        """Most of its verdicts are "ran" (OK): a config judged out of memory (or failed) as often
-        as it ran does not fit."""
+        """Most of its verdicts say it ran (OK)."""
         ok = sum(r.status is TrialStatus.OK for r in self.results)
         return ok > len(self.results) - ok
 
@@ -82,8 +61,7 @@ class Candidate:
         return statistics.median(values) if values else None
 
     def representative(self, metric: str) -> TrialResult | None:
-        """The successful trial at the median: its metrics are the ones reported. With an even
-        count, the worse of the two middle ones (the conservative figure)."""
+        """The successful trial at the median, whose metrics are reported (even count: the worse)."""
         ok = [(v, r) for r in self.results if (v := metric_value(r, metric)) is not None]
         if not ok:
             return None
@@ -108,8 +86,7 @@ class Candidate:
 
 
 def group(results: Iterable[TrialResult]) -> list[Candidate]:
-    """Every configuration measured, with its trials (OK, out of memory, failed or timed out), in
-    the order each configuration first ran. Pure."""
+    """Every configuration measured, with its trials, in first-run order. Pure."""
     by_key: dict[tuple[int, str], list[TrialResult]] = {}
     for result in results:
         by_key.setdefault(config_key(result.spec), []).append(result)
@@ -134,23 +111,8 @@ def _better(a: float, b: float, metric: str) -> bool:
 
 def next_to_confirm(candidates: Sequence[Candidate], chosen: Sequence[tuple[int, str]],
                     metric: str) -> Candidate | None:
-    """The next configuration to re-run among ``chosen`` (the :func:`config_key` of
-    :func:`to_confirm`'s, in its order), or None when the confirmation is over. Pure.
-
-    The first one not yet measured :data:`CONFIRM_MEASUREMENTS` times is re-run when no chosen
-    configuration is confirmed yet (fits, measured that often), or when one of its measurements
-    beats the best confirmed median: otherwise its median cannot be expected to win, and it is
-    passed over.
-
-    >>> from toolkit.dsat.search.types import TrialSpec
-    >>> def r(i, mb, v): return TrialResult(TrialSpec(i, mb, {"stage": 1}), TrialStatus.OK, {"throughput": v})
-    >>> results = [r(1, 16, 100.0), r(2, 8, 90.0)]
-    >>> chosen = [config_key(c.spec) for c in to_confirm(group(results), "throughput", top=2)]
-    >>> next_to_confirm(group(results), chosen, "throughput").spec.micro_batch
-    16
-    >>> next_to_confirm(group(results + [r(3, 16, 95.0), r(4, 16, 97.0)]), chosen, "throughput") is None
-    True
-    """
+    """The next of ``chosen`` (:func:`to_confirm`'s keys, in order) to re-run, or None: the first not
+    confirmed, while none is or one of its values beats the best confirmed median. Pure."""
     by_key = {config_key(c.spec): c for c in candidates}
     ordered = [by_key[key] for key in chosen if key in by_key]
     done = [c.median(metric) for c in ordered if c.reruns_needed() == 0 and c.fits]
@@ -166,16 +128,8 @@ def next_to_confirm(candidates: Sequence[Candidate], chosen: Sequence[tuple[int,
 
 
 def pick(candidates: Sequence[Candidate], metric: str, *, confirmed: bool = True) -> Candidate | None:
-    """The configuration with the best median among the fitting ones measured more than once
-    (``confirmed``), or among all fitting ones (``confirmed=False``: the search's single
-    measurements, when no re-run was asked for). None when there is none. Pure.
-
-    >>> from toolkit.dsat.search.types import TrialSpec
-    >>> def r(i, mb, v): return TrialResult(TrialSpec(i, mb, {"stage": 1}), TrialStatus.OK, {"throughput": v})
-    >>> lucky = [r(1, 8, 90.0), r(2, 16, 100.0), r(3, 16, 60.0), r(4, 16, 70.0), r(5, 8, 85.0), r(6, 8, 80.0)]
-    >>> pick(group(lucky), "throughput").spec.micro_batch
-    8
-    """
+    """The best median among the fitting configurations measured more than once (``confirmed=False``:
+    all fitting ones); None if none. Pure."""
     ranked = _ranked(candidates, metric)
     if confirmed:
         ranked = [c for c in ranked if len(c.values(metric)) > 1]

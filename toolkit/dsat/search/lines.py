@@ -1,30 +1,7 @@
-"""Lines: the bookkeeping every search method shares, and :func:`best_result`.
+"""Lines, the bookkeeping every search method shares (ids, trial cap, bounds, offload levels, best),
+and :func:`best_result`.
 
-A *line* is one ZeRO configuration (drawn at random without repeats from
-:class:`~toolkit.dsat.search.space.ZeroSpace`, or the user's own section at a stage) whose micro-batch
-is narrowed on ``[1, ceil(search_range_factor * approx_max_micro_batch)]`` of the memory model.
-The methods (:mod:`~toolkit.dsat.search.binary`, :mod:`~toolkit.dsat.search.random_search`,
-:mod:`~toolkit.dsat.search.asha`) differ only in which line gets the next trial and at which
-micro-batch; trial ids, the trial cap, in-flight trials, bounds and the best result live here.
-
-A line keeps ``lo`` (smallest micro-batch not yet known to fit) and ``hi`` (largest not yet known
-to fail): a trial that succeeds (``OK``) at ``m`` sets ``lo = m + 1``, one that runs out of memory
-sets ``hi = m - 1``. A ``FAILED`` or ``TIMEOUT`` trial is treated like an out-of-memory one: its
-micro-batch, and all above it, are not tried again on that line (a trial too slow at ``m`` is
-slower still above it; a crash at ``m`` is as likely a memory crash as anything). The range is
-closed when ``lo > hi``; the best fitting micro-batch of the line is then ``lo - 1``.
-
-When the settings restrict the micro-batches (``micro_batches``: the global batch kept;
-``max_micro_batch``: the trial timeout), ``hi`` is always an allowed micro-batch (or below 1),
-trials use allowed micro-batches only, and bisection runs over the sorted allowed ones in ``[lo, hi]``.
-Lines belong to an offload level (:mod:`~toolkit.dsat.search.offload`): the search starts at the
-first level the memory model says fits at micro-batch 1, and moves one level down when every
-stage of its level ran out of memory at micro-batch 1.
-
-:class:`Line` holds only what every method uses; a method with state of its own per line
-subclasses it (``binary``'s values: :class:`~toolkit.dsat.search.binary.BinaryLine`, ``asha``'s
-rungs: :class:`~toolkit.dsat.search.asha.AshaLine`). Pure logic, rank 0 only by use (the
-orchestrator).
+Pure; rank 0 only by use (the orchestrator). Design: docs/design-dsat-search.md#lines.
 """
 
 from __future__ import annotations
@@ -64,8 +41,7 @@ _VERDICT = {TrialStatus.OK: "fitting (it ran)", TrialStatus.OOM: "out of memory"
 
 
 def _config(spec: TrialSpec) -> tuple[int, str]:
-    """A configuration: its micro-batch and ZeRO section, as DeepSpeed sees it (the same key as the
-    confirmation's; :func:`~toolkit.dsat.search.space.canonical_zero`)."""
+    """A configuration: micro-batch and canonical ZeRO section (the confirmation's key too)."""
     return spec.micro_batch, canonical_zero(spec.zero)
 
 
@@ -75,16 +51,7 @@ def _fingerprint(spec: TrialSpec) -> tuple[int, int, str]:
 
 
 def best_result(results: Iterable[TrialResult], metric: str) -> TrialResult | None:
-    """The successful result with the best ``metric`` (first one on ties), or None if none.
-
-    Direction from :func:`~toolkit.dsat.search.types.is_better`: ``FLOPS_per_gpu`` and ``throughput``
-    larger is better, ``forward``, ``backward`` and ``latency`` smaller is better. Results that
-    are not ``OK`` or lack a finite value of ``metric`` are skipped. Pure; rank 0 only by use.
-
-    Example (rank 0, after the search)::
-
-        best = best_result(results, "latency")   # the OK trial with the lowest latency
-    """
+    """The successful result with the best finite ``metric`` (the first on ties), or None. Pure; any rank."""
     best, best_value = None, None
     for result in results:
         value = metric_value(result, metric)
@@ -95,31 +62,19 @@ def best_result(results: Iterable[TrialResult], metric: str) -> TrialResult | No
 
 @dataclasses.dataclass
 class Line:
-    """One ZeRO configuration and what its trials taught about its micro-batch range.
+    """One ZeRO configuration: its open micro-batch range ``[lo, hi]``, trials, best, offload level,
+    why it ``stopped``, and ``repeat_mb``, a micro-batch to run again (conflicting verdicts)."""
 
-    Attributes:
-        line_id: its index in the search (``TrialSpec.line``).
-        zero: its ``zero_optimization`` section.
-        lo, hi: the open micro-batch range (see the module docstring).
-        trials: trials proposed on it.
-        in_flight: one of them is running.
-        best: its best successful result so far.
-        stopped: why the line takes no more trials (None while it may).
-        offload: its offload level (``none``, ``optimizer`` or ``param``).
-        repeat_mb: a micro-batch judged both fitting and out of memory, to run once more before
-            anything else on the line (its result decides; None: none pending).
-    """
-
-    line_id: int
+    line_id: int                            # its index in the search (TrialSpec.line)
     zero: dict[str, Any]
-    lo: int
-    hi: int
+    lo: int                                 # the smallest micro-batch not known to fit
+    hi: int                                 # the largest not known to fail
     trials: int = 0
     in_flight: bool = False
     best: TrialResult | None = None
-    stopped: str | None = None
+    stopped: str | None = None              # why it takes no more trials; None while it may
     offload: str = "none"
-    repeat_mb: int | None = None
+    repeat_mb: int | None = None            # judged both fitting and OOM: run once more first
 
     @property
     def stage(self) -> int:
@@ -131,12 +86,12 @@ class Line:
 
     @property
     def has_trial_due(self) -> bool:
-        """It has a next trial to run: its range is open (a subclass may add trials below it)."""
+        """It has a next trial: its range is open (a subclass may add trials below it)."""
         return not self.closed
 
     @property
     def moves_bounds(self) -> bool:
-        """The result of its trial in flight narrows ``[lo, hi]`` (a probe below it would not)."""
+        """Its trial in flight narrows ``[lo, hi]`` (a probe below it would not)."""
         return True
 
     @property
@@ -149,11 +104,8 @@ LineT = TypeVar("LineT", bound=Line)
 
 
 class LineSearcher(Generic[LineT]):
-    """Bookkeeping shared by the methods: ids, trial cap, lines, in-flight trials, best result.
-
-    Implements :class:`~toolkit.dsat.search.types.Searcher`; a method subclasses it with its
-    line type and the hooks of the "per method" section. Rank 0 only by use.
-    """
+    """Bookkeeping shared by the methods (a :class:`Searcher`); a method subclasses it with its line
+    type and the "per method" hooks. Rank 0 only by use."""
 
     def __init__(self, settings: SearchSettings, profile: ProfileInfo) -> None:
         self.settings = settings
@@ -173,10 +125,7 @@ class LineSearcher(Generic[LineT]):
 
     # -- public (the Searcher protocol) -------------------------------------------------------
     def propose(self, capacity: int) -> list[TrialSpec]:
-        """Up to ``capacity`` new trials (fewer, or none, while waiting or when finished).
-
-        Rank 0 only (the orchestrator). Raises ValueError for a negative ``capacity``.
-        """
+        """Up to ``capacity`` new trials (fewer or none while waiting or when done). Rank 0 only."""
         if not is_int(capacity) or capacity < 0:
             raise ValueError(f"capacity={capacity!r}: expected an integer >= 0 (free trial slots)")
         specs: list[TrialSpec] = []
@@ -195,13 +144,8 @@ class LineSearcher(Generic[LineT]):
         return specs
 
     def observe(self, result: TrialResult) -> None:
-        """Take a finished trial into account. Rank 0 only.
-
-        The profiling trial (``spec.profile``) is ignored. Raises ValueError for a trial this
-        searcher has not proposed or already observed, or whose micro-batch, line or ZeRO
-        section differs from the proposal (a replay that does not match this searcher's seed or
-        settings); the searcher is unchanged then.
-        """
+        """Take a finished trial into account (profiling trials ignored); ValueError, nothing changed, for
+        a trial not proposed, already observed or unlike its proposal. Rank 0 only."""
         if result.spec.profile:
             return
         line, spec = self._take_in_flight(result.spec)
@@ -222,7 +166,7 @@ class LineSearcher(Generic[LineT]):
             if result.status is TrialStatus.OK:
                 line.lo = max(line.lo, m + 1)
             else:
-                line.hi = self._top(min(line.hi, m - 1))
+                line.hi = self._top(min(line.hi, m - 1))  # failed, timed out: as an OOM
         self._after_observe(line, result, improved)
         if line.stopped is None and not line.has_trial_due:
             line.stopped = "range closed"
@@ -232,19 +176,8 @@ class LineSearcher(Generic[LineT]):
                      f", stopped: {line.stopped}" if line.stopped else "")
 
     def observe_profiling(self, results: Sequence[TrialResult]) -> list[TrialResult]:
-        """Take the profiling trials that ran configurations of the search as its results (every
-        method alike); returns those taken. Call once, before the first :meth:`propose`. Rank 0 only.
-
-        A profiling trial is at a configuration of the search when its ZeRO section is the user's
-        own at a searched stage of the first offload level. Its verdict (fits or out of memory)
-        counts against the search's trials of the same configuration (:meth:`_conflicts`); for
-        ``throughput`` and ``FLOPS_per_gpu``, when it ran and its micro-batch is one a trial may
-        use (the global batch policy), it is also a result: it may be the search's best (its
-        throughput is timed over the same steps as any trial's; the profiling probes run in the
-        first step only), and ``binary`` starts that stage's line from it
-        (:meth:`_take_profiling`). Forward, backward and latency take none as results
-        (micro-batch 1 would win trivially).
-        """
+        """Take the profiling trials at the search's configurations as its results; returns those taken.
+        Once, before the first :meth:`propose`. Rank 0 only."""
         if self._proposed or self._lines:
             raise ValueError("observe_profiling: call it once, before the first propose")
         base = offload.offload_zero(self.settings.base_zero, self.level)
@@ -268,14 +201,11 @@ class LineSearcher(Generic[LineT]):
         return taken
 
     def _take_profiling(self, stage: int, results: list[TrialResult]) -> None:
-        """What a method does with the profiling trials taken as results at ``stage`` besides
-        the search's best (:meth:`observe_profiling`): nothing by default."""
+        """What a method does with the profiling trials taken at ``stage``: nothing by default."""
 
     def _conflicts(self, line: LineT, result: TrialResult) -> bool:
-        """Whether ``result`` (a tuning trial's) is judged out of memory where a trial of the same
-        configuration ran, or the reverse, and was not itself the repeat: then the line runs that
-        micro-batch once more first, and its verdict decides (2 of 3), not this one (said in
-        :attr:`notes`). The verdict is kept either way."""
+        """``result`` contradicts an earlier verdict of its configuration and is not the repeat: the line
+        runs it once more, and that decides (said in :attr:`notes`). The verdict is kept either way."""
         if result.status not in (TrialStatus.OK, TrialStatus.OOM):
             return False
         earlier = self._verdicts.setdefault(_config(result.spec), [])
@@ -295,7 +225,7 @@ class LineSearcher(Generic[LineT]):
 
     @property
     def done(self) -> bool:
-        """No trial is in flight, and the trial cap is reached or nothing is left to propose."""
+        """No trial in flight, and the cap reached or nothing left to propose."""
         repeats = any(line.repeat_mb is not None for line in self._lines)
         return not self._in_flight and (self.budget_left <= 0 or not (repeats or self._has_work()))
 
@@ -306,7 +236,7 @@ class LineSearcher(Generic[LineT]):
 
     @property
     def observed_count(self) -> int:
-        """Results observed so far; record it with each proposed trial for ``replay``."""
+        """Results observed so far; recorded with each proposed trial for ``replay``."""
         return len(self._results)
 
     @property
@@ -316,13 +246,12 @@ class LineSearcher(Generic[LineT]):
 
     @property
     def best(self) -> TrialResult | None:
-        """The best successful result so far (see :func:`best_result`)."""
+        """The best successful result so far."""
         return self._best
 
     # -- shared helpers -----------------------------------------------------------------------
     def _take_in_flight(self, spec: TrialSpec) -> tuple[LineT, TrialSpec]:
-        """The line and proposal of the observed ``spec``, no longer in flight; ValueError (and
-        nothing changed) when it was not proposed, was observed already, or is not the proposal."""
+        """The observed spec's line and proposal; ValueError, nothing changed, when not ours."""
         entry = self._in_flight.pop(spec.trial_id, None)
         if entry is None:
             raise ValueError(f"trial {spec.trial_id} was not proposed by this searcher or was "
@@ -343,7 +272,7 @@ class LineSearcher(Generic[LineT]):
         return None if self._best is None else metric_value(self._best, self.settings.metric)
 
     def _propose_on(self, line: LineT, *, micro_batch: int | None = None) -> TrialSpec:
-        """The next trial of ``line`` (at ``micro_batch``, else the method's choice), now in flight."""
+        """The next trial of ``line`` (at ``micro_batch``, else the method's), now in flight."""
         self._proposed += 1
         m = self._micro_batch(line) if micro_batch is None else micro_batch
         spec = TrialSpec(trial_id=self._proposed, micro_batch=m, zero=copy.deepcopy(line.zero),
@@ -416,7 +345,7 @@ class LineSearcher(Generic[LineT]):
         return False
 
     def _start_level(self) -> int:
-        """``auto``: the first level the memory model says fits at micro-batch 1; else the first."""
+        """``auto``: the first level predicted to fit micro-batch 1; else the first."""
         if self.settings.offload != "auto" or len(self._levels) == 1:
             return 0
         index = offload.first_level(self._levels, self._fits_at_one)
@@ -426,7 +355,7 @@ class LineSearcher(Generic[LineT]):
         return index
 
     def _maybe_offload_more(self) -> None:
-        """Move one offload level down when every stage of this level ran out of memory at micro-batch 1."""
+        """One level down when every stage of this one ran out of memory at micro-batch 1."""
         if self._level + 1 >= len(self._levels):
             return
         here = [r for r in self._results if self._lines[r.spec.line].offload == self.level]
@@ -442,13 +371,12 @@ class LineSearcher(Generic[LineT]):
         raise NotImplementedError
 
     def _micro_batch(self, line: LineT) -> int:
-        """The micro-batch of ``line``'s next trial: the midpoint of its range (of the allowed
-        micro-batches in it) by default."""
+        """The micro-batch of ``line``'s next trial: the middle of its (allowed) range by default."""
         inside = self._inside(line)
         return (line.lo + line.hi) // 2 if inside is None else inside[(len(inside) - 1) // 2]
 
     def _next_line(self) -> LineT | None:
-        """The line to give the next trial to (may start a new one); None when nothing to do."""
+        """The line for the next trial (may start one); None when nothing to do."""
         raise NotImplementedError
 
     def _has_work(self) -> bool:
@@ -456,4 +384,4 @@ class LineSearcher(Generic[LineT]):
         raise NotImplementedError
 
     def _after_observe(self, line: LineT, result: TrialResult, improved: bool) -> None:
-        """Method-specific reaction to a result (bounds are already updated)."""
+        """A method's reaction to a result (bounds already updated)."""

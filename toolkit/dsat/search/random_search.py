@@ -1,7 +1,5 @@
-"""``random``: random ZeRO configurations, each tried at random micro-batches in its range.
-
-Named ``random_search`` so as not to shadow the standard library's :mod:`random`. Pure logic,
-rank 0 only by use (the orchestrator drives it through :func:`~toolkit.dsat.search.make_searcher`).
+"""``random``: random ZeRO configurations, each tried at random micro-batches in its range (named so
+as not to shadow :mod:`random`). Pure; rank 0 only by use. Design: docs/design-dsat-search.md.
 """
 
 from __future__ import annotations
@@ -21,14 +19,8 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class EarlyStopping:
-    """``random``'s search-wide stopping state (its lines need nothing beyond
-    :class:`~toolkit.dsat.search.lines.Line`).
-
-    Attributes:
-        low_stage_fits: a stage-1 or stage-2 trial succeeded (no more stage-3 trials).
-        without_improvement: consecutive observed trials that did not improve the best.
-        stopped: why the whole search proposes nothing more (None while it may).
-    """
+    """``random``'s search-wide stopping state: a stage 1 or 2 trial fitted, trials without improvement,
+    why the search stopped."""
 
     low_stage_fits: bool = False
     without_improvement: int = 0
@@ -36,24 +28,8 @@ class EarlyStopping:
 
 
 class RandomSearcher(LineSearcher[Line]):
-    """``random``: random ZeRO configurations, each tried at random micro-batches in ``[lo, hi]``.
-
-    Early-stopping rules (DeepSpeed knowledge: a lower stage that fits is faster than stage 3):
-
-    1. a line gets at most ``trials_per_random_config`` trials;
-    2. once any stage-1 or stage-2 trial succeeds, no stage-3 line is started or continued
-       (stage-3 trials already in flight finish and are observed);
-    3. a line whose trial fails at its lower bound ``lo`` stops (nothing below is left to try:
-       ``lo - 1`` fits or ``lo`` is 1);
-    4. with ``early_stopping = n``, the whole search stops proposing after ``n`` consecutive
-       observed trials that did not improve the best metric (failed trials count).
-
-    Idle lines are continued (oldest first) before new ones start. Pure; rank 0 only by use.
-
-    Example (rank 0 only)::
-
-        searcher = make_searcher(SearchSettings(method="random", early_stopping=5), profile)
-    """
+    """``random`` with early stopping: trials per line capped, no stage 3 once stage 1 or 2 fits, a line
+    failing at ``lo`` stops, ``early_stopping`` trials without improvement end it. Rank 0 only by use."""
 
     def __init__(self, settings: SearchSettings, profile: ProfileInfo) -> None:
         super().__init__(settings, profile)

@@ -11,32 +11,9 @@ __all__ = ["replay"]
 
 def replay(searcher: Searcher, *, results: Sequence[TrialResult],
            observed_before: Mapping[int, int]) -> list[TrialSpec]:
-    """Rebuild a fresh searcher's state from a recorded search (how ``--resume`` works).
-
-    Works because a searcher is deterministic for its seed and calls, ``propose(a)`` then
-    ``propose(b)`` gives the trials of ``propose(a + b)``, and a ``propose`` that returns
-    nothing changes nothing. Rank 0 only.
-
-    Args:
-        searcher: a fresh searcher with the recorded search's settings and seed.
-        results: the finished tuning trials, in the order they were observed.
-        observed_before: for every proposed trial id, ``searcher.observed_count`` when it was
-            proposed (the number of results observed before it).
-
-    Returns:
-        The trials that were proposed but have no result (they were running when the search
-        was interrupted); they are in flight in ``searcher``: run them again and observe them.
-
-    Raises:
-        ValueError: the record does not match what this searcher proposes (another seed,
-            method or settings), or ``observed_before`` is inconsistent.
-
-    Example (rank 0, resuming)::
-
-        searcher = make_searcher(settings, profile)
-        for spec in replay(searcher, results=finished, observed_before=counts):
-            start(spec)
-    """
+    """Rebuild a fresh searcher (the record's settings and seed) from the finished trials, in observation
+    order, and per trial id ``observed_count`` when it was proposed. Returns the trials left in flight
+    (run them again); ValueError when the record does not match. Rank 0 only."""
     by_count: dict[int, list[int]] = {}
     for trial_id, count in observed_before.items():
         if count < 0 or count > len(results):

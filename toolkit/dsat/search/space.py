@@ -1,30 +1,7 @@
-"""The ZeRO configuration space the autotuner searches, and random draws from it.
+"""The ZeRO configuration space the autotuner searches (knobs per stage), and random draws from it.
 
-Each stage has its own knobs (what DeepSpeed 0.19's optimizers actually read for that stage,
-see ``deepspeed/runtime/engine.py``, ``_configure_zero_optimizer``):
-
-* stage 0: no ZeRO knobs (one configuration);
-* stages 1 and 2 (``DeepSpeedZeroOptimizer``): ``reduce_bucket_size``,
-  ``allgather_bucket_size``, ``overlap_comm``, ``reduce_scatter``, ``contiguous_gradients``;
-* stage 3 (``DeepSpeedZeroOptimizer_Stage3``): ``reduce_bucket_size``, ``overlap_comm``,
-  ``reduce_scatter``, ``contiguous_gradients``, ``stage3_prefetch_bucket_size``,
-  ``stage3_param_persistence_threshold``, ``stage3_max_live_parameters``, ``sub_group_size``.
-
-``allgather_partitions`` is accepted by DeepSpeed's config model but read by no optimizer in
-0.19 (``engine.zero_allgather_partitions()`` has no caller), so searching it would only spend
-trials on identical runs; the user's value passes through unchanged. Add it to
-:data:`STAGE_KNOBS` if a DeepSpeed version starts honouring it.
-
-Every configuration is built on the user's ``zero_optimization`` section (deep-copied, never
-mutated), with what the stage cannot take removed so that no trial is invalid:
-``offload_param`` needs stage 3; ``offload_optimizer`` is kept at stages 2 and 3 only (DeepSpeed
-0.19 also runs it at stage 1, and :func:`toolkit.validate_ds_config` accepts that, but earlier
-releases did not), stage 3 when it goes to NVMe or its ``ratio`` < 1;
-``compute_grad_norm: false`` is only valid at stages 1 and 2.
-
-Pure; any rank (the tuner uses it on rank 0). Example::
-
-    zero = ZeroSpace((1, 2, 3), base_zero={}).draw(random.Random(0))   # {"stage": 2, ...} or None
+Configurations are built on the user's section, never mutated, without what the stage cannot take.
+Pure; any rank. Design: docs/design-dsat-search.md#the-zero-space.
 """
 
 from __future__ import annotations
@@ -50,6 +27,7 @@ _STAGE12 = (
 )
 
 #: Per stage, the knobs searched and their values (ints for sizes, as DeepSpeed's model wants).
+#: What DeepSpeed 0.19's optimizers read per stage; ``allgather_partitions`` is read by none, so left out.
 STAGE_KNOBS: Mapping[int, tuple[tuple[str, tuple[Any, ...]], ...]] = {
     0: (),
     1: _STAGE12,
@@ -82,17 +60,8 @@ _FIELD_NAMES: Mapping[str, str] = {"stage3_prefetch_bucket_size": "prefetch_buck
 
 
 def default_zero_autos(zero: Any) -> Any:
-    """A copy of a ZeRO section with its model-size ``"auto"`` values (HF style, those
-    :func:`toolkit.resolve_ds_config` fills from ``hidden_size``) set to DeepSpeed's defaults.
-
-    The search chooses bucket sizes itself; a trial whose section still says ``"auto"`` after
-    ``resolve_ds_config(..., hidden_size=...)`` (no ``hidden_size`` hyperparameter) runs with
-    DeepSpeed's values. Anything but a mapping is returned as is. Pure; call anywhere.
-
-    Example:
-        >>> default_zero_autos({"stage": 2, "reduce_bucket_size": "auto"})
-        {'stage': 2, 'reduce_bucket_size': 500000000}
-    """
+    """A copy of a ZeRO section with its model-size ``"auto"`` values at DeepSpeed's defaults (the search
+    picks bucket sizes; no ``hidden_size`` resolved them); a non-mapping as is. Pure."""
     if not is_mapping(zero):
         return zero
     return {key: (_KNOB_DEFAULTS[key] if value == "auto" and key in _AUTO_KNOBS else copy.deepcopy(value))
@@ -100,24 +69,14 @@ def default_zero_autos(zero: Any) -> Any:
 
 
 def offloads_nothing(key: str, value: Any) -> bool:
-    """Whether ``key: value`` of a ZeRO section is an offload section that moves nothing (its device
-    ``"none"``, DeepSpeed's default). Pure.
-
-    >>> offloads_nothing("offload_param", {"device": "none", "pin_memory": True})
-    True
-    """
+    """``key: value`` is an offload section that moves nothing (its device ``none``). Pure."""
     return key in ("offload_optimizer", "offload_param") and is_mapping(value) \
         and str(value.get("device", "none")) == "none"
 
 
 def canonical_zero(zero: Mapping[str, Any]) -> str:
-    """What makes two ZeRO sections the same configuration to DeepSpeed, as a JSON key: offload
-    sections that move nothing, and knobs at DeepSpeed's values for the stage, left out; whole
-    floats as integers (``3e7`` is ``30000000``); ``stage3_`` aliases under one name. Pure.
-
-    >>> canonical_zero({"stage": 2, "offload_param": {"device": "none"}, "reduce_bucket_size": 5e8})
-    '{"stage": 2}'
-    """
+    """The JSON key that two ZeRO sections the same to DeepSpeed share: no-op offloads and default knobs
+    left out, whole floats as ints, ``stage3_`` aliases under one name. Pure."""
     stage = zero.get("stage", 0)
     out: dict[str, Any] = {}
     for key, value in zero.items():
@@ -141,16 +100,8 @@ _AUTO_KNOBS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_para
 
 def zero_config_for_stage(base_zero: Mapping[str, Any], stage: int,
                           knobs: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The user's ZeRO section at ``stage`` with ``knobs`` set; a new dict, ``base_zero`` untouched.
-
-    Pure; call anywhere. Offload sections and ``compute_grad_norm: false`` are dropped where
-    ``stage`` does not allow them (see the module docstring), so DeepSpeed accepts the result.
-
-    Example:
-        >>> zero_config_for_stage({"stage": 3, "offload_param": {"device": "cpu"}}, 2,
-        ...                       {"overlap_comm": True})
-        {'stage': 2, 'overlap_comm': True}
-    """
+    """The user's ZeRO section at ``stage`` with ``knobs`` set, a new dict, without the offload
+    sections and ``compute_grad_norm: false`` the stage does not allow. Pure."""
     if stage not in STAGE_KNOBS:
         raise ValueError(f"stage={stage!r}: expected a ZeRO stage 0, 1, 2 or 3")
     zero = copy.deepcopy(dict(base_zero))
@@ -172,18 +123,8 @@ def zero_config_for_stage(base_zero: Mapping[str, Any], stage: int,
 
 
 class ZeroSpace:
-    """The finite set of ZeRO configurations over ``stages``, drawn at random without repeats.
-
-    Every draw takes its randomness from the ``random.Random`` passed in, so a searcher owning
-    that generator is deterministic. Pure logic; no process or file is touched.
-
-    Example:
-        >>> space = ZeroSpace((0, 1), base_zero={})
-        >>> rng = random.Random(0)
-        >>> zero = space.draw(rng)
-        >>> zero["stage"] in (0, 1), space.remaining() == space.size() - 1
-        (True, True)
-    """
+    """The finite set of ZeRO configurations over ``stages``, drawn without repeats with the caller's
+    ``random.Random``. Pure logic."""
 
     def __init__(self, stages: Iterable[int], *, base_zero: Mapping[str, Any]) -> None:
         self._stages = tuple(sorted(set(stages)))
@@ -207,12 +148,8 @@ class ZeroSpace:
         return sum(self._sizes[s] - len(self._drawn[s]) for s in self._pick(stages))
 
     def draw(self, rng: random.Random, *, stages: Iterable[int] | None = None) -> dict[str, Any] | None:
-        """A configuration not drawn before, or None when ``stages`` are exhausted.
-
-        The stage is chosen uniformly among the allowed stages that have configurations left
-        (so stage 0, a single configuration, is not drowned by the hundreds of stage 3), then a
-        configuration uniformly within that stage.
-        """
+        """A configuration not drawn before (a stage uniformly, then one of its configurations), or None
+        when ``stages`` are exhausted."""
         open_stages = [s for s in self._pick(stages) if len(self._drawn[s]) < self._sizes[s]]
         if not open_stages:
             return None
@@ -228,18 +165,8 @@ class ZeroSpace:
         return zero_config_for_stage(self._base, stage, self._knobs(stage, index))
 
     def user_config(self, stage: int) -> dict[str, Any]:
-        """The user's own ZeRO section at ``stage``, knobs as the user set them (or left them out).
-
-        Not random. When its knob values (DeepSpeed's defaults for those left out) are one of
-        the stage's configurations, that configuration counts as drawn, so no later
-        :meth:`draw` repeats it; otherwise it is a configuration outside the space, and drawing
-        is unaffected. Call it at most once per stage.
-
-        Example:
-            >>> space = ZeroSpace((0, 1), base_zero={"stage": 1})
-            >>> space.user_config(0), space.remaining([0])
-            ({'stage': 0}, 0)
-        """
+        """The user's own section at ``stage``, counted as drawn when it is one of the stage's
+        configurations. At most once per stage."""
         if stage not in self._stages:
             raise ValueError(f"stage={stage!r}: not a stage of this space {list(self._stages)}")
         zero = zero_config_for_stage(self._base, stage)

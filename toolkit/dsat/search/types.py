@@ -1,13 +1,5 @@
-"""The vocabulary of the search: trials to run, their results, the search settings, the
-:class:`Searcher` protocol.
-
-Search methods are pure: they see :class:`TrialResult` objects and return the next
-:class:`TrialSpec` objects; the runner (:mod:`toolkit.dsat.execution.runner`) turns a spec into real
-processes and a result. Pure values; any rank (the tuner builds them on rank 0, a trial reads
-its spec). Example::
-
-    spec = TrialSpec(trial_id=3, micro_batch=16, zero={"stage": 2}, line=1)
-    overrides = spec.ds_overrides()   # merged over the user's DeepSpeed config for trial 3
+"""The search's vocabulary: trials to run (:class:`TrialSpec`), their results, the settings, the
+:class:`Searcher` protocol. Pure values; any rank (built on rank 0, a trial reads its spec).
 """
 
 from __future__ import annotations
@@ -38,11 +30,8 @@ SMALLER_IS_BETTER = frozenset({"forward", "backward", "latency"})
 
 
 def is_better(metric: str, candidate: float, incumbent: float | None) -> bool:
-    """True when ``candidate`` beats ``incumbent`` for ``metric``. Pure; any process.
-
-    A candidate that is not a finite number (NaN, infinity) beats nothing; None, NaN or an
-    infinite incumbent is beaten by any finite candidate.
-    """
+    """``candidate`` beats ``incumbent`` for ``metric``; a non-finite candidate beats nothing, a None or
+    non-finite incumbent loses to any finite one. Pure; any rank."""
     if metric not in METRICS:
         raise ValueError(f"metric={metric!r}: expected one of {', '.join(METRICS)}")
     if not math.isfinite(candidate):
@@ -54,32 +43,17 @@ def is_better(metric: str, candidate: float, incumbent: float | None) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class TrialSpec:
-    """One trial to run: a DeepSpeed config override on top of the user's config.
+    """One trial: a micro-batch and ZeRO section over the user's config. Profiling trials: ``profile``,
+    line -1, ids 0 and below; ``label``, ``rerun`` and ``baseline`` are the orchestrator's."""
 
-    Attributes:
-        trial_id: unique and stable within a search (0 is the profiling trial); a resumed
-            search regenerates the same ids for the same trials.
-        micro_batch: ``train_micro_batch_size_per_gpu``.
-        zero: the ``zero_optimization`` section to use (merged over the user's).
-        line: the search line (one random ZeRO config explored by bisection); -1 for profiling.
-        profile: a profiling trial (the memory model's measurements; 0 the first, at micro-batch 1,
-            the others below 0).
-        label: what the user sees for a profiling trial (``p1``, ``p2``, ... in the order they
-            ran; the orchestrator sets it); empty: the trial id.
-        rerun: a re-run of a configuration already measured, to confirm the best (the
-            orchestrator's, after the search; no searcher proposed it).
-        baseline: the user's own config as written, measured after the search when no trial
-            did (the orchestrator's; labelled ``own``), to compare the best with.
-    """
-
-    trial_id: int
+    trial_id: int                           # unique, stable across a resume; 0 and below: profiling
     micro_batch: int
-    zero: Mapping[str, Any]
-    line: int = -1
+    zero: Mapping[str, Any]                 # the zero_optimization section, merged over the user's
+    line: int = -1                          # the search line; -1 for profiling trials
     profile: bool = False
-    label: str = ""
-    rerun: bool = False
-    baseline: bool = False
+    label: str = ""                         # p1, p2, ... for profiling trials; empty: the id
+    rerun: bool = False                     # a confirmation re-run, after the search
+    baseline: bool = False                  # the user's own config as written ("own")
 
     @property
     def stage(self) -> int:
@@ -112,28 +86,16 @@ class TrialSpec:
 
 @dataclasses.dataclass(frozen=True)
 class TrialResult:
-    """What came of a trial.
-
-    Attributes:
-        spec: the trial.
-        status: how it ended.
-        metrics: the five :data:`METRICS` when ``status`` is OK, else empty.
-        duration_s: wall time of the trial's processes.
-        error: a short human-readable reason for a non-OK status (exit code, signal, what was
-            missing); the trial's own logs are in its directory.
-        profile: for the profiling trial, its :class:`ProfileInfo` as a dict.
-        peak_bytes: the largest peak memory of a rank the runner saw (on CPU the ranks' peak
-            resident size, what the budget is held against; on GPUs the chief's reported peak);
-            None: not measured (a record older than this field).
-    """
+    """What came of a trial: its status, the five metrics when OK, ``error`` in words otherwise, a
+    profiling trial's profile, the largest rank peak the runner saw (``peak_bytes``; None: unknown)."""
 
     spec: TrialSpec
     status: TrialStatus
-    metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    duration_s: float = 0.0
-    error: str | None = None
-    profile: Mapping[str, Any] | None = None
-    peak_bytes: int | None = None
+    metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)  # the five METRICS if OK
+    duration_s: float = 0.0                 # wall time of the trial's processes
+    error: str | None = None                # why not OK, in words; logs in the trial's directory
+    profile: Mapping[str, Any] | None = None  # a profiling trial's ProfileInfo
+    peak_bytes: int | None = None           # on CPU peak RSS, on GPUs the chief's peak
 
     def to_json(self) -> dict[str, Any]:
         return {"spec": self.spec.to_json(), "status": self.status.value, "metrics": dict(self.metrics),
@@ -151,53 +113,27 @@ class TrialResult:
 
 @dataclasses.dataclass(frozen=True)
 class SearchSettings:
-    """Everything a search method needs besides the profile. Validated on construction.
-
-    Attributes:
-        method: one of :data:`SEARCH_METHODS`.
-        metric: one of :data:`METRICS`.
-        max_trials: all trials of the search, the profiling trial included (>= 2); a searcher
-            proposes at most ``max_trials - 1`` tuning trials.
-        zero_stages: the stages to search, each 0..3.
-        data_parallel_size: slots per trial (S in the memory model).
-        random_seed: seeds the searcher's own ``random.Random``; nothing global is touched.
-        base_zero: the user's ``zero_optimization`` section; trial ZeRO configs are built on it.
-        trials_per_random_config, early_stopping: ``random`` method.
-        search_range_factor: ``binary`` and ``asha``: bisect on [1, factor * approx_max].
-        bisect_tolerance: ``binary``: a line stops bisecting upwards once its open range is
-            within this fraction of its largest fitting micro-batch ``f``
-            (``hi - f <= bisect_tolerance * f``), in ``[0, 1)``; 0 bisects to the last unit.
-            Default 0.25: the last trials at the memory boundary (the largest micro-batches,
-            often out of memory) buy little. For ``throughput`` and ``FLOPS_per_gpu`` it applies
-            only when the best is the largest success below an out-of-memory
-            (:mod:`~toolkit.dsat.search.peak`).
-        max_rungs, min_binary_search_trials, asha_early_stopping, divisor: ``asha`` method.
-        micro_batches: the only micro-batches a trial may use, ascending (the global batch kept:
-            the divisors of ``train_batch_size / data_parallel_size``, see
-            :mod:`~toolkit.dsat.search.batch`); None: any. Bisection runs over this list.
-        max_micro_batch: no trial above it (its predicted step time would pass the trial
-            timeout); None: no cap.
-        offload: ``auto``, ``never`` or ``always`` (:mod:`~toolkit.dsat.search.offload`).
-    """
+    """Everything a search method needs besides the profile; validated on construction, all problems in
+    one :class:`ConfigError`. The fields: docs/design-dsat-search.md#the-searcher-protocol."""
 
     method: str
     metric: str = "FLOPS_per_gpu"
-    max_trials: int = 50
+    max_trials: int = 50                    # counts the first profiling trial: max_trials - 1 proposed
     zero_stages: tuple[int, ...] = (1, 2, 3)
-    data_parallel_size: int = 1
-    random_seed: int = 42
-    base_zero: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    trials_per_random_config: int = 5
-    early_stopping: int | None = None
-    search_range_factor: float = 1.0
-    bisect_tolerance: float = 0.25
-    max_rungs: int = 5
+    data_parallel_size: int = 1             # slots per trial (S in the memory model)
+    random_seed: int = 42                   # seeds the searcher's own random.Random only
+    base_zero: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the user's ZeRO section
+    trials_per_random_config: int = 5       # random
+    early_stopping: int | None = None       # random
+    search_range_factor: float = 1.0        # binary, asha: lines on [1, factor x the model's max]
+    bisect_tolerance: float = 0.25          # binary: stop once hi - f <= tolerance x f
+    max_rungs: int = 5                      # asha, as the next three
     min_binary_search_trials: int = 3
     asha_early_stopping: int = 0
     divisor: int = 2
-    micro_batches: tuple[int, ...] | None = None
-    max_micro_batch: int | None = None
-    offload: str = "auto"
+    micro_batches: tuple[int, ...] | None = None  # the only ones a trial may use; None: any
+    max_micro_batch: int | None = None      # none above (the trial timeout); None: no cap
+    offload: str = "auto"                   # OFFLOAD_MODES
 
     def __post_init__(self) -> None:
         p: list[str | None] = []
@@ -229,7 +165,7 @@ class SearchSettings:
 
 
     def _micro_batch_problems(self) -> list[str | None]:
-        """The allowed micro-batches (ascending positive integers, 1 first), the cap, the offload mode."""
+        """The allowed micro-batches (ascending, 1 first), the cap, the offload mode."""
         p: list[str | None] = []
         mbs = self.micro_batches
         if mbs is not None and (not isinstance(mbs, tuple) or not mbs or not all(is_int(m) for m in mbs)
@@ -247,17 +183,8 @@ class SearchSettings:
 
 
 class Searcher(Protocol):
-    """A search method: pure logic over results. Deterministic for a given seed and call order.
-
-    The orchestrator calls :meth:`propose` to fill free capacity and :meth:`observe` with each
-    finished trial, in completion order; replaying the recorded results in that order through a
-    fresh searcher rebuilds its state (this is how ``--resume`` works,
-    :func:`~toolkit.dsat.search.replay.replay`). Rank 0 only by use.
-
-    Example (rank 0; annotate the orchestrator's searcher with this protocol)::
-
-        searcher: Searcher = make_searcher(settings, profile)
-    """
+    """A search method: pure and deterministic for a seed and call order, so that replaying the recorded
+    results rebuilds it (``--resume``). Rank 0 only by use."""
 
     def propose(self, capacity: int) -> list[TrialSpec]:
         """Up to ``capacity`` new trials to start now (may be fewer, or none while waiting)."""
@@ -268,8 +195,7 @@ class Searcher(Protocol):
         ...
 
     def observe_profiling(self, results: Sequence[TrialResult]) -> list[TrialResult]:
-        """Before the first :meth:`propose`: take the profiling trials that ran configurations of
-        the search as results (they may be the best); returns those taken."""
+        """Before the first propose: take the profiling trials at its configurations; those taken."""
         ...
 
     @property
@@ -294,8 +220,7 @@ class Searcher(Protocol):
 
     @property
     def notes(self) -> list[str]:
-        """What the user should read, in the order it happened (a config judged both fitting and
-        out of memory, and its repeat)."""
+        """What the user should read, in order (conflicting verdicts and their repeat)."""
         ...
 
     @property

@@ -1,25 +1,8 @@
-"""py-cpuinfo's answer measured once per dsat run and reused by every trial process on the machine.
+"""py-cpuinfo's answer, measured once per dsat run and reused by every trial process on this machine.
 
-DeepSpeed calls ``cpuinfo.get_cpu_info()`` twice each time a process loads one of its CPU
-optimizer ops (FusedAdam's on the CPU in ``deepspeed.initialize``, ``cpu_adam`` and ``cpu_lion``
-for offloading, whose optimizer asks once more), for the compile flags (``-march``, the SIMD
-width) that the op's build hash covers. Each call starts a Python interpreter that sleeps one
-second to measure the clock, so every trial rank waited about 2.5 s for an answer that cannot
-change while dsat runs on one machine.
-
-The trial runner measures it once (:func:`measure_into`, which also answers the runner's own op
-loads from it), writes it in dsat's output directory and names the file in :data:`CPUINFO_ENV` for the
-trials it starts on this machine. A process inside a trial (``TOOLKIT_DSAT_TRIAL`` set, see
-:mod:`toolkit.runtime.trial_env`) answers from that file once toolkit is imported
-(:func:`install_from_env`). DeepSpeed gets the same dictionary (the file is py-cpuinfo's own JSON),
-so the ops' build hashes, and the ops loaded, are those without it. A file of another host, or
-one that cannot be read, is ignored: the process measures as before. Outside a trial nothing
-changes.
-
-Example::
-
-    path = measure_into(output_dir / "cpuinfo.json")      # the runner, once; None if unmeasurable
-    env[CPUINFO_ENV] = str(path)                          # each local trial's environment
+DeepSpeed asks py-cpuinfo at each CPU optimizer op load, and each answer costs an interpreter that
+sleeps to time the clock. Runner and trial processes only; outside a trial nothing changes.
+Design: docs/design-dsat-search.md#inside-a-trial.
 """
 
 from __future__ import annotations
@@ -81,9 +64,8 @@ def install(info: Mapping[str, Any]) -> bool:
 
 
 def install_from_env(environ: Mapping[str, str] = os.environ) -> bool:
-    """Inside a dsat trial whose runner measured the CPU (:data:`CPUINFO_ENV` and ``TRIAL_ENV``
-    set), answer py-cpuinfo from the runner's file; True if so. Any rank; never raises, and
-    outside a trial it does nothing (not even import py-cpuinfo). ``import toolkit`` calls it."""
+    """Inside a trial whose runner measured the CPU, answer py-cpuinfo from its file; True if so. Any
+    rank; never raises, and outside a trial does nothing (not even import py-cpuinfo)."""
     path = environ.get(CPUINFO_ENV)
     if not path or not environ.get(TRIAL_ENV):
         return False

@@ -1,15 +1,9 @@
 """Inside a dsat trial: the trial's config reaches ``deepspeed.initialize``, and its engine is checked.
 
 The trial bootstrap (:mod:`toolkit.dsat.trial.site`) wraps ``deepspeed.initialize`` with
-:func:`initialize_in_trial`, whether the script imports toolkit or not. Every rank, no collective:
-the config the script gives (``config=`` a dict or a path, ``config_params=``,
-``args.deepspeed_config``) is recorded by the chief in ``script_config.json``; unless
-``--no-merge-config`` the trial's tuned keys are merged over it and passed as ``config=``, with a
-copy of ``args`` whose ``deepspeed_config`` is None (DeepSpeed refuses a config given both ways);
-the engine is held to the trial's config (:func:`check_engine`; a mismatch ends the trial, and the
-search stops) and its own steps are timed if the loop has no dsat line
-(:mod:`toolkit.dsat.trial.engine_steps`). Under :data:`APPLY_ENV` (``--run-full-experiment``) the
-best config's tuned keys are merged the same way; nothing is checked or timed. Design: docs/dsat.md.
+:func:`initialize_in_trial`, whether the script imports toolkit or not; under :data:`APPLY_ENV` the
+full run merges the best config's keys. Every rank, no collective.
+Design: docs/design-dsat-search.md#inside-a-trial.
 """
 
 from __future__ import annotations
@@ -100,10 +94,8 @@ def given_config(bound: Mapping[str, Any]) -> Given:
 
 
 def bootstrap() -> None:
-    """Inside a trial, once DeepSpeed is imported (the trial bootstrap calls it; idempotent): an
-    uncaught OOM is the trial's ``"oom"``, py-cpuinfo answers from the runner's file, and DeepSpeed's
-    op builds are guarded (``toolkit.runtime.op_builds.install_build_guards`` where it exists),
-    also for a script that never imports toolkit. Every rank."""
+    """Inside a trial, once DeepSpeed is imported (idempotent): the OOM excepthook, py-cpuinfo's answer
+    and DeepSpeed's op-build guards, also for a script that never imports toolkit. Every rank."""
     from toolkit.dsat.trial.cpu_info import install_from_env
     from toolkit.runtime import op_builds
     from toolkit.runtime.trial_oom import install_oom_excepthook
@@ -143,8 +135,8 @@ def _with_config(bound: dict[str, Any], config: dict[str, Any]) -> dict[str, Any
 
 
 def initialize_in_trial(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``deepspeed.initialize`` (``original``) inside a trial or a full run with :data:`APPLY_ENV`,
-    as the module docstring says; elsewhere ``original`` unchanged. Every rank."""
+    """``deepspeed.initialize`` (``original``) in a trial (record, merge, check, time the engine's
+    steps) or a full run with :data:`APPLY_ENV` (merge only); elsewhere ``original`` unchanged. Every rank."""
     contract = _trial_contract()
     apply_path = os.environ.get(APPLY_ENV)
     if contract is None and not apply_path:
@@ -205,10 +197,9 @@ def _record(contract: TrialContract, given: Given, target: Mapping[str, Any]) ->
 
 
 def check_engine(engine: Any, contract: TrialContract, *, how: str | None, merged: bool) -> None:
-    """Compare the engine's micro-batch, accumulation, ZeRO stage and offload with the trial's
-    config, once per engine; on a difference end the trial (:func:`end_on_mismatch`). Every rank.
-
-    ``how``: how the script gave its config (None: ``deepspeed.initialize`` was not seen)."""
+    """Hold the engine's micro-batch, accumulation, ZeRO stage and offload to the trial's config, once
+    per engine; a difference ends the trial (:func:`end_on_mismatch`). ``how``: None when
+    ``deepspeed.initialize`` was not seen. Every rank."""
     if contract.ds_config is None or engine in _checked:
         return
     _checked[engine] = how
@@ -220,10 +211,9 @@ def check_engine(engine: Any, contract: TrialContract, *, how: str | None, merge
 
 
 def check_data_batch(engine: Any, contract: TrialContract, sizes: set[int]) -> None:
-    """At the engine's first backward: where the forward before it counted its examples
-    (:func:`~toolkit.dsat.tuned_keys.data_batch_sizes`) against the engine's micro-batch; a script whose
-    data loader keeps its own batch size would be timed as the engine's. A difference ends the trial
-    as ``"mismatch"`` (an evaluation forward, with no backward, is never held to it). Every rank."""
+    """At the first backward: the last forward's examples against the engine's micro-batch
+    (:func:`data_batch_verdict`); a loader of its own ends the trial as ``"mismatch"``, a data set
+    short of the micro-batch as ``"failed"``. Every rank."""
     actual = engine_summary(engine)
     verdict = data_batch_verdict(sizes, micro_batch=actual["micro_batch"], own=_own_batch.get(engine))
     if verdict is None:

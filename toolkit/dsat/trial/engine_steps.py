@@ -1,16 +1,6 @@
-"""Inside a dsat trial: time the engine's own steps when the script never enters the reporting context.
-
-Installed on each engine :func:`toolkit.dsat.trial.engine_hook.initialize_in_trial` builds (instance
-attributes over ``forward``, ``backward`` and ``step``; pipeline engines: ``train_batch``). The
-engine's first call decides: when the reporting context already holds a session (the loop's one
-dsat line), every call passes through. Otherwise a :class:`~toolkit.dsat.trial.session.TrialSession`
-is driven by the engine: a step is one optimizer boundary, from the end of the previous one to the
-return of ``step()`` at a gradient-accumulation boundary (pipeline engines: of ``train_batch()``),
-with the line's warm-up, window, FLOPs, memory checks and end of the trial. Every rank; the
-session's collectives run at the same boundaries on every rank. Example (the hook does this)::
-
-    engine, *_ = deepspeed.initialize(...)
-    time_engine_steps(engine, os.environ[TRIAL_ENV])
+"""Inside a dsat trial: time the engine's own steps, one per optimizer boundary, when the loop never
+enters the reporting context. Installed on each engine the trial's hook builds; every rank (the
+session's collectives run at the same boundaries everywhere).
 """
 
 from __future__ import annotations
@@ -25,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineSteps:
-    """The engine-driven steps of one engine (see the module docstring). Every rank."""
+    """The engine-driven steps of one engine, decided at its first call. Every rank."""
 
     def __init__(self, engine: Any, contract_file: str) -> None:
         self.engine = engine
@@ -37,8 +27,8 @@ class EngineSteps:
             setattr(engine, name, self._wrap(name, getattr(engine, name)))
 
     def _decide(self) -> None:
-        """At the engine's first call: the line's session (of this engine, or of another that stepped
-        first: a script's second engine, a reference model, is not timed), or one driven from here."""
+        """At the engine's first call: the line's session (this engine's, or another's that stepped first:
+        a reference model is not timed), or one driven from here."""
         from toolkit.dsat.trial import reporting
         if reporting.active_session() is not None:
             self.mode = "line"

@@ -1,14 +1,7 @@
 """Inside a dsat trial: an out-of-memory error that a step raises ends the trial as ``"oom"``.
 
-The reporting context calls :func:`exit_on_oom`; an OOM that escapes uncaught elsewhere is
-reported by the core library's excepthook (:func:`toolkit.runtime.trial_oom.install_oom_excepthook`).
-Every rank (each reports its own OOM).
-
-Example::
-
-    except Exception as err:            # inside the reporting context, any rank
-        if is_oom(err):
-            exit_on_oom(contract, err, rank=ctx.rank)
+Every rank (each reports its own); an OOM raised elsewhere is the excepthook's
+(:func:`toolkit.runtime.trial_oom.install_oom_excepthook`).
 """
 
 from __future__ import annotations
@@ -28,10 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 def exit_on_oom(contract: TrialContract, err: BaseException, *, rank: int) -> NoReturn:
-    """Report ``err`` as the trial's OOM and end this process with :data:`OOM_EXIT_STATUS`. Any rank.
-
-    ``os._exit``, no teardown: after an OOM the other ranks may never reach a collective.
-    """
+    """Report ``err`` as the trial's OOM and end the process with :data:`OOM_EXIT_STATUS`. Any rank;
+    ``os._exit``, no teardown: after an OOM the other ranks may never reach a collective."""
     logger.error("dsat trial %d ran out of memory on rank %d: %s", contract.trial_id, rank, one_line(err))
     try:
         write_oom_result(contract.result_path, contract.trial_id, err)

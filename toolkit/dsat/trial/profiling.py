@@ -1,17 +1,6 @@
-"""Inside the profiling trial: measure the model and its memory during the first step.
-
-The profiling trial (``TrialContract.profile``, micro-batch 1) records a
-:class:`~toolkit.dsat.contract.ProfileInfo` on every rank during its first wrapped step; the
-chief merges them (:func:`merge_profiles`) into the result file, and the memory model of the
-search (:mod:`toolkit.dsat.search.memory`) predicts from it which micro-batches fit. Every rank
-(each measures its own process); no collective here.
-
-Example::
-
-    probe = ProfileProbe(engine, forwards=calls["forward"])      # before the step
-    ...                                                           # the step runs
-    info = probe.measure(forwards=calls["forward"], memory_budget=None, local_world_size=2,
-                         rss_start=rss_at_start)
+"""Inside the profiling trial: each rank measures the model and its memory during the first step
+(:class:`ProfileProbe`), and the chief merges them (:func:`merge_profiles`) for the memory model.
+Every rank, no collective. Design: docs/design-dsat-search.md#inside-a-trial.
 """
 
 from __future__ import annotations
@@ -40,13 +29,8 @@ def rss_bytes(field: str = "VmRSS") -> int:
 
 
 def peak_memory_bytes(device: Any) -> int:
-    """This rank's peak memory so far, what a memory budget is held against. Any rank.
-
-    On CUDA: PyTorch's peak reserved memory (its caching allocator's segments, what an
-    out-of-memory error is decided on) plus the device memory PyTorch does not hold now (CUDA
-    context, communication buffers, other libraries); on CPU: the peak resident size
-    (``VmHWM``), the runner enforcing ``--memory-per-slot`` on the resident size.
-    """
+    """This rank's peak memory so far, as the budget is held: on CUDA the peak reserved plus what
+    PyTorch does not hold (context, NCCL); on CPU the peak resident size (VmHWM). Any rank."""
     import torch
     device = torch.device(device)
     if device.type == "cuda":
@@ -57,11 +41,8 @@ def peak_memory_bytes(device: Any) -> int:
 
 
 def reset_peak_memory(device: Any) -> None:
-    """Start :func:`peak_memory_bytes` afresh: called before the first training step, so that the
-    peak is the steps' and not the start-up's (imports, model construction, ``deepspeed.initialize``
-    can peak higher than a step at a small micro-batch, which would flatten the measured slope of
-    peak memory per example). CUDA: ``torch.cuda.reset_peak_memory_stats``; Linux: writing 5 to
-    ``/proc/self/clear_refs`` resets ``VmHWM``; elsewhere nothing. Any rank."""
+    """Start :func:`peak_memory_bytes` afresh before the first step, so that the peak is the steps'
+    (CUDA's peak stats; on Linux ``/proc/self/clear_refs``; else nothing). Any rank."""
     import torch
     device = torch.device(device)
     if device.type == "cuda":
@@ -127,11 +108,8 @@ def state_bytes(engine: Any) -> int:
 
 
 class ProfileProbe:
-    """Forward hooks on the engine's leaf modules for one step: the activation bytes it produces.
-
-    Made before the step (it also counts the model state then); :meth:`measure` after it
-    removes the hooks and returns the rank's profile, :meth:`remove` alone when the step failed.
-    """
+    """Forward hooks on the engine's leaf modules for one step: the activation bytes it makes. Made
+    before the step; :meth:`measure` after it, :meth:`remove` alone when the step failed."""
 
     def __init__(self, engine: Any, *, forwards: int) -> None:
         import torch
@@ -166,26 +144,8 @@ class ProfileProbe:
 
 def measure_profile(engine: Any, *, activation_bytes: int, forwards: int, state_bytes: int,
                     memory_budget: int | None, local_world_size: int, rss_start: int) -> dict[str, Any]:
-    """This rank's :class:`ProfileInfo` (as JSON) after the first step.
-
-    * parameters: those this rank holds (the whole model under data parallelism, its stage
-      under pipeline parallelism; ZeRO-3's ``ds_numel`` is the full size);
-    * activation bytes per example: the bytes of the outputs of every leaf module during the
-      step (each storage once: in-place results and views are not counted twice), divided by
-      the examples the step processed (``forwards`` micro-batches); deterministic and the same
-      on any device;
-    * memory per slot: the GPU's total memory; on CPU ``memory_budget`` (the contract's), or
-      the host's memory divided by the ``local_world_size`` processes;
-    * baseline: on GPU the device memory that PyTorch's allocator does not hold (CUDA context,
-      communication buffers); on CPU the peak resident size of the first step minus the bytes of
-      the model state tensors and of that step's activations (at least the resident size at
-      ``rss_start`` minus the state). The peak, not the size before the step: the first step
-      itself allocates memory that does not grow with the batch (DeepSpeed's first-step buffers,
-      kernel workspaces), and the runner enforces the budget on the resident size, so the model
-      must count it;
-    * peak: :func:`peak_memory_bytes` after the first step (the session updates it when the
-      trial ends, so that it covers every step).
-    """
+    """This rank's :class:`ProfileInfo` as JSON after the first step: parameters held, leaf outputs per
+    example, memory per slot, baseline and peak (docs/design-dsat-search.md#inside-a-trial)."""
     import torch
     params = list(engine.module.parameters())
     device = torch.device(getattr(engine, "device", "cpu"))

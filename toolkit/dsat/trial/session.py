@@ -1,14 +1,7 @@
 """Inside a dsat trial: time the training steps, write the trial's result and end the process.
 
-One :class:`TrialSession` per trial process and engine, made by the reporting context
-(:func:`toolkit.dsat.trial.reporting.dsat_reporting_context`, which documents the step roles
-and the metrics). Every rank; :meth:`TrialSession.report_and_exit` is a collective.
-
-Example::
-
-    session = TrialSession(engine, os.environ[TRIAL_ENV])      # all ranks
-    with session.step(steps_completed):
-        ...                                                     # one training step
+One :class:`TrialSession` per process and engine, made by the reporting context or the engine's own
+steps. Every rank; :meth:`TrialSession.report_and_exit` is a collective.
 """
 
 from __future__ import annotations
@@ -39,12 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 def read_contract(contract_file: str) -> TrialContract:
-    """The trial's :class:`TrialContract`, checked.
-
-    Raises:
-        LaunchEnvError: :data:`TRIAL_ENV` names no readable contract (the dsat runner sets it, as
-            a launcher sets its variables); the message names the fix.
-    """
+    """The trial's :class:`TrialContract`, checked; :class:`LaunchEnvError` naming the fix when
+    ``TRIAL_ENV`` names no readable contract. Any rank."""
     try:
         contract = TrialContract.read(contract_file)
     except (OSError, ValueError, TypeError) as err:
@@ -62,17 +51,8 @@ def read_contract(contract_file: str) -> TrialContract:
 
 
 def extra_timed_steps(step_s: list[float], *, window_s: float, room: int) -> int:
-    """How many more steps to time after ``end_profile_step`` so that the timed steps span about
-    ``window_s`` seconds, predicted from the mean of those timed so far (``step_s``, seconds,
-    the slowest rank's); at most ``room`` (the steps up to ``last_profile_step``). Pure; any rank.
-
-    >>> extra_timed_steps([0.1, 0.1, 0.1], window_s=1.0, room=20)
-    7
-    >>> extra_timed_steps([0.5, 0.5, 0.5], window_s=1.0, room=20)
-    0
-    >>> extra_timed_steps([0.01], window_s=1.0, room=20)
-    20
-    """
+    """The steps to time after ``end_profile_step`` for the timed ones to span about ``window_s``, from
+    their mean (``step_s``, the slowest rank's); at most ``room``. Pure; any rank."""
     total = sum(step_s)
     if not step_s or total >= window_s or room <= 0:
         return 0
@@ -81,13 +61,8 @@ def extra_timed_steps(step_s: list[float], *, window_s: float, room: int) -> int
 
 
 def reduce_metrics(everyone: list[dict[str, Any]], *, samples_per_step: float) -> dict[str, float]:
-    """The trial's five metrics from every rank's measurements (see the reporting context). Pure.
-
-    Args:
-        everyone: per rank, ``latency``, ``forward``, ``backward`` (ms per step) and ``flops``
-            (model FLOPs per step, or None where not counted).
-        samples_per_step: examples one step processes over all ranks.
-    """
+    """The trial's five metrics from every rank's ``latency``, ``forward``, ``backward`` (ms per step)
+    and ``flops`` (per step, None: not counted). Pure."""
     latency = max(r["latency"] for r in everyone)
     flops = [r["flops"] for r in everyone if r["flops"] is not None]
     seconds = latency / 1000.0
@@ -181,9 +156,8 @@ class TrialSession:
         check_data_batch(self.engine, self.contract, fed or set())
 
     def _counted(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        """Run one forward under torch's FLOP counter (aten level: matmul, conv, attention) and add
-        its FLOPs to the step's count. Only the model's own arithmetic is seen: ZeRO-3's gathers
-        and hooks count nothing, and its wrapped ``F.linear`` is one matmul as at any stage."""
+        """One forward under torch's FLOP counter (aten level: only the model's arithmetic, so the
+        same at every ZeRO stage), added to the step's count."""
         from torch.utils.flop_counter import FlopCounterMode
         counter = FlopCounterMode(display=False)
         self.counting = True
@@ -211,9 +185,7 @@ class TrialSession:
     @contextlib.contextmanager
     def step(self, steps_completed: int | None) -> Iterator[None]:
         """Run one step in its role (FLOPs counted, timed, profiled); end the trial after the last.
-
-        ``steps_completed`` None: the step's position is the count of earlier calls.
-        """
+        ``steps_completed`` None: the count of earlier calls."""
         c = self.contract
         if steps_completed is None:
             steps_completed = self.step_calls
@@ -259,9 +231,8 @@ class TrialSession:
     _progress_at = -1.0  # when the chief last wrote the progress file (time.monotonic)
 
     def _note_progress(self, k: int) -> None:
-        """Chief only, after step ``k``: how far the trial got, in ``progress.json`` beside the
-        trial file (the runner's heartbeat and peak memory), at most once a second and after the
-        last step; atomic, and a failed write never fails the trial."""
+        """Chief only: ``progress.json`` (the runner's heartbeat), at most once a second and after the
+        last step; a failed write never fails the trial."""
         last = self.final_step is not None and k >= self.final_step
         now = time.monotonic()
         if not self.ctx.is_chief or (now - self._progress_at < 1.0 and not last):
@@ -310,8 +281,8 @@ class TrialSession:
                 "flops": self.flops_per_step, "profile": self.profile, "over_budget": self._over_budget()}
 
     def _over_budget(self) -> str | None:
-        """On CPU with a budget: why this rank's peak resident size exceeded it, else None. The
-        runner polls the same peak; this check catches a trial that ends between two polls."""
+        """On CPU with a budget: why this rank's peak resident size exceeded it, else None (the runner
+        polls the same peak; this catches one between two polls)."""
         budget = self.contract.memory_per_slot
         import torch
         if budget is None or torch.device(getattr(self.engine, "device", "cpu")).type != "cpu":
@@ -359,10 +330,8 @@ class TrialSession:
                     ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()), len(self.step_s))
 
     def _report_early_exit(self) -> None:
-        """atexit, chief only: the loop ended cleanly before the trial's last timed step. After
-        ``end_profile_step`` (the window's extra steps) the chief reports the steps it timed,
-        from its own measurements (the other ranks have left: no collective); before, the trial
-        failed."""
+        """atexit, chief only: the loop ended before the last timed step. After ``end_profile_step``
+        report the chief's own timed steps (no collective: the others left); before, the trial failed."""
         if self.finished or is_crashing() or os.path.exists(self.contract.result_path):
             return
         c = self.contract

@@ -1,12 +1,9 @@
 """The ``sitecustomize`` of every process of a dsat trial (and of ``--run-full-experiment``).
 
-The trial runner puts this directory first on the trial's ``PYTHONPATH``. Inside a trial
-(``TOOLKIT_DSAT_TRIAL`` set) or a full run (``TOOLKIT_DSAT_APPLY_CONFIG`` set) it installs an
-import hook on ``deepspeed`` alone: once DeepSpeed is imported, ``deepspeed.initialize`` goes
+In a trial or a full run only, an import hook on ``deepspeed`` routes ``deepspeed.initialize``
 through :func:`toolkit.dsat.trial.engine_hook.initialize_in_trial`, so scripts that never import
-toolkit are reached too. It imports neither toolkit, torch nor DeepSpeed itself, and does nothing
-elsewhere. Then it runs the next ``sitecustomize`` on ``sys.path`` (the user's, a test suite's),
-as Python would have without this one. Every process of the trial.
+toolkit are reached; it imports neither toolkit, torch nor DeepSpeed itself. Then it runs the next
+``sitecustomize`` on ``sys.path``, as Python would have. Every process of the trial.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ Every error a user can cause says what was given, what was expected and how to f
   another world size, a failed write): :class:`CheckpointError` (a ``RuntimeError``);
 * the launcher's environment is malformed (``LOCAL_RANK='x'``): :class:`LaunchEnvError`, a
   ``RuntimeError``, since the launcher wrote it, not the user;
+* another live run holds the checkpoint directory's writer lock: :class:`CheckpointLockError`, a
+  ``CheckpointError`` that ends the process with exit status 2 when nothing catches it;
 * a DeepSpeed op build lock no process of this machine can be shown to hold (another user's, or on
   a network filesystem): :class:`BuildLockError` (a ``RuntimeError``), naming the lock file and the
   fix;
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-__all__ = ["ConfigError", "LaunchEnvError", "CheckpointError", "BuildLockError"]
+__all__ = ["ConfigError", "LaunchEnvError", "CheckpointError", "CheckpointLockError", "BuildLockError"]
 
 
 class ConfigError(ValueError):
@@ -62,6 +64,12 @@ class LaunchEnvError(RuntimeError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded as asked; the message names the fix."""
+
+
+class CheckpointLockError(CheckpointError):
+    """Another run, alive or not provably dead, still holds the checkpoint directory's writer lock
+    after the wait; the message names it (host, pid, command). Uncaught, it ends the process with
+    exit status 2 (toolkit.checkpoint.lock)."""
 
 
 class BuildLockError(RuntimeError):

@@ -39,6 +39,7 @@ from toolkit.runtime.collectives import (
 )
 from toolkit.runtime.ds_shm import share_with_deepspeed
 from toolkit.runtime.launch_env import LaunchInfo, detect_launch
+from toolkit.runtime.launcher_watch import remember_launchers
 from toolkit.runtime.trial_oom import install_oom_excepthook
 from toolkit.runtime.worker_signals import protect_dataloader_workers
 
@@ -336,10 +337,12 @@ def init_distributed(*, backend: str | None = None, timeout: timedelta = DEFAULT
 
 def _install_process_hooks() -> None:
     """What every rank of a toolkit job needs once: DataLoader workers that a preemption signal
-    does not kill, and inside a dsat trial the hook that reports an out-of-memory error raised
-    before the first step (e.g. in ``deepspeed.initialize``) as the trial's "oom". Both are
-    idempotent; the second does nothing outside a trial."""
+    does not kill, its launchers remembered (a launcher that exits is a stop, see
+    ``watch_preemption``), and inside a dsat trial the hook that reports an out-of-memory error
+    raised before the first step (e.g. in ``deepspeed.initialize``) as the trial's "oom". All are
+    idempotent; the last does nothing outside a trial."""
     protect_dataloader_workers()
+    remember_launchers()
     install_oom_excepthook()
 
 

@@ -16,6 +16,8 @@ dsat_fake_trial.py``; what it does comes from the trial's hyperparameters
     orphan      start a grandchild in a new session (it sleeps 600 s), then as ok
     hang        hang forever; with ``orphan: true`` start such a grandchild first
     ignore_term ignore SIGTERM and hang
+    preempted   the chief writes a stop record to ``TOOLKIT_STOP_RECORD`` (as toolkit does after an
+                agreed preemption) and no result; exit 0
 
 Every rank writes ``rank<R>.json`` into the trial directory at start (pid, times, environment
 seen) and adds ``"end"`` when it leaves normally; grandchild pids go to ``grandchild<R>.pid``.
@@ -88,6 +90,13 @@ if behaviour == "ok":
 elif behaviour == "crash":
     raise RuntimeError(f"boom from the fake trial on rank {rank}")
 elif behaviour == "no_result":
+    end_normally()
+elif behaviour == "preempted":
+    if rank == 0:
+        Path(os.environ["TOOLKIT_STOP_RECORD"]).write_text(json.dumps({
+            "format": 1, "state": "preempted", "resumable": False, "cause": "SIGTERM", "steps_completed": None,
+            "tag": None, "checkpoint_dir": None, "run_id": None, "stopped_at": time.time(), "host": "h",
+            "pid": os.getpid()}))
     end_normally()
 elif behaviour == "corrupt":
     if rank == 0:

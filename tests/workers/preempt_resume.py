@@ -1,15 +1,17 @@
 """A DeepSpeed-Chat-style resume client (its step-1 loop, ported): stopped anywhere, run again, exact.
 
-    deepspeed --num_gpus 2 preempt_resume.py OUT [--steps N] [--sleep S] [--save-delay S]
+    deepspeed --num_gpus 2 preempt_resume.py OUT [--steps N] [--sleep S] [--hold-save GATE]
     torchrun --nproc_per_node 2 preempt_resume.py OUT ...          (CPU: LOCAL_SIZE=2 for deepspeed)
 
 A tiny causal LM with dropout, ZeRO 2 with DeepSpeed's Adam (its CPU kernel) and a warmup
 schedule, gradient accumulation 2, a ResumableDistributedSampler fed through micro_batches, and
 DeepSpeed-Chat's own uses of ``len(train_dataloader)`` (the schedule length, epochs, step labels).
 It loads OUT/ckpt, trains to --steps under watch_preemption and saves when every rank agrees to
-stop. Files in OUT: pid<rank>, progress<rank> (steps done), stopped<rank> (the step it stopped at),
+stop. Files in OUT: loading<rank> (before load_checkpoint), pid<rank>, progress<rank> (steps
+done), agreed<rank> and stopped<rank> (the step it agreed to stop at, then saved at),
 final<rank>.json (sha256 of the full weights, the loader lengths seen), resumed<rank>.
---save-delay: seconds between the agreed stop and the save (a slow save, for a second run to meet).
+--hold-save GATE: after the agreed stop, save only once the file GATE exists (at most 120 s): a
+slow save, for a second run to meet. --hold-exit GATE2: after that save, exit only once GATE2 exists.
 """
 import argparse
 import hashlib
@@ -29,9 +31,16 @@ parser = argparse.ArgumentParser()
 parser.add_argument("out", type=Path)
 parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--sleep", type=float, default=0.05)
-parser.add_argument("--save-delay", type=float, default=0.0)
+parser.add_argument("--hold-save", type=Path)
+parser.add_argument("--hold-exit", type=Path)
 parser.add_argument("--local_rank", type=int, help="added by the deepspeed launcher; unused")
 args = parser.parse_args()
+
+
+def hold(gate: Path | None) -> None:
+    deadline = time.monotonic() + 120
+    while gate is not None and not gate.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def write(path: Path, text: str) -> None:
@@ -40,6 +49,7 @@ def write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+args.out.mkdir(parents=True, exist_ok=True)
 ctx = toolkit.init_distributed()
 toolkit.seed_everything(1234)
 hparams = toolkit.get_hparams()  # outside any trial or YAML: {} (the defaults below apply)
@@ -56,9 +66,11 @@ config = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": G
           "optimizer": {"type": "Adam", "params": {"lr": lr}},
           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": lr,
                                                            "total_num_steps": 3 * updates_per_epoch}},
-          "zero_optimization": {"stage": 2, "reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}}
+          "zero_optimization": {"stage": 2, "reduce_bucket_size": 5_000_000,
+                                "allgather_bucket_size": 5_000_000}}
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 ckpt = args.out / "ckpt"
+write(args.out / f"loading{ctx.rank}", str(os.getpid()))
 resumed = toolkit.load_checkpoint(engine, ckpt)
 steps = resumed[0] if resumed else 0
 if resumed:
@@ -79,12 +91,15 @@ with toolkit.watch_preemption(ctx, check_interval=0.2) as preemption:
         write(args.out / f"progress{ctx.rank}", str(steps))
         time.sleep(args.sleep)
         if preemption.should_preempt():
-            time.sleep(args.save_delay)
+            write(args.out / f"agreed{ctx.rank}", str(steps))
+            hold(args.hold_save)
             toolkit.save_checkpoint(engine, ckpt, steps_completed=steps)
             write(args.out / f"stopped{ctx.rank}", str(steps))
             break
 params = [p.detach() for p in engine.module.parameters()]
 digest = hashlib.sha256(b"".join(p.contiguous().numpy().tobytes() for p in params)).hexdigest()
-if not preemption.preempted:
+if preemption.preempted:
+    hold(args.hold_exit)
+else:
     write(args.out / f"final{ctx.rank}.json", json.dumps({"sha256": digest, "lengths": sorted(lengths),
                                                           "updates_per_epoch": updates_per_epoch}))

@@ -2,7 +2,7 @@
 
 Taken by the first :func:`toolkit.load_checkpoint` or :func:`toolkit.save_checkpoint` of a process
 on a directory, released at exit. A second run waits while the holder lives (a warning names its
-host, pid and command), up to ``TOOLKIT_CHECKPOINT_LOCK_WAIT_S`` (default 300 s), then every rank
+host, pid and command), up to ``TOOLKIT_WAIT_FOR_OTHER_RUN_S`` (default 300 s), then every rank
 raises :class:`~toolkit.errors.CheckpointLockError`, which ends the process with exit status 2
 when uncaught. A lock whose holder is proven dead (the build-lock rule,
 :func:`toolkit.runtime.op_builds.judge_lock`) is taken over. Call on all ranks; the chief decides
@@ -21,30 +21,26 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from toolkit.errors import CheckpointLockError, ConfigError
+from toolkit.errors import CheckpointLockError
 from toolkit.runtime.context import DistributedContext
 from toolkit.runtime.op_builds import _remove_dead, judge_lock
+from toolkit.runtime.run_conflict import WAIT_ENV, install_conflict_exit_hook, wait_bound
 
-__all__ = ["DEFAULT_WAIT_S", "LOCK_DIR", "LOCK_FILE", "WAIT_ENV", "held_directories", "hold_directory",
-           "holder_text", "lock_path", "verify_held", "wait_bound"]
+__all__ = ["LOCK_DIR", "LOCK_FILE", "held_directories", "hold_directory", "holder_text", "lock_path",
+           "verify_held"]
 
 logger = logging.getLogger(__name__)
 
 LOCK_DIR = ".toolkit_lock"   # hidden: never a tag; judge_lock counts processes working in it, and none do
 LOCK_FILE = "writer"
-WAIT_ENV = "TOOLKIT_CHECKPOINT_LOCK_WAIT_S"
-DEFAULT_WAIT_S = 300.0
 _LOOK_S = 1.0            # between two looks at the holder; a dead one is confirmed on the second
 _REPORT_EVERY_S = 30.0
-LOCK_EXIT_STATUS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,25 +58,6 @@ _agreed: set[str] = set()        # every rank: directories whose lock this run h
 def lock_path(root: str | os.PathLike[str]) -> Path:
     """The writer lock's file for checkpoint directory ``root``. Pure."""
     return Path(root) / LOCK_DIR / LOCK_FILE
-
-
-def wait_bound(environ: Any = None) -> float:
-    """Seconds a second run waits for the holder: ``TOOLKIT_CHECKPOINT_LOCK_WAIT_S``, else 300. Pure.
-
-    Raises:
-        ConfigError: the variable is not a number of seconds >= 0.
-    """
-    raw = (os.environ if environ is None else environ).get(WAIT_ENV)
-    if raw is None or not raw.strip():
-        return DEFAULT_WAIT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{WAIT_ENV}={raw!r}: expected seconds >= 0 to wait for another run's writer lock "
-                          f"(0: do not wait), for example {DEFAULT_WAIT_S:g}")
-    return value
 
 
 def holder_text(path: Path) -> str:
@@ -139,9 +116,9 @@ def _acquire(root: str, bound_s: float) -> _Held:
         if state.kind == "free":
             continue
         if state.kind == "dead" and dead is not None and state.ident == dead:
+            left_by = holder_text(path) or "a process"
             if _remove_dead(path, state.ident):
-                logger.warning("took over the writer lock %s, left by %s, which has ended", path,
-                               holder_text(path) or "a process")
+                logger.warning("took over the writer lock %s, left by %s, which has ended", path, left_by)
             dead = None
             continue
         dead = state.ident if state.kind == "dead" else None
@@ -182,27 +159,6 @@ def _release_all() -> None:
         _held.pop(key, None)
 
 
-def _exit_2_hook(previous: Any) -> Any:
-    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-        previous(exc_type, exc, tb)
-        if isinstance(exc, CheckpointLockError):
-            with contextlib.suppress(Exception):
-                atexit._run_exitfuncs()  # what a normal exit runs (the process group, our locks)
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    stream.flush()
-            os._exit(LOCK_EXIT_STATUS)
-
-    hook.toolkit_lock_exit = True  # type: ignore[attr-defined]
-    return hook
-
-
-def _install_exit_hook() -> None:
-    """An uncaught CheckpointLockError ends the process with status 2, after the usual traceback."""
-    if not getattr(sys.excepthook, "toolkit_lock_exit", False):
-        sys.excepthook = _exit_2_hook(sys.excepthook)
-
-
 def hold_directory(ctx: DistributedContext, root: str) -> bool:
     """Make sure this run holds ``root``'s writer lock; True when it was taken now. Call on all ranks.
 
@@ -211,7 +167,7 @@ def hold_directory(ctx: DistributedContext, root: str) -> bool:
 
     Raises:
         CheckpointLockError: on every rank, when the holder outlived the wait.
-        ConfigError: ``TOOLKIT_CHECKPOINT_LOCK_WAIT_S`` is malformed (every rank reads it).
+        ConfigError: ``TOOLKIT_WAIT_FOR_OTHER_RUN_S`` is malformed (every rank reads it).
     """
     key = os.path.realpath(root)
     if key in _agreed:
@@ -223,7 +179,7 @@ def hold_directory(ctx: DistributedContext, root: str) -> bool:
             outcome = _take(root, key, bound)
     outcome = ctx.broadcast_object(outcome)
     if outcome is not None:
-        _install_exit_hook()
+        install_conflict_exit_hook()
         raise CheckpointLockError(outcome)
     _agreed.add(key)
     return True

@@ -2,10 +2,10 @@
 
 After every rank agreed on a preemption (``should_preempt()``), the chief writes it once the
 stop's checkpoint is committed (:func:`note_commit`), or when the watcher closes after the stop
-(:func:`record_agreed_stop`), atomically and last; the next run's first load or save removes it
-(:func:`clear_stop_record`). ``TOOLKIT_STOP_RECORD=<file>`` (set by ``python -m toolkit.run`` and
-dsat for their ranks) gets the same record. Rank 0 writes; any process reads
-(:func:`read_stop_record`). What schedulers should read: docs/training.md (Exit statuses).
+(:func:`record_agreed_stop`), atomically and last; the next run's first load or save (or a
+later commit) removes it (:func:`clear_stop_record`). ``TOOLKIT_STOP_RECORD=<file>`` (set by
+``python -m toolkit.run`` and dsat for their ranks) gets the same record. Rank 0 writes; any
+process reads (:func:`read_stop_record`). What schedulers read: docs/training.md (Exit statuses).
 
 Example::
 
@@ -115,12 +115,13 @@ def clear_stop_record(root: str | os.PathLike[str]) -> None:
 
 
 # The chief's commits in this process, by the directory's real path: (root, tag, steps, run id).
-_commits: dict[str, tuple[str, str, int, str]] = {}
+_commits: dict[str, tuple[str, str, int | None, str | None]] = {}
 _last_commit: str | None = None
 
 
-def note_commit(root: str, tag: str, steps_completed: int, run_id: str) -> None:
-    """Chief only, right after a commit: remember it; after an agreed stop, write the record."""
+def note_commit(root: str, tag: str, steps_completed: int | None, run_id: str | None) -> None:
+    """Chief only, right after a commit: remember it; after an agreed stop write the record, else
+    remove an older one (this is progress past it)."""
     global _last_commit
     from toolkit.preemption import last_agreed_stop
 
@@ -130,6 +131,8 @@ def note_commit(root: str, tag: str, steps_completed: int, run_id: str) -> None:
     stop = last_agreed_stop()
     if stop is not None:
         _write(_record(stop.cause, key), [Path(root) / STOP_FILE, *_extra_path()])
+    else:
+        clear_stop_record(root)
 
 
 def record_agreed_stop() -> None:
@@ -139,12 +142,18 @@ def record_agreed_stop() -> None:
     from toolkit.preemption import last_agreed_stop
 
     stop = last_agreed_stop()
-    if stop is None:
+    if stop is None or not _is_chief():
         return
     for key in sorted(set(lock.held_directories()) | set(_commits)):
         _write(_record(stop.cause, key), [Path(key) / STOP_FILE])
     if _extra_path():
         _write(_record(stop.cause, _last_commit or next(iter(lock.held_directories()), None)), _extra_path())
+
+
+def _is_chief() -> bool:
+    from toolkit.runtime import context
+
+    return context._context is None or context._context.is_chief  # no context: a world of one
 
 
 def _extra_path() -> list[Path]:
@@ -153,7 +162,9 @@ def _extra_path() -> list[Path]:
 
 
 def _record(cause: str, key: str | None) -> StopRecord:
-    tag = steps = run_id = None
+    tag: str | None = None
+    steps: int | None = None
+    run_id: str | None = None
     if key is not None and key in _commits:
         _, tag, steps, run_id = _commits[key]
     elif key is not None:

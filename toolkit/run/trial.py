@@ -3,6 +3,9 @@
 A failed run is restarted (``max_restarts`` times at most) after a pause that doubles from
 :data:`RESTART_BACKOFF_S` to :data:`RESTART_BACKOFF_MAX_S` (1, 2, 4, ... 30 s): a run that
 fails at once does not spin. A signal during the pause ends it, and nothing more is started.
+A run whose ranks stopped for a preemption (they wrote the stop record, ``TOOLKIT_STOP_RECORD``
+= ``<output dir>/toolkit_stopped.json``) is not a failure, whatever its launcher returned: it is
+not restarted, and the trial ends with status 0.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from toolkit._files import atomic_write_json
+from toolkit.checkpoint.stop_record import STOP_FILE, STOP_RECORD_ENV, StopRecord, read_stop_record
 from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state, record_hparams
-from toolkit.errors import ConfigError
+from toolkit.errors import CheckpointError, ConfigError
 from toolkit.run.plan import RunPlan
 from toolkit.run.process import Forwarder, check_slots, environment, run_once
 
@@ -39,6 +43,16 @@ def _pause(seconds: float, forwarder: Forwarder) -> None:
     end = time.monotonic() + seconds
     while forwarder.received is None and (left := end - time.monotonic()) > 0:
         time.sleep(min(left, 0.1))
+
+
+def stop_record_of(output_dir: Path) -> StopRecord | None:
+    """The stop record the last run's ranks left in ``output_dir`` (None: they did not stop for a
+    preemption; a damaged record is logged and counts as none). Runner only."""
+    try:
+        return read_stop_record(output_dir / STOP_FILE)
+    except CheckpointError as err:
+        logger.error("%s", err)
+        return None
 
 
 def _next_attempt(output_dir: Path, experiment_id: int | None = None) -> None:
@@ -87,6 +101,7 @@ def execute(
         logger.error("%s", err)
         return 2
     env = environment(plan, extra=extra_env)
+    env[STOP_RECORD_ENV] = str(plan.output_dir / STOP_FILE)
     own = forwarder is None
     forwarder = forwarder or Forwarder()
     try:
@@ -94,7 +109,15 @@ def execute(
         while True:
             if attempt:
                 _next_attempt(plan.output_dir)
+            (plan.output_dir / STOP_FILE).unlink(missing_ok=True)  # a record is this run's own
             status = run_once(plan, env, forwarder=forwarder, grace_s=grace_s)
+            stopped = stop_record_of(plan.output_dir)
+            if stopped is not None:  # a clean stop, whatever the launcher returned (torchrun: 1)
+                where = f" from {stopped.checkpoint_dir} ({stopped.tag})" if stopped.resumable else ""
+                logger.info("the ranks stopped for a preemption (%s) at step %s (launcher exit status %d); "
+                            "run the same command again to continue%s", stopped.cause,
+                            stopped.steps_completed, status, where)
+                return 0
             if status == 0 or forwarder.stopping:
                 if forwarder.received is not None:
                     logger.info("stopped by %s (exit status %d); run the same command again to continue from "

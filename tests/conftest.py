@@ -93,6 +93,7 @@ SLOW_UNITS: tuple[str, ...] = (
     "tests/dsat/trial/test_reporting.py", "tests/dsat/test_e2e.py", "tests/compat/test_determined_launcher.py",
     "tests/reliability/test_chaos.py", "tests/test_examples.py", "tests/runtime/test_multinode.py",
     "tests/test_preemption.py::test_sigterm_to_torchrun_with_dataloader_workers",
+    "tests/test_preemption.py::test_the_deepspeed_launcher_killed_alone",
     "tests/runtime/test_ds_shm.py", "tests/run/test_scheduler.py", "tests/reliability/test_dsat_faults.py",
     "tests/dsat/test_cli.py::test_sigkilled_search", "tests/dsat/test_cli.py::test_binary_search",
     "tests/dsat/test_cli.py::test_the_global_batch_is_kept",

@@ -14,8 +14,8 @@ same step. :func:`watch_preemption` records the signal; ``should_preempt()`` agr
                 toolkit.save_checkpoint(engine, ckpt_dir, steps_completed=steps_completed)
                 break
 
-How the ranks agree cheaply, the delay bound and which launcher signals whom: docs/training.md
-(Preemption) and docs/start.md (Stop a job).
+How the ranks agree cheaply, the delay bound, which launcher signals whom and why a launcher that
+exits is a stop too: docs/training.md (Preemption) and docs/start.md (Stop a job).
 """
 
 from __future__ import annotations
@@ -361,7 +361,8 @@ def watch_preemption(ctx: DistributedContext, *, signals: Iterable[Any] = DEFAUL
                      check_every: int | None = None, check_interval: float = 1.0) -> PreemptionWatcher:
     """Install signal handlers and return the watcher that agrees on a stop. Call on all ranks.
 
-    Call it in the main thread, before the loop, on every rank, with the same arguments.
+    Call it in the main thread, before the loop, on every rank, with the same arguments. While it
+    is open, a launcher of this rank that exits is a stop too (``launcher_exited``).
 
     Args:
         ctx: from :func:`toolkit.init_distributed`; its ``group`` carries the agreement.

@@ -1,11 +1,10 @@
 """Notice that a rank's launcher is gone, so that the rank stops as if it had been signalled.
 
-``kill <pid of deepspeed>`` (what ``docker stop`` and Kubernetes send a container's first process)
-ends DeepSpeed's runner alone: it forwards nothing, and its ranks would train on. At
-:func:`toolkit.init_distributed` each rank remembers its ancestors whose command line names a
-known launcher (:func:`launcher_name`); :class:`LauncherMonitor`, started by
-``watch_preemption``, looks at them twice a second from a thread of its own, and one that has
-exited is a stop. Any rank; the rule and its limits: docs/start.md (Stop a job).
+``kill <pid of deepspeed>`` (what ``docker stop`` sends) ends DeepSpeed's runner alone, and its
+ranks would train on. At :func:`toolkit.init_distributed` each rank remembers its ancestors whose
+command line names a launcher (:func:`launcher_name`); :class:`LauncherMonitor`, started by
+``watch_preemption``, looks at them twice a second from a thread, and one that has exited is a
+stop. Any rank; the rule and its limits: docs/start.md (A launcher that exits is a stop).
 
 Example::
 
@@ -54,14 +53,8 @@ _PYTHON_OPTIONS_WITH_VALUE = ("-W", "-X", "-Q")
 
 @dataclasses.dataclass(frozen=True)
 class ProcessInfo:
-    """One process as /proc shows it: its start time (clock ticks since boot) tells a reused pid apart.
-
-    Attributes:
-        pid, ppid: the process and its parent.
-        start: ``/proc/<pid>/stat`` field 22.
-        state: the one-letter state (``Z``: exited, not yet reaped).
-        argv: its command line.
-    """
+    """One process as /proc shows it; ``start`` (stat field 22, clock ticks since boot) tells a
+    reused pid apart, ``state`` is stat's letter (``Z``: exited, not yet reaped)."""
 
     pid: int
     ppid: int
@@ -135,11 +128,8 @@ def ancestors(pid: int | None = None) -> list[ProcessInfo]:
 
 
 def launcher_chain(processes: Sequence[ProcessInfo]) -> tuple[ProcessInfo, ...]:
-    """The launchers among ``processes`` (a rank's ancestors): those :func:`launcher_name` knows. Pure.
-
-    Shells, ``setsid``, ``nohup`` and other wrappers are never watched: one that double-forks and
-    exits while its launcher runs on is not a stop.
-    """
+    """The launchers among ``processes`` (a rank's ancestors), by :func:`launcher_name`. Pure.
+    Shells, ``setsid`` and other wrappers are never watched: their exit is not a stop."""
     return tuple(p for p in processes if launcher_name(p.argv) is not None)
 
 
@@ -190,10 +180,7 @@ def remembered_launchers() -> tuple[ProcessInfo, ...] | None:
 
 class LauncherMonitor:
     """A daemon thread that calls ``on_exit(process)`` once when one of ``watched`` has exited.
-
-    Started by ``watch_preemption`` (any rank), stopped by its ``close()``; it costs the training
-    loop nothing per step (a /proc read per watched process, twice a second, off the main thread).
-    """
+    Started by ``watch_preemption`` (any rank), stopped by its ``close()``: nothing per step."""
 
     def __init__(self, watched: Sequence[ProcessInfo], on_exit: Callable[[ProcessInfo], None], *,
                  interval_s: float = POLL_S) -> None:

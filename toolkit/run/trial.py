@@ -55,6 +55,20 @@ def stop_record_of(output_dir: Path) -> StopRecord | None:
         return None
 
 
+def _run_once(plan: RunPlan, env: dict[str, str], forwarder: Forwarder, grace_s: float) -> int | None:
+    """One run; its exit status, or None (said) when its ranks left the stop record: a preemption."""
+    env[STOP_RECORD_ENV] = str(plan.output_dir / STOP_FILE)
+    (plan.output_dir / STOP_FILE).unlink(missing_ok=True)  # a record is this run's own
+    status = run_once(plan, env, forwarder=forwarder, grace_s=grace_s)
+    stopped = stop_record_of(plan.output_dir)
+    if stopped is None:
+        return status
+    where = f" from {stopped.checkpoint_dir} ({stopped.tag})" if stopped.resumable else ""
+    logger.info("the ranks stopped for a preemption (%s) at step %s (launcher exit status %d); run the "
+                "same command again to continue%s", stopped.cause, stopped.steps_completed, status, where)
+    return None
+
+
 def _next_attempt(output_dir: Path, experiment_id: int | None = None) -> None:
     """Count this run in ``determined_trial.json`` (``trial_run_id``), creating the ids on the first."""
     existed = (output_dir / TRIAL_FILE).exists()
@@ -101,7 +115,6 @@ def execute(
         logger.error("%s", err)
         return 2
     env = environment(plan, extra=extra_env)
-    env[STOP_RECORD_ENV] = str(plan.output_dir / STOP_FILE)
     own = forwarder is None
     forwarder = forwarder or Forwarder()
     try:
@@ -109,24 +122,15 @@ def execute(
         while True:
             if attempt:
                 _next_attempt(plan.output_dir)
-            (plan.output_dir / STOP_FILE).unlink(missing_ok=True)  # a record is this run's own
-            status = run_once(plan, env, forwarder=forwarder, grace_s=grace_s)
-            stopped = stop_record_of(plan.output_dir)
-            if stopped is not None:  # a clean stop, whatever the launcher returned (torchrun: 1)
-                where = f" from {stopped.checkpoint_dir} ({stopped.tag})" if stopped.resumable else ""
-                logger.info("the ranks stopped for a preemption (%s) at step %s (launcher exit status %d); "
-                            "run the same command again to continue%s", stopped.cause,
-                            stopped.steps_completed, status, where)
-                return 0
-            if status == 0 or forwarder.stopping:
-                if forwarder.received is not None:
+            status = _run_once(plan, env, forwarder, grace_s)  # None: its ranks stopped for a preemption
+            if status is None or status == 0 or forwarder.stopping:
+                if forwarder.received is not None and status is not None:
                     logger.info("stopped by %s (exit status %d); run the same command again to continue from "
                                 "the latest checkpoint", signal.Signals(forwarder.received).name, status)
-                return status
+                return status or 0
             if attempt >= plan.max_restarts:
-                logger.error(
-                    "the run failed with exit status %d; max_restarts=%d reached", status, plan.max_restarts
-                )
+                logger.error("the run failed with exit status %d; max_restarts=%d reached", status,
+                             plan.max_restarts)
                 return status
             attempt += 1
             delay = restart_delay(attempt)

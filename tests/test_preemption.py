@@ -352,9 +352,10 @@ def test_the_deepspeed_launcher_killed_alone_its_ranks_save_a_second_run_waits_t
     """Issue 41's case: ``kill <pid of the deepspeed runner>`` (what docker stop sends a container's
     first process) ends the runner alone (-15), which forwards nothing; its ranks, their parent
     deepspeed.launcher.launch alive, must notice it, agree on a step, save and exit. The ranks hold
-    their save (``--hold-save``) until a second run of the same command (on another port, as a
-    scheduler that gives each job its own: the same port waits earlier, in init_distributed) has
-    reached its load: that one must wait (its chief names the first's), not load the older
+    their save (``--hold-save``). The very same command meanwhile (same port) waits in
+    init_distributed for the first's rank 0, which serves the rendezvous, and exits 2 naming it
+    (here after a 2 s wait). The same command on another port (a scheduler that gives each job its
+    own) reaches its load and must wait there (its chief names the first's), not load the older
     checkpoint beside them; then it resumes and ends bitwise equal to an uninterrupted (torchrun)
     run. Between the first run's save and its exit (``--hold-exit``) the stop record names the
     committed checkpoint; the second run's lock removes it."""
@@ -383,6 +384,13 @@ def test_the_deepspeed_launcher_killed_alone_its_ranks_save_a_second_run_waits_t
     stop = int(_text(out / "agreed0"))
     assert _text(out / "agreed1") == str(stop) and stop < steps and time.monotonic() - signalled < 60
     assert all(_alive(pid) for pid in ranks)
+
+    # The very same command (same port) with a short wait: the first run's rank 0 still serves the
+    # rendezvous; both ranks wait for it in init_distributed, name it, then exit 2, as the launcher does.
+    again = procutil.run(argv, env={**env, "TOOLKIT_WAIT_FOR_OTHER_RUN_S": "2"}, timeout=300)
+    assert again.returncode == 2, again.stdout[-4000:]
+    assert "RunConflictError" in again.stdout and f"pid {ranks[0]}" in again.stdout, again.stdout[-4000:]
+    assert _text(out / "loading0") == str(ranks[0]) and all(_alive(pid) for pid in ranks)  # nothing done
 
     second = subprocess.Popen(procutil.deepspeed_argv(RESUME, str(out), *args), env=env,
                               stdout=open(logs[1], "w"), stderr=subprocess.STDOUT, start_new_session=True)

@@ -8,9 +8,9 @@ while its launcher lives) is in tests/test_preemption.py.
 """
 
 import contextlib
+import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -128,8 +128,8 @@ def test_the_watch_can_be_turned_off(monkeypatch):
 
 # ---------------------------------------------------------------- the rendezvous port of another run
 
-# A listener of another launch: forked twice, so that its parent is init, not this process's parent.
-FOREIGN = """
+# A listener of an earlier run, out of this process's family: forked twice, in a session of its own.
+LISTENER = """
 import os, socket, sys, time
 if os.fork():
     os._exit(0)
@@ -143,28 +143,27 @@ time.sleep(60)
 """
 
 
-def test_a_port_served_by_another_run_is_waited_for_and_named_then_taken(tmp_path):
+def test_a_port_served_by_an_earlier_runs_rank_0_is_waited_for_and_named_then_taken(tmp_path):
     assert wait_bound({}) == 300 and wait_bound({"TOOLKIT_WAIT_FOR_OTHER_RUN_S": "2.5"}) == 2.5
     for bad in ("-1", "soon", "nan"):
         with pytest.raises(ConfigError, match=f"TOOLKIT_WAIT_FOR_OTHER_RUN_S='{bad}'"):
             wait_bound({"TOOLKIT_WAIT_FOR_OTHER_RUN_S": bad})
     assert not rendezvous_wait.is_local_address("192.0.2.1")  # TEST-NET: not this machine's
-    mine = socket.socket()
-    mine.bind(("127.0.0.1", 0))
-    mine.listen()
-    try:  # served by this very process (torchrun's agent is the ranks' ancestor): no wait
-        started = time.monotonic()
-        rendezvous_wait.wait_for_rendezvous_port("127.0.0.1", mine.getsockname()[1], bound_s=0)
-        assert time.monotonic() - started < 5
-    finally:
-        mine.close()
     ready = tmp_path / "ready"
-    subprocess.run([sys.executable, "-c", FOREIGN, str(ready)], check=True, timeout=30)
+    subprocess.run([sys.executable, "-c", LISTENER, str(ready)], check=True, timeout=30)
     deadline = time.monotonic() + 30
     while not ready.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     pid, port = map(int, ready.read_text().split())
+    marker = rendezvous_wait.marker_path(port)
     try:
+        # Unmarked (this run's own rank 0 still in its rendezvous, or not toolkit's): no wait
+        started = time.monotonic()
+        rendezvous_wait.wait_for_rendezvous_port("127.0.0.1", port, bound_s=0)
+        assert time.monotonic() - started < 5
+        # Marked by a rank 0 whose rendezvous completed: an earlier run, waited for and named
+        marker.parent.mkdir(mode=0o700, exist_ok=True)
+        marker.write_text(json.dumps({"pid": pid, "start": read_process(pid).start}))
         with pytest.raises(RunConflictError, match=rf"127.0.0.1:{port} .* pid {pid} .*-c"):
             rendezvous_wait.wait_for_rendezvous_port("127.0.0.1", port, bound_s=1.5)
         os.kill(pid, signal.SIGKILL)
@@ -172,3 +171,7 @@ def test_a_port_served_by_another_run_is_waited_for_and_named_then_taken(tmp_pat
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+        marker.unlink(missing_ok=True)
+    rendezvous_wait.mark_rendezvous(port)  # this process's own marker: valid while it serves the port
+    assert json.loads(marker.read_text()) == {"pid": os.getpid(), "start": read_process(os.getpid()).start}
+    marker.unlink()

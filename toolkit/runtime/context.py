@@ -40,7 +40,7 @@ from toolkit.runtime.collectives import (
 from toolkit.runtime.ds_shm import share_with_deepspeed
 from toolkit.runtime.launch_env import LaunchInfo, detect_launch
 from toolkit.runtime.launcher_watch import remember_launchers
-from toolkit.runtime.rendezvous_wait import wait_for_rendezvous_port
+from toolkit.runtime.rendezvous_wait import mark_rendezvous, wait_for_rendezvous_port
 from toolkit.runtime.trial_oom import install_oom_excepthook
 from toolkit.runtime.worker_signals import protect_dataloader_workers
 
@@ -328,6 +328,8 @@ def init_distributed(*, backend: str | None = None, timeout: timedelta = DEFAULT
         if info.world_size > 1 and not dist.is_initialized():  # the same command again, too soon
             wait_for_rendezvous_port(info.master_addr, info.master_port)
         chosen = _init_process_group(info, _pick_backend(backend), timeout)
+        if info.rank == 0 and info.world_size > 1:  # the rendezvous is complete: a later run may wait
+            mark_rendezvous(info.master_port)
         share_with_deepspeed(chosen, timeout, info)
         _context = _make_context(info, chosen, timeout, collective_s)
         _install_process_hooks()

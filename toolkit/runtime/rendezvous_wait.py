@@ -1,12 +1,12 @@
-"""Wait for another run's rank that still serves this run's rendezvous port on this machine.
+"""Wait for an earlier run's rank 0 that still serves this run's rendezvous port on this machine.
 
 The same command run again (``deepspeed train.py`` uses port 29500 every time) while the first
 run's ranks still save finds that run's rank 0 serving the TCP store on MASTER_PORT: the new rank
-0 fails (EADDRINUSE) and the others would join the old store. :func:`wait_for_rendezvous_port`,
-called by :func:`toolkit.init_distributed` on every rank before the rendezvous, waits while a
-process of another launch listens on the port, naming it, up to ``TOOLKIT_WAIT_FOR_OTHER_RUN_S``
-(default 300 s), then raises :class:`~toolkit.errors.RunConflictError` (exit status 2). Any rank;
-reads /proc only, and only when the address is this machine's.
+0 would fail (EADDRINUSE) and the others join the old store. A rank 0 whose rendezvous completed
+says so in a marker file (:func:`mark_rendezvous`); :func:`wait_for_rendezvous_port`, called by
+:func:`toolkit.init_distributed` on every rank first, waits while the marked process listens,
+naming it, up to ``TOOLKIT_WAIT_FOR_OTHER_RUN_S`` (default 300 s), then raises
+:class:`~toolkit.errors.RunConflictError` (exit status 2). Any rank; this machine's address only.
 
 Example::
 
@@ -17,16 +17,21 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
+import tempfile
 import time
+from pathlib import Path
 
+from toolkit._files import atomic_write_json
 from toolkit.errors import RunConflictError
-from toolkit.runtime.launcher_watch import ancestors, read_process
+from toolkit.runtime.launcher_watch import read_process
 from toolkit.runtime.run_conflict import WAIT_ENV, install_conflict_exit_hook, wait_bound
 
-__all__ = ["is_local_address", "listening_inodes", "port_holders", "same_launch", "wait_for_rendezvous_port"]
+__all__ = ["is_local_address", "listening_inodes", "mark_rendezvous", "marker_path", "port_holders",
+           "wait_for_rendezvous_port"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,17 +89,39 @@ def port_holders(inodes: set[int]) -> list[int]:
     return holders
 
 
-def same_launch(pid: int) -> bool:
-    """True when ``pid`` is this process, one of its ancestors (torchrun's agent serves the store) or
-    a descendant of its parent (a sibling rank of the same launcher). Any process."""
-    if pid == os.getpid() or pid in {p.pid for p in ancestors()}:
-        return True
-    return os.getppid() in {p.pid for p in ancestors(pid)}
+def marker_path(port: int) -> Path:
+    """This user's marker of the toolkit rank 0 serving ``port`` here after its rendezvous. Pure."""
+    return Path(tempfile.gettempdir()) / f"toolkit-{os.getuid()}" / f"rendezvous-{port}.json"
 
 
-def _foreign_holders(port: int) -> list[int]:
+def mark_rendezvous(port: int | None) -> None:
+    """Rank 0 only, once its rendezvous is complete: "this process serves ``port`` for a run that has
+    started". A rank of this run never waits for it (its rendezvous needed them all). Left at exit,
+    since the port is served until the very end: a waiter checks that the process still holds it."""
+    me = read_process(os.getpid())
+    if not port or me is None:
+        return
+    path = marker_path(port)
+    try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        atomic_write_json(path, {"pid": me.pid, "start": me.start})
+    except OSError as err:  # only a later run's wait needs it
+        logger.debug("cannot write %s: %s", path, err)
+
+
+def _earlier_runs(port: int) -> list[int]:
+    """The listeners on ``port`` that are the marked rank 0 of an earlier run, still alive."""
     inodes = listening_inodes(port)
-    return [pid for pid in port_holders(inodes) if not same_launch(pid)] if inodes else []
+    if not inodes:
+        return []
+    try:
+        marked = json.loads(marker_path(port).read_text())
+    except (OSError, ValueError):
+        return []
+    holder = read_process(marked.get("pid", 0)) if isinstance(marked, dict) else None
+    if holder is None or holder.start != marked.get("start") or holder.state in ("Z", "X"):
+        return []
+    return [pid for pid in port_holders(inodes) if pid == holder.pid]
 
 
 def _describe(pids: list[int]) -> str:
@@ -106,7 +133,7 @@ def _describe(pids: list[int]) -> str:
 
 
 def wait_for_rendezvous_port(addr: str | None, port: int | None, *, bound_s: float | None = None) -> None:
-    """Return once no process of another launch listens on ``port`` here. Any rank, before the rendezvous.
+    """Return once no earlier run's rank 0 listens on ``port`` here. Any rank, before the rendezvous.
 
     Does nothing when ``addr`` is not this machine's or /proc is missing.
 
@@ -119,7 +146,7 @@ def wait_for_rendezvous_port(addr: str | None, port: int | None, *, bound_s: flo
     bound = wait_bound() if bound_s is None else bound_s
     start = next_report = time.monotonic()
     while True:
-        holders = _foreign_holders(port)
+        holders = _earlier_runs(port)
         if not holders:
             return
         now = time.monotonic()

@@ -168,10 +168,12 @@ def test_a_port_served_by_an_earlier_runs_rank_0_is_waited_for_and_named_then_ta
             rendezvous_wait.wait_for_rendezvous_port("127.0.0.1", port, bound_s=1.5)
         os.kill(pid, signal.SIGKILL)
         rendezvous_wait.wait_for_rendezvous_port("127.0.0.1", port, bound_s=5)  # gone: returns
+        mine = rendezvous_wait.marker_path(1)
+        rendezvous_wait.mark_rendezvous(1)  # this process's own; the ended listener's marker goes
+        assert json.loads(mine.read_text()) == {"pid": os.getpid(), "start": read_process(os.getpid()).start}
+        assert not marker.exists()
+        mine.unlink()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         marker.unlink(missing_ok=True)
-    rendezvous_wait.mark_rendezvous(port)  # this process's own marker: valid while it serves the port
-    assert json.loads(marker.read_text()) == {"pid": os.getpid(), "start": read_process(os.getpid()).start}
-    marker.unlink()

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from toolkit._files import atomic_write_json
 from toolkit.errors import RunConflictError
-from toolkit.runtime.launcher_watch import read_process
+from toolkit.runtime.launcher_watch import ProcessInfo, read_process
 from toolkit.runtime.run_conflict import WAIT_ENV, install_conflict_exit_hook, wait_bound
 
 __all__ = ["is_local_address", "listening_inodes", "mark_rendezvous", "marker_path", "port_holders",
@@ -97,7 +97,8 @@ def marker_path(port: int) -> Path:
 def mark_rendezvous(port: int | None) -> None:
     """Rank 0 only, once its rendezvous is complete: "this process serves ``port`` for a run that has
     started". A rank of this run never waits for it (its rendezvous needed them all). Left at exit,
-    since the port is served until the very end: a waiter checks that the process still holds it."""
+    since the port is served until the very end (a waiter checks that the process still holds it);
+    the markers of processes that have ended are removed here."""
     me = read_process(os.getpid())
     if not port or me is None:
         return
@@ -107,21 +108,31 @@ def mark_rendezvous(port: int | None) -> None:
         atomic_write_json(path, {"pid": me.pid, "start": me.start})
     except OSError as err:  # only a later run's wait needs it
         logger.debug("cannot write %s: %s", path, err)
+        return
+    for old in path.parent.glob("rendezvous-*.json"):
+        if old != path and _marked_process(old) is None:
+            with contextlib.suppress(OSError):
+                old.unlink()
+
+
+def _marked_process(path: Path) -> ProcessInfo | None:
+    """The live process a marker names (the same pid and start time), or None."""
+    try:
+        marked = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    holder = read_process(marked.get("pid", 0)) if isinstance(marked, dict) and isinstance(
+        marked.get("pid"), int) else None
+    if holder is None or holder.start != marked.get("start") or holder.state in ("Z", "X"):
+        return None
+    return holder
 
 
 def _earlier_runs(port: int) -> list[int]:
     """The listeners on ``port`` that are the marked rank 0 of an earlier run, still alive."""
     inodes = listening_inodes(port)
-    if not inodes:
-        return []
-    try:
-        marked = json.loads(marker_path(port).read_text())
-    except (OSError, ValueError):
-        return []
-    holder = read_process(marked.get("pid", 0)) if isinstance(marked, dict) else None
-    if holder is None or holder.start != marked.get("start") or holder.state in ("Z", "X"):
-        return []
-    return [pid for pid in port_holders(inodes) if pid == holder.pid]
+    holder = _marked_process(marker_path(port)) if inodes else None
+    return [] if holder is None else [pid for pid in port_holders(inodes) if pid == holder.pid]
 
 
 def _describe(pids: list[int]) -> str:

@@ -62,7 +62,9 @@ def _resumed(n, world, rank, steps, *, seed, shuffle, sampler_drop_last, mb, loa
         skip = start.samples_to_skip if epoch == start.epoch else 0
         sampler.set_epoch(epoch, skip=skip)
         batches = [batch.tolist() for batch in loader]
-        assert len(batches) == len(loader)
+        # len(loader) stays the epoch's, also in the resumed epoch (DeepSpeed-Chat reads it mid-run)
+        assert len(loader) == per_epoch
+        assert len(batches) == per_epoch - (start.batches_to_skip if epoch == start.epoch else 0)
         if not carry_over:
             keep = per_epoch // grad_acc * grad_acc - (start.batches_to_skip if epoch == start.epoch else 0)
             batches = batches[:keep]
@@ -170,7 +172,7 @@ def test_set_epoch_skip_is_checked_and_reset_by_the_next_epoch():
     sampler.set_epoch(2, skip=4)
     whole = DistributedSampler(list(range(20)), num_replicas=2, rank=1, seed=3)
     whole.set_epoch(2)
-    assert list(sampler) == list(whole)[4:] and len(sampler) == 6
+    assert list(sampler) == list(whole)[4:] and len(sampler) == 10  # the epoch's length, not the rest
     sampler.set_epoch(3)
     whole.set_epoch(3)
     assert sampler.skip == 0 and list(sampler) == list(whole) and len(sampler) == 10

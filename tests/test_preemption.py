@@ -12,6 +12,7 @@ context's world size; they build that context by hand instead of initialising to
 inside the pytest process.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -316,3 +317,159 @@ print("alive")
     out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], capture_output=True,
                          text=True, timeout=120, env=procutil.child_env())
     assert out.returncode == 0 and out.stdout.strip().endswith("alive"), (out.returncode, out.stderr[-3000:])
+
+
+# ---------------------------------------------------------------- a launcher stopped alone (issue 41)
+
+RESUME = procutil.WORKERS / "preempt_resume.py"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _wait(predicate, timeout: float, what: str, proc=None) -> None:
+    """Poll ``predicate``; after ``timeout`` s, or once ``proc`` has ended, fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
+            raise AssertionError(f"waited {timeout} s at most for {what}")
+        time.sleep(0.02)
+
+
+def _text(path) -> str | None:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
+
+
+def test_the_deepspeed_launcher_killed_alone_its_ranks_save_a_second_run_waits_then_ends_bitwise(tmp_path):
+    """Issue 41's case: ``kill <pid of the deepspeed runner>`` (what docker stop sends a container's
+    first process) ends the runner alone (-15), which forwards nothing; its ranks, their parent
+    deepspeed.launcher.launch alive, must notice it, agree on a step, save and exit. The ranks hold
+    their save (``--hold-save``). The very same command meanwhile (same port) waits in
+    init_distributed for the first's rank 0, which serves the rendezvous, and exits 2 naming it
+    (here after a 2 s wait). The same command on another port (a scheduler that gives each job its
+    own) reaches its load and must wait there (its chief names the first's), not load the older
+    checkpoint beside them; then it resumes and ends bitwise equal to an uninterrupted (torchrun)
+    run. Between the first run's save and its exit (``--hold-exit``) the stop record names the
+    committed checkpoint; the second run's lock removes it."""
+    from toolkit.checkpoint import layout
+    from toolkit.checkpoint.stop_record import read_stop_record
+
+    steps = 24
+    reference = tmp_path / "reference"
+    procutil.check(procutil.run(procutil.torchrun_argv(RESUME, str(reference), "--steps", str(steps),
+                                                       "--sleep", "0"), timeout=400))
+    expected = json.loads((reference / "final0.json").read_text())
+    out, saving, leaving = tmp_path / "run", tmp_path / "saving", tmp_path / "leaving"
+    args = ("--steps", str(steps), "--sleep", "0.1", "--hold-save", str(saving), "--hold-exit", str(leaving))
+    argv = procutil.deepspeed_argv(RESUME, str(out), *args)
+    env = procutil.child_env(LOCAL_SIZE="2")
+    # Output to files: the runner's pipe would stay open (and could fill) while its ranks go on.
+    logs = [tmp_path / "first.log", tmp_path / "second.log"]
+    first = subprocess.Popen(argv, env=env, stdout=open(logs[0], "w"), stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    _wait(lambda: min(_progress(out, r) for r in (0, 1)) >= 3, 300, "3 steps", first)
+    ranks = [int(_text(out / f"pid{rank}")) for rank in (0, 1)]
+    os.kill(first.pid, signal.SIGTERM)  # the runner alone
+    signalled = time.monotonic()
+    assert first.wait(timeout=60) == -signal.SIGTERM, _text(logs[0])  # at once, forwarding nothing
+    _wait(lambda: all(_text(out / f"agreed{r}") for r in (0, 1)), 60, "both ranks to agree on a stop")
+    stop = int(_text(out / "agreed0"))
+    assert _text(out / "agreed1") == str(stop) and stop < steps and time.monotonic() - signalled < 60
+    assert all(_alive(pid) for pid in ranks)
+
+    # The very same command (same port) with a short wait: the first run's rank 0 still serves the
+    # rendezvous; both ranks wait for it in init_distributed, name it, then exit 2, as the launcher does.
+    again = procutil.run(argv, env={**env, "TOOLKIT_WAIT_FOR_OTHER_RUN_S": "2"}, timeout=300)
+    assert again.returncode == 2, again.stdout[-4000:]
+    assert "RunConflictError" in again.stdout and f"pid {ranks[0]}" in again.stdout, again.stdout[-4000:]
+    assert _text(out / "loading0") == str(ranks[0]) and all(_alive(pid) for pid in ranks)  # nothing done
+
+    second = subprocess.Popen(procutil.deepspeed_argv(RESUME, str(out), *args), env=env,
+                              stdout=open(logs[1], "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait(lambda: _text(out / "loading0") not in (None, str(ranks[0])), 300, "the second run's load")
+        time.sleep(3)  # its chief looks at the lock's holder every second
+        assert _text(out / "resumed0") is None and all(_alive(pid) for pid in ranks)  # waiting, not loading
+        saving.touch()
+        _wait(lambda: all(_text(out / f"stopped{r}") for r in (0, 1)), 60, "the first run's save")
+        record = read_stop_record(out / "ckpt")  # written last; the first run still holds the lock
+        assert record is not None and record.resumable, record
+        assert (record.steps_completed, record.tag) == (stop, f"step_{stop}"), record
+        assert record.cause == "a launcher exited", record
+        state = layout.scan_dir(out / "ckpt")
+        assert state.latest == f"step_{stop}" and [t.tag for t in state.committed()] == [f"step_{stop}"]
+        leaving.touch()
+        _wait(lambda: not any(_alive(pid) for pid in ranks), 60, "the first run's ranks to exit")
+        code = second.wait(timeout=400)
+    finally:
+        leaving.touch()
+        saving.touch()
+        for proc in (first, second):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    output = _text(logs[1])
+    assert code == 0, output[-4000:]
+    assert "is held by another run" in output and f"pid {ranks[0]}" in output, output[-4000:]  # named
+    assert [_text(out / f"resumed{r}") for r in (0, 1)] == [str(stop)] * 2
+    finals = [json.loads(_text(out / f"final{r}.json")) for r in (0, 1)]
+    assert [f["sha256"] for f in finals] == [expected["sha256"]] * 2, (finals, expected)  # bitwise
+    # DeepSpeed-Chat's len(train_dataloader): the epoch's, before and after the resumed epoch began
+    assert [f["lengths"] for f in finals] == [[30]] * 2 and expected["lengths"] == [30]
+    assert read_stop_record(out / "ckpt") is None  # the second run's progress removed it
+    state = layout.scan_dir(out / "ckpt")
+    assert [t.tag for t in state.committed()] == [f"step_{stop}"] and state.latest == f"step_{stop}"
+
+
+NOT_A_LAUNCHER = """
+import os, subprocess, sys, time
+agent, progress, log, *argv = sys.argv[1:]
+proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT)  # torchrun, this session
+open(agent, "w").write(str(proc.pid))
+deadline = time.monotonic() + 240
+while not os.path.exists(progress) and time.monotonic() < deadline:
+    time.sleep(0.02)
+os._exit(0)                             # exits while torchrun runs on: not a stop
+"""
+
+
+def test_torchrun_killed_stops_its_ranks_an_exiting_wrapper_does_not(tmp_path):
+    """SIGKILL to torchrun's agent (no signal reaches the ranks): both stop at the same step as if
+    signalled and write the stop record (TOOLKIT_STOP_RECORD; no checkpoint, so not resumable).
+    Before that, the process that started torchrun, not a launcher, exited while the ranks trained:
+    they must go on (the rule: only a launcher's exit is a stop)."""
+    from toolkit.checkpoint.stop_record import STOP_RECORD_ENV, read_stop_record
+
+    out, record = tmp_path / "out", tmp_path / "stop.json"
+    argv = procutil.torchrun_argv(WORKER, str(out), "--check-interval", "0.1", "--max-steps", "100000")
+    log = tmp_path / "torchrun.log"
+    wrapper = subprocess.Popen([sys.executable, "-c", NOT_A_LAUNCHER, str(tmp_path / "agent"),
+                                str(out / "progress1"), str(log), *argv],
+                               env=procutil.child_env(**{STOP_RECORD_ENV: str(record)}),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert wrapper.wait(timeout=300) == 0, _text(log)
+        agent = int(_text(tmp_path / "agent"))
+        _wait(lambda: min(_progress(out, r) for r in (0, 1)) > 0, 60, "progress")
+        before = _progress(out, 0)
+        time.sleep(1.5)  # three looks at the launchers after the wrapper's exit
+        assert _progress(out, 0) > before + 50 and not list(out.glob("stop*.json")), _text(log)  # trains on
+        os.kill(agent, signal.SIGKILL)
+        _wait(lambda: all((out / f"result{r}.json").exists() for r in (0, 1)), 60, "both ranks to stop")
+    finally:
+        with contextlib.suppress(ProcessLookupError, ValueError, TypeError):
+            os.kill(int(_text(tmp_path / "agent")), signal.SIGKILL)
+    results = _read_results(out, 2)
+    stops = {r["stopped_at"] for r in results}
+    assert len(stops) == 1 and None not in stops, results
+    assert all(r["preempted"] and r["received"] is None and r["final_steps"] == [r["stopped_at"]] * 2
+               for r in results), results
+    stopped = read_stop_record(record)
+    assert stopped is not None and stopped.cause == "a launcher exited" and not stopped.resumable, stopped

@@ -36,7 +36,14 @@ from toolkit.data import (
     seed_everything,
 )
 from toolkit.dsat.trial import dsat_reporting_context
-from toolkit.errors import BuildLockError, CheckpointError, ConfigError, LaunchEnvError
+from toolkit.errors import (
+    BuildLockError,
+    CheckpointError,
+    CheckpointLockError,
+    ConfigError,
+    LaunchEnvError,
+    RunConflictError,
+)
 from toolkit.metrics import MetricsWriter
 from toolkit.preemption import PreemptionWatcher, watch_preemption
 from toolkit.runtime import DistributedContext, get_context, init_distributed, install_build_guards
@@ -46,6 +53,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BuildLockError",
     "CheckpointError",
+    "CheckpointLockError",
     "ConfigError",
     "ConfigWarning",
     "DistributedContext",
@@ -56,6 +64,7 @@ __all__ = [
     "PreemptionWatcher",
     "ResumableDistributedSampler",
     "ResumePosition",
+    "RunConflictError",
     "TRIAL_HPARAMS_ENV",
     "build_ds_config",
     "consolidate_checkpoint",

@@ -149,6 +149,10 @@ class ResumableDistributedSampler(DistributedSampler):
             global RNG nor depends on where the run was resumed.
         skip: samples of the current epoch this rank skips.
 
+    ``len(sampler)`` (and so ``len(loader)``) is the whole epoch's share, ``num_samples``, also
+    while a resumed epoch yields only the ``len(sampler) - skip`` samples after ``skip``: read it
+    for epochs, schedule lengths and step labels at any time (DeepSpeed-Chat does).
+
     Example::
 
         # torchrun --nproc_per_node 2 train.py
@@ -203,7 +207,7 @@ class ResumableDistributedSampler(DistributedSampler):
         return iter(indices[self.skip:])
 
     def __len__(self) -> int:
-        return self.num_samples - self.skip
+        return self.num_samples  # the epoch's, not what is left of it: see the class docstring
 
 
 def seed_everything(seed: int, *, deterministic: bool = False) -> None:

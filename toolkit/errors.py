@@ -9,6 +9,10 @@ Every error a user can cause says what was given, what was expected and how to f
   another world size, a failed write): :class:`CheckpointError` (a ``RuntimeError``);
 * the launcher's environment is malformed (``LOCAL_RANK='x'``): :class:`LaunchEnvError`, a
   ``RuntimeError``, since the launcher wrote it, not the user;
+* another live run still holds what this run needs after the wait (its rendezvous port on this
+  machine, or the checkpoint directory's writer lock): :class:`RunConflictError` (a
+  ``RuntimeError``; :class:`CheckpointLockError` for the lock), naming that run's process; it ends
+  the process with exit status 2 when nothing catches it;
 * a DeepSpeed op build lock no process of this machine can be shown to hold (another user's, or on
   a network filesystem): :class:`BuildLockError` (a ``RuntimeError``), naming the lock file and the
   fix;
@@ -20,7 +24,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-__all__ = ["ConfigError", "LaunchEnvError", "CheckpointError", "BuildLockError"]
+__all__ = ["ConfigError", "LaunchEnvError", "CheckpointError", "CheckpointLockError", "RunConflictError",
+           "BuildLockError"]
 
 
 class ConfigError(ValueError):
@@ -62,6 +67,18 @@ class LaunchEnvError(RuntimeError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded as asked; the message names the fix."""
+
+
+class RunConflictError(RuntimeError):
+    """Another run, alive or not provably dead, still holds what this run needs after the wait: its
+    rendezvous port on this machine (toolkit.runtime.rendezvous_wait) or its checkpoint directory
+    (:class:`CheckpointLockError`). The message names it (host, pid, command); uncaught, it ends
+    the process with exit status 2 (toolkit.runtime.exit_status)."""
+
+
+class CheckpointLockError(CheckpointError, RunConflictError):
+    """Another run still holds the checkpoint directory's writer lock after the wait
+    (toolkit.checkpoint.lock); exit status 2 when uncaught, as every :class:`RunConflictError`."""
 
 
 class BuildLockError(RuntimeError):

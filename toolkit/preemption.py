@@ -14,12 +14,13 @@ same step. :func:`watch_preemption` records the signal; ``should_preempt()`` agr
                 toolkit.save_checkpoint(engine, ckpt_dir, steps_completed=steps_completed)
                 break
 
-How the ranks agree cheaply, the delay bound and which launcher signals whom: docs/training.md
-(Preemption) and docs/start.md (Stop a job).
+How the ranks agree cheaply, the delay bound, which launcher signals whom and why a launcher that
+exits is a stop too: docs/training.md (Preemption) and docs/start.md (Stop a job).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import signal
@@ -35,9 +36,11 @@ from toolkit._checks import is_int, is_number
 from toolkit.errors import ConfigError
 from toolkit.runtime.collectives import BoundedGroup, new_bounded_group
 from toolkit.runtime.context import DistributedContext
+from toolkit.runtime.launcher_watch import LauncherMonitor, ProcessInfo, remember_launchers
 from toolkit.runtime.worker_signals import protect_dataloader_workers, stop_signals
 
-__all__ = ["PreemptionWatcher", "watch_preemption", "DEFAULT_SIGNALS", "MAX_ADAPTIVE_CHECK_EVERY"]
+__all__ = ["PreemptionWatcher", "watch_preemption", "DEFAULT_SIGNALS", "MAX_ADAPTIVE_CHECK_EVERY",
+           "AgreedStop", "last_agreed_stop"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +76,6 @@ def _ignore_repeated_stop(signum: int, frame: Any) -> None:
 
 
 _groups_made = 0  # watchers that made a group in this process: names each group's arrival keys
-_stop_agreed_at: float | None = None  # time.monotonic() of this process's first agreed stop
 
 
 def seconds_since_stop() -> float | None:
@@ -81,7 +83,25 @@ def seconds_since_stop() -> float | None:
 
     A save after the stop logs its upload against the scheduler's grace (toolkit.checkpoint.remote).
     """
-    return None if _stop_agreed_at is None else time.monotonic() - _stop_agreed_at
+    return None if _first_stop is None else time.monotonic() - _first_stop.monotonic
+
+
+@dataclasses.dataclass(frozen=True)
+class AgreedStop:
+    """A stop every rank agreed on in this process: why, and when (``time.time()``)."""
+
+    cause: str
+    at: float
+    monotonic: float = 0.0   # time.monotonic() then, for durations
+
+
+_last_stop: AgreedStop | None = None
+_first_stop: AgreedStop | None = None
+
+
+def last_agreed_stop() -> AgreedStop | None:
+    """The last stop agreed in this process by any watcher, or None. Any rank (the same on all)."""
+    return _last_stop
 
 
 class PreemptionWatcher:
@@ -119,6 +139,7 @@ class PreemptionWatcher:
         protect_dataloader_workers(self._signals)
         self._signum = 0            # written by the handler only; 0 = no signal yet
         self._requested = False     # request_stop()
+        self._gone: ProcessInfo | None = None  # a launcher that exited; written by the monitor thread
         self._decided = False
         self._closed = False
         self._calls = 0
@@ -135,7 +156,7 @@ class PreemptionWatcher:
         self._pending: Any = None   # (arrival number, the all-reduce in flight: a torch Work)
         # One buffer is enough: the previous all-reduce is always consumed before the next launch.
         # Written and read through a numpy view, which costs far less than building a tensor.
-        self._buffer = torch.zeros(3, dtype=torch.int64)
+        self._buffer = torch.zeros(4, dtype=torch.int64)
         self._values = self._buffer.numpy()
         self._logged_local = False
         # One bound-method object, so that close() can recognise its own handler by identity.
@@ -148,6 +169,7 @@ class PreemptionWatcher:
         except BaseException:
             self._restore_handlers()
             raise
+        self._monitor = LauncherMonitor(remember_launchers(), self._on_launcher_exit).start()
         logger.info("watching %s for preemption; %s", ", ".join(s.name for s in self._signals),
                     f"check every {check_every} call(s)" if check_every else
                     f"check about every {self.check_interval:g} s")
@@ -159,6 +181,18 @@ class PreemptionWatcher:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if not self._signum:
             self._signum = signum
+
+    # The monitor thread: a launcher of this rank exited (docs/start.md, Stop a job). Record only.
+    def _on_launcher_exit(self, process: ProcessInfo) -> None:
+        if self._gone is None:
+            self._gone = process
+            logger.warning("this rank's launcher %s has exited: stopping as if signalled, every rank at "
+                           "the same step", process.describe())
+
+    @property
+    def launcher_exited(self) -> bool:
+        """True once this rank saw one of its launchers exit (then it stops as if signalled). Any rank."""
+        return self._gone is not None
 
     @property
     def received_signal(self) -> signal.Signals | None:
@@ -205,8 +239,8 @@ class PreemptionWatcher:
         if self._signum and not self._logged_local:
             self._log_local()
         if self._world_size == 1:
-            if self._signum or self._requested:
-                self._decide(self._signum, self._requested)
+            if self._signum or self._requested or self._gone:
+                self._decide(self._signum, self._requested, self._gone is not None)
             return self._decided
         return self._check_point()
 
@@ -226,7 +260,7 @@ class PreemptionWatcher:
         now = time.perf_counter_ns()
         calls = self._calls - self._last_check_call
         ns_per_call = (now - self._last_check_ns) // calls if calls else 0  # 0: nothing measured
-        self._values[:] = (self._signum, int(self._requested), ns_per_call)
+        self._values[:] = (self._signum, int(self._requested), ns_per_call, int(self._gone is not None))
         number = self._bounded.arrive(_CALL)
         work = dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self._bounded.group,
                                async_op=True)
@@ -238,9 +272,9 @@ class PreemptionWatcher:
         """Wait for the all-reduce in flight and act on its result; True once a stop is agreed."""
         (number, work), self._pending = self._pending, None
         self._bounded.wait(_CALL, number, work)
-        signum, requested, ns_per_call = self._values.tolist()
-        if signum or requested:
-            self._decide(signum, bool(requested))
+        signum, requested, ns_per_call, gone = self._values.tolist()
+        if signum or requested or gone:
+            self._decide(signum, bool(requested), bool(gone))
             return True
         if ns_per_call > 0:
             # Same inputs on every rank (the reduced values), hence the same next check point.
@@ -268,13 +302,15 @@ class PreemptionWatcher:
                        signal.Signals(self._signum).name, "this call" if self._world_size == 1 else
                        f"about {2 * self._interval} calls")
 
-    def _decide(self, signum: int, requested: bool) -> None:
-        global _stop_agreed_at
+    def _decide(self, signum: int, requested: bool, gone: bool) -> None:
+        global _last_stop, _first_stop
         self._decided = True
-        _stop_agreed_at = _stop_agreed_at or time.monotonic()
         if self._signum and not self._logged_local:
             self._log_local()
-        cause = signal.Signals(signum).name if signum else "a stop request (request_stop)"
+        cause = (signal.Signals(signum).name if signum else "a launcher exited" if gone
+                 else "a stop request (request_stop)")
+        _last_stop = AgreedStop(cause=cause, at=time.time(), monotonic=time.monotonic())
+        _first_stop = _first_stop or _last_stop
         logger.info("preemption agreed at call %d: %s on at least one rank; stopping", self._calls, cause)
 
     def close(self) -> None:
@@ -290,12 +326,17 @@ class PreemptionWatcher:
         if self._closed:
             return
         self._closed = True
+        self._monitor.stop()
         pending, self._pending = self._pending, None
         try:
             self._restore_handlers()
         finally:
             if pending is not None and wait:
                 self._bounded.wait(_CALL, *pending)
+        if wait and self._decided:
+            from toolkit.checkpoint.stop_record import record_agreed_stop  # light; no cycle at import
+
+            record_agreed_stop()
 
     def _restore_handlers(self) -> None:
         for sig, previous in self._previous.items():
@@ -331,7 +372,8 @@ def watch_preemption(ctx: DistributedContext, *, signals: Iterable[Any] = DEFAUL
                      check_every: int | None = None, check_interval: float = 1.0) -> PreemptionWatcher:
     """Install signal handlers and return the watcher that agrees on a stop. Call on all ranks.
 
-    Call it in the main thread, before the loop, on every rank, with the same arguments.
+    Call it in the main thread, before the loop, on every rank, with the same arguments. While it
+    is open, a launcher of this rank that exits is a stop too (``launcher_exited``).
 
     Args:
         ctx: from :func:`toolkit.init_distributed`; its ``group`` carries the agreement.

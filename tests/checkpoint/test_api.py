@@ -331,7 +331,9 @@ def test_run_ownership_resume_and_takeover(roundtrip):
 
 def test_keep_last(roundtrip):
     out, records, _ = roundtrip
-    common = ["foreign", "latest", "notes", "toolkit_run.json", "zero_to_fp32.py", "zero_to_torch.py"]
+    # .toolkit_lock: the run's writer lock (toolkit/checkpoint/lock.py), held while the run lives
+    common = [".toolkit_lock", "foreign", "latest", "notes", "toolkit_run.json", "zero_to_fp32.py",
+              "zero_to_torch.py"]
     assert records[0]["keep_listings"] == [sorted(common + ["step_1", "step_2"]),
                                            sorted(common + ["step_2", "step_3"]),
                                            sorted(common + ["step_2", "step_3"])]
@@ -434,4 +436,5 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint(killed, mode):
         assert resumed["losses"] == first["losses"] and resumed["params"] == first["params"], rank
         assert resumed["tag"] == "step_4" and resumed["latest"] == "step_4"
         assert "step_2" not in resumed["listing"] and "step_4" in resumed["listing"]
-        assert not [name for name in resumed["listing"] if name.startswith(".")], resumed["listing"]
+        hidden = [name for name in resumed["listing"] if name.startswith(".")]
+        assert hidden == [".toolkit_lock"], resumed["listing"]  # no trash left; the live run's writer lock

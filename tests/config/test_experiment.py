@@ -108,8 +108,7 @@ def test_get_hparams_from_path_and_env(tmp_path, monkeypatch):
     monkeypatch.delenv(toolkit.TRIAL_HPARAMS_ENV, raising=False)
     monkeypatch.delenv(toolkit.EXPERIMENT_CONFIG_ENV, raising=False)
     assert toolkit.get_hparams(path)["deepspeed_config"] == "ds_config.json"
-    with pytest.raises(ConfigError, match="no hyperparameters"):
-        toolkit.get_hparams()
+    assert toolkit.get_hparams() == {}  # outside any trial or YAML: no guard needed in the user's code
     monkeypatch.setenv(toolkit.EXPERIMENT_CONFIG_ENV, str(path))
     assert toolkit.get_hparams()["lr"] == 0.01
 

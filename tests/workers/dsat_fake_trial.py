@@ -18,6 +18,8 @@ dsat_fake_trial.py``; what it does comes from the trial's hyperparameters
     ignore_term ignore SIGTERM and hang
     build       run ``ninja`` (path ``ninja``) in ``fake_op<R>/`` of the trial directory, whose one
                 "compiler" touches ``alloc_mib`` MiB for ``hold_s`` s, then as ok
+    preempted   the chief writes a stop record to ``TOOLKIT_STOP_RECORD`` (as toolkit does after an
+                agreed preemption) and no result; exit 0
 
 Every rank writes ``rank<R>.json`` into the trial directory at start (pid, times, environment
 seen), prints one line, and adds ``"end"`` when it leaves normally; grandchild pids go to ``grandchild<R>.pid``.
@@ -100,6 +102,13 @@ if behaviour == "ok":
 elif behaviour == "crash":
     raise RuntimeError(f"boom from the fake trial on rank {rank}")
 elif behaviour == "no_result":
+    end_normally()
+elif behaviour == "preempted":
+    if rank == 0:
+        Path(os.environ["TOOLKIT_STOP_RECORD"]).write_text(json.dumps({
+            "format": 1, "state": "preempted", "resumable": False, "cause": "SIGTERM", "steps_completed": None,
+            "tag": None, "checkpoint_dir": None, "run_id": None, "stopped_at": time.time(), "host": "h",
+            "pid": os.getpid()}))
     end_normally()
 elif behaviour == "corrupt":
     if rank == 0:

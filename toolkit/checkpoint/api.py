@@ -29,12 +29,13 @@ import torch
 
 from toolkit._checks import int_problem, is_int, type_name
 from toolkit._files import atomic_write_json, fsync_tree
-from toolkit.checkpoint import layout, remote  # remote imports this module: only used in calls
+from toolkit.checkpoint import layout, lock, remote  # remote imports this module: only used in calls
 from toolkit.checkpoint.consolidate import consolidate_checkpoint
 from toolkit.checkpoint.cpu_adam import replay_cpu_adam_state
 from toolkit.checkpoint.engine import check_engine, engine_facts
 from toolkit.checkpoint.ranks import agree, on_chief, write_failure
 from toolkit.checkpoint.rng import read_rank_file, restore_rng_state, write_rank_file
+from toolkit.checkpoint.stop_record import note_commit
 from toolkit.checkpoint.store import open_store, parse_url
 from toolkit.checkpoint.universal import universal_tag
 from toolkit.errors import CheckpointError, ConfigError
@@ -104,6 +105,8 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
         ConfigError: invalid arguments (every problem listed), before anything is written.
         CheckpointError: a directory owned by another run, a tag directory that is not
             toolkit's, or a failure on some rank, an upload's included (every rank raises).
+        CheckpointLockError: another run still holds the directory's writer lock after the
+            wait (exit status 2 when uncaught); every rank raises.
 
     Example::
 
@@ -115,6 +118,8 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
     tag = _checked_save_arguments(steps_completed, client_state, keep_last, tag, run_id, overwrite)
     check_engine(engine)
     ctx = get_context()
+    if not url:  # a bucket has no POSIX lock: one writer per prefix is the user's to keep
+        lock.hold_directory(ctx, root)  # one writer per directory, from the first load or save on
     started = time.monotonic()
     save = _Save(root=root, tag=tag, steps_completed=int(steps_completed),
                  client_state=dict(client_state or {}), facts=engine_facts(engine, ctx),
@@ -171,6 +176,7 @@ def _prepare_tag(ctx: DistributedContext, save: _Save, *, mine: str | None,
     """
     def prepare() -> tuple[str, int, str, int]:
         os.makedirs(save.root, exist_ok=True)
+        lock.verify_held(save.root)
         layout.tag_path(save.root, save.tag, to_write=True)  # never write through a symlink
         layout.empty_trash(save.root)
         plan = layout.plan_save(layout.scan_dir(save.root), tag=save.tag, mine=mine, overwrite=overwrite)
@@ -258,6 +264,7 @@ def _commit(engine: Any, save: _Save, this_run: str, seq: int) -> list[str]:
                 deleted.append(old)
             except OSError as err:  # the new checkpoint is committed; do not fail the save
                 logger.warning("keep_last: could not delete %s: %s", Path(save.root) / old, err)
+    note_commit(save.root, save.tag, save.steps_completed, this_run)  # after a stop: the stop record, last
     return deleted
 
 
@@ -271,8 +278,8 @@ def _commit_metadata(engine: Any, save: _Save, this_run: str, seq: int) -> dict[
             "ds_config": engine.config, "client_state_keys": sorted(map(str, save.client_state))}
 
 
-def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
-                    tag: str | None = None) -> tuple[int, dict[str, Any]] | None:
+def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, tag: str | None = None,
+                    read_only: bool = False) -> tuple[int, dict[str, Any]] | None:
     """Load the latest (or the given) committed checkpoint into ``engine``. Call on all ranks.
 
     A checkpoint that does not fit the engine (data-parallel size, ZeRO stage, tensor-parallel
@@ -289,16 +296,21 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
             URL the checkpoint is downloaded once per machine into the local cache.
         tag: a committed checkpoint's tag; ``None`` follows ``latest`` (or takes the newest
             committed one when ``latest`` names none).
+        read_only: True for a run that only reads (an evaluation beside the training run): no
+            writer lock is taken. False (default): this run becomes the directory's one writer,
+            waiting for a run that still holds it (docs/training.md, One writer per directory).
 
     Returns:
         ``(steps_completed, client_state)``, or ``None`` when the directory holds no committed
         checkpoint (a fresh start).
 
     Raises:
-        ConfigError: ``tag`` is not a valid name.
+        ConfigError: ``tag`` is not a valid name, or ``read_only`` not a bool.
         CheckpointError: the tag is missing or not committed; the checkpoint does not
             fit the engine; a rank's RNG file is missing; or the bucket cannot be written
             (credentials, endpoint) or read. Raised on every rank.
+        CheckpointLockError: another run still holds the directory after the wait (exit status 2
+            when uncaught). Raised on every rank.
 
     Example::
 
@@ -309,12 +321,16 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *,
     url = parse_url(checkpoint_dir)
     root = url.url if url else layout.checkpoint_root(checkpoint_dir)
     problem = None if tag is None else layout.name_problem(tag)
+    if not isinstance(read_only, bool):
+        problem = f"read_only={read_only!r}: expected True or False"
     if problem:
         raise ConfigError(problem, source="load_checkpoint()")
     check_engine(engine)
     ctx = get_context()
     if url:
         return remote.load_url(engine, ctx, url, tag, _run_ids)
+    if not read_only:
+        lock.hold_directory(ctx, root)
     key = os.path.realpath(root)
     if engine.load_universal_checkpoint():
         return _load_universal(engine, ctx, root, tag, key)

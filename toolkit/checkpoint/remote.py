@@ -31,6 +31,7 @@ from toolkit import _names, preemption
 from toolkit.checkpoint import api, layout, records
 from toolkit.checkpoint.engine import engine_facts
 from toolkit.checkpoint.ranks import agree, on_chief
+from toolkit.checkpoint.stop_record import note_remote_commit
 from toolkit.checkpoint.store import ObjectStore, StoreURL, open_store
 from toolkit.errors import CheckpointError, ConfigError
 from toolkit.runtime.context import DistributedContext
@@ -198,6 +199,7 @@ def _commit(engine: Any, store: ObjectStore, request: Any, this_run: str, seq: i
                 deleted.append(old)
         except CheckpointError as err:  # the new checkpoint is committed; do not fail the save
             logger.warning("keep_last: could not delete older checkpoints in %s: %s", store.where(), err)
+    note_remote_commit(store, tag, request.steps_completed, this_run)  # after a stop: the record, last
     return deleted
 
 

@@ -234,13 +234,16 @@ def get_hparams(config_path: str | os.PathLike[str] | None = None) -> dict[str, 
     1. inside a dsat trial, the trial's hyperparameters: the JSON file named by
        ``TOOLKIT_TRIAL_HPARAMS`` (:data:`TRIAL_HPARAMS_ENV`);
     2. the ``hyperparameters`` of ``config_path``;
-    3. the ``hyperparameters`` of the YAML named by ``TOOLKIT_EXPERIMENT_CONFIG``.
+    3. the ``hyperparameters`` of the YAML named by ``TOOLKIT_EXPERIMENT_CONFIG``;
+    4. none of these (a plain ``torchrun train.py``): ``{}``, so ``hparams.get("lr", 1e-3)``
+       keeps the script's own defaults with no guard.
 
     Returns:
-        A new dict (empty when the config has no hyperparameters).
+        A new dict (empty when the config has no hyperparameters, or there is no config).
 
     Raises:
-        ConfigError: none of the three is available, or the file is malformed.
+        ConfigError: the file is malformed (or the trial's file is missing).
+        FileNotFoundError: ``config_path`` (or the variable's YAML) does not exist.
 
     Example::
 
@@ -260,8 +263,7 @@ def get_hparams(config_path: str | os.PathLike[str] | None = None) -> dict[str, 
     if config_path is None:
         config_path = os.environ.get(EXPERIMENT_CONFIG_ENV) or None
     if config_path is None:
-        raise ConfigError("no hyperparameters: pass config_path (the experiment YAML), set "
-                          f"{EXPERIMENT_CONFIG_ENV}, or run as a dsat trial ({TRIAL_HPARAMS_ENV})")
+        return {}  # a plain run of the script: its own defaults apply
     config = load_experiment_config(config_path)
     return config.get("hyperparameters") or {}
 

@@ -386,9 +386,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         outcome = tuner.run()
-    except KeyboardInterrupt:
-        print("dsat: interrupted; every trial was stopped. Continue with --resume --output-dir "
-              f"{plan.output_dir}", file=sys.stderr)
+    except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM, or a trial preempted (TrialPreempted)
+        print(f"dsat: interrupted{f' ({err})' if str(err) else ''}; every trial was stopped. Continue with "
+              f"--resume --output-dir {plan.output_dir}", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous)

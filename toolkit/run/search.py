@@ -51,6 +51,7 @@ from toolkit.compat.determined.core.searcher import OPS_ACK_FILE
 from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state
 from toolkit.errors import CheckpointError, ConfigError
 from toolkit.run.process import Forwarder
+from toolkit.run.trial import stop_record_of
 
 __all__ = ["SUMMARY", "finish_trial", "load_state", "save_state", "stopped_early"]
 
@@ -285,7 +286,8 @@ def finish_trial(state: dict[str, Any], trial: dict[str, Any], watcher: _Watcher
     if (trial_dir / TRIAL_FILE).exists():
         trial["trial_id"] = load_trial_state(trial_dir, write=False)["trial_id"]
     trial["exit_status"] = status
-    if forwarder.received is not None and not trial["stopped_early"]:  # stopped by the searcher: done
+    preempted = forwarder.received is not None or stop_record_of(trial_dir) is not None  # ranks' own stop
+    if preempted and not trial["stopped_early"]:  # stopped by the searcher: done
         trial["state"] = "PAUSED"
     elif status != 0 and trial["stopped_early"]:
         logger.warning("%s exited with status %d after the searcher's stop; counted as stopped early",

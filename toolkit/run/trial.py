@@ -7,6 +7,9 @@ failed run's last lines are logged with the log's path.
 A failed run is restarted (``max_restarts`` times at most) after a pause that doubles from
 :data:`RESTART_BACKOFF_S` to :data:`RESTART_BACKOFF_MAX_S` (1, 2, 4, ... 30 s): a run that
 fails at once does not spin. A signal during the pause ends it, and nothing more is started.
+A run whose ranks stopped for a preemption (they wrote the stop record, ``TOOLKIT_STOP_RECORD``
+= ``<output dir>/toolkit_stopped.json``) is not a failure, whatever its launcher returned: it is
+not restarted, and the trial ends with status 0.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from toolkit._files import atomic_write_json
+from toolkit.checkpoint.stop_record import STOP_FILE, STOP_RECORD_ENV, StopRecord, read_stop_record
 from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state, record_hparams
-from toolkit.errors import ConfigError
+from toolkit.errors import CheckpointError, ConfigError
 from toolkit.launch.output import OutputPump
 from toolkit.run.plan import RunPlan
 from toolkit.run.process import Forwarder, check_slots, environment, run_once
@@ -46,6 +50,36 @@ def _pause(seconds: float, forwarder: Forwarder) -> None:
     end = time.monotonic() + seconds
     while forwarder.received is None and (left := end - time.monotonic()) > 0:
         time.sleep(min(left, 0.1))
+
+
+def stop_record_of(output_dir: Path) -> StopRecord | None:
+    """The stop record the last run's ranks left in ``output_dir`` (None: they did not stop for a
+    preemption; a damaged record is logged and counts as none). Runner only."""
+    try:
+        return read_stop_record(output_dir / STOP_FILE)
+    except CheckpointError as err:
+        logger.error("%s", err)
+        return None
+
+
+def _run_once(plan: RunPlan, env: dict[str, str], forwarder: Forwarder, grace_s: float,
+              output: OutputPump, who: str) -> int | None:
+    """One run; its exit status, or None (said) when its ranks left the stop record: a preemption."""
+    env[STOP_RECORD_ENV] = str(plan.output_dir / STOP_FILE)
+    (plan.output_dir / STOP_FILE).unlink(missing_ok=True)  # a record is this run's own
+    output.start()
+    try:
+        status = run_once(plan, env, forwarder=forwarder, grace_s=grace_s, output=output)
+    finally:
+        output.stop()  # read to the end: its last lines are this run's
+    stopped = stop_record_of(plan.output_dir)
+    if stopped is None:
+        return status
+    where = f" from {stopped.checkpoint_dir} ({stopped.tag})" if stopped.resumable else ""
+    logger.info("%sthe ranks stopped for a preemption (%s) at step %s (launcher exit status %d); run "
+                "the same command again to continue%s", who, stopped.cause, stopped.steps_completed, status,
+                where)
+    return None
 
 
 def _next_attempt(output_dir: Path, experiment_id: int | None = None) -> None:
@@ -116,17 +150,13 @@ def _runs(plan: RunPlan, env: dict[str, str], *, forwarder: Forwarder, grace_s: 
         if attempt:
             _next_attempt(plan.output_dir)
         output = OutputPump(plan.output_dir / LOGS_DIR, label=label, echo=echo, fresh=False)
-        output.start()
-        try:
-            status = run_once(plan, env, forwarder=forwarder, grace_s=grace_s, output=output)
-        finally:
-            output.stop()  # read to the end: its last lines are this run's
-        if status == 0 or forwarder.stopping:
-            if forwarder.received is not None:
+        status = _run_once(plan, env, forwarder, grace_s, output, who)  # None: a preemption's stop
+        if status is None or status == 0 or forwarder.stopping:
+            if forwarder.received is not None and status is not None:
                 name = signal.Signals(forwarder.received).name
                 logger.info("%sstopped by %s (exit status %d); run the same command again to continue "
                             "from the latest checkpoint", who, name, status)
-            return status
+            return status or 0
         failed = output.failure_text(f"{who}the run failed with exit status {status}")
         if attempt >= plan.max_restarts:
             logger.error("%s; max_restarts=%d reached", failed, plan.max_restarts)

@@ -39,7 +39,9 @@ from toolkit.runtime.collectives import (
 )
 from toolkit.runtime.ds_shm import share_with_deepspeed
 from toolkit.runtime.launch_env import LaunchInfo, detect_launch
+from toolkit.runtime.launcher_watch import remember_launchers
 from toolkit.runtime.op_builds import install_build_guards
+from toolkit.runtime.rendezvous_wait import mark_rendezvous, wait_for_rendezvous_port
 from toolkit.runtime.trial_oom import install_oom_excepthook
 from toolkit.runtime.worker_signals import protect_dataloader_workers
 
@@ -305,6 +307,8 @@ def init_distributed(*, backend: str | None = None, timeout: timedelta = DEFAULT
         ConfigError: every problem of the arguments (unknown backend, nccl without CUDA, a
             timeout that is not positive).
         LaunchEnvError: a launcher variable is malformed or inconsistent; it is named.
+        RunConflictError: another run's process on this machine still serves MASTER_PORT after
+            the wait (``TOOLKIT_WAIT_FOR_OTHER_RUN_S``); exit status 2 when uncaught.
         ValueError: ``backend`` differs from the backend of an earlier call.
 
     Example::
@@ -323,7 +327,11 @@ def init_distributed(*, backend: str | None = None, timeout: timedelta = DEFAULT
             return _context
         info = detect_launch()
         _export_env(info)
+        if info.world_size > 1 and not dist.is_initialized():  # the same command again, too soon
+            wait_for_rendezvous_port(info.master_addr, info.master_port)
         chosen = _init_process_group(info, _pick_backend(backend), timeout)
+        if info.rank == 0 and info.world_size > 1:  # the rendezvous is complete: a later run may wait
+            mark_rendezvous(info.master_port)
         share_with_deepspeed(chosen, timeout, info)
         _context = _make_context(info, chosen, timeout, collective_s)
         _install_process_hooks()
@@ -338,10 +346,12 @@ def init_distributed(*, backend: str | None = None, timeout: timedelta = DEFAULT
 
 def _install_process_hooks() -> None:
     """What every rank of a toolkit job needs once: DataLoader workers that a preemption signal
-    does not kill, and inside a dsat trial the hook that reports an out-of-memory error raised
-    before the first step (e.g. in ``deepspeed.initialize``) as the trial's "oom". Both are
-    idempotent; the second does nothing outside a trial."""
+    does not kill, its launchers remembered (a launcher that exits is a stop, see
+    ``watch_preemption``), and inside a dsat trial the hook that reports an out-of-memory error
+    raised before the first step (e.g. in ``deepspeed.initialize``) as the trial's "oom". All are
+    idempotent; the last does nothing outside a trial."""
     protect_dataloader_workers()
+    remember_launchers()
     install_oom_excepthook()
 
 

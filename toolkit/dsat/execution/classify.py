@@ -15,6 +15,8 @@ from the trial's ``ds_config.json``        ``ds_config.json``, :mod:`toolkit.dsa
 result ``"failed"``, exit 0                FAILED with the trial's own reason
 exit 0 and no result                       FAILED "exited 0 without a result file"
 any other exit                             FAILED "exit status N" / "killed by signal SIGX"
+no result, a stop record                   not a result: :class:`TrialPreempted` stops the
+                                           search as an interruption (``--resume`` reruns it)
 =========================================  ==============================================
 
 The first two rows are the runner's verdicts (:mod:`toolkit.dsat.execution.runner`), passed to
@@ -41,13 +43,15 @@ from typing import Any
 
 from toolkit._checks import is_number
 from toolkit.bounded_load import load_json
+from toolkit.checkpoint.stop_record import STOP_FILE, read_stop_record
 from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus, clip_error
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.dsat.tuned_keys import SUMMARY_NAMES, config_summary, mismatches
-from toolkit.errors import ConfigError
+from toolkit.errors import CheckpointError, ConfigError
 from toolkit.launch.output import TRIAL_LOG, ranks_lines
 
-__all__ = ["LAUNCHER_ONLY_VARIABLES", "check_result", "classify", "exit_text", "launcher_hint", "stderr_tail"]
+__all__ = ["LAUNCHER_ONLY_VARIABLES", "TrialPreempted", "check_result", "classify", "exit_text",
+           "launcher_hint", "preemption_of", "stderr_tail"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +67,24 @@ LAUNCHER_ONLY_VARIABLES = {"deepspeed": ("LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE
 # A line reporting a missing variable: toolkit's LaunchEnvError ("X, Y not set"), a KeyError of
 # os.environ, or the word "missing" (a malformed value, "X='a' is not an integer", is not one).
 _MISSING = re.compile(r"not set|KeyError|missing", re.IGNORECASE)
+
+
+class TrialPreempted(KeyboardInterrupt):
+    """A trial stopped for a preemption (its ranks agreed on a stop and wrote the stop record)
+    before its result: not a failed configuration. dsat stops as when interrupted (exit 130), and
+    ``--resume`` runs the trial again."""
+
+
+def preemption_of(directory: Path) -> str | None:
+    """Why the trial in ``directory`` stopped, when it stopped for a preemption before writing its
+    result (its ``TOOLKIT_STOP_RECORD``, :mod:`toolkit.checkpoint.stop_record`); else None."""
+    if (directory / "result.json").exists() or not (directory / STOP_FILE).exists():
+        return None
+    try:
+        record = read_stop_record(directory / STOP_FILE)
+    except CheckpointError as err:
+        return f"a damaged stop record ({err})"
+    return None if record is None else record.cause
 
 
 def exit_text(code: int | None) -> str:

@@ -36,9 +36,10 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from toolkit._files import atomic_write_json
+from toolkit.checkpoint.stop_record import STOP_FILE, STOP_RECORD_ENV
 from toolkit.dsat.contract import PROGRESS_FILE, TrialStatus, trial_hparams
 from toolkit.dsat.execution.argv import build_multihost_argv, build_remote_kill_argv, with_config_flag
-from toolkit.dsat.execution.classify import classify
+from toolkit.dsat.execution.classify import TrialPreempted, classify, preemption_of
 from toolkit.dsat.execution.hosts import format_include
 from toolkit.dsat.execution.settings import CONFIG_READS_ENV, CPU_ALLOCATOR_ENV, RunnerSettings
 from toolkit.dsat.execution.slots import SlotPool, Slots, device_ids
@@ -249,7 +250,7 @@ class TrialRunner:
         # OUTPUT_DIR_ENV: the trial's own checkpoints and logs (toolkit.get_output_dir), never shared
         # with a concurrent trial or picked up by a later one as something to resume from.
         env.update({TRIAL_HPARAMS_ENV: str(directory / "hparams.json"),
-                    TRIAL_ENV: str(directory / "trial.json"),
+                    TRIAL_ENV: str(directory / "trial.json"), STOP_RECORD_ENV: str(directory / STOP_FILE),
                     "PYTHONUNBUFFERED": "1", OUTPUT_DIR_ENV: str(directory / "output")})
         # the trial bootstrap (toolkit.dsat.trial.site): deepspeed.initialize gets the trial's config
         env["PYTHONPATH"] = site_pythonpath(env.get("PYTHONPATH"))
@@ -344,7 +345,7 @@ class TrialRunner:
         hostfile.write_text("".join(f"{h} slots={len(ids)}\n" for h, ids in placement.items()),
                             encoding="utf-8")
         exported = {k: env[k] for k in (TRIAL_HPARAMS_ENV, TRIAL_ENV, OUTPUT_DIR_ENV, EXPERIMENT_CONFIG_ENV,
-                                        "PYTHONUNBUFFERED",
+                                        STOP_RECORD_ENV, "PYTHONUNBUFFERED",
                                         "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR", "PATH", "PYTHONPATH")
                     if k in env}
         env_file = directory / "ds_env"
@@ -451,6 +452,10 @@ class TrialRunner:
             # Ended, or to be ended: no process of it may outlive it (orphans in their own session too).
             self._terminate([trial])
             self._release(trial)
+            cause = None if trial.verdict is not None else preemption_of(trial.directory)
+            if cause is not None:  # not a result: the trial runs again on --resume
+                raise TrialPreempted(f"trial {trial.spec.name} stopped for a preemption ({cause}) before its "
+                                     "result")
             result = classify(trial.spec, directory=trial.directory, code=trial.process.returncode,
                               duration_s=time.monotonic() - trial.started, verdict=trial.verdict)
             peak = peak_bytes(trial.peak, read_progress(trial.directory), result.profile)

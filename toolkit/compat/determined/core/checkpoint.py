@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator
 from toolkit import _names
 from toolkit._checks import is_number
 from toolkit._files import atomic_write_json, fsync_tree
+from toolkit.checkpoint.stop_record import note_commit
 from toolkit.compat.determined import cloud, storage
 from toolkit.compat.determined.cloud import CloudRoot
 from toolkit.compat.determined.core.distributed import DistributedContext
@@ -190,6 +191,8 @@ class CheckpointContext:
             except CheckpointError as err:  # the new checkpoint is committed; do not fail the save
                 logger.warning("save_trial_latest/save_trial_best: left %s alone: %s", _names.shown(sid), err)
         logger.info("saved checkpoint %s", storage_id)
+        steps = metadata.get("steps_completed")  # after an agreed stop: the stop record, last
+        note_commit(str(self._root), storage_id, steps if isinstance(steps, int) else None, None)
 
     def _scores(self, committed: list[dict[str, Any]]) -> dict[str, float]:
         """Storage id -> the searcher metric last validated at its steps_completed (for save_trial_best)."""

@@ -338,8 +338,12 @@ def watch_preemption(ctx: DistributedContext, *, signals: Iterable[Any] = DEFAUL
     """Install signal handlers and return the watcher that agrees on a stop. Call on all ranks.
 
     In the main thread, before the loop, with the same arguments on every rank; use the watcher as a
-    context manager. ``signals`` mean "stop soon" (SIGINT too: Ctrl-C stops cleanly); ``check_every``
-    fixes the calls between two check points, None adapts them to ``check_interval`` seconds. While
-    it is open, a launcher of this rank that exits is a stop too. ConfigError for bad arguments,
-    TypeError for a ``ctx`` not from ``init_distributed``, RuntimeError outside the main thread."""
+    context manager. While it is open, a launcher of this rank that exits is a stop too.
+
+    Args:
+        signals: those that mean "stop soon"; SIGINT is one, so that Ctrl-C stops cleanly too.
+        check_every: calls between two check points; None adapts them to ``check_interval`` seconds.
+
+    Raises ConfigError for bad arguments, TypeError for a ``ctx`` not from ``init_distributed``,
+    RuntimeError outside the main thread or without torch.distributed."""
     return PreemptionWatcher(ctx, signals=signals, check_every=check_every, check_interval=check_interval)

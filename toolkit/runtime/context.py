@@ -236,9 +236,13 @@ def init_distributed(*, backend: str | None = None, timeout: timedelta = DEFAULT
     Without launcher variables: a one-rank group on an in-memory store (no port). Installs the build
     guards, hands the group to ``deepspeed.comm`` and makes DataLoader workers started afterwards
     ignore the stop signals. A second call returns the same context; a group made before is adopted
-    once checked. ``backend`` None: nccl with CUDA, else gloo. ``timeout``: the rendezvous's and
-    DeepSpeed's collectives'. ``collective_timeout``: toolkit's own collectives', in seconds or a
-    timedelta (None reads ``TOOLKIT_COLLECTIVE_TIMEOUT_S``, else 60 s). Details: docs/start.md.
+    once checked. Details: docs/start.md (Launch it).
+
+    Args:
+        backend: ``"nccl"``, ``"gloo"``, ``"mpi"`` or ``"ucc"``; None: nccl with CUDA, else gloo.
+        timeout: the rendezvous's and DeepSpeed's collectives'.
+        collective_timeout: toolkit's own collectives', in seconds or a timedelta; None reads
+            ``TOOLKIT_COLLECTIVE_TIMEOUT_S``, else 60 s.
 
     Raises ConfigError (bad arguments), LaunchEnvError (a malformed or inconsistent launcher variable),
     RunConflictError (another run's process here still serves MASTER_PORT after

@@ -63,6 +63,7 @@ def launcher_name(argv: Sequence[str]) -> str | None:
     """The launcher a command line runs (``"torchrun"``, ``"deepspeed"``, ``"mpirun"``...), or None. Pure."""
     if not argv:
         return None
+    # slurmstepd retitles itself "slurmstepd: [12.0]"; a shell or "python -c" is no launcher.
     program = os.path.basename(argv[0].split(":")[0].split()[0]) if argv[0].strip() else ""
     if not program.startswith("python"):
         return _PROGRAMS.get(program)

@@ -3,7 +3,7 @@
 :func:`share_with_deepspeed` (all ranks, in ``init_distributed``) unlinks each rank's segment once
 every peer mapped it, so its memory goes when the job ends, however it ends; :func:`remove_buffers`
 and :func:`remove_stale_buffers` (any process) clear what other runs left. Only this user's
-segments are touched; ``python -P toolkit/runtime/ds_shm.py`` clears the stale ones (setup.sh).
+segments are touched; ``python -P toolkit/runtime/ds_shm.py`` clears stale ones (scripts/setup.sh).
 Details: docs/start.md (DeepSpeed's shared-memory segments)."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ DEFAULT_MASTER_PORT = 29500
 @dataclasses.dataclass(frozen=True)
 class LaunchInfo:
     """Where this process sits, as the launcher described it. ``launcher``: ``"torchrun"``,
-    ``"deepspeed"``, ``"env"``, ``"mpi"``, ``"slurm"`` or ``"none"``; ``master_addr`` None: world size 1."""
+    ``"deepspeed"``, ``"env"``, ``"mpi"``, ``"slurm"`` or ``"none"``; no ``master_addr`` at world size 1."""
 
     launcher: str
     rank: int

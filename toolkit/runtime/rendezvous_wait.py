@@ -88,7 +88,8 @@ def marker_path(port: int) -> Path:
 
 def mark_rendezvous(port: int | None) -> None:
     """Rank 0 only, once its rendezvous is complete: mark this process as serving ``port`` for a started
-    run. Left at exit (the port is served to the end); the markers of ended processes are removed."""
+    run (no rank of this run waits for it: the rendezvous needed them all). Left at exit, since the
+    port is served to the end; the markers of ended processes are removed."""
     me = read_process(os.getpid())
     if not port or me is None:
         return

@@ -64,9 +64,10 @@ def worker_loop_ignoring(signals: tuple[int, ...], *args: Any, **kwargs: Any) ->
 def die_with_parent() -> None:
     """Have the kernel SIGKILL this forked DataLoader worker when its rank exits. In the worker.
 
-    A worker that ignores SIGTERM must never outlive its rank (an orphan holds the job's output open;
-    torch's watchdog ends one only from its fetch loop). ``PR_SET_PDEATHSIG`` fires when the *thread*
-    that forked ends, so it is set only for workers forked by the rank's main thread."""
+    A worker that ignores SIGTERM must never outlive its rank: an orphan holds the job's output open,
+    torchrun, seeing the rank gone, never signals its group again, and torch's watchdog ends one only
+    from its fetch loop. ``PR_SET_PDEATHSIG`` fires when the *thread* that forked ends, so it is set
+    only for workers forked by the rank's main thread."""
     if not sys.platform.startswith("linux") or threading.get_ident() != _parent_main_ident:
         return
     try:

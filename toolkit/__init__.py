@@ -1,15 +1,12 @@
 """toolkit: small, composable helpers for PyTorch + DeepSpeed training loops you write yourself.
 
-Launch your loop with ``torchrun`` or ``deepspeed``; import what you need::
+Example (all ranks; ``torchrun --nproc_per_node 2 train.py``)::
 
-    # torchrun --nproc_per_node 2 train.py
-    import toolkit
-    ctx = toolkit.init_distributed()                       # call on all ranks
+    ctx = toolkit.init_distributed()
     hparams = toolkit.get_hparams("deepspeed.yaml")
     ds_config = toolkit.build_ds_config(hparams, data_parallel_size=ctx.world_size)
 
-See ``examples/core_api/train.py`` for a complete loop with metrics, checkpoints, preemption and
-the dsat autotuner's reporting context.
+A whole loop (metrics, checkpoints, preemption, dsat's reporting): ``examples/core_api/train.py``.
 """
 
 from toolkit.checkpoint import consolidate_checkpoint, load_checkpoint, replay_cpu_adam_state, save_checkpoint

@@ -1,15 +1,7 @@
-"""The value checks every module shares, once: integers, numbers, mappings. Pure; any rank.
+"""The value checks every module shares: integers, numbers, mappings. Pure; any rank.
 
-One rule for integers everywhere: an integer is a :class:`numbers.Integral` that is not a
-``bool`` (Python's ``int``, NumPy's and PyTorch's integer scalars; ``True`` is not a count).
-Code that stores a checked value (JSON, a checkpoint) converts it with ``int()`` first.
-
-Example::
-
-    problem = int_problem("keep_last", keep_last, minimum=1)
-    if problem:
-        problems.append(problem)
-"""
+An integer is a :class:`numbers.Integral` that is not a ``bool`` (NumPy's and PyTorch's integers
+count, ``True`` does not); code that stores a checked value converts it with ``int()`` first."""
 
 from __future__ import annotations
 
@@ -42,18 +34,10 @@ def type_name(value: Any) -> str:
 
 def int_problem(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
                 hint: str = "") -> str | None:
-    """The sentence naming what is wrong with an integer setting, or None when it is fine.
+    """The sentence naming what is wrong with integer setting ``name`` (inclusive bounds), or None.
 
-    Args:
-        name: the key, flag or argument, as the user wrote it (``"keep_last"``, ``"--max-trials"``).
-        value: what was given.
-        minimum, maximum: the inclusive bounds, if any.
-        hint: appended to the sentence, e.g. ``" (it counts the profiling trial)"``.
-
-    Example:
-        >>> int_problem("keep_last", 0, minimum=1)
-        'keep_last=0: expected an integer >= 1'
-    """
+    ``name`` as the user wrote it (``"keep_last"``, ``"--max-trials"``); ``hint`` is appended:
+    ``int_problem("keep_last", 0, minimum=1)`` is ``'keep_last=0: expected an integer >= 1'``."""
     if is_int(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
         return None
     if minimum is not None and maximum is not None:

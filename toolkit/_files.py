@@ -1,15 +1,8 @@
-"""Durable file writes, once for the whole package: checkpoints, dsat's records and a trial's
-result file all go through here. Any rank; each call touches only the paths it is given.
+"""Durable, atomic file writes for the whole package: checkpoints, dsat's records, trial results.
 
-A reader sees the old file or the whole new one, never a part, even after a crash or a power
-loss: the data goes to a temporary file in the same directory, is fsynced, replaces the target
-with ``os.replace`` (atomic on POSIX), and the directory is fsynced so that the rename itself
-is durable.
-
-Example::
-
-    atomic_write_json(out / "best_ds_config.json", config)   # any rank
-"""
+A reader sees the old file or the whole new one, even after a crash or a power loss: a temporary
+file in the same directory, fsynced, ``os.replace``-d over the target, then the directory fsynced.
+Any rank; each call touches only the paths it is given."""
 
 from __future__ import annotations
 
@@ -50,15 +43,11 @@ def fsync_tree(path: str | os.PathLike[str]) -> None:
 
 def atomic_write(path: str | os.PathLike[str], data: bytes | str | Callable[[BinaryIO], None], *,
                  sync: bool = True) -> None:
-    """Write ``path`` so that readers see the old file or the whole new one, even after a crash.
+    """Write ``path`` (its directory must exist) so that readers see the old or the whole new file.
 
-    Args:
-        path: the file to write; its directory must exist.
-        data: the bytes, a text (written as UTF-8), or a function writing the bytes to an open
-            binary file (e.g. ``lambda fh: torch.save(obj, fh)``).
-        sync: fsync the file and its directory; False for a file that need not outlive a crash
-            (a trial's progress note): readers still see the old or the whole new one.
-    """
+    ``data``: bytes, a text (UTF-8) or a function writing into the open binary file
+    (``lambda fh: torch.save(obj, fh)``). ``sync=False`` skips the fsyncs, for a file that need not
+    outlive a crash (a trial's progress note)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
@@ -80,9 +69,6 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str | Callable[[Bin
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any, *,
                       default: Callable[[Any], Any] | None = None, sync: bool = True) -> None:
-    """:func:`atomic_write` of ``obj`` as indented JSON with sorted keys and a final newline.
-
-    ``default`` is :func:`json.dumps`'s: ``repr`` keeps a readable trace of objects JSON cannot
-    encode (a DeepSpeed config may hold some); None raises ``TypeError`` for them.
-    """
+    """:func:`atomic_write` of ``obj`` as indented JSON with sorted keys; ``default`` as in ``json.dumps``
+    (``repr`` keeps a trace of what JSON cannot encode, None raises ``TypeError``)."""
     atomic_write(path, json.dumps(obj, indent=2, sort_keys=True, default=default) + "\n", sync=sync)

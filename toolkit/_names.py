@@ -1,19 +1,9 @@
 """The one rule for names that become paths: checkpoint tags, run ids, storage ids. Any rank.
 
-A name that toolkit joins to a directory, wherever it comes from (an argument, a file on disk
-such as ``latest`` or a commit record, another rank's broadcast), is first checked with
-:func:`name_problem` / :func:`check_name`: one path component of letters, digits, ``.``, ``_``
-and ``-`` starting with a letter or digit, at most 200 characters (so no ``/``, ``..``, absolute,
-hidden, empty or NUL-holding names). :func:`resolve_inside` then resolves symlinks and verifies
-that the path stays inside its root; :func:`real_child` is what a save may write into and a
-deletion may remove: a real directory (not a symlink) that is a direct child of the root.
-
-Example::
-
-    check_name("global_step10", what="tag")                  # returns the name
-    resolve_inside("checkpoints", "step_3", what="tag")      # Path('/abs/checkpoints/step_3')
-    resolve_inside("checkpoints", "../A", what="tag")        # raises CheckpointError
-"""
+A name joined to a directory, whether from an argument, a file or another rank, is checked first
+(:func:`check_name`): one component of 1-200 letters, digits, ``.``, ``_``, ``-`` starting with a
+letter or digit. :func:`resolve_inside` keeps the resolved path inside its root; :func:`real_child`
+is what a save may write into and a deletion remove. The rule's reasons: docs/security.md."""
 
 from __future__ import annotations
 
@@ -47,11 +37,8 @@ def name_problem(value: Any, *, what: str = "name", example: str = "step_100") -
 
 def check_name(value: Any, *, what: str = "name", error: type[Exception] = CheckpointError,
                example: str = "step_100") -> str:
-    """``value`` if it is a safe name (see :func:`name_problem`). Any rank.
-
-    ``error``: :class:`~toolkit.errors.ConfigError` for a name the user passed, the default
-    :class:`~toolkit.errors.CheckpointError` for one read from disk or received from another rank.
-    """
+    """``value`` if it is a safe name, else ``error`` is raised: ConfigError for a name the user passed,
+    CheckpointError (default) for one read from disk or received from another rank. Any rank."""
     problem = name_problem(value, what=what, example=example)
     if problem:
         raise error(problem)
@@ -60,15 +47,8 @@ def check_name(value: Any, *, what: str = "name", error: type[Exception] = Check
 
 def resolve_inside(root: str | os.PathLike[str], name: Any, *, what: str = "name",
                    error: type[Exception] = CheckpointError) -> Path:
-    """``root/name`` with symlinks resolved, once ``name`` is safe and the result is inside ``root``.
-
-    Any rank; touches nothing (the path need not exist). A symlink at ``root/name`` that points
-    elsewhere inside ``root`` is followed; one that points outside raises.
-
-    Raises:
-        ``error``: ``name`` is not a safe name.
-        CheckpointError: the resolved path leaves ``root`` (a symlink points out).
-    """
+    """``root/name`` with symlinks resolved, once ``name`` is safe (else ``error``) and the result stays
+    inside ``root`` (else CheckpointError: a symlink points out). Any rank; touches nothing."""
     check_name(name, what=what, error=error)
     base = os.path.realpath(root)
     target = os.path.realpath(os.path.join(base, name))
@@ -79,14 +59,9 @@ def resolve_inside(root: str | os.PathLike[str], name: Any, *, what: str = "name
 
 
 def real_child(root: str | os.PathLike[str], name: Any, *, what: str = "name") -> Path | None:
-    """The directory ``root/name`` that toolkit may write into or delete, or None when it does not exist.
+    """The real directory ``root/name`` that toolkit may write into or delete; None if absent. Any rank.
 
-    Any rank. Only a real directory that is a direct child of ``root`` qualifies: never a symlink
-    (the link's target is not toolkit's), never a path outside ``root``.
-
-    Raises:
-        CheckpointError: ``name`` is not a safe name, or ``root/name`` is a symlink or not a directory.
-    """
+    CheckpointError for an unsafe name, a symlink (its target is not toolkit's) or a non-directory."""
     target = resolve_inside(root, name, what=what)
     entry = Path(os.path.realpath(root)) / str(name)
     if entry.is_symlink() or target != entry:

@@ -1,30 +1,9 @@
-"""The one loader for every YAML and JSON file toolkit reads, written by a user or by its own processes.
+"""The one loader for every YAML and JSON file toolkit reads, the user's and its own. Any rank.
 
-Each load is bounded before anything is built from it, so a small hostile or damaged file is a
-:class:`~toolkit.errors.ConfigError` naming the file and the problem, never a ``MemoryError``, a
-hang, a ``RecursionError`` or a ``UnicodeDecodeError``:
-
-* **size**: at most ``max_bytes`` are read (:data:`MAX_YAML_BYTES` for YAML, :data:`MAX_CONFIG_BYTES`
-  for JSON unless the caller names another bound);
-* **encoding**: UTF-8 (a BOM is allowed); a bad byte is reported with its offset and line;
-* **nesting**: at most :data:`MAX_DEPTH` levels of mappings and lists;
-* **aliases** (YAML): at most :data:`MAX_ALIASES` alias uses, and the document *as expanded*
-  (every alias counted as the whole node it names) at most :data:`MAX_YAML_NODES` nodes;
-  recursive aliases are refused;
-* **numbers**: finite only: YAML ``.nan``/``.inf``/``1.0e999`` and JSON ``NaN``/``Infinity``/
-  ``1e999`` are refused, as are integers too long for Python to parse;
-* **duplicate keys** are refused in both (each format would silently keep the last one);
-* **types** (YAML): only what JSON holds: dates stay the string written, ``!!binary``, ``!!set``,
-  ``!!omap``, ``!!pairs`` and Python tags are refused (``yaml.SafeLoader`` underneath).
-
-Pure but for reading the file; any rank.
-
-Example::
-
-    config = load_yaml("deepspeed.yaml")                     # ConfigError naming the file on any problem
-    ds = load_json(path, what="DeepSpeed config")            # a JSON object, or ConfigError
-    event = parse_json(line, source=f"{log}, line {n}")      # text already read
-"""
+Every load is bounded before anything is built from it: size, UTF-8, nesting, YAML aliases and
+their expansion, finite numbers, unique keys, JSON's types only (``yaml.SafeLoader`` underneath).
+A hostile or damaged file is a ConfigError naming the file and the problem, never a MemoryError,
+a hang or a RecursionError. The bounds and why: docs/security.md."""
 
 from __future__ import annotations
 
@@ -64,10 +43,7 @@ def _size(n: int) -> str:
 def read_text(path: str | os.PathLike[str], *, max_bytes: int = MAX_CONFIG_BYTES, what: str = "file") -> str:
     """The UTF-8 text of ``path``, reading at most ``max_bytes`` (+1). Any rank.
 
-    Raises:
-        FileNotFoundError / OSError: as ``open`` does (callers name the file in their own words).
-        ConfigError: over ``max_bytes``, or not UTF-8 (the offset and line of the first bad byte).
-    """
+    OSError as ``open`` raises it (callers name the file); ConfigError when too big or not UTF-8."""
     with open(path, "rb") as fh:
         data = fh.read(max_bytes + 1)
     if len(data) > max_bytes:
@@ -195,11 +171,7 @@ def _check_expansion(root: Node) -> None:
 
 
 def parse_yaml(text: str, *, source: str) -> Any:
-    """One YAML document from ``text``, bounded (see the module docstring). Any rank.
-
-    Raises:
-        ConfigError: with ``source`` and, where known, the line and column.
-    """
+    """One YAML document from ``text``, bounded; ConfigError names ``source`` and the line. Any rank."""
     loader = None
     try:
         loader = _BoundedLoader(text)  # reads the text: a control character is refused here
@@ -226,12 +198,7 @@ def parse_yaml(text: str, *, source: str) -> Any:
 
 def load_yaml(path: str | os.PathLike[str], *, max_bytes: int = MAX_YAML_BYTES,
               what: str = "YAML file") -> Any:
-    """The YAML document in ``path``, bounded (see the module docstring). Any rank.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ConfigError: too big, not UTF-8, malformed, or over a bound; naming the file.
-    """
+    """The YAML document in ``path``, bounded; FileNotFoundError, or ConfigError naming the file. Any rank."""
     return parse_yaml(read_text(path, max_bytes=max_bytes, what=what), source=str(path))
 
 
@@ -273,12 +240,8 @@ def _depth_problem(data: Any) -> str | None:
 
 
 def parse_json(text: str, *, source: str, expect_object: bool = True) -> Any:
-    """``text`` as JSON, bounded (see the module docstring). Any rank.
-
-    Raises:
-        ConfigError: with ``source``: malformed (line and column), a duplicate key, a number
-            that is not finite, nesting over :data:`MAX_DEPTH`, or (``expect_object``) no object.
-    """
+    """``text`` as JSON, bounded, an object at the top unless not ``expect_object``; ConfigError naming
+    ``source``. Any rank."""
     try:
         data = json.loads(text, object_pairs_hook=_unique_keys(source), parse_float=_finite,
                           parse_constant=_constant)
@@ -301,11 +264,6 @@ def parse_json(text: str, *, source: str, expect_object: bool = True) -> Any:
 
 def load_json(path: str | os.PathLike[str], *, max_bytes: int = MAX_CONFIG_BYTES, what: str = "JSON file",
               expect_object: bool = True) -> Any:
-    """The JSON in ``path``, bounded (see the module docstring). Any rank.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ConfigError: too big, not UTF-8, malformed or over a bound; naming the file.
-    """
+    """The JSON in ``path``, bounded; FileNotFoundError, or ConfigError naming the file. Any rank."""
     return parse_json(read_text(path, max_bytes=max_bytes, what=what), source=str(Path(path)),
                       expect_object=expect_object)

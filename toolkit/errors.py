@@ -2,23 +2,16 @@
 
 Every error a user can cause says what was given, what was expected and how to fix it:
 
-* a value the user chose is wrong (a YAML or DeepSpeed key, a hyperparameter, a flag, an argument
-  such as ``keep_last=0``): :class:`ConfigError` (a ``ValueError``), every problem of that input
-  listed, raised once, before anything is launched or written;
-* the state on disk or across ranks does not allow it (no checkpoint, another run's directory,
-  another world size, a failed write): :class:`CheckpointError` (a ``RuntimeError``);
-* the launcher's environment is malformed (``LOCAL_RANK='x'``): :class:`LaunchEnvError`, a
-  ``RuntimeError``, since the launcher wrote it, not the user;
-* another live run still holds what this run needs after the wait (its rendezvous port on this
-  machine, or the checkpoint directory's writer lock): :class:`RunConflictError` (a
-  ``RuntimeError``; :class:`CheckpointLockError` for the lock), naming that run's process; it ends
-  the process with exit status 2 when nothing catches it;
-* a DeepSpeed op build lock no process of this machine can be shown to hold (another user's, or on
-  a network filesystem): :class:`BuildLockError` (a ``RuntimeError``), naming the lock file and the
-  fix;
-* a programming error (a module passed as the engine, a report after ``close()``): ``TypeError``
-  or ``ValueError``. Nothing in toolkit uses ``assert`` for any of these.
-"""
+* a value the user chose (a YAML or DeepSpeed key, a hyperparameter, a flag, ``keep_last=0``):
+  ConfigError, every problem of that input listed, raised once, before anything is launched;
+* the state on disk or across ranks (no checkpoint, another run's directory, a failed write):
+  CheckpointError; a malformed launcher variable (``LOCAL_RANK='x'``, the launcher's doing, not
+  the user's): LaunchEnvError;
+* another live run still holds this run's rendezvous port or checkpoint directory after the wait:
+  RunConflictError (CheckpointLockError for the directory), exit status 2 when uncaught;
+* a DeepSpeed op build lock whose holder cannot be seen from here: BuildLockError;
+* a programming error (a module passed as the engine, a report after ``close()``): TypeError or
+  ValueError. Nothing in toolkit uses ``assert`` for any of these."""
 
 from __future__ import annotations
 
@@ -31,17 +24,7 @@ __all__ = ["ConfigError", "LaunchEnvError", "CheckpointError", "CheckpointLockEr
 class ConfigError(ValueError):
     """One or more problems in an experiment config, a DeepSpeed config or hyperparameters.
 
-    Attributes:
-        problems: every problem found, one human-readable sentence each; each sentence names
-            the key, the value given and what is expected.
-
-    Example:
-        >>> try:
-        ...     raise ConfigError(["zero_optimization.stage=5: expected 0, 1, 2 or 3"])
-        ... except ConfigError as err:
-        ...     err.problems
-        ['zero_optimization.stage=5: expected 0, 1, 2 or 3']
-    """
+    ``problems``: one sentence each, naming the key, the value given and what is expected."""
 
     def __init__(self, problems: Iterable[str] | str, *, source: str | None = None) -> None:
         if isinstance(problems, str):
@@ -58,11 +41,7 @@ class ConfigError(ValueError):
 
 
 class LaunchEnvError(RuntimeError):
-    """A launcher environment variable (torchrun, deepspeed, mpirun, Slurm) is malformed.
-
-    The message names the variable and its value, for example
-    ``LOCAL_RANK='x' is not an integer``.
-    """
+    """A launcher variable (torchrun, deepspeed, mpirun, Slurm) is malformed; the message names it."""
 
 
 class CheckpointError(RuntimeError):
@@ -70,17 +49,13 @@ class CheckpointError(RuntimeError):
 
 
 class RunConflictError(RuntimeError):
-    """Another run, alive or not provably dead, still holds what this run needs after the wait: its
-    rendezvous port on this machine (toolkit.runtime.rendezvous_wait) or its checkpoint directory
-    (:class:`CheckpointLockError`). The message names it (host, pid, command); uncaught, it ends
-    the process with exit status 2 (toolkit.runtime.exit_status)."""
+    """Another run still holds this run's rendezvous port or checkpoint directory after the wait; the
+    message names it (host, pid, command). Uncaught, it ends the process with exit status 2."""
 
 
 class CheckpointLockError(CheckpointError, RunConflictError):
-    """Another run still holds the checkpoint directory's writer lock after the wait
-    (toolkit.checkpoint.lock); exit status 2 when uncaught, as every :class:`RunConflictError`."""
+    """Another run still holds the checkpoint directory's writer lock after the wait (exit status 2)."""
 
 
 class BuildLockError(RuntimeError):
-    """torch's extension build lock of a DeepSpeed op was held for too long by a holder that cannot
-    be seen from this process; the message names the lock file and how to remove it."""
+    """A DeepSpeed op's build lock held too long by a holder this process cannot see; names the fix."""

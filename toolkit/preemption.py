@@ -1,21 +1,17 @@
 """Stop every rank at the same step when a scheduler asks the job to stop. Call on all ranks.
 
-A preemption signal (SIGTERM, or Slurm's ``--signal=USR1@120``) may reach one rank before the
-others, but the loop must stop, save a checkpoint (a collective) and exit 0 on every rank at the
-same step. :func:`watch_preemption` records the signal; ``should_preempt()`` agrees on it::
+A signal (SIGTERM, Slurm's ``--signal=USR1@120``) may reach one rank first: :func:`watch_preemption`
+records it, ``should_preempt()`` agrees on it, and every rank saves and exits 0 at the same step.
+The agreement, its cost and delay bound: docs/training.md (Preemption); docs/start.md (Stop a job).
 
-    # torchrun --nproc_per_node 2 train.py      (SIGTERM to any one worker stops both cleanly)
-    ctx = toolkit.init_distributed()
-    with toolkit.watch_preemption(ctx) as preemption:          # call on all ranks
-        for batch in loader:
+Example (``torchrun --nproc_per_node 2 train.py``; SIGTERM to any one rank stops both)::
+
+    with toolkit.watch_preemption(ctx) as preemption:
+        for step, batch in enumerate(loader, start=1):
             train_step(batch)
-            steps_completed += 1
-            if preemption.should_preempt():                     # call on all ranks, every step
-                toolkit.save_checkpoint(engine, ckpt_dir, steps_completed=steps_completed)
+            if preemption.should_preempt():
+                toolkit.save_checkpoint(engine, ckpt_dir, steps_completed=step)
                 break
-
-How the ranks agree cheaply, the delay bound, which launcher signals whom and why a launcher that
-exits is a stop too: docs/training.md (Preemption) and docs/start.md (Stop a job).
 """
 
 from __future__ import annotations
@@ -79,10 +75,8 @@ _groups_made = 0  # watchers that made a group in this process: names each group
 
 
 def seconds_since_stop() -> float | None:
-    """Seconds since a watcher of this process first agreed on a stop, or None. Any rank.
-
-    A save after the stop logs its upload against the scheduler's grace (toolkit.checkpoint.remote).
-    """
+    """Seconds since a watcher of this process first agreed on a stop, or None. Any rank (a save after
+    the stop logs its upload against the scheduler's grace: toolkit.checkpoint.remote)."""
     return None if _first_stop is None else time.monotonic() - _first_stop.monotonic
 
 
@@ -107,18 +101,10 @@ def last_agreed_stop() -> AgreedStop | None:
 class PreemptionWatcher:
     """Turns a signal seen by any rank into the same ``should_preempt()`` answer on every rank.
 
-    Made by :func:`watch_preemption`, which documents the arguments. Usable as a context manager;
-    leaving it (or :meth:`close`) restores the handlers that were installed before, except that
-    after an agreed preemption a default SIGTERM/SIGUSR1 stays ignored: the repeated stop must not
-    kill the rank between its save and its exit.
-
-    Contract: every rank calls :meth:`should_preempt` the same number of times between creating
-    the watcher and closing it, and closes it at the same point, like any collective.
-
-    Attributes:
-        check_every: the fixed interval in calls, or None when adaptive.
-        check_interval: the target seconds between check points when adaptive.
-    """
+    Made by :func:`watch_preemption` (its arguments). Leaving it, or :meth:`close`, restores the earlier
+    handlers, but after an agreed stop a default SIGTERM/SIGUSR1 stays ignored (a repeated stop must
+    not kill the rank between its save and its exit). Like any collective: every rank calls
+    :meth:`should_preempt` equally often and closes the watcher at the same point."""
 
     def __init__(self, ctx: DistributedContext, *, signals: Iterable[Any] = DEFAULT_SIGNALS,
                  check_every: int | None = None, check_interval: float = 1.0) -> None:
@@ -196,10 +182,7 @@ class PreemptionWatcher:
 
     @property
     def received_signal(self) -> signal.Signals | None:
-        """The first watched signal *this* rank received, or None. Any rank.
-
-        For logs: the other ranks stop too, although only one of them may have received it.
-        """
+        """The first watched signal *this* rank received (the others stop too), or None. Any rank."""
         return signal.Signals(self._signum) if self._signum else None
 
     @property
@@ -208,29 +191,15 @@ class PreemptionWatcher:
         return self._decided
 
     def request_stop(self) -> None:
-        """Ask for a stop as if this rank had received a signal. Any rank, any time.
-
-        For stops decided locally, such as a wall-clock budget that one rank checks; the answer
-        reaches every rank with the same delay bound as a signal.
-        """
+        """Ask for a stop as if this rank were signalled (a time budget one rank checks). Any rank."""
         self._requested = True
 
     def should_preempt(self) -> bool:
         """True on every rank at the same call once any rank received a watched signal. Call on all ranks.
 
-        Call it once per step (or once per any unit of work that all ranks share). With gradient
-        accumulation, call it once per optimizer step (when ``engine.global_steps`` has just
-        grown), so that a stop lands on a step boundary, where a checkpoint resumes exactly.
-        Once True it stays True (cost and delay bound: docs/training.md, Preemption). After
-        :meth:`close` it returns the last agreed answer and does no collective.
-
-        Example::
-
-            # torchrun --nproc_per_node 2 train.py
-            if preemption.should_preempt():
-                toolkit.save_checkpoint(engine, ckpt_dir, steps_completed=steps)
-                break
-        """
+        Once per step (with gradient accumulation, per optimizer step, so a stop lands where a checkpoint
+        resumes exactly). Once True it stays True; after :meth:`close` it returns the last agreed answer
+        and does no collective. Cost and delay bound: docs/training.md (Preemption)."""
         if self._decided or self._closed:
             return self._decided
         self._calls += 1
@@ -314,12 +283,8 @@ class PreemptionWatcher:
         logger.info("preemption agreed at call %d: %s on at least one rank; stopping", self._calls, cause)
 
     def close(self) -> None:
-        """Restore the previous signal handlers and finish the collective in flight. Call on all ranks.
-
-        Waits for the all-reduce launched at the last check point (every rank launched it, so
-        the wait is short), so that no toolkit collective is left running when the loop moves on
-        to other collectives, or to ``destroy_process_group``. Idempotent.
-        """
+        """Restore the earlier signal handlers and wait for the all-reduce in flight, so that no toolkit
+        collective outlives the loop. Call on all ranks; idempotent."""
         self._close(wait=True)
 
     def _close(self, *, wait: bool) -> None:
@@ -372,29 +337,13 @@ def watch_preemption(ctx: DistributedContext, *, signals: Iterable[Any] = DEFAUL
                      check_every: int | None = None, check_interval: float = 1.0) -> PreemptionWatcher:
     """Install signal handlers and return the watcher that agrees on a stop. Call on all ranks.
 
-    Call it in the main thread, before the loop, on every rank, with the same arguments. While it
-    is open, a launcher of this rank that exits is a stop too (``launcher_exited``).
+    In the main thread, before the loop, with the same arguments on every rank; use the watcher as a
+    context manager. While it is open, a launcher of this rank that exits is a stop too.
 
     Args:
-        ctx: from :func:`toolkit.init_distributed`; its ``group`` carries the agreement.
-        signals: the signals that mean "stop soon". SIGINT is included so that Ctrl-C stops
-            cleanly too; leave it out to keep Python's KeyboardInterrupt.
-        check_every: calls between two check points, or None (default) to adapt the interval to
-            the step time so that check points are about ``check_interval`` seconds apart.
-        check_interval: target seconds between check points when ``check_every`` is None.
+        signals: those that mean "stop soon"; SIGINT is one, so that Ctrl-C stops cleanly too.
+        check_every: calls between two check points; None adapts them to ``check_interval`` seconds.
 
-    Returns:
-        A :class:`PreemptionWatcher`; use it as a context manager, or call ``close()`` at the end.
-
-    Raises:
-        ConfigError: every problem of ``signals``, ``check_every`` and ``check_interval``.
-        TypeError: ``ctx`` is not the context of ``init_distributed``.
-        RuntimeError: not in the main thread, or torch.distributed is not initialised.
-
-    Example (the module docstring has a whole loop)::
-
-        # sbatch --signal=USR1@120 job.sh    (job.sh: srun python train.py)
-        with toolkit.watch_preemption(ctx, signals=(signal.SIGUSR1, signal.SIGTERM)) as preemption:
-            ...
-    """
+    Raises ConfigError for bad arguments, TypeError for a ``ctx`` not from ``init_distributed``,
+    RuntimeError outside the main thread or without torch.distributed."""
     return PreemptionWatcher(ctx, signals=signals, check_every=check_every, check_interval=check_interval)

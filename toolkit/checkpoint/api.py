@@ -1,18 +1,15 @@
 """Crash-safe DeepSpeed checkpoints for your own training loop: save, load, consolidate. Call on all ranks.
 
-:func:`save_checkpoint` writes DeepSpeed's checkpoint plus every rank's RNG states and makes it
-the latest only once every rank has written, so a crash at any moment leaves the previous one
-loadable; :func:`load_checkpoint` checks that it fits the engine before DeepSpeed reads anything,
-so a restarted script continues exactly where it stopped. A directory belongs to one run, on
-storage every rank sees; loading unpickles DeepSpeed's files, so load only checkpoints you or
-your team wrote. The layout, the commit protocol and run ownership: docs/training.md.
+A save becomes the latest only once every rank has written, so a crash at any moment leaves the
+previous one loadable; a load checks that the checkpoint fits the engine before DeepSpeed reads
+anything. A directory belongs to one run, on storage every rank sees (or a bucket URL:
+:mod:`toolkit.checkpoint.remote`). Loading unpickles DeepSpeed's files: trusted checkpoints only.
+The layout, the commit and run ownership: docs/training.md (Checkpoints).
 
-Example::
+Example (``torchrun --nproc_per_node 2 train.py``; run it again after a crash: it resumes)::
 
-    # torchrun --nproc_per_node 2 train.py      (run it again after a crash: it resumes)
-    resumed = toolkit.load_checkpoint(engine, "checkpoints")          # call on all ranks
+    resumed = toolkit.load_checkpoint(engine, "checkpoints")
     steps_completed, state = resumed if resumed else (0, {})
-    ...
     toolkit.save_checkpoint(engine, "checkpoints", steps_completed=step + 1, keep_last=3)
 """
 
@@ -77,42 +74,24 @@ def save_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, step
                     tag: str | None = None, run_id: str | None = None, overwrite: bool = False) -> str:
     """Save a DeepSpeed engine checkpoint and commit it once every rank has written. Call on all ranks.
 
-    A process killed at any moment leaves the previous checkpoint as the latest and loadable;
-    returns on every rank only after the commit (the protocol: docs/training.md, Checkpoints).
+    Returns the tag, on every rank only after the commit; a process killed at any moment leaves the
+    previous checkpoint the latest and loadable (docs/training.md, Checkpoints).
 
     Args:
-        engine: the engine from ``deepspeed.initialize`` (data parallel with ZeRO 0-3, or pipeline).
-        checkpoint_dir: the run's checkpoint directory, shared by all ranks; created if missing.
-            Or an ``s3://`` / ``gs://`` URL: staged locally, uploaded, committed in the bucket
-            (docs/object-storage.md).
-        steps_completed: training steps done so far; returned by :func:`load_checkpoint`.
-        client_state: your own picklable state (epoch, sampler position, ...), saved through
-            DeepSpeed's ``client_state`` from the first data-parallel rank, so keep it the same on
-            every rank; returned on every rank by :func:`load_checkpoint`.
-        keep_last: after the commit, delete older committed checkpoints of the directory so that
-            this many remain (the new one always stays), and leftovers of interrupted saves.
-        tag: the checkpoint's directory name, ``step_<steps_completed>`` by default; letters,
-            digits, ``.``, ``_`` and ``-`` only.
-        run_id: this run's id (letters, digits, ``.``, ``_``, ``-``); by default the id adopted by
-            :func:`load_checkpoint` or made by the first save of this process.
-        overwrite: save even if the directory holds another run's checkpoints (this run takes it
-            over) or the tag directory holds DeepSpeed files not written by toolkit.
+        engine: from ``deepspeed.initialize`` (ZeRO 0-3, or pipeline).
+        checkpoint_dir: the run's directory, shared by all ranks, or an ``s3://`` / ``gs://`` URL.
+        steps_completed: training steps done so far; :func:`load_checkpoint` returns it.
+        client_state: your picklable state, saved from the first data-parallel rank (keep it the same
+            on every rank); :func:`load_checkpoint` returns it on every rank.
+        keep_last: after the commit, keep this many committed checkpoints (leftovers of interrupted
+            saves go too).
+        tag: by default ``step_<steps_completed>``.
+        run_id: by default the one a load adopted, or the one this process's first save made.
+        overwrite: take over another run's directory, or a tag directory of DeepSpeed's own files.
 
-    Returns:
-        The tag saved.
-
-    Raises:
-        ConfigError: invalid arguments (every problem listed), before anything is written.
-        CheckpointError: a directory owned by another run, a tag directory that is not
-            toolkit's, or a failure on some rank, an upload's included (every rank raises).
-        CheckpointLockError: another run still holds the directory's writer lock after the
-            wait (exit status 2 when uncaught); every rank raises.
-
-    Example::
-
-        # torchrun --nproc_per_node 2 train.py
-        toolkit.save_checkpoint(engine, "checkpoints", steps_completed=step + 1, keep_last=2)
-    """
+    Raises ConfigError (every bad argument, before anything is written); CheckpointError on every rank
+    (another run's directory, a tag that is not toolkit's, a failed write or upload on any rank);
+    CheckpointLockError when another run still holds the directory after the wait (exit status 2)."""
     url = parse_url(checkpoint_dir)
     root = url.url if url else layout.checkpoint_root(checkpoint_dir)
     tag = _checked_save_arguments(steps_completed, client_state, keep_last, tag, run_id, overwrite)
@@ -169,11 +148,8 @@ def _checked_save_arguments(steps_completed: Any, client_state: Any, keep_last: 
 
 def _prepare_tag(ctx: DistributedContext, save: _Save, *, mine: str | None,
                  overwrite: bool) -> tuple[str, int]:
-    """The chief plans the save (run, latest, discarded leftovers) and marks the tag as started.
-
-    Call on all ranks; returns the run id and the sequence number of the save on every rank,
-    and raises on every rank when the ranks disagree about the tag or the step.
-    """
+    """The chief plans the save (run, latest, leftovers) and marks the tag as started. Call on all ranks;
+    returns the run id and the save's sequence number, raising on all if they disagree on tag or step."""
     def prepare() -> tuple[str, int, str, int]:
         os.makedirs(save.root, exist_ok=True)
         lock.verify_held(save.root)
@@ -214,11 +190,9 @@ def _agree_on_tag(ctx: DistributedContext, save: _Save,
 
 def _write_on_every_rank(engine: Any, ctx: DistributedContext, save: _Save, this_run: str, *,
                          flush: bool = True) -> None:
-    """Every rank writes its RNG states and DeepSpeed's files, flushed; raises on all if one failed.
-
-    RNG states first: DeepSpeed's save ends with a barrier, after which every file is complete.
-    ``flush=False``: a staging directory for an upload (the bucket makes it durable). All ranks.
-    """
+    """Every rank writes its RNG states (first: DeepSpeed's save ends with a barrier) and DeepSpeed's
+    files, flushed unless ``flush=False`` (a staging directory for an upload); raises on all ranks if
+    one failed. All ranks."""
     rank_error = None
     try:
         write_rank_file(_rng_path(save.root, save.tag, ctx.rank), rank=ctx.rank, world_size=ctx.world_size)
@@ -247,11 +221,8 @@ def _write_on_every_rank(engine: Any, ctx: DistributedContext, save: _Save, this
 
 
 def _commit(engine: Any, save: _Save, this_run: str, seq: int) -> list[str]:
-    """Chief only: write the commit marker, point ``latest`` at the tag, apply ``keep_last``.
-
-    Returns the tags deleted by ``keep_last`` (a failed deletion is logged, not raised: the new
-    checkpoint is committed by then).
-    """
+    """Chief only: the commit marker, ``latest``, then ``keep_last``; returns the tags deleted (a failed
+    deletion is logged, not raised: the new checkpoint is committed by then)."""
     metadata = _commit_metadata(engine, save, this_run, seq)
     atomic_write_json(save.tag_dir / layout.COMMIT_FILE, metadata, default=repr)
     layout.set_latest(save.root, save.tag)
@@ -282,42 +253,23 @@ def load_checkpoint(engine: Any, checkpoint_dir: str | os.PathLike[str], *, tag:
                     read_only: bool = False) -> tuple[int, dict[str, Any]] | None:
     """Load the latest (or the given) committed checkpoint into ``engine``. Call on all ranks.
 
-    A checkpoint that does not fit the engine (data-parallel size, ZeRO stage, tensor-parallel
-    size, pipeline layout) is refused before DeepSpeed reads anything, naming the fix (a universal
-    checkpoint); then the weights, optimizer, scheduler and RNG states are restored, and the
-    directory's run is adopted. ``"checkpoint": {"load_universal": true}`` loads a universal
-    checkpoint at any world size, without RNG states. DeepSpeed's files are unpickled: load only
-    checkpoints from a trusted source. Details: docs/training.md, Checkpoints.
+    Returns ``(steps_completed, client_state)``, or None when nothing is committed (a fresh start). A
+    checkpoint that does not fit the engine (data-parallel size, ZeRO stage, tensor-parallel size,
+    pipeline layout) is refused before DeepSpeed reads anything, naming the fix; then the weights,
+    optimizer, scheduler and RNG states are restored and the directory's run is adopted.
+    ``"checkpoint": {"load_universal": true}`` loads a universal checkpoint at any world size, without
+    RNG states. Unpickles DeepSpeed's files: trusted checkpoints only. Details: docs/training.md.
 
     Args:
-        engine: a freshly initialised engine (under ZeRO-3 DeepSpeed cannot load into an engine
-            that has saved since its creation).
-        checkpoint_dir: the directory or bucket URL given to :func:`save_checkpoint`; from a
-            URL the checkpoint is downloaded once per machine into the local cache.
-        tag: a committed checkpoint's tag; ``None`` follows ``latest`` (or takes the newest
-            committed one when ``latest`` names none).
-        read_only: True for a run that only reads (an evaluation beside the training run): no
-            writer lock is taken. False (default): this run becomes the directory's one writer,
-            waiting for a run that still holds it (docs/training.md, One writer per directory).
+        engine: freshly initialised (under ZeRO-3 DeepSpeed cannot load into one that has saved).
+        checkpoint_dir: as given to :func:`save_checkpoint` (a URL is downloaded once per machine).
+        tag: a committed tag; None follows ``latest`` (else takes the newest committed).
+        read_only: True takes no writer lock (an evaluation beside the training run); False makes
+            this run the directory's one writer (docs/training.md, One writer per directory).
 
-    Returns:
-        ``(steps_completed, client_state)``, or ``None`` when the directory holds no committed
-        checkpoint (a fresh start).
-
-    Raises:
-        ConfigError: ``tag`` is not a valid name, or ``read_only`` not a bool.
-        CheckpointError: the tag is missing or not committed; the checkpoint does not
-            fit the engine; a rank's RNG file is missing; or the bucket cannot be written
-            (credentials, endpoint) or read. Raised on every rank.
-        CheckpointLockError: another run still holds the directory after the wait (exit status 2
-            when uncaught). Raised on every rank.
-
-    Example::
-
-        # torchrun --nproc_per_node 2 train.py
-        resumed = toolkit.load_checkpoint(engine, "checkpoints")
-        steps_completed, state = resumed if resumed is not None else (0, {})
-    """
+    Raises ConfigError (a bad ``tag`` or ``read_only``); CheckpointError on every rank (a missing or
+    uncommitted tag, a misfit, a missing RNG file, a bucket that cannot be written or read);
+    CheckpointLockError when another run still holds the directory after the wait (exit status 2)."""
     url = parse_url(checkpoint_dir)
     root = url.url if url else layout.checkpoint_root(checkpoint_dir)
     problem = None if tag is None else layout.name_problem(tag)

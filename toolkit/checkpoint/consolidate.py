@@ -1,12 +1,5 @@
-"""Consolidate a committed checkpoint into one plain fp32 ``state_dict`` file. Rank 0 only.
-
-Offline or on the chief of a job: no collectives, no process group needed.
-
-Example::
-
-    # offline: python consolidate.py
-    toolkit.consolidate_checkpoint("checkpoints", "model_fp32.pt")
-"""
+"""Consolidate a committed checkpoint into one plain fp32 ``state_dict`` file. Rank 0 only, or any
+single process offline: no collectives, no process group."""
 
 from __future__ import annotations
 
@@ -28,25 +21,15 @@ logger = logging.getLogger(__name__)
 
 def consolidate_checkpoint(checkpoint_dir: str | os.PathLike[str], output_path: str | os.PathLike[str], *,
                            tag: str | None = None) -> str:
-    """Write a committed checkpoint's weights as one plain fp32 ``state_dict`` file. Rank 0 only.
+    """Write a committed checkpoint's weights (``tag``; None: the latest) as one fp32 ``state_dict`` file.
 
-    Or any single process offline: it uses no collectives and needs no process group. ZeRO 1-3
-    checkpoints go through DeepSpeed's ``zero_to_fp32`` (the fp32 master weights); ZeRO-0 ones
-    give the module's weights; pipeline ones merge the layer files into keys ``<layer index>.<name>``,
-    which is what ``torch.nn.Sequential(*layers).load_state_dict`` expects. Tensor-parallel
-    checkpoints are not supported. DeepSpeed's files are unpickled: trusted checkpoints only.
+    Rank 0 only, or one process offline. ZeRO 1-3 through DeepSpeed's ``zero_to_fp32`` (the fp32
+    master weights), ZeRO-0 the module's weights, pipeline the layer files as keys
+    ``<layer index>.<name>`` (what ``torch.nn.Sequential(*layers).load_state_dict`` expects); not tensor
+    parallel. ``output_path`` is replaced atomically. Unpickles DeepSpeed's files: trusted ones only.
 
-    Args:
-        checkpoint_dir: the directory given to :func:`save_checkpoint`.
-        output_path: the file to write (``torch.save`` format), replaced atomically.
-        tag: a committed checkpoint's tag; ``None`` for the latest.
+    Example (offline, or under ``if ctx.is_chief:`` in a job)::
 
-    Returns:
-        The tag consolidated.
-
-    Example::
-
-        # offline: python consolidate.py      (inside a training job: under `if ctx.is_chief:`)
         toolkit.consolidate_checkpoint("checkpoints", "model_fp32.pt")
         model.load_state_dict(torch.load("model_fp32.pt", weights_only=True))
     """

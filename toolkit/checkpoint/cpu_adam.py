@@ -1,16 +1,9 @@
 """Rebuild the hidden step state of DeepSpeed's CPU Adam kernels after a checkpoint load.
 
-DeepSpeed's CPU Adam kernels keep ``beta**step`` as running float32 products outside the
-checkpoint, so without a replay the first update after a resume is 1 ulp off and the weights
-drift. :func:`replay_cpu_adam_state` replays them; :func:`toolkit.load_checkpoint` calls it, so
-call it yourself only after ``engine.load_checkpoint``. Why and how: docs/exact-resume.md.
-
-Example::
-
-    # torchrun --nproc_per_node 2 train.py
-    engine.load_checkpoint("checkpoints")          # DeepSpeed directly, on all ranks
-    toolkit.replay_cpu_adam_state(engine)          # then this, on all ranks
-"""
+The kernels keep ``beta**step`` as running float32 products outside the checkpoint: without a
+replay the first update after a resume is 1 ulp off and the weights drift. ``load_checkpoint``
+calls :func:`replay_cpu_adam_state`; call it yourself only after ``engine.load_checkpoint``.
+Why and how: docs/exact-resume.md (DeepSpeed's CPU Adam after a resume)."""
 
 from __future__ import annotations
 
@@ -47,15 +40,11 @@ def _step_of(state: Any) -> int | None:
 
 
 def _schedule(holder: Any, optimizer: torch.optim.Optimizer) -> list[tuple[int, Group]]:
-    """``(steps, group)`` for each kernel call one optimizer step of the uninterrupted run made, in
-    its order; ``steps`` is how many optimizer steps that call took part in.
+    """``(steps, group)`` per kernel call one step of the uninterrupted run made, in its order.
 
-    ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``) hands the base optimizer its fp32 partitions only
-    while it steps, one sub-group at a time (``_optimizer_step``), and keeps every
-    ``param_groups[i]['params']`` empty otherwise, after a checkpoint load too: its sub-groups
-    (``fp32_partitioned_groups_flat``, ``sub_group_to_group_id``), not the groups' parameter
-    lists, say which calls were made. Other wrappers leave the fp32 partitions in the groups.
-    """
+    ZeRO-3 hands its base optimizer the fp32 partitions only while it steps, one sub-group at a time,
+    and keeps every ``param_groups[i]['params']`` empty otherwise: its sub-groups
+    (``fp32_partitioned_groups_flat``, ``sub_group_to_group_id``) say which calls were made."""
     flats = getattr(holder, "fp32_partitioned_groups_flat", None)
     group_of = getattr(holder, "sub_group_to_group_id", None)
     schedule = []
@@ -101,24 +90,13 @@ def _kernel_call(optimizer: torch.optim.Optimizer) -> Callable[[int, Group], Non
 def replay_cpu_adam_state(engine_or_optimizer: Any) -> int:
     """Bring DeepSpeed's CPU Adam kernels to the state an uninterrupted run has. Call on all ranks.
 
-    Each rank replays its own kernels; there is no collective. Call it once, right after a
-    checkpoint (with optimizer states) was loaded into a freshly created engine and before the
-    next ``engine.step()``. The calls are those the uninterrupted run made, in its order: per
-    parameter group at ZeRO 0-2, per sub-group at ZeRO 3. Pass the engine (or its ZeRO wrapper)
-    under ZeRO-3: its bare base optimizer has empty ``param_groups[i]['params']`` and does not
-    say which groups its states belong to (a warning says so and nothing is replayed).
-    Optimizers other than DeepSpeed's CPU Adam kernels are left alone.
+    Each rank replays its own kernels (no collective), once, right after a checkpoint with optimizer
+    states was loaded into a fresh engine and before the next ``engine.step()``: that run's calls, per
+    parameter group at ZeRO 0-2, per sub-group at ZeRO 3 (pass the engine or its wrapper there, not
+    the bare base optimizer). Other optimizers are left alone. Returns the steps replayed.
 
-    Args:
-        engine_or_optimizer: the engine from ``deepspeed.initialize``, a DeepSpeed optimizer
-            wrapper or a base optimizer (wrappers are unwrapped through their ``.optimizer``).
+    Example (``torchrun --nproc_per_node 2 train.py``)::
 
-    Returns:
-        The number of optimizer steps replayed (0 when there was nothing to do).
-
-    Example::
-
-        # torchrun --nproc_per_node 2 train.py
         engine.load_checkpoint("checkpoints")
         toolkit.replay_cpu_adam_state(engine)
     """

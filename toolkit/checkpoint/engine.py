@@ -1,16 +1,7 @@
 """What toolkit needs to know about a DeepSpeed engine before it saves or loads one. Any rank.
 
-:func:`check_engine` refuses what toolkit checkpoints cannot handle (an object that is not an
-engine, node-local checkpoint storage, a decoupled checkpoint engine); :func:`engine_facts` is
-the layout recorded in a checkpoint's metadata and compared with the engine at load time
-(see :func:`toolkit.checkpoint.layout.compatibility_problems`).
-
-Example::
-
-    # torchrun --nproc_per_node 2 train.py   (inside toolkit.save_checkpoint, on all ranks)
-    check_engine(engine)
-    metadata = {**engine_facts(engine, ctx), "tag": tag}
-"""
+:func:`check_engine` refuses what toolkit checkpoints cannot handle; :func:`engine_facts` is the
+layout a checkpoint records and a load compares (``layout.compatibility_problems``)."""
 
 from __future__ import annotations
 
@@ -25,13 +16,9 @@ _ENGINE_METHODS = ("save_checkpoint", "load_checkpoint", "zero_optimization_stag
 
 
 def check_engine(engine: Any) -> None:
-    """Refuse an engine toolkit cannot checkpoint. Any rank (no collective).
-
-    Raises:
-        TypeError: ``engine`` is not the engine from ``deepspeed.initialize()``.
-        ConfigError: the DeepSpeed config asks for node-local checkpoint storage or a decoupled
-            (asynchronous) checkpoint engine, which cannot commit through one shared directory.
-    """
+    """Refuse an engine toolkit cannot checkpoint: TypeError for an object that is not one, ConfigError
+    for node-local checkpoint storage or a decoupled (asynchronous) checkpoint engine, which cannot
+    commit through one shared directory. Any rank (no collective)."""
     if not all(hasattr(engine, name) for name in _ENGINE_METHODS):
         raise TypeError(f"engine={type(engine).__name__}: expected the DeepSpeed engine returned "
                         "by deepspeed.initialize()")

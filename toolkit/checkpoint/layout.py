@@ -1,17 +1,10 @@
-"""The on-disk layout and commit protocol of toolkit checkpoints; no DeepSpeed and no collectives here.
+"""The on-disk layout and commit protocol of toolkit checkpoints; no DeepSpeed, no collectives.
 
-A tag directory counts as a checkpoint only once its commit marker ``toolkit_checkpoint.json``
-exists; anything without toolkit's markers is never chosen, replaced or deleted. The decisions
+A tag directory is a checkpoint only once its commit marker ``toolkit_checkpoint.json`` exists;
+anything without toolkit's markers is never chosen, replaced or deleted. The decisions
 (:func:`resolve_tag`, :func:`plan_save`, :func:`plan_keep_last`, :func:`compatibility_problems`)
-are pure, any rank; :func:`scan_dir` and the ``write``/``discard`` helpers are the thin effectful
-shell the chief calls (rank 0 only). The layout and the protocol: docs/training.md.
-
-Example::
-
-    # rank 0 only, as toolkit.load_checkpoint's chief does
-    if ctx.is_chief:
-        info, warning = resolve_tag(scan_dir(root), None)   # None: no committed checkpoint
-"""
+are pure, any rank; :func:`scan_dir` and the effects at the end are the chief's thin shell.
+The layout and the protocol: docs/training.md (What a save writes, and when it counts)."""
 
 from __future__ import annotations
 
@@ -50,12 +43,8 @@ _DEEPSPEED_FILE_RE = re.compile(r".*[_-](model|optim)_states\.pt")
 
 
 def checkpoint_root(checkpoint_dir: Any, *, what: str = "checkpoint_dir") -> str:
-    """The checkpoint directory as a string, checked before anything touches it. Any rank.
-
-    Raises:
-        ConfigError: not a non-empty path.
-        CheckpointError: the path exists and is not a directory.
-    """
+    """The checkpoint directory as a string, checked before anything touches it: ConfigError unless a
+    non-empty path without scheme, CheckpointError when it exists and is no directory. Any rank."""
     if not isinstance(checkpoint_dir, (str, os.PathLike)) or not os.fspath(checkpoint_dir):
         raise ConfigError(f"{what}={checkpoint_dir!r}: expected a non-empty path (str or pathlib.Path)")
     root = os.fspath(checkpoint_dir)
@@ -70,14 +59,8 @@ def checkpoint_root(checkpoint_dir: Any, *, what: str = "checkpoint_dir") -> str
 
 
 def tag_path(root: str | os.PathLike[str], tag: Any, *, to_write: bool = False) -> Path:
-    """``root/tag`` resolved, for a tag from disk or from another rank. Any rank.
-
-    ``to_write``: the tag directory is written into, so it must not be a symlink at all.
-
-    Raises:
-        CheckpointError: not a safe tag name, or a symlink that leads outside ``root`` (with
-            ``to_write``: any symlink, or a file where the directory goes).
-    """
+    """``root/tag`` resolved, for a tag from disk or another rank (``to_write``: no symlink at all, no
+    file in its place); CheckpointError for an unsafe name or a link out of ``root``. Any rank."""
     if to_write:
         _names.real_child(root, validate_name(tag), what="tag")
     return _names.resolve_inside(root, validate_name(tag), what="tag")
@@ -158,15 +141,11 @@ class SavePlan:
 
 
 def scan_dir(root: str | os.PathLike[str]) -> DirState:
-    """Read the markers of a checkpoint directory (missing directory: empty state). Any rank.
+    """Read the markers of a checkpoint directory (missing: an empty state). Any rank.
 
-    Tag directories are the safely named real directories directly inside ``root``: symlinks are
-    never toolkit's and are ignored. A commit record that does not name its own directory or has
-    a damaged ``seq`` raises.
-
-    Raises:
-        CheckpointError: a damaged record, naming the file and the problem.
-    """
+    Tag directories are the safely named real directories in ``root`` (symlinks are never toolkit's);
+    a commit record that does not name its own directory, or has a damaged ``seq``, is a
+    CheckpointError naming the file."""
     path = Path(root)
     tags: dict[str, TagInfo] = {}
     latest = latest_problem = None
@@ -187,16 +166,11 @@ def scan_dir(root: str | os.PathLike[str]) -> DirState:
 
 
 def resolve_tag(state: DirState, tag: str | None) -> tuple[TagInfo | None, str | None]:
-    """Which committed checkpoint to load: ``(info, warning)``, ``(None, None)`` when there is none.
+    """Which committed checkpoint to load: ``(info, warning)``, ``(None, None)`` when none is.
 
-    ``tag=None`` follows ``latest`` when it names a committed checkpoint (DeepSpeed's convention,
-    so pointing ``latest`` at an older tag rolls back); otherwise the newest committed one.
-
-    Raises:
-        ConfigError: ``tag`` is not a safe name (see :func:`name_problem`).
-        CheckpointError: ``tag`` is given but not a committed checkpoint; or there is no committed
-            checkpoint but DeepSpeed checkpoints written without toolkit are present.
-    """
+    ``tag=None`` follows ``latest`` when it names a committed checkpoint (DeepSpeed's convention:
+    pointing it at an older tag rolls back), else the newest committed. ConfigError for an unsafe
+    ``tag``; CheckpointError for a ``tag`` not committed, or DeepSpeed checkpoints without toolkit's."""
     committed = state.committed()
     names = ", ".join(repr(t.tag) for t in committed) or "none"
     if tag is not None:
@@ -248,18 +222,11 @@ def _other_run_error(state: DirState, mine: str | None) -> CheckpointError:
 
 
 def plan_save(state: DirState, *, tag: str, mine: str | None, overwrite: bool) -> SavePlan:
-    """Decide whether this run may save ``tag`` into the directory, and what to clean first.
+    """Decide whether this run may save ``tag`` into the directory, and what to clean first. Pure.
 
-    Args:
-        state: the directory now.
-        tag: the (validated) tag to write.
-        mine: this run's id for the directory: given by the user, adopted by a load, or set by an
-            earlier save in this process; ``None`` for a process that has done none of these.
-        overwrite: take over another run's directory, or a tag directory of plain DeepSpeed files.
-
-    Raises:
-        CheckpointError: the directory or the tag belongs to someone else and ``overwrite`` is false.
-    """
+    ``mine``: this run's id for the directory (given, adopted by a load, or set by an earlier save of
+    this process; None: none of these). CheckpointError when the directory or the tag is someone
+    else's and ``overwrite`` is false."""
     committed = state.committed()
     foreign = [t for t in state.tags.values() if t.foreign]
     warnings: list[str] = []

@@ -1,18 +1,10 @@
 """One writer per checkpoint directory: the chief holds ``<dir>/.toolkit_lock/writer`` for its lifetime.
 
-Taken by the first :func:`toolkit.load_checkpoint` or :func:`toolkit.save_checkpoint` of a process
-on a directory, released at exit. A second run waits while the holder lives (a warning names its
-host, pid and command), up to ``TOOLKIT_WAIT_FOR_OTHER_RUN_S`` (default 300 s), then every rank
-raises :class:`~toolkit.errors.CheckpointLockError`, which ends the process with exit status 2
-when uncaught. A lock whose holder is proven dead (the build-lock rule,
-:func:`toolkit.runtime.op_builds.judge_lock`) is taken over. Call on all ranks; the chief decides
-and a collective tells the others. Details: docs/training.md (One writer per directory).
-
-Example::
-
-    # torchrun --nproc_per_node 2 train.py    (a second run on "checkpoints" waits for this one)
-    resumed = toolkit.load_checkpoint(engine, "checkpoints")     # takes the lock
-"""
+Taken by a process's first load or save on the directory, released at exit. A second run waits
+while the holder lives (a warning names its host, pid and command), up to
+``TOOLKIT_WAIT_FOR_OTHER_RUN_S``, then every rank raises CheckpointLockError (exit status 2 when
+uncaught); a lock whose holder is proven dead (``op_builds.judge_lock``) is taken over. Call on all
+ranks: the chief decides, a collective tells the others. docs/training.md (One writer per directory)."""
 
 from __future__ import annotations
 
@@ -136,8 +128,8 @@ def _acquire(root: str, bound_s: float) -> _Held:
 
 
 def _remove_if_still_dead(path: Path, ident: tuple[int, int] | None) -> bool:
-    """Remove the lock if judge_lock still finds the same dead file; one waiter at a time (a second
-    waiter must not remove the lock the first has just taken). True if removed."""
+    """Remove the lock if judge_lock still finds the same dead file, one waiter at a time (a second must
+    not remove the lock the first has just taken); True if removed."""
     with open(path.parent / ".clear", "a") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         state = judge_lock(path)
@@ -175,15 +167,10 @@ def _release_all() -> None:
 
 
 def hold_directory(ctx: DistributedContext, root: str) -> bool:
-    """Make sure this run holds ``root``'s writer lock; True when it was taken now. Call on all ranks.
+    """Make sure this run holds ``root``'s writer lock; True when taken now. Call on all ranks.
 
-    The first call per directory takes it (the chief waits as the module docstring says, the
-    others wait for the chief) and removes the previous run's stop record; later calls return False.
-
-    Raises:
-        CheckpointLockError: on every rank, when the holder outlived the wait.
-        ConfigError: ``TOOLKIT_WAIT_FOR_OTHER_RUN_S`` is malformed (every rank reads it).
-    """
+    The first call per directory takes it (and removes the previous run's stop record). On every rank:
+    CheckpointLockError when the holder outlived the wait, ConfigError for a bad wait variable."""
     key = os.path.realpath(root)
     if key in _agreed:
         return False
@@ -224,13 +211,8 @@ def held_directories() -> list[str]:
 
 
 def verify_held(root: str) -> None:
-    """Chief only, before a save: the lock taken earlier is still this process's file.
-
-    A lock removed by hand is taken again; one that another process now holds raises.
-
-    Raises:
-        CheckpointLockError: another run took the directory.
-    """
+    """Chief only, before a save: the lock taken earlier is still this process's file (one removed by
+    hand is taken again); CheckpointLockError when another run now holds it."""
     key = os.path.realpath(root)
     held = _held.get(key)
     if held is None or held.owner != os.getpid():

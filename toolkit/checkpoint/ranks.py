@@ -1,16 +1,8 @@
 """How the ranks of a save or load agree on its outcome: one rank's failure fails every rank.
 
-A checkpoint save or load is a sequence of collectives; a rank that raises between two of them
-leaves the others waiting in the next one until the launcher's timeout. The helpers here turn a
-failure on any rank into the same :class:`~toolkit.errors.CheckpointError` on every rank.
-Call on all ranks.
-
-Example::
-
-    # torchrun --nproc_per_node 2 train.py   (inside toolkit.save_checkpoint)
-    run_id = on_chief(ctx, prepare)                          # all ranks; the chief runs prepare
-    agree(ctx, error_or_none, "saving checkpoint 'step_10'")  # all ranks; raises on all if any failed
-"""
+A rank that raised between two collectives of a save would leave the others waiting in the next
+until the launcher's timeout; these helpers turn a failure on any rank into the same
+CheckpointError on every rank. Call on all ranks."""
 
 from __future__ import annotations
 
@@ -29,15 +21,9 @@ T = TypeVar("T")
 def on_chief(ctx: DistributedContext, fn: Callable[[], T], *, slow: bool = False) -> T:
     """Run ``fn`` on the chief and hand its result, or its failure, to every rank. Call on all ranks.
 
-    A failing chief must make every rank raise, not leave them waiting in the next collective:
-    the chief re-raises its own exception, the other ranks raise a :class:`CheckpointError`
-    naming it.
-
-    ``slow=True`` is for work whose length grows with the checkpoint (fsyncing every file,
-    deleting old checkpoints): the other ranks wait for it with the process group's long
-    timeout (``ctx.chief_first()``), not the short collective timeout, which is there to catch a
-    call made on one rank only; the first collectives of a save or load catch that already.
-    """
+    The chief re-raises its exception, the others raise a CheckpointError naming it. ``slow=True``, for
+    work that grows with the checkpoint (fsync, deleting old ones): the others wait with the process
+    group's long timeout (``ctx.chief_first()``), not the short one meant to catch a one-rank call."""
     outcome: Any = None
     failure: BaseException | None = None
 
@@ -63,15 +49,8 @@ def on_chief(ctx: DistributedContext, fn: Callable[[], T], *, slow: bool = False
 
 
 def agree(ctx: DistributedContext, error: str | None, what: str) -> None:
-    """A barrier that also makes every rank raise when any rank failed. Call on all ranks.
-
-    Args:
-        error: this rank's failure, one sentence, or ``None``.
-        what: the operation, for the message (``"saving checkpoint 'step_10'"``).
-
-    Raises:
-        CheckpointError: on every rank, listing each failed rank's sentence.
-    """
+    """A barrier after which every rank raises a CheckpointError listing each failed rank's ``error`` (a
+    sentence, or None) if any failed; ``what`` names the operation. Call on all ranks."""
     errors = ctx.all_gather_object(error)
     failed = [f"rank {rank}: {err}" for rank, err in enumerate(errors) if err is not None]
     if failed:
@@ -79,11 +58,8 @@ def agree(ctx: DistributedContext, error: str | None, what: str) -> None:
 
 
 def write_failure(what: str, err: BaseException, directory: Path) -> str:
-    """Why a checkpoint write failed, with the free space. Any rank.
-
-    torch reports a full disk as a bare ``RuntimeError`` ("unexpected pos ...") that does not
-    say so; the sentence adds the free space under ``directory`` and the fix.
-    """
+    """Why a checkpoint write failed, with the free space under ``directory`` and the fix (torch reports a
+    full disk as a bare ``RuntimeError``). Any rank."""
     try:
         free = shutil.disk_usage(directory if directory.exists() else directory.parent).free
         space = (f"the disk is full: {free // 1024} KiB free" if free < 64 * 2**20 else

@@ -1,16 +1,9 @@
 """Reading toolkit's records in a checkpoint directory, by the one rule for names. Any rank.
 
-A tag or run id is one safe path component (:mod:`toolkit._names`) that is not reserved for
-DeepSpeed's or toolkit's own files. Records (``toolkit_run.json``, ``toolkit_checkpoint.json``)
-and pointer files (``latest``, ``latest_universal``) are read without following symlinks, with a
-size bound; a damaged one raises a :class:`~toolkit.errors.CheckpointError` naming the file and
-the problem, and a pointer's content is never quoted unless it is a valid tag.
-
-Example::
-
-    tag, problem = read_pointer("checkpoints", "latest")    # ('step_3', None)
-    metadata = read_record(Path("checkpoints/step_3/toolkit_checkpoint.json"))
-"""
+A tag or run id is a safe name (:mod:`toolkit._names`) not reserved for DeepSpeed's or toolkit's
+files. Records (``toolkit_run.json``, ``toolkit_checkpoint.json``) and pointers (``latest``,
+``latest_universal``) are read bounded, never through a symlink; a damaged one is a CheckpointError
+naming the file, and a pointer's content is never quoted unless it is a valid tag."""
 
 from __future__ import annotations
 
@@ -31,12 +24,8 @@ _RESERVED = {"latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py"
 
 
 def name_problem(value: Any, *, what: str = "tag") -> str | None:
-    """What is wrong with a tag or run id as one safe path component, or None. Pure; any rank.
-
-    A name follows toolkit's one rule for names that become paths (:mod:`toolkit._names`: letters,
-    digits, ``.``, ``_`` and ``-`` starting with a letter or digit, so no ``/``, ``..``, hidden,
-    empty or absolute paths) and is not a name reserved for DeepSpeed's or toolkit's own files.
-    """
+    """What is wrong with a tag or run id, or None: the rule of :mod:`toolkit._names`, and not a name
+    DeepSpeed or toolkit uses for its own files. Pure; any rank."""
     problem = _names.name_problem(value, what=what)
     if problem:
         return problem
@@ -47,13 +36,8 @@ def name_problem(value: Any, *, what: str = "tag") -> str | None:
 
 
 def validate_name(value: Any, *, what: str = "tag") -> str:
-    """Check a tag or run id found on disk (``latest``, ``latest_universal``). Any rank.
-
-    Arguments a user passes are checked with :func:`name_problem` and raise ``ConfigError``.
-
-    Raises:
-        CheckpointError: the name is not safe (see :func:`name_problem`).
-    """
+    """A tag or run id found on disk (``latest``...), or CheckpointError; a user's arguments go through
+    :func:`name_problem` and ConfigError instead. Any rank."""
     problem = name_problem(value, what=what)
     if problem:
         raise CheckpointError(problem)
@@ -115,12 +99,9 @@ def commit_problem(metadata: Mapping[str, Any], tag: str) -> str | None:
 
 
 def read_pointer(root: str | os.PathLike[str], name: str) -> tuple[str | None, str | None]:
-    """The tag a pointer file (``latest``, ``latest_universal``) names: ``(tag, problem)``. Any rank.
-
-    ``(None, None)`` when the file is missing. A symlink, an unreadable file or content that is
-    not a safe tag give ``(None, problem)``; the problem never quotes the content (it may come
-    from another file through a link).
-    """
+    """The tag a pointer file (``latest``, ``latest_universal``) names: ``(tag, problem)``, ``(None, None)``
+    when missing. A symlink, an unreadable file or content that is not a safe tag give ``(None, problem)``,
+    never quoting the content (it may come from another file through a link). Any rank."""
     path = Path(root) / name
     if path.is_symlink():
         return None, f"{path} is a symlink (DeepSpeed and toolkit write a plain file); ignored"

@@ -1,18 +1,10 @@
 """toolkit checkpoints in a bucket: staged on local disk, uploaded, committed by their record last.
 
-:func:`save` and :func:`load` are what :func:`toolkit.save_checkpoint` and
-:func:`toolkit.load_checkpoint` do for an ``s3://`` or ``gs://`` URL; call on all ranks. The
-bucket holds the same layout as a local directory (:mod:`toolkit.checkpoint.layout`), decided by
-the same pure functions. Every rank writes into its own staging directory and uploads its own
-files; after every upload succeeded (agreed), the chief writes the commit record, then
-``latest``. Loading downloads the chosen checkpoint once per node into the local cache
-(:func:`cache_dir`). Protocol and failure cases: docs/object-storage.md.
-
-Example::
-
-    # torchrun --nproc_per_node 2 train.py   (AWS_* variables set, or an instance role)
-    toolkit.save_checkpoint(engine, "s3://bucket/run1", steps_completed=step, keep_last=2)
-"""
+:func:`save` and :func:`load` are what ``save_checkpoint`` and ``load_checkpoint`` do for an
+``s3://`` or ``gs://`` URL (call on all ranks), with the layout and the pure decisions of
+:mod:`toolkit.checkpoint.layout`: each rank uploads its own files, then the chief writes the commit
+record and ``latest``; a load downloads once per machine into :func:`cache_dir`. The protocol and
+its failure cases: docs/object-storage.md."""
 
 from __future__ import annotations
 
@@ -47,11 +39,8 @@ CACHE_ENV = "TOOLKIT_CACHE_DIR"
 
 
 def cache_dir(url: StoreURL) -> Path:
-    """This machine's directory for ``url``'s staging and downloads. Any rank.
-
-    ``$TOOLKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/toolkit``, else ``~/.cache/toolkit``; then
-    ``checkpoints/<bucket>-<hash of the URL>``.
-    """
+    """This machine's directory for ``url``'s staging and downloads (docs/object-storage.md, The local
+    cache). Any rank."""
     base = os.environ.get(CACHE_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "toolkit")
     digest = hashlib.sha256(url.url.encode()).hexdigest()[:12]
@@ -59,10 +48,8 @@ def cache_dir(url: StoreURL) -> Path:
 
 
 def scan_store(store: ObjectStore) -> tuple[layout.DirState, dict[str, int]]:
-    """The bucket prefix as a :class:`~toolkit.checkpoint.layout.DirState`, and every file's size.
-
-    One listing, then a read of ``latest``, the run record and each commit record. Any rank.
-    """
+    """The bucket prefix as a DirState, and every file's size: one listing, then the reads of ``latest``,
+    the run record and each commit record. Any rank."""
     files = store.list_files()
     tag_entries: dict[str, set[str]] = {}
     for rel in files:
@@ -118,11 +105,9 @@ def _long_barrier(ctx: DistributedContext) -> None:
 
 def save(engine: Any, ctx: DistributedContext, request: Any, store: ObjectStore, *, mine: str | None,
          overwrite: bool) -> tuple[str, list[str]]:
-    """Stage, upload and commit one checkpoint (``request``: api's checked ``_Save``). Call on all ranks.
-
-    Returns the run id and the tags ``keep_last`` deleted. Raises CheckpointError on every rank
-    when any rank's write or upload failed; the previous checkpoint then stays the latest.
-    """
+    """Stage, upload and commit one checkpoint (``request``: api's checked ``_Save``); returns the run id
+    and the tags ``keep_last`` deleted. CheckpointError on every rank if any write or upload failed.
+    Call on all ranks."""
     tag = request.tag
 
     def prepare() -> tuple[str, int, str, int]:
@@ -237,11 +222,8 @@ def load_url(engine: Any, ctx: DistributedContext, url: StoreURL, tag: str | Non
 
 def load(engine: Any, ctx: DistributedContext, store: ObjectStore, tag: str | None,
          facts: dict[str, Any]) -> tuple[tuple[int, dict[str, Any]] | None, str | None]:
-    """Choose, download and load the latest (or given) committed checkpoint. Call on all ranks.
-
-    Returns ``(loaded or None, the prefix's run id)``. The chief first checks that it can write
-    to the bucket (a probe object), so wrong credentials fail here, before training starts.
-    """
+    """Choose, download and load the latest (or given) committed checkpoint: ``(loaded or None, run id)``.
+    The chief first writes a probe object, so wrong credentials fail before training. All ranks."""
     def choose() -> tuple[str | None, str | None, list[str], str]:
         store.check_access(f".toolkit-probe-{uuid.uuid4().hex}")
         state, files = scan_store(store)

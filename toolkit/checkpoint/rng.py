@@ -1,20 +1,11 @@
 """Capture and restore this process's random number generators, in a form safe to unpickle.
 
-An exact resume needs every random stream a training step draws from to continue where it stopped:
-Python's :mod:`random`, NumPy's global generator, torch's CPU generator and, when present, the
-CUDA generators. :func:`capture_rng_state` returns them as a dict of tensors, ints, floats and
-``None`` only, so ``torch.save`` writes it and ``torch.load(..., weights_only=True)`` reads it back
-without running arbitrary pickle code. :func:`toolkit.save_checkpoint` stores one per rank.
+Python's ``random``, NumPy's global generator, torch's CPU generator and the CUDA ones, as tensors,
+ints, floats and None only, so that ``torch.load(..., weights_only=True)`` reads them back.
+``save_checkpoint`` stores one per rank; to keep the states outside a checkpoint, import the two
+functions from here (any rank; each rank keeps its own streams)::
 
-These two are not part of ``toolkit.__all__`` (:func:`toolkit.load_checkpoint` restores the
-states itself); import them from this module to keep RNG states outside a checkpoint.
-
-Example::
-
-    # torchrun --nproc_per_node 2 train.py    (any rank: each rank keeps its own streams)
-    from toolkit.checkpoint.rng import capture_rng_state, restore_rng_state
     torch.save(capture_rng_state(), f"rng_rank{ctx.rank}.pt")
-    ...
     restore_rng_state(torch.load(f"rng_rank{ctx.rank}.pt", weights_only=True))
 """
 
@@ -46,18 +37,8 @@ RNG_STATE_VERSION = 1
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """The state of Python's, NumPy's, torch's and CUDA's generators of this process. Any rank.
-
-    Returns:
-        A dict of tensors, ints, floats and ``None`` (loadable with ``weights_only=True``):
-        ``version``, ``python``, ``numpy`` (``None`` without NumPy), ``torch`` and ``cuda``
-        (one state per visible device, ``None`` when CUDA is unavailable).
-
-    Example:
-        >>> state = capture_rng_state()
-        >>> a = torch.rand(1); restore_rng_state(state); torch.equal(a, torch.rand(1))
-        True
-    """
+    """The state of this process's Python, NumPy, torch and CUDA generators, loadable with
+    ``weights_only=True`` (``numpy``/``cuda`` None without them). Any rank."""
     version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
         "version": RNG_STATE_VERSION,
@@ -77,18 +58,8 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Put this process's generators back to a state from :func:`capture_rng_state`. Any rank.
-
-    CUDA states are restored when the number of visible devices matches; otherwise a warning
-    says the CUDA streams start fresh (CPU streams are still restored).
-
-    Args:
-        state: the dict returned by :func:`capture_rng_state`, possibly after a
-            ``torch.save`` / ``torch.load(..., weights_only=True)`` round trip.
-
-    Raises:
-        ValueError: ``state`` is not such a dict (wrong version or missing keys).
-    """
+    """Put this process's generators back to a :func:`capture_rng_state` state (CUDA's only when as many
+    devices are visible, else a warning); ValueError for anything else. Any rank."""
     if not isinstance(state, Mapping) or state.get("version") != RNG_STATE_VERSION:
         version = state.get("version") if isinstance(state, Mapping) else type(state).__name__
         raise ValueError(f"RNG state version {version!r}: expected a dict from "
@@ -118,20 +89,14 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def write_rank_file(path: Path, *, rank: int, world_size: int) -> None:
-    """Write this rank's states (from :func:`capture_rng_state`) to ``path`` atomically. Any rank.
-
-    Raises:
-        OSError, RuntimeError: the write failed (``torch.save`` reports some as RuntimeError).
-    """
+    """Write this rank's states to ``path`` atomically (OSError, or torch.save's RuntimeError). Any rank."""
     saved = {"rank": rank, "world_size": world_size, "rng": capture_rng_state()}
     atomic_write(path, lambda fh: torch.save(saved, fh))
 
 
 def read_rank_file(path: Path, *, rank: int, world_size: int) -> tuple[Any, str | None]:
-    """The states :func:`write_rank_file` wrote for this rank, and why they are unusable (or None).
-
-    Read with ``weights_only=True``. Any rank; the caller makes the ranks agree on the errors.
-    """
+    """This rank's states from :func:`write_rank_file` (``weights_only=True``) and why they are unusable,
+    or None; the caller makes the ranks agree on the errors. Any rank."""
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
         if saved.get("rank") != rank or saved.get("world_size") != world_size:

@@ -1,18 +1,10 @@
-"""The stop record: ``<checkpoint dir>/toolkit_stopped.json`` says "stopped at step N, resumable".
+"""The stop record ``<checkpoint dir>/toolkit_stopped.json``: "stopped at step N, resumable".
 
-After every rank agreed on a preemption (``should_preempt()``), the chief writes it once the
-stop's checkpoint is committed (:func:`note_commit`), or when the watcher closes after the stop
-(:func:`record_agreed_stop`), atomically and last; the next run's first load or save (or a
-later commit) removes it (:func:`clear_stop_record`). ``TOOLKIT_STOP_RECORD=<file>`` (set by
-``python -m toolkit.run`` and dsat for their ranks) gets the same record. Rank 0 writes; any
-process reads (:func:`read_stop_record`). What schedulers read: docs/training.md (Exit statuses).
-
-Example::
-
-    record = read_stop_record("checkpoints")     # None: no clean stop since the last run started
-    if record is not None and record.resumable:
-        print(f"preempted at step {record.steps_completed}; run the same command again")
-"""
+After every rank agreed on a preemption, the chief writes it once the stop's checkpoint is
+committed (:func:`note_commit`) or when the watcher closes (:func:`record_agreed_stop`), last and
+atomically; the next run's first load or save removes it. ``TOOLKIT_STOP_RECORD=<file>`` (set by
+``python -m toolkit.run`` and dsat) gets it too. Any process reads it (:func:`read_stop_record`).
+What schedulers read: docs/training.md (Exit statuses a scheduler can read)."""
 
 from __future__ import annotations
 
@@ -42,17 +34,9 @@ _FORMAT = 1
 
 @dataclasses.dataclass(frozen=True)
 class StopRecord:
-    """What a run that stopped for a preemption left (the JSON file's content).
-
-    Attributes:
-        cause: ``"SIGTERM"``, ``"a launcher exited"``, ``"a stop request (request_stop)"``...
-        steps_completed: the committed checkpoint's steps (None: none was committed).
-        tag: that checkpoint's tag, or None.
-        checkpoint_dir: its directory, or None.
-        run_id: the directory's run id, or None.
-        stopped_at: when the record was written (``time.time()``).
-        host, pid: the chief that wrote it.
-    """
+    """What a run that stopped for a preemption left (the JSON file's content): the ``cause``, the
+    committed checkpoint (``steps_completed``, ``tag``, ``checkpoint_dir``, ``run_id``; None without
+    one), when (``stopped_at``) and the chief that wrote it (``host``, ``pid``)."""
 
     cause: str
     steps_completed: int | None
@@ -92,11 +76,8 @@ class StopRecord:
 
 
 def read_stop_record(path: str | os.PathLike[str]) -> StopRecord | None:
-    """The stop record in checkpoint directory ``path`` (or the record file ``path``); None if absent.
-
-    Any process. Raises:
-        CheckpointError: the file is damaged, naming it.
-    """
+    """The stop record in checkpoint directory ``path`` (or the file ``path``); None if absent,
+    CheckpointError naming a damaged one. Any process."""
     file = Path(path) / STOP_FILE if Path(path).is_dir() else Path(path)
     data = records.read_record(file)
     if data is None:

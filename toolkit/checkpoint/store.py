@@ -1,17 +1,9 @@
 """Object storage (``s3://``, ``gs://``) for checkpoints, through fsspec's s3fs and gcsfs. Any rank.
 
-:func:`parse_url` tells a local path from a bucket URL and refuses every other ``scheme://``;
-:func:`open_store` gives an :class:`ObjectStore`, whose calls turn every backend failure into a
-:class:`~toolkit.errors.CheckpointError` saying what failed and how to fix it, with no credential
-in it. Credentials come from the standard chains (``AWS_*`` variables and files, Google's
-application default credentials) or from ``options``. The design: docs/object-storage.md.
-
-Example::
-
-    url = parse_url("s3://bucket/run1")          # None for a local path
-    store = open_store(url)                       # pip install 'toolkit[s3]'
-    store.write("latest", b"step_10")
-"""
+:func:`parse_url` tells a bucket URL from a local path and refuses other schemes; an
+:class:`ObjectStore` (:func:`open_store`) turns every backend failure into a CheckpointError saying
+what failed and how to fix it, never quoting a credential. Credentials come from the standard
+chains or ``options``. The design: docs/object-storage.md."""
 
 from __future__ import annotations
 
@@ -62,12 +54,8 @@ def is_url(value: Any) -> bool:
 
 
 def parse_url(value: Any, *, what: str = "checkpoint_dir") -> StoreURL | None:
-    """The bucket URL in ``value``, or None for a local path. Pure; any rank.
-
-    Raises:
-        ConfigError: a ``scheme://`` other than ``s3://``, ``gs://`` (``gcs://``), or a URL without
-            a bucket or with an unsafe prefix (``..``, empty components, odd characters).
-    """
+    """The bucket URL in ``value``, or None for a local path. Pure; ConfigError for another
+    ``scheme://``, no bucket or an unsafe prefix."""
     if isinstance(value, os.PathLike) or not isinstance(value, str):
         return None
     match = _URL_RE.fullmatch(value)
@@ -115,15 +103,9 @@ _stores: dict[tuple[str, str, str], "ObjectStore"] = {}
 
 
 def open_store(url: StoreURL, options: Mapping[str, Any] | None = None) -> "ObjectStore":
-    """An :class:`ObjectStore` for ``url`` (reused within the process). Any rank.
-
-    ``options`` go to the fsspec filesystem (s3fs: ``key``, ``secret``, ``endpoint_url``; gcsfs:
-    ``token``, ``project``); without them the backend's standard credential chain is used, and
-    s3fs takes the endpoint from ``AWS_ENDPOINT_URL``.
-
-    Raises:
-        ConfigError: the extra that the scheme needs is not installed (names the pip command).
-    """
+    """An :class:`ObjectStore` for ``url``, reused within the process. Any rank. ``options`` go to the
+    fsspec filesystem (s3fs: ``key``, ``secret``, ``endpoint_url``; gcsfs: ``token``, ``project``), else
+    the standard credential chain; ConfigError when the scheme's extra is not installed."""
     options = dict(options or {})
     cache_key = (url.scheme, url.bucket, repr(sorted(options.items())))
     if cache_key in _stores:
@@ -156,11 +138,8 @@ def open_store(url: StoreURL, options: Mapping[str, Any] | None = None) -> "Obje
 
 
 class ObjectStore:
-    """Files under one bucket URL, addressed by paths relative to its prefix. Any rank.
-
-    Every method raises :class:`~toolkit.errors.CheckpointError` on a backend failure, naming the
-    operation, the URL and the likely fix; credentials never appear in a message.
-    """
+    """Files under one bucket URL, by paths relative to its prefix. Any rank. Every method raises a
+    CheckpointError on a backend failure, naming the operation, the URL and the fix."""
 
     def __init__(self, url: StoreURL, fs: Any, *, secrets: list[str] | tuple[str, ...] = ()) -> None:
         self.url = url

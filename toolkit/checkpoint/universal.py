@@ -1,13 +1,5 @@
-"""Which DeepSpeed universal checkpoint (``ds_to_universal`` output) to load. Any rank.
-
-:func:`toolkit.load_checkpoint` loads one when the DeepSpeed config sets
-``"checkpoint": {"load_universal": true}``; this module finds it and refuses a folder that is not one.
-
-Example::
-
-    # torchrun --nproc_per_node 4 train.py   (the chief decides, inside load_checkpoint)
-    tag = universal_tag("checkpoints", None)   # what latest_universal names
-"""
+"""Which DeepSpeed universal checkpoint (``ds_to_universal`` output) to load, for ``load_checkpoint``
+under ``"checkpoint": {"load_universal": true}``; a folder that is not one is refused. Any rank."""
 
 from __future__ import annotations
 
@@ -20,12 +12,8 @@ __all__ = ["universal_tag"]
 
 
 def universal_tag(root: str, tag: str | None) -> str:
-    """The universal checkpoint to load: ``tag``, or the one ``latest_universal`` names. Any rank.
-
-    Raises:
-        CheckpointError: no tag and no ``latest_universal``, or the folder is not a universal
-            checkpoint (the message gives the ``ds_to_universal`` command).
-    """
+    """The universal checkpoint to load: ``tag``, or the one ``latest_universal`` names; CheckpointError
+    (with the ``ds_to_universal`` command) when there is none or the folder is not one. Any rank."""
     chosen = tag
     if chosen is None:
         latest = Path(root) / "latest_universal"

@@ -1,11 +1,9 @@
 """Which ninja and which directory a process's JIT op builds use (DeepSpeed's ops are JIT extensions).
 
-torch runs the first ``ninja`` on PATH, and two ninja versions hash one build command differently,
-so each relinks the other's build. Installed by :func:`toolkit.install_build_guards`: builds run the
-ninja of this Python environment whatever PATH says, and with ``TORCH_EXTENSIONS_DIR`` unset go to
-a subdirectory of torch's default cache keyed by the environment. Any rank; per process. The why
-and the layout: docs/start.md (DeepSpeed's JIT-built ops).
-"""
+Installed by :func:`toolkit.install_build_guards`: builds run this Python environment's ninja
+whatever PATH says (two ninja versions relink each other's builds) and, with
+``TORCH_EXTENSIONS_DIR`` unset, go to a directory of torch's default cache keyed by the environment.
+Any rank; per process. Why, and the layout: docs/start.md (DeepSpeed's JIT-built ops)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """Bounded collectives: a toolkit collective that one rank calls alone fails fast, with a name.
 
-A "call on all ranks" collective called on some ranks only (``if ctx.is_chief:
-writer.report(...)``) would wait out the process group's 30-minute timeout in silence. Toolkit's
-own collectives run on a gloo group of their own with a short timeout (default 60 s), after which
-every waiting rank raises :class:`CollectiveTimeoutError`, naming the call and the ranks that
-never reached it. How the missing ranks are found, and how to set the timeout: docs/training.md.
-
-Example::
-
-    # torchrun --nproc_per_node 2 train.py      (call on all ranks, the same number of times)
-    ctx = toolkit.init_distributed(collective_timeout=300)   # or TOOLKIT_COLLECTIVE_TIMEOUT_S=300
-    totals = ctx.all_gather_object(local_count)
-"""
+A "call on all ranks" collective called on some ranks only (``if ctx.is_chief: writer.report(...)``)
+would wait out the process group's 30-minute timeout in silence. Toolkit's own collectives run on
+a gloo group of their own with a short timeout (default 60 s), after which every waiting rank raises
+:class:`CollectiveTimeoutError` naming the call and the ranks that never reached it. How the missing
+ranks are found, and the setting: docs/training.md (A collective called on one rank fails)."""
 
 from __future__ import annotations
 
@@ -42,12 +35,8 @@ T = TypeVar("T")
 
 
 class CollectiveTimeoutError(RuntimeError):
-    """A toolkit collective did not complete on this rank: some rank did not call it.
-
-    Attributes:
-        call: the name of the collective, e.g. ``"ctx.all_gather_object"``.
-        missing: the ranks that had not reached it when this rank gave up (empty when unknown).
-    """
+    """A toolkit collective did not complete on this rank: some rank did not call it. ``call`` names it
+    (``"ctx.all_gather_object"``); ``missing``: the ranks that had not reached it (empty: unknown)."""
 
     def __init__(self, message: str, *, call: str, missing: list[int]) -> None:
         super().__init__(message)
@@ -56,19 +45,8 @@ class CollectiveTimeoutError(RuntimeError):
 
 
 def resolve_collective_timeout(value: Any = None, environ: Mapping[str, str] | None = None) -> float:
-    """The collective timeout in seconds, from the argument, else the environment, else 60. Pure; any rank.
-
-    Args:
-        value: seconds (a number) or a ``datetime.timedelta``; None to read the environment.
-        environ: where ``TOOLKIT_COLLECTIVE_TIMEOUT_S`` is read; ``os.environ`` when None.
-
-    Raises:
-        ConfigError: the value is not a positive, finite number of seconds.
-
-    Example:
-        >>> resolve_collective_timeout(None, {"TOOLKIT_COLLECTIVE_TIMEOUT_S": "120"})
-        120.0
-    """
+    """The collective timeout in seconds: ``value`` (seconds or a timedelta), else
+    ``TOOLKIT_COLLECTIVE_TIMEOUT_S`` in ``environ``, else 60; ConfigError unless positive and finite. Pure."""
     env = os.environ if environ is None else environ
     source = "collective_timeout"
     if value is None:
@@ -92,15 +70,8 @@ def resolve_collective_timeout(value: Any = None, environ: Mapping[str, str] | N
 class BoundedGroup:
     """A gloo group whose collectives fail after ``timeout_s`` with a named error. Call on all ranks.
 
-    Made by :func:`toolkit.init_distributed` (``ctx.collectives``); other toolkit modules route
-    their collectives through :meth:`run` (blocking) or :meth:`arrive` + :meth:`wait` (async).
-
-    Example::
-
-        # torchrun --nproc_per_node 2 train.py
-        tensor = torch.zeros(3)
-        ctx.collectives.run("MyWriter.flush", lambda group: dist.all_reduce(tensor, group=group))
-    """
+    Made by :func:`toolkit.init_distributed` (``ctx.collectives``); toolkit's modules run their
+    collectives through :meth:`run` (blocking) or :meth:`arrive` + :meth:`wait` (async)."""
 
     def __init__(self, *, rank: int, world_size: int, timeout_s: float, group: Any = None,
                  store: Any = None, prefix: str = "toolkit/arrived") -> None:
@@ -113,21 +84,14 @@ class BoundedGroup:
         self.record_after_s = min(RECORD_AFTER_S, timeout_s / 8)
 
     def arrive(self, call: str) -> int:
-        """Count this rank's next toolkit collective (``call``); returns its number. Any rank.
-
-        No I/O: the count reaches the store only if the wait for it is slow (docs/training.md).
-        """
+        """Count this rank's next toolkit collective ``call``; returns its number. No I/O. Any rank."""
         self._count += 1
         self._call = call
         return self._count
 
     def run(self, call: str, fn: Callable[[Any], T]) -> T:
-        """Run ``fn(group)`` (a blocking collective on :attr:`group`) with the bound. Call on all ranks.
-
-        Raises:
-            CollectiveTimeoutError: it did not complete; the message names ``call`` and the ranks
-                that did not reach it.
-        """
+        """``fn(group)``, a blocking collective on :attr:`group`, with the bound (CollectiveTimeoutError
+        naming ``call`` and the missing ranks). Call on all ranks."""
         number = self.arrive(call)
         token = _RECORDER.watch(self)
         try:
@@ -161,11 +125,8 @@ class BoundedGroup:
             logger.debug("could not record arrival at %s: %s", self._call, err)
 
     def failure(self, call: str, number: int, err: BaseException) -> CollectiveTimeoutError:
-        """The error to raise for collective ``number`` (``call``) that failed with ``err``. Any rank.
-
-        Writes this rank's count, then waits ``record_after_s`` (and a little more) so that a rank
-        that reached the collective late has written its own before the counts are compared.
-        """
+        """The error for collective ``number`` that failed with ``err``. Any rank; it first records this
+        rank's count and waits ``record_after_s`` so that a late rank has recorded its own."""
         if self._store is not None:
             self.record()
             time.sleep(self.record_after_s + 0.2)
@@ -208,12 +169,9 @@ class BoundedGroup:
 
 
 class _Recorder:
-    """One daemon thread per process that records, in the store, the arrival of a rank whose wait
-    in a toolkit collective has lasted ``record_after_s``. Started at the first watched wait.
-
-    The waiting thread only registers its group (a lock, a dict entry and, when the thread sleeps
-    past the new deadline, a notify) and removes it afterwards; the thread sleeps until the
-    earliest deadline, so it costs nothing while no collective is slow. Any rank."""
+    """One daemon thread per process that records in the store the arrival of a rank whose wait in a
+    toolkit collective has lasted ``record_after_s``. It sleeps until the earliest deadline, so it
+    costs nothing while no collective is slow. Any rank."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -270,9 +228,8 @@ _RECORDER = _Recorder()
 
 
 def new_bounded_group(*, rank: int, world_size: int, timeout_s: float, prefix: str) -> BoundedGroup:
-    """A fresh gloo group with ``timeout_s`` as its timeout. Call on all ranks, in the same order.
-
-    ``prefix`` names this group's arrival keys in the store; it must differ between groups."""
+    """A fresh gloo group with ``timeout_s``. Call on all ranks, in the same order; ``prefix`` names the
+    group's arrival keys in the store and must differ between groups."""
     if world_size == 1:
         return BoundedGroup(rank=rank, world_size=1, timeout_s=timeout_s)
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))

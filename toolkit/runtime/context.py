@@ -1,18 +1,13 @@
 """The distributed context: where this process sits, and the few collectives toolkit needs.
 
-Launch the same script any of these ways; :func:`init_distributed` finds out which::
+:func:`init_distributed` reads whichever launcher started the process (plain ``python``, torchrun,
+the deepspeed launcher, mpirun, an ``srun`` step): docs/start.md (Launch it).
 
-    python train.py                                   # world size 1
-    torchrun --nproc_per_node 2 train.py              # torchrun
-    deepspeed --num_gpus 2 train.py                   # DeepSpeed launcher (use --num_gpus on GPU)
-    mpirun -np 2 -x MASTER_ADDR=127.0.0.1 python train.py
-    srun --ntasks-per-node 2 python train.py          # inside a Slurm allocation
+Example (``torchrun --nproc_per_node 2 train.py``)::
 
-Example:
-    >>> import toolkit
-    >>> ctx = toolkit.init_distributed()          # call on all ranks
-    >>> if ctx.is_chief:                           # rank 0 only
-    ...     print("world", ctx.world_size)
+    ctx = toolkit.init_distributed()            # all ranks
+    if ctx.is_chief:                            # rank 0 only
+        logger.info("world size %d", ctx.world_size)
 """
 
 from __future__ import annotations
@@ -60,30 +55,14 @@ _init_lock = threading.Lock()
 
 @dataclasses.dataclass(frozen=True)
 class DistributedContext:
-    """Where this process sits in the job, plus the collectives the toolkit needs.
+    """Where this process sits in the job, and toolkit's collectives; made by :func:`init_distributed`.
 
-    Created by :func:`init_distributed`; do not build one by hand.
-
-    Attributes:
-        rank: global rank, 0..world_size-1.
-        local_rank: rank on this node; also the GPU index under nccl.
-        world_size: number of processes.
-        local_world_size: processes on this node.
-        node_rank: index of this node, 0..num_nodes-1.
-        num_nodes: number of nodes.
-        device: ``cuda:<local_rank>`` under nccl, else ``cpu``.
-        backend: the torch.distributed backend in use (``"nccl"`` or ``"gloo"``, ...).
-        launcher: which launcher's variables were read (see :mod:`toolkit.runtime.launch_env`).
-        group: a CPU process group with the long ``init_distributed(timeout=...)``: under nccl a
-            separate gloo group, so that small control messages (flags, metrics, pickled objects)
-            need no GPU tensors and never queue behind training traffic on the GPU streams.
-        collectives: the :class:`~toolkit.runtime.collectives.BoundedGroup` (gloo) that the
-            collectives below run on, with the short ``collective_timeout``: a collective that
-            some rank never calls raises :class:`~toolkit.runtime.collectives.CollectiveTimeoutError`
-            on the waiting ranks, naming the call and the missing ranks, instead of hanging.
-
-    The collectives below are no-ops (returning the obvious answer) at world size 1.
-    """
+    ``device``: ``cuda:<local_rank>`` under nccl, else ``cpu``; ``launcher``: whose variables were read.
+    ``group``: a CPU group with the long ``init_distributed(timeout=...)`` (under nccl a gloo group of
+    its own, so control messages need no GPU tensors and never queue behind training traffic).
+    ``collectives``: the :class:`~toolkit.runtime.collectives.BoundedGroup` the methods below run on,
+    with the short ``collective_timeout``: a collective some rank never calls raises
+    ``CollectiveTimeoutError``, naming the call and the missing ranks. At world size 1 they are no-ops."""
 
     rank: int
     local_rank: int
@@ -125,15 +104,7 @@ class DistributedContext:
             self.collectives.run("ctx.barrier", lambda group: dist.barrier(group=group))
 
     def broadcast_object(self, obj: Any = None, *, src: int = 0) -> Any:
-        """Send a picklable object from rank ``src`` to every rank and return it. Call on all ranks.
-
-        Args:
-            obj: the object on rank ``src``; ignored elsewhere.
-            src: the sending rank.
-
-        Example:
-            >>> run_id = ctx.broadcast_object(new_run_id() if ctx.is_chief else None)
-        """
+        """Send picklable ``obj`` from rank ``src`` to every rank and return it. Call on all ranks."""
         if not self.distributed:
             return obj
         box = [obj if self.rank == src else None]
@@ -142,11 +113,7 @@ class DistributedContext:
         return box[0]
 
     def gather_object(self, obj: Any, *, dst: int = 0) -> list[Any] | None:
-        """Collect one picklable object from every rank on rank ``dst``. Call on all ranks.
-
-        Returns:
-            The list indexed by rank on ``dst``; ``None`` on every other rank.
-        """
+        """Every rank's ``obj`` as a list by rank on rank ``dst``, None elsewhere. Call on all ranks."""
         if not self.distributed:
             return [obj]
         out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
@@ -164,15 +131,8 @@ class DistributedContext:
         return out
 
     def all_reduce(self, values: Sequence[float], *, op: str = "sum") -> list[float]:
-        """Reduce a short vector of numbers across ranks, in float64. Call on all ranks.
-
-        Args:
-            values: the same number of values on every rank.
-            op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
-
-        Returns:
-            The reduced values, identical on every rank.
-        """
+        """Reduce a short vector of numbers in float64 (``op``: sum, mean, max or min); the same result on
+        every rank. Call on all ranks."""
         if op not in ("sum", "mean", "max", "min"):
             raise ConfigError(f"op={op!r}: expected one of 'sum', 'mean', 'max', 'min'")
         values = [float(v) for v in values]
@@ -190,14 +150,8 @@ class DistributedContext:
     def chief_first(self) -> Iterator[None]:
         """Run the body on the chief first, then on the other ranks. Call on all ranks.
 
-        For work whose result the others reuse: a download, a cache, a directory. The chief's
-        work may take long: these two barriers wait up to ``init_distributed(timeout=...)``, not
-        the short collective timeout.
-
-        Example:
-            >>> with ctx.chief_first():
-            ...     dataset = build_or_load_cache(path)
-        """
+        For work whose result the others reuse (a download, a cache). Its two barriers wait up to
+        ``init_distributed(timeout=...)``, not the short collective timeout: the chief's work may be long."""
         if not self.is_chief:
             self._long_barrier()
         try:
@@ -227,11 +181,7 @@ def _destroy_at_exit() -> None:
 
 
 def get_context() -> DistributedContext:
-    """The context made by :func:`init_distributed`. Any rank.
-
-    Raises:
-        RuntimeError: when :func:`init_distributed` has not been called in this process.
-    """
+    """The context made by :func:`init_distributed`; RuntimeError before it. Any rank."""
     if _context is None:
         raise RuntimeError("toolkit.init_distributed() has not been called in this process; call it "
                            "first, on every rank")
@@ -267,11 +217,8 @@ def _pick_backend(backend: str | None) -> str:
 
 
 def _export_env(info: LaunchInfo) -> None:
-    """Make the launch visible to libraries that read the torchrun variables themselves.
-
-    DeepSpeed reads LOCAL_RANK/RANK/WORLD_SIZE from os.environ in several places; under mpirun
-    or srun those are not set, so we set them (only where unset) to what we detected.
-    """
+    """Set the torchrun variables (where unset) to the detected launch: DeepSpeed reads them from
+    ``os.environ`` in several places, and mpirun or srun do not set them."""
     values = {
         "RANK": info.rank, "WORLD_SIZE": info.world_size, "LOCAL_RANK": info.local_rank,
         "LOCAL_WORLD_SIZE": info.local_world_size,
@@ -286,36 +233,20 @@ def init_distributed(*, backend: str | None = None, timeout: timedelta = DEFAULT
                      collective_timeout: float | timedelta | None = None) -> DistributedContext:
     """Initialise torch.distributed from the launcher's variables, once. Call on all ranks.
 
-    Reads the variables of torchrun, the deepspeed launcher, mpirun or an ``srun`` step; with none
-    set, makes a one-rank group on an in-memory store (no port), so ``deepspeed.initialize`` finds
-    torch.distributed ready. Hands the group to ``deepspeed.comm`` and makes DataLoader workers
-    started afterwards ignore the stop signals. A second call returns the same context; a process
-    group made before is adopted once checked. Details: docs/start.md (Launch it).
+    Without launcher variables: a one-rank group on an in-memory store (no port). Installs the build
+    guards, hands the group to ``deepspeed.comm`` and makes DataLoader workers started afterwards
+    ignore the stop signals. A second call returns the same context; a group made before is adopted
+    once checked. Details: docs/start.md (Launch it).
 
     Args:
-        backend: ``"nccl"``, ``"gloo"``, ``"mpi"`` or ``"ucc"``; ``None`` picks nccl when CUDA is
-            available, gloo otherwise.
-        timeout: for the rendezvous and DeepSpeed's collectives.
-        collective_timeout: seconds (or a timedelta) that toolkit's own collectives (the context's,
-            metrics, checkpoint agreement, preemption) wait for every rank before raising
-            ``CollectiveTimeoutError``; None reads ``TOOLKIT_COLLECTIVE_TIMEOUT_S``, else 60 s.
+        backend: ``"nccl"``, ``"gloo"``, ``"mpi"`` or ``"ucc"``; None: nccl with CUDA, else gloo.
+        timeout: the rendezvous's and DeepSpeed's collectives'.
+        collective_timeout: toolkit's own collectives', in seconds or a timedelta; None reads
+            ``TOOLKIT_COLLECTIVE_TIMEOUT_S``, else 60 s.
 
-    Returns:
-        The frozen :class:`DistributedContext`.
-
-    Raises:
-        ConfigError: every problem of the arguments (unknown backend, nccl without CUDA, a
-            timeout that is not positive).
-        LaunchEnvError: a launcher variable is malformed or inconsistent; it is named.
-        RunConflictError: another run's process on this machine still serves MASTER_PORT after
-            the wait (``TOOLKIT_WAIT_FOR_OTHER_RUN_S``); exit status 2 when uncaught.
-        ValueError: ``backend`` differs from the backend of an earlier call.
-
-    Example::
-
-        ctx = toolkit.init_distributed()    # torchrun --nproc_per_node 2 train.py
-        model = model.to(ctx.device)
-    """
+    Raises ConfigError (bad arguments), LaunchEnvError (a malformed or inconsistent launcher variable),
+    RunConflictError (another run's process here still serves MASTER_PORT after
+    ``TOOLKIT_WAIT_FOR_OTHER_RUN_S``; exit status 2), ValueError (another backend than before)."""
     global _context
     collective_s = _check_arguments(backend, timeout, collective_timeout)
     install_build_guards()   # before share_with_deepspeed loads DeepSpeed's first op
@@ -345,11 +276,9 @@ def init_distributed(*, backend: str | None = None, timeout: timedelta = DEFAULT
 
 
 def _install_process_hooks() -> None:
-    """What every rank of a toolkit job needs once: DataLoader workers that a preemption signal
-    does not kill, its launchers remembered (a launcher that exits is a stop, see
-    ``watch_preemption``), and inside a dsat trial the hook that reports an out-of-memory error
-    raised before the first step (e.g. in ``deepspeed.initialize``) as the trial's "oom". All are
-    idempotent; the last does nothing outside a trial."""
+    """What every rank of a toolkit job needs once (each idempotent): DataLoader workers that a stop
+    signal does not kill, its launchers remembered (a launcher that exits is a stop), and inside a dsat
+    trial the hook that reports an OOM raised before the first step as the trial's "oom"."""
     protect_dataloader_workers()
     remember_launchers()
     install_oom_excepthook()

@@ -1,17 +1,9 @@
 """DeepSpeed's op builds under a ``TORCH_CUDA_ARCH_LIST`` with arch-specific entries (``9.0a``).
 
-PyTorch and CUDA images accept ``9.0a``, ``10.0a``, ``10.0f``; DeepSpeed 0.19's JIT builder parses
-each part with ``int()`` and stops with ``ValueError: ... '0a'`` before compiling anything. The
-guard hands DeepSpeed's builder the plain ``X.Y`` form (the same GPUs), for its own builds only.
-Installed by :func:`toolkit.install_build_guards`, before or after DeepSpeed is imported (an
-import hook for its builder module alone). Any rank; per process.
-
-Example::
-
-    # TORCH_CUDA_ARCH_LIST="8.0;9.0a" torchrun --nproc_per_node 8 train.py
-    ctx = toolkit.init_distributed()         # installs the guard
-    engine, *_ = deepspeed.initialize(...)   # FusedAdam builds for 8.0 and 9.0
-"""
+DeepSpeed 0.19's JIT builder reads each entry with ``int()`` and stops at ``'0a'``; the guard hands
+its builder the plain ``X.Y`` form (the same GPUs), for its own builds only. Installed by
+:func:`toolkit.install_build_guards`, before or after DeepSpeed's import (an import hook for its
+builder module alone). Any rank; per process. docs/start.md (DeepSpeed's JIT-built ops)."""
 
 from __future__ import annotations
 
@@ -37,14 +29,8 @@ _SUFFIXED = re.compile(r"^(\d+\.\d+)[af](\+PTX)?$", re.IGNORECASE)
 
 
 def plain_arch_list(value: str | None) -> str | None:
-    """``value`` with every ``X.Ya``/``X.Yf`` entry as ``X.Y`` (``+PTX`` kept), ``;``-separated, or
-    None when it has no such entry (then DeepSpeed reads it as it is). Pure.
-
-    >>> plain_arch_list("8.0 9.0a+PTX")
-    '8.0;9.0+PTX'
-    >>> plain_arch_list("8.0;9.0") is None
-    True
-    """
+    """``value`` with every ``X.Ya``/``X.Yf`` entry as ``X.Y`` (``+PTX`` kept), ``;``-separated, or None when
+    it has none (DeepSpeed reads it as it is): ``"8.0 9.0a+PTX"`` -> ``"8.0;9.0+PTX"``. Pure."""
     if not value:
         return None
     entries = [entry for entry in re.split(r"[;\s]+", value.strip()) if entry]
@@ -126,11 +112,8 @@ class _BuilderFinder(importlib.abc.MetaPathFinder):
 
 
 def install_arch_list_guard() -> None:
-    """Let DeepSpeed's CUDA op builder in this process read arch-specific ``TORCH_CUDA_ARCH_LIST``
-    entries (see the module): now if DeepSpeed's builder module is imported, else when it is
-    (an import hook for that module alone; DeepSpeed itself is not imported here). Idempotent;
-    any process; :func:`toolkit.install_build_guards` calls it.
-    """
+    """Let DeepSpeed's CUDA op builder in this process read arch-specific entries: now if its builder
+    module is imported, else at its import (DeepSpeed is not imported here). Idempotent; any process."""
     for name in _BUILDER_MODULES:
         module = sys.modules.get(name)
         if module is not None:

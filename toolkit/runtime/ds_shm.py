@@ -1,17 +1,10 @@
-"""DeepSpeed's shared-memory all-reduce buffers, which DeepSpeed itself never removes.
+"""DeepSpeed's shared-memory all-reduce segments (CPU, one machine), which DeepSpeed never removes.
 
-On the CPU accelerator with every rank on one machine, DeepSpeed 0.19 creates a 69 MB segment
-per rank in /dev/shm (memory) and never unlinks it, so every run used to leave its segments
-behind. :func:`unlink_buffer` (all ranks, after a barrier: :func:`toolkit.init_distributed` does
-it) frees them when the job ends, however it ends; :func:`remove_buffers` and
-:func:`remove_stale_buffers` (any process) clear what other runs left. Only this user's segments
-are touched. Details: docs/start.md (DeepSpeed's shared-memory segments).
-
-Example::
-
-    # bash: clear segments no live process maps (scripts/setup.sh does this)
-    .venv/bin/python -P toolkit/runtime/ds_shm.py
-"""
+:func:`share_with_deepspeed` (all ranks, in ``init_distributed``) unlinks each rank's segment once
+every peer mapped it, so its memory goes when the job ends, however it ends; :func:`remove_buffers`
+and :func:`remove_stale_buffers` (any process) clear what other runs left. Only this user's
+segments are touched; ``python -P toolkit/runtime/ds_shm.py`` clears stale ones (scripts/setup.sh).
+Details: docs/start.md (DeepSpeed's shared-memory segments)."""
 
 from __future__ import annotations
 
@@ -37,25 +30,15 @@ _MIN_AGE_S = 60.0
 
 
 def buffer_name(*, addr: str, port: str | int, rank: int, uid: int | None = None) -> str:
-    """The name DeepSpeed gives rank ``rank``'s segment (``shm.cpp``'s ``shm_initialize``).
-
-    >>> buffer_name(addr="127.0.0.1", port=29500, rank=1, uid=0)
-    'deepspeed_allreduce_buffer_0_127.0.0.1_29500_1'
-    """
+    """The name DeepSpeed gives rank ``rank``'s segment (``shm_initialize`` in ``shm.cpp``). Pure."""
     return f"{_PREFIX}_{os.getuid() if uid is None else uid}_{addr}_{port}_{rank}"
 
 
 def unlink_buffer(rank: int, *, environ: dict[str, str] | None = None, shm_dir: Path = SHM_DIR) -> bool:
-    """Remove the name of this rank's segment, if DeepSpeed made one. This rank only.
+    """Remove the name of this rank's segment, if DeepSpeed made one; True if so. This rank only.
 
-    Safe only once every peer has mapped it: DeepSpeed's set-up returns on a rank after it mapped
-    all peers' segments, so call this after a barrier that follows DeepSpeed's communication
-    set-up on every rank (as :func:`toolkit.init_distributed` does). The name is read from
-    ``MASTER_ADDR`` and ``MASTER_PORT`` as DeepSpeed read them.
-
-    Returns:
-        True when a segment was unlinked.
-    """
+    Safe only once every peer mapped it: after a barrier that follows DeepSpeed's communication set-up
+    on every rank. The name comes from ``MASTER_ADDR``/``MASTER_PORT``, as DeepSpeed read them."""
     env = os.environ if environ is None else environ
     path = shm_dir / buffer_name(addr=env.get("MASTER_ADDR", ""), port=env.get("MASTER_PORT", ""), rank=rank)
     try:
@@ -66,13 +49,8 @@ def unlink_buffer(rank: int, *, environ: dict[str, str] | None = None, shm_dir: 
 
 
 def remove_buffers(*, addr: str, port: int, shm_dir: Path = SHM_DIR) -> list[Path]:
-    """Remove every rank's segment of the rendezvous ``addr:port``. Only after its processes ended.
-
-    Example::
-
-        # the dsat runner, once a local trial's processes are gone
-        remove_buffers(addr="127.0.0.1", port=trial.port)
-    """
+    """Remove every rank's segment of rendezvous ``addr:port``, once its processes ended (dsat's runner,
+    after a local trial)."""
     removed = []
     prefix = buffer_name(addr=addr, port=port, rank=0)[:-1]
     for path in shm_dir.glob(f"{prefix}*"):
@@ -98,14 +76,8 @@ def _mapped_paths(shm_dir: Path) -> set[str]:
 
 
 def remove_stale_buffers(*, shm_dir: Path = SHM_DIR, min_age_s: float = _MIN_AGE_S) -> list[Path]:
-    """Remove this user's DeepSpeed segments that no live process maps. Any process, any time.
-
-    A live rank maps its own segment from a moment after creating it until it exits, so a segment
-    older than ``min_age_s`` that nobody maps belongs to no running job.
-
-    Returns:
-        The removed paths.
-    """
+    """Remove this user's DeepSpeed segments that no live process maps and older than ``min_age_s`` (a
+    live rank maps its own from a moment after creating it until it exits); returns them. Any process."""
     mapped = _mapped_paths(shm_dir)
     now = time.time()
     removed = []
@@ -123,17 +95,9 @@ def remove_stale_buffers(*, shm_dir: Path = SHM_DIR, min_age_s: float = _MIN_AGE
 
 
 def share_with_deepspeed(backend: str, timeout: timedelta, info: "LaunchInfo") -> None:
-    """Hand the process group to ``deepspeed.comm`` too. Call on all ranks.
-
-    DeepSpeed keeps its own communication backend object; ``PipelineModule(...)`` and other
-    DeepSpeed calls made before ``deepspeed.initialize`` assert that it exists. With
-    torch.distributed already initialised, DeepSpeed's init only wraps the existing group.
-
-    On the CPU, that init also creates this rank's shared-memory all-reduce segment, which
-    DeepSpeed never removes (this module). Once every rank is past the init, every rank has
-    mapped every peer's segment, so each removes the name of its own: the memory goes back
-    when the ranks exit, even if they are killed.
-    """
+    """Hand the process group to ``deepspeed.comm`` (``PipelineModule`` and other calls made before
+    ``deepspeed.initialize`` need it), then unlink this rank's shared-memory segment once every rank
+    is past that init (every peer's is mapped by then). Call on all ranks."""
     import torch.distributed as dist  # here: setup.sh runs this file without torch (see the end)
 
     try:

@@ -1,16 +1,9 @@
 """Read where this process sits in a distributed job from the launcher's environment variables.
 
-Pure logic, any rank: :func:`detect_launch` takes a mapping (``os.environ`` by default) and
-returns a :class:`LaunchInfo` for torchrun, the deepspeed launcher, a plain ``RANK``/``WORLD_SIZE``
-environment, mpirun (Open MPI, MPICH), an ``srun`` step, or none (world size 1); it never touches
-``torch.distributed``. A bad variable is named: ``LOCAL_RANK='x' is not an integer``. Which
-variables each launcher sets and which one wins: docs/start.md (How the launcher is recognised).
-
-Example::
-
-    # torchrun --nproc_per_node 2 train.py      (any rank; init_distributed calls it for you)
-    info = detect_launch()                      # info.launcher == "torchrun", info.world_size == 2
-"""
+Pure, any rank: :func:`detect_launch` maps the variables (``os.environ`` by default) of torchrun,
+the deepspeed launcher, a plain ``RANK``/``WORLD_SIZE``, mpirun, an ``srun`` step or none (world
+size 1) to a :class:`LaunchInfo`, naming a bad variable. Which variables, and which launcher wins:
+docs/start.md (How the launcher is recognised)."""
 
 from __future__ import annotations
 
@@ -28,15 +21,8 @@ DEFAULT_MASTER_PORT = 29500
 
 @dataclasses.dataclass(frozen=True)
 class LaunchInfo:
-    """Where this process sits, as the launcher described it.
-
-    Attributes:
-        launcher: one of ``"torchrun"``, ``"deepspeed"``, ``"env"``, ``"mpi"``, ``"slurm"``,
-            ``"none"``.
-        rank, world_size, local_rank, local_world_size, node_rank, num_nodes: the usual meaning;
-            ``num_nodes * local_world_size == world_size`` on homogeneous jobs.
-        master_addr, master_port: the rendezvous address; ``None`` for world size 1.
-    """
+    """Where this process sits, as the launcher described it. ``launcher``: ``"torchrun"``,
+    ``"deepspeed"``, ``"env"``, ``"mpi"``, ``"slurm"`` or ``"none"``; no ``master_addr`` at world size 1."""
 
     launcher: str
     rank: int
@@ -50,11 +36,8 @@ class LaunchInfo:
 
     @property
     def uses_env_rendezvous(self) -> bool:
-        """True when the launcher set MASTER_ADDR/PORT and RANK for ``init_method='env://'``.
-
-        torchrun must use ``env://``: its agent already serves the TCP store on MASTER_PORT
-        (TORCHELASTIC_USE_AGENT_STORE), so a second ``tcp://`` server on that port would fail.
-        """
+        """True when the launcher set MASTER_ADDR/PORT and RANK for ``env://``. torchrun needs it: its agent
+        already serves the TCP store on MASTER_PORT, so a second ``tcp://`` server there would fail."""
         return self.launcher in ("torchrun", "deepspeed", "env")
 
 
@@ -116,10 +99,7 @@ def _split_top(text: str) -> list[str]:
 
 def parse_slurm_nodelist(nodelist: str) -> list[str] | None:
     """Every host of a Slurm node list, in order, without ``scontrol``; None when malformed. Pure.
-
-    ``node[01-03,7]`` -> ``node01 node02 node03 node7`` (zero padding kept),
-    ``gpu-a[1-2],gpu-b7`` -> ``gpu-a1 gpu-a2 gpu-b7``; one bracket group per name.
-    """
+    ``node[01-03,7]`` -> ``node01 node02 node03 node7`` (padding kept); one bracket group per name."""
     if not isinstance(nodelist, str) or not nodelist.strip():
         return None
     hosts: list[str] = []
@@ -150,14 +130,8 @@ def _slurm_tasks_per_node(raw: str, node: int | None = None) -> int | None:
 
 
 def first_slurm_host(nodelist: str) -> str:
-    """First host of a Slurm node list, without calling ``scontrol``.
-
-    Handles the compressed forms Slurm writes: ``node[03-05,09]`` -> ``node03``,
-    ``gpu-a[1-2],gpu-b7`` -> ``gpu-a1``, ``host1,host2`` -> ``host1``.
-
-    Raises:
-        LaunchEnvError: when the list is empty or cannot be parsed.
-    """
+    """The first host of a Slurm node list (``node[03-05,09]`` -> ``node03``), without ``scontrol``;
+    LaunchEnvError when it is empty or malformed. Pure."""
     hosts = parse_slurm_nodelist(nodelist)
     if not hosts:
         raise LaunchEnvError(f"SLURM node list {nodelist!r} cannot be parsed; expected e.g. 'node[01-04]'")
@@ -213,28 +187,9 @@ def _finish(launcher: str, r: _Reader, *, rank, world_size, local_rank, local_wo
 
 
 def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
-    """Describe this process's place in the job from launcher variables.
-
-    Pure function: call anywhere, on any rank; nothing is initialised.
-
-    Args:
-        environ: the variables to read; ``os.environ`` when ``None``.
-
-    Returns:
-        The :class:`LaunchInfo`.
-
-    Raises:
-        LaunchEnvError: naming every malformed or inconsistent variable, e.g.
-            ``LOCAL_RANK='x' is not an integer``.
-
-    Example:
-        >>> detect_launch({}).world_size
-        1
-        >>> detect_launch({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
-        ...                "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-        ...                "MASTER_PORT": "29500"}).launcher
-        'torchrun'
-    """
+    """Describe this process's place in the job from the launcher variables in ``environ`` (default
+    ``os.environ``). Pure: any rank, nothing initialised. LaunchEnvError names every malformed or
+    inconsistent variable (``LOCAL_RANK='x' is not an integer``); no variables: world size 1."""
     env = os.environ if environ is None else environ
     r = _Reader(env)
     if r.has("RANK", "WORLD_SIZE"):

@@ -1,18 +1,10 @@
 """Notice that a rank's launcher is gone, so that the rank stops as if it had been signalled.
 
 ``kill <pid of deepspeed>`` (what ``docker stop`` sends) ends DeepSpeed's runner alone, and its
-ranks would train on. At :func:`toolkit.init_distributed` each rank remembers its ancestors whose
-command line names a launcher (:func:`launcher_name`); :class:`LauncherMonitor`, started by
-``watch_preemption``, looks at them twice a second from a thread, and one that has exited is a
-stop. Any rank; the rule and its limits: docs/start.md (A launcher that exits is a stop).
-
-Example::
-
-    # deepspeed train.py, then kill -TERM <pid of the deepspeed runner>
-    ctx = toolkit.init_distributed()                 # remembers the runner and deepspeed.launcher.launch
-    with toolkit.watch_preemption(ctx) as preemption:    # should_preempt() becomes True on every rank
-        ...
-"""
+ranks would train on. :func:`remember_launchers` (at ``init_distributed``) records the rank's
+ancestors that are launchers by their command line; :class:`LauncherMonitor` (started by
+``watch_preemption``) looks at them twice a second. Any rank; the rule and its limits:
+docs/start.md (A launcher that exits is a stop)."""
 
 from __future__ import annotations
 
@@ -68,15 +60,10 @@ class ProcessInfo:
 
 
 def launcher_name(argv: Sequence[str]) -> str | None:
-    """The launcher a command line runs (``"torchrun"``, ``"deepspeed"``, ``"mpirun"``...), or None. Pure.
-
-    >>> launcher_name(["/venv/bin/python", "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30="])
-    'deepspeed.launcher.launch'
-    >>> launcher_name(["slurmstepd: [12.0]"]), launcher_name(["bash", "-c", "python train.py"])
-    ('slurmstepd', None)
-    """
+    """The launcher a command line runs (``"torchrun"``, ``"deepspeed"``, ``"mpirun"``...), or None. Pure."""
     if not argv:
         return None
+    # slurmstepd retitles itself "slurmstepd: [12.0]"; a shell or "python -c" is no launcher.
     program = os.path.basename(argv[0].split(":")[0].split()[0]) if argv[0].strip() else ""
     if not program.startswith("python"):
         return _PROGRAMS.get(program)
@@ -134,10 +121,8 @@ def launcher_chain(processes: Sequence[ProcessInfo]) -> tuple[ProcessInfo, ...]:
 
 
 def exited(process: ProcessInfo) -> bool:
-    """True when ``process`` has ended: its pid is gone, reused (another start time) or a zombie.
-
-    A process this one cannot read (permissions) counts as alive: never a false stop. Any process.
-    """
+    """True when ``process`` has ended: its pid gone, reused or a zombie. One this process cannot read
+    counts as alive: never a false stop. Any process."""
     try:
         with open(f"/proc/{process.pid}/stat", "rb") as file:
             stat = file.read().decode(errors="replace")
@@ -157,11 +142,8 @@ _remember_lock = threading.Lock()
 
 
 def remember_launchers() -> tuple[ProcessInfo, ...]:
-    """Record this process's launcher ancestors, once; later calls return the first record. Any rank.
-
-    :func:`toolkit.init_distributed` calls it, early, while the launchers are certainly alive.
-    Nothing is recorded without /proc or with ``TOOLKIT_WATCH_LAUNCHER=0``.
-    """
+    """Record this process's launcher ancestors, once (``init_distributed``, while they surely live);
+    nothing without /proc or with ``TOOLKIT_WATCH_LAUNCHER=0``. Any rank."""
     global _remembered
     with _remember_lock:
         if _remembered is None:

@@ -1,19 +1,10 @@
-"""DeepSpeed's JIT-built ops, loaded without a silent wait on torch's build lock.
+"""DeepSpeed's JIT-built ops, loaded without a silent wait on torch's build lock. Any rank; per process.
 
-torch's extension loader takes ``<extension dir>/<op>/lock`` around every load of an op, built or
-not, and waits for a lock file to vanish with no message and no limit; a process stopped inside
-that window left every later load waiting forever. :func:`install_build_guards` puts toolkit's
-guards in this process: this lock guard (:func:`judge_lock` says who holds a lock: a live holder
-is waited for with a warning, a dead one's lock removed, an unseen one ends in
-:class:`~toolkit.errors.BuildLockError`), the ninja and directory of :mod:`toolkit.runtime.build_env`
-and :mod:`toolkit.runtime.cuda_arch`. Nothing is installed on import. Any rank; per process.
-
-Example::
-
-    import deepspeed, toolkit
-    toolkit.install_build_guards()      # a script that uses DeepSpeed alone; init_distributed does it too
-    engine, *_ = deepspeed.initialize(...)
-"""
+torch's extension loader waits on ``<extension dir>/<op>/lock`` with no message and no limit, so a
+process stopped while holding it hung every later load. :func:`install_build_guards` installs the
+lock guard (:func:`judge_lock`: a live holder is waited for with a warning, a dead one's lock is
+removed, an unseen one ends in BuildLockError) and the guards of :mod:`toolkit.runtime.build_env`
+and :mod:`toolkit.runtime.cuda_arch`; nothing on import. docs/start.md (DeepSpeed's JIT-built ops)."""
 
 from __future__ import annotations
 
@@ -57,15 +48,10 @@ _NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs
 
 @dataclasses.dataclass(frozen=True)
 class LockState:
-    """What :func:`judge_lock` found.
-
-    Attributes:
-        kind: ``"free"`` (no lock), ``"held"`` (a live process of this machine holds it or
-            compiles in its directory), ``"dead"`` (nobody does: left by a process that died, or
-            made by hand) or ``"unseen"`` (the holder may be where this process cannot look).
-        detail: a readable description of the holder or of why it cannot be seen.
-        ident: the lock file's identity (inode, mtime), so that a second look sees the same file.
-    """
+    """What :func:`judge_lock` found. ``kind``: ``"free"``, ``"held"`` (a live process here holds it or
+    builds in its directory), ``"dead"`` (nobody does) or ``"unseen"`` (the holder may be where this
+    process cannot look); ``detail`` describes it; ``ident`` (inode, mtime) lets a second look tell
+    that it sees the same file."""
 
     kind: str
     detail: str = ""
@@ -94,9 +80,8 @@ def _describe(holders: list[tuple[str, str, str]]) -> str:
 
 
 def _local_holders(lock: Path) -> tuple[list[tuple[str, str, str]], bool]:
-    """Processes of this machine that hold ``lock`` open or work inside its directory (ninja and the
-    compilers it starts), as (pid, "holds" or "builds", command); and whether every process could
-    be looked at."""
+    """Processes here that hold ``lock`` open or work in its directory (ninja and its compilers), as
+    (pid, "holds" or "builds", command), and whether every process could be looked at."""
     lock_path, build_dir = os.path.realpath(lock), os.path.realpath(lock.parent)
     holders, complete = [], True
     for pid in os.listdir("/proc"):
@@ -146,11 +131,8 @@ def _recorded_host(lock: Path) -> str:
 
 
 def judge_lock(lock: Path) -> LockState:
-    """Who holds ``lock``, as far as this machine can tell. Any process; reads /proc only.
-
-    A holder is a process that has the file open (torch keeps the descriptor of the lock it
-    took) or that works in the op's directory (a build left running by a killed parent).
-    """
+    """Who holds ``lock``, as far as this machine can tell: a process with the file open, or a build
+    working in the op's directory. Any process; reads /proc only."""
     try:
         stat = lock.stat()
     except FileNotFoundError:
@@ -186,13 +168,9 @@ def _remove_dead(lock: Path, ident: tuple[int, int] | None) -> bool:
 
 
 def clear_dead_locks(root: Path | None = None) -> list[Path]:
-    """Remove every op lock under ``root`` (default: :func:`extensions_root`, and torch's own default
-    directory when ``TORCH_EXTENSIONS_DIR`` is unset: a process without the guards loads there) that no
-    process holds, looking twice a second apart. Any process; dsat calls it after each trial ends.
-
-    Returns:
-        The removed lock files.
-    """
+    """Remove the op locks under ``root`` that no process holds (two looks a second apart); returns them.
+    Default: :func:`extensions_root`, and torch's own default directory when ``TORCH_EXTENSIONS_DIR`` is
+    unset. Any process; dsat calls it after each trial."""
     bases = [Path(root)] if root is not None else [extensions_root()] + (
         [torch_default_root()] if os.environ.get("TORCH_EXTENSIONS_DIR") is None else [])
     candidates = {lock: judge_lock(lock) for base in dict.fromkeys(bases) for lock in base.glob("*/lock")}
@@ -208,9 +186,8 @@ def clear_dead_locks(root: Path | None = None) -> list[Path]:
 
 
 class _LockReleased(Exception):
-    """The lock this process waited on is gone; the load starts again, so that this process takes
-    the lock and runs the (usually empty) build itself before it imports the op: whoever removed
-    the lock may have died, or cleared a dead one, before the op was built."""
+    """The awaited lock is gone: the load starts again, so this process takes the lock and runs the
+    (usually empty) build itself, since whoever removed the lock may have died before the op was built."""
 
 
 class _LockCleared(_LockReleased):
@@ -318,18 +295,13 @@ def install_lock_guard() -> None:
 
 
 def install_build_guards() -> None:
-    """Install toolkit's guards on torch's extension loader and DeepSpeed's op builder in this
-    process: the build-lock guard, this environment's ninja and build directory
-    (:mod:`toolkit.runtime.build_env`), the ``TORCH_CUDA_ARCH_LIST`` guard
-    (:mod:`toolkit.runtime.cuda_arch`). Idempotent; any rank; per process. ``init_distributed``,
-    the reporting context, Determined's ``core.init`` and dsat's op builds call it; a script that
-    uses DeepSpeed alone calls it before its first DeepSpeed op loads (``deepspeed.init_distributed``
-    loads one on CPU).
+    """Install toolkit's guards on torch's extension loader and DeepSpeed's op builder in this process
+    (build lock, this environment's ninja and directory, ``TORCH_CUDA_ARCH_LIST``). Idempotent; any rank.
 
-    Example::
+    ``init_distributed``, the reporting context, Determined's ``core.init`` and dsat's op builds call
+    it; a script that uses DeepSpeed alone calls it before its first op loads::
 
-        import toolkit
-        toolkit.install_build_guards()     # any rank, before deepspeed.init_distributed / initialize
+        toolkit.install_build_guards()     # before deepspeed.init_distributed / initialize
     """
     install_lock_guard()
     build_env.install_build_env()
@@ -343,12 +315,7 @@ def _section(config: Mapping[str, Any], key: str) -> Mapping[str, Any]:
 
 def builders_for(ds_configs: Iterable[Mapping[str, Any]], *, on_cpu: bool) -> list[str]:
     """DeepSpeed's op builders that engines of ``ds_configs`` load, as DeepSpeed 0.19 picks them
-    (``DeepSpeedEngine._configure_basic_optimizer``, and deepspeed.comm's shared-memory all-reduce
-    on the CPU). Pure.
-
-    >>> builders_for([{"optimizer": {"type": "AdamW"}}], on_cpu=True)
-    ['ShareMemCommBuilder', 'FusedAdamBuilder']
-    """
+    (``DeepSpeedEngine._configure_basic_optimizer``; the shared-memory all-reduce on CPU). Pure."""
     names = ["ShareMemCommBuilder"] if on_cpu else []
     for config in ds_configs:
         optimizer, zero = _section(config, "optimizer"), _section(config, "zero_optimization")
@@ -371,15 +338,9 @@ def builders_for(ds_configs: Iterable[Mapping[str, Any]], *, on_cpu: bool) -> li
 
 
 def load_ops(builder_names: Iterable[str]) -> list[str]:
-    """Build (or load) DeepSpeed ops in this process, so that the processes started after it only
-    load finished ones. Any process; the autotuner calls it before the trials that load them.
-
-    An op that cannot be built here (no compiler, no ninja on PATH, a build error) is logged and
-    skipped: the process that needs it meets the same error itself, in its own log.
-
-    Returns:
-        The names of the ops loaded; a builder that is not available here is skipped.
-    """
+    """Build (or load) DeepSpeed's ops in this process, so that the processes started after it only load
+    them (dsat, before its trials); returns those loaded. One that cannot be built here is logged and
+    skipped: the process that needs it meets the error in its own log. Any process."""
     install_build_guards()
     from deepspeed.accelerator import get_accelerator
 

@@ -1,11 +1,6 @@
-"""Rank-aware logging for toolkit's own loggers.
-
-Every module logs through ``logging.getLogger(__name__)``. After :func:`toolkit.init_distributed`
-their records carry a ``[rank N]`` prefix, and records below WARNING are kept on the chief only, so
-a 16-rank job does not print every line 16 times. Set ``TOOLKIT_LOG_ALL_RANKS=1`` to see the
-INFO lines of every rank. Handlers and levels stay the application's choice
-(``logging.basicConfig(level=logging.INFO)`` in a script shows toolkit's INFO lines).
-"""
+"""Rank-aware logging for toolkit's loggers: after :func:`toolkit.init_distributed` their records
+carry ``[rank N]``, and those below WARNING show on the chief only (``TOOLKIT_LOG_ALL_RANKS=1``:
+every rank's). Handlers and levels stay the application's (``logging.basicConfig(level=...)``)."""
 
 from __future__ import annotations
 
@@ -36,11 +31,8 @@ _filter = _RankFilter()
 
 
 def configure_rank_logging(rank: int) -> None:
-    """Attach the rank filter to every ``toolkit`` logger. Call on all ranks (init_distributed does).
-
-    Logger filters are not inherited by child loggers, so the filter is put on each existing
-    ``toolkit.*`` logger; modules are all imported by ``import toolkit`` before this runs.
-    """
+    """Attach the rank filter to every existing ``toolkit.*`` logger (filters are not inherited, and
+    ``import toolkit`` imported them all). Call on all ranks (``init_distributed`` does)."""
     _filter.rank = rank
     _filter.all_ranks = os.environ.get(ALL_RANKS_ENV, "") not in ("", "0")
     names = ["toolkit"] + [n for n in logging.root.manager.loggerDict if n.startswith("toolkit.")]

@@ -1,18 +1,10 @@
 """Wait for an earlier run's rank 0 that still serves this run's rendezvous port on this machine.
 
-The same command run again (``deepspeed train.py`` uses port 29500 every time) while the first
-run's ranks still save finds that run's rank 0 serving the TCP store on MASTER_PORT: the new rank
-0 would fail (EADDRINUSE) and the others join the old store. A rank 0 whose rendezvous completed
-says so in a marker file (:func:`mark_rendezvous`); :func:`wait_for_rendezvous_port`, called by
-:func:`toolkit.init_distributed` on every rank first, waits while the marked process listens,
-naming it, up to ``TOOLKIT_WAIT_FOR_OTHER_RUN_S`` (default 300 s), then raises
-:class:`~toolkit.errors.RunConflictError` (exit status 2). Any rank; this machine's address only.
-
-Example::
-
-    # deepspeed train.py, run again while the first run's ranks still save: it waits for them
-    wait_for_rendezvous_port("127.0.0.1", 29500)
-"""
+The same command run again (``deepspeed train.py`` uses port 29500 every time) while the first run's
+ranks still save would fail (EADDRINUSE) or join the old store. A rank 0 whose rendezvous completed
+leaves a marker (:func:`mark_rendezvous`); :func:`wait_for_rendezvous_port`, run first by
+``init_distributed``, waits while the marked process listens, up to ``TOOLKIT_WAIT_FOR_OTHER_RUN_S``,
+then raises RunConflictError (exit status 2). Any rank. docs/start.md (The same command again)."""
 
 from __future__ import annotations
 
@@ -95,10 +87,9 @@ def marker_path(port: int) -> Path:
 
 
 def mark_rendezvous(port: int | None) -> None:
-    """Rank 0 only, once its rendezvous is complete: "this process serves ``port`` for a run that has
-    started". A rank of this run never waits for it (its rendezvous needed them all). Left at exit,
-    since the port is served until the very end (a waiter checks that the process still holds it);
-    the markers of processes that have ended are removed here."""
+    """Rank 0 only, once its rendezvous is complete: mark this process as serving ``port`` for a started
+    run (no rank of this run waits for it: the rendezvous needed them all). Left at exit, since the
+    port is served to the end; the markers of ended processes are removed."""
     me = read_process(os.getpid())
     if not port or me is None:
         return
@@ -144,14 +135,8 @@ def _describe(pids: list[int]) -> str:
 
 
 def wait_for_rendezvous_port(addr: str | None, port: int | None, *, bound_s: float | None = None) -> None:
-    """Return once no earlier run's rank 0 listens on ``port`` here. Any rank, before the rendezvous.
-
-    Does nothing when ``addr`` is not this machine's or /proc is missing.
-
-    Raises:
-        RunConflictError: that process still listens after ``bound_s`` (default: :func:`wait_bound`).
-        ConfigError: ``TOOLKIT_WAIT_FOR_OTHER_RUN_S`` is malformed.
-    """
+    """Return once no earlier run's rank 0 listens on ``port`` here (nothing to do for another machine's
+    ``addr`` or without /proc); RunConflictError after ``bound_s``. Any rank, before the rendezvous."""
     if not addr or not port or not os.path.isdir("/proc/self/fd") or not is_local_address(addr):
         return
     bound = wait_bound() if bound_s is None else bound_s

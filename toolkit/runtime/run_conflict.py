@@ -1,17 +1,9 @@
 """A run that meets another still running: how long it waits, and its exit status 2 after that.
 
-A second run of the same command, started while the first's ranks still save, waits for them
-(its rendezvous port, its checkpoint directory) up to :func:`wait_bound` seconds and then raises
-:class:`~toolkit.errors.RunConflictError` on every rank; uncaught, it ends the process with exit
-status 2, read by a scheduler as "not started, nothing written" (as the CLIs' bad input), after
-the usual traceback and the ``atexit`` handlers. Any rank; the hook is installed when the error
-is raised, so importing toolkit changes nothing. Exit statuses: docs/training.md.
-
-Example::
-
-    # deepspeed train.py, twice at once on one checkpoint directory: the second exits 2
-    install_conflict_exit_hook()
-"""
+One bound (``TOOLKIT_WAIT_FOR_OTHER_RUN_S``, default 300 s) for the rendezvous port and the
+checkpoint directory; then RunConflictError is raised on every rank and, uncaught, ends the process
+with status 2 ("not started, nothing written") after the traceback and the ``atexit`` handlers.
+The hook is installed when the error is raised, never on import. Any rank."""
 
 from __future__ import annotations
 
@@ -32,12 +24,8 @@ DEFAULT_WAIT_S = 300.0
 
 
 def wait_bound(environ: Mapping[str, str] | None = None) -> float:
-    """Seconds a run waits for another that holds what it needs: ``TOOLKIT_WAIT_FOR_OTHER_RUN_S``,
-    else 300 (0: no wait). Pure but for reading the environment; any rank.
-
-    Raises:
-        ConfigError: the variable is not a number of seconds >= 0.
-    """
+    """Seconds a run waits for another that holds what it needs: ``TOOLKIT_WAIT_FOR_OTHER_RUN_S``, else
+    300 (0: no wait); ConfigError unless a number >= 0. Any rank."""
     raw = (os.environ if environ is None else environ).get(WAIT_ENV)
     if raw is None or not raw.strip():
         return DEFAULT_WAIT_S

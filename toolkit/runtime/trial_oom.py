@@ -1,16 +1,8 @@
 """Inside a dsat trial: an out-of-memory error that escapes uncaught is written as the trial's
 ``"oom"`` result (typically ``deepspeed.initialize`` placing model states that do not fit).
 
-Nothing runs on import: :func:`toolkit.init_distributed` and the first reporting context of a
-trial install the hook (:func:`install_oom_excepthook`). An OOM that a step raises is handled by
-the reporting context itself (:func:`toolkit.dsat.trial.oom.exit_on_oom`). Every rank (each
-reports its own OOM).
-
-Example::
-
-    # inside a trial process, before the model is built (toolkit.init_distributed does this)
-    install_oom_excepthook()
-"""
+``init_distributed`` and a trial's first reporting context install the hook, never the import; an
+OOM that a step raises is the reporting context's own (``exit_on_oom``). Each rank reports its own."""
 
 from __future__ import annotations
 
@@ -54,16 +46,8 @@ def write_oom_result(result_path: str | os.PathLike[str], trial_id: int, err: Ba
 
 
 def install_oom_excepthook() -> bool:
-    """In a trial process, make an uncaught OOM write the trial's ``"oom"`` result. Any rank.
-
-    Outside a trial (:data:`~toolkit.runtime.trial_env.TRIAL_ENV` unset) it does nothing. The
-    previous ``sys.excepthook`` still runs first (the traceback is printed) and the process
-    exits as Python does (status 1). Idempotent: a second call installs nothing. The trial file
-    is read only when an OOM ends the process, for its ``trial_id`` and ``result_path``.
-
-    Returns:
-        True when the hook is installed (now or by an earlier call).
-    """
+    """In a trial process (``TOOLKIT_DSAT_TRIAL`` set), make an uncaught OOM write the trial's ``"oom"``
+    result after the previous hook ran; True once installed. Idempotent; any rank."""
     global _installed_for
     path = os.environ.get(TRIAL_ENV)
     if not path:

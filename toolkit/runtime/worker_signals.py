@@ -1,18 +1,10 @@
 """DataLoader worker processes ignore the stop signals, so that a preemption stops the rank cleanly.
 
-torchrun, Ctrl-C and Slurm signal a rank's whole process group, DataLoader workers included; with
-the default action the workers die and the rank fails before it can save through
-``should_preempt()``. :func:`protect_dataloader_workers` makes workers started afterwards ignore
-SIGTERM, SIGINT and SIGUSR1, and a forked worker dies with its rank (:func:`die_with_parent`).
-Any rank; :func:`toolkit.init_distributed` and :func:`toolkit.watch_preemption` call it for you.
-How, and what it does not cover: docs/training.md (DataLoader workers).
-
-Example::
-
-    # torchrun --nproc_per_node 2 train.py      (nothing to do after init_distributed)
-    ctx = toolkit.init_distributed()
-    loader = DataLoader(dataset, batch_size=8, num_workers=2)   # its workers ignore SIGTERM
-"""
+torchrun, Ctrl-C and Slurm signal a rank's whole process group; with the default action its
+DataLoader workers die and the rank fails before it can save. :func:`protect_dataloader_workers`
+(``init_distributed`` and ``watch_preemption`` call it) makes workers started afterwards ignore
+SIGTERM, SIGINT and SIGUSR1, and a forked worker dies with its rank. Any rank. How, and what it
+does not cover: docs/training.md (DataLoader workers)."""
 
 from __future__ import annotations
 
@@ -45,11 +37,8 @@ _PR_SET_PDEATHSIG = 1         # <linux/prctl.h>
 
 
 def worker_loop_ignoring(signals: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-    """Torch's worker loop, after setting ``signals`` to SIG_IGN. Runs in a DataLoader worker only.
-
-    A module-level function bound with functools.partial, so that a DataLoader with the
-    ``spawn`` or ``forkserver`` start method can pickle it as the process's target.
-    """
+    """Torch's worker loop, after setting ``signals`` to SIG_IGN. In a DataLoader worker only; a module
+    function (bound with ``functools.partial``) so that a ``spawn`` or ``forkserver`` loader can pickle it."""
     from torch.utils.data._utils import signal_handling, worker
 
     torch_handlers = signal_handling._set_worker_signal_handlers
@@ -73,15 +62,12 @@ def worker_loop_ignoring(signals: tuple[int, ...], *args: Any, **kwargs: Any) ->
 
 
 def die_with_parent() -> None:
-    """Have the kernel SIGKILL this forked DataLoader worker when its rank exits. Any rank's worker.
+    """Have the kernel SIGKILL this forked DataLoader worker when its rank exits. In the worker.
 
-    A worker that ignores SIGTERM must never outlive its rank: an orphan keeps the job's output
-    pipe open, so a launcher or a test waiting for it waits forever, and torchrun, seeing the rank
-    itself gone, never signals its process group again. Torch's own watchdog ends an orphan only
-    from its fetch loop, within 5 s, and not at all when the worker is stuck elsewhere. Linux's
-    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the worker ends, so it is set only for
-    workers forked by the rank's main thread (whose end is the rank's end). Elsewhere: nothing.
-    """
+    A worker that ignores SIGTERM must never outlive its rank: an orphan holds the job's output open,
+    torchrun, seeing the rank gone, never signals its group again, and torch's watchdog ends one only
+    from its fetch loop. ``PR_SET_PDEATHSIG`` fires when the *thread* that forked ends, so it is set
+    only for workers forked by the rank's main thread."""
     if not sys.platform.startswith("linux") or threading.get_ident() != _parent_main_ident:
         return
     try:
@@ -96,17 +82,8 @@ def die_with_parent() -> None:
 
 
 def protect_dataloader_workers(signals: Iterable[int] = PROTECTED_SIGNALS) -> tuple[int, ...]:
-    """Make DataLoader workers started from now on ignore ``signals`` (added to earlier ones). Any rank.
-
-    Idempotent, process-wide, never undone (a worker that ignores a stop signal is stopped by its
-    DataLoader or by its rank's exit). Returns every signal now ignored by new workers.
-
-    Example::
-
-        # torchrun --nproc_per_node 2 train.py   (init_distributed already calls this)
-        toolkit.runtime.worker_signals.protect_dataloader_workers()
-        loader = DataLoader(dataset, batch_size=8, num_workers=2)
-    """
+    """Make DataLoader workers started from now on ignore ``signals`` (added to earlier ones); returns
+    every signal now ignored. Idempotent, process-wide, never undone. Any rank."""
     global _original, _signals, _parent_main_ident
     try:
         from torch.utils.data._utils import worker
@@ -133,14 +110,9 @@ def protected_signals() -> tuple[int, ...]:
 
 
 def _kill_protected_workers() -> None:
-    """At exit, end daemonic children (DataLoader workers) before multiprocessing joins them.
-
-    Multiprocessing's exit handler terminates daemonic children with SIGTERM and then joins them
-    without a timeout: a worker of a loader still alive at exit (a persistent_workers iterator, a
-    global one) ignores that SIGTERM, and the rank would wait forever. Here every daemonic child
-    gets the same SIGTERM, one second in all to exit, then SIGKILL. (Which children are workers
-    cannot be told: multiprocessing drops a process's target once it has started.)
-    """
+    """At exit, end daemonic children (DataLoader workers; which are workers cannot be told) before
+    multiprocessing joins them with no timeout, which a worker ignoring its SIGTERM would hang:
+    SIGTERM, one second, then SIGKILL."""
     children = [child for child in multiprocessing.active_children() if child.daemon]
     if not children:
         return
@@ -161,13 +133,7 @@ def _is_ours(loop: Any) -> bool:
 
 
 def stop_signals(signals: Iterable[Any], problems: list[str]) -> tuple[signal.Signals, ...]:
-    """The signals of ``signals``, deduplicated; what is wrong is appended to ``problems``. Any rank.
-
-    Example:
-        >>> problems: list[str] = []
-        >>> stop_signals([signal.SIGTERM, signal.SIGTERM], problems), problems
-        ((<Signals.SIGTERM: 15>,), [])
-    """
+    """The signals of ``signals``, deduplicated; what is wrong is appended to ``problems``. Any rank."""
     if isinstance(signals, (int, str)) or not isinstance(signals, Iterable):
         problems.append(f"signals={signals!r}: expected a sequence of signals, for example "
                         "(signal.SIGTERM, signal.SIGUSR1)")

@@ -212,7 +212,7 @@ def test_single_process_core_init_preempts_on_its_own_signal_and_invalid_hp_exit
             "hyperparameters.lr",
         ),
         (
-            "entrypoint: python3 x.py\ncheckpoint_storage: {type: gcs, bucket: b}\n",
+            "entrypoint: python3 x.py\ncheckpoint_storage: {type: azure, container: b}\n",
             [],
             "checkpoint_storage.type",
         ),

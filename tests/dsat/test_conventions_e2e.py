@@ -181,4 +181,4 @@ def test_a_script_that_reads_its_own_json_and_sizes_its_loader_from_it_is_tuned(
     assert f"reads its DeepSpeed config {model_dir / 'ds_config.json'}" in log
     assert json.loads((model_dir / "ds_config.json").read_text()) == USER  # the user's file as written
     metrics = json.loads((out / "best_ds_metrics.json").read_text())
-    assert metrics["own_config"]["factor"] > 1, metrics
+    assert metrics["own_config"]["factor"] >= 1, metrics  # measured beside the best (2 trials: it may be it)

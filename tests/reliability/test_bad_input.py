@@ -104,7 +104,6 @@ ROWS = [
       id="trial-file-list"),
     H({"trial_file": '{"lr": 1e999}'}, ["TOOLKIT_TRIAL_HPARAMS=", "1e999 is not a finite number"],
       id="trial-file-inf"),
-    H({}, ["no hyperparameters", "TOOLKIT_EXPERIMENT_CONFIG", "config_path"], id="nothing-given"),
     # ---- the DeepSpeed JSON and the hyperparameters that build it
     D({"json": '{"train_batch_size": 8,'}, ["malformed JSON at line 1", "ds_config.json"], id="malformed"),
     D({"json": '{"train_batch_size": 8, "train_batch_size": 16}'},

@@ -214,6 +214,8 @@ def check_data_batch(engine: Any, contract: TrialContract, sizes: set[int]) -> N
     """At the first backward: the last forward's examples against the engine's micro-batch
     (:func:`data_batch_verdict`); a loader of its own ends the trial as ``"mismatch"``, a data set
     short of the micro-batch as ``"failed"``. Every rank."""
+    if not sizes:
+        return
     actual = engine_summary(engine)
     verdict = data_batch_verdict(sizes, micro_batch=actual["micro_batch"], own=_own_batch.get(engine))
     if verdict is None:

@@ -466,7 +466,7 @@ class Autotuner:
         Tuning trials that only ran out of memory or time leave the profiling trials the searcher
         took as its results."""
         tuning = [r for r in self.results.values() if not (r.spec.profile or r.spec.rerun or r.spec.baseline)]
-        return bool(tuning) and all(r.status is TrialStatus.FAILED for r in tuning)
+        return bool(tuning) and all(r.status is TrialStatus.FAILED and r.data_limit is None for r in tuning)
 
     def _conclude(self) -> SearchOutcome:
         results = list(self.results.values())

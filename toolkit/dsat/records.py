@@ -100,6 +100,9 @@ def event_problem(event: Any) -> str | None:
             peak = event["result"].get("peak_bytes")
             if problem is None and peak is not None and (type(peak) is not int or peak < 0):
                 problem = f"peak_bytes={peak!r:.60}: expected an integer >= 0 or null"
+            limit = event["result"].get("data_limit")
+            if problem is None and limit is not None and (type(limit) is not int or limit < 1):
+                problem = f"data_limit={limit!r:.60}: expected an integer >= 1 or null"
             if problem:
                 return problem
     except (KeyError, TypeError, ValueError, AttributeError) as err:

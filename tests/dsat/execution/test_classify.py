@@ -112,3 +112,15 @@ def test_failed_trials_show_the_workers_error_not_torchruns_epilogue(tmp_path):
          "[launcher] exits with return code = 1"]) + "\n")
     assert stderr_tail(tmp_path).splitlines()[-2:] == ["  [rank 1] line 8", "  [rank 0] ValueError: bad x"]
     assert classify(spec(), directory=tmp_path, code=1, duration_s=1.0).error.endswith("ValueError: bad x")
+
+
+def test_a_micro_batch_the_data_cannot_give_is_a_failure_that_names_the_limit(tmp_path):
+    spec = TrialSpec(3, 4096, {"stage": 1}, line=0)
+    short = {"trial_id": 3, "status": "failed", "error": "its loop feeds 3000 examples per forward",
+             "data_limit": 3000}
+    (tmp_path / "result.json").write_text(json.dumps(short))
+    result = classify(spec, directory=tmp_path, code=0, duration_s=1.0)
+    assert (result.status, result.data_limit) == (TrialStatus.FAILED, 3000)
+    assert check_result({**short, "data_limit": 0}, spec) == "data_limit=0: expected an integer >= 1 or none"
+    crashed = classify(spec, directory=tmp_path, code=1, duration_s=1.0)  # a crash after it: no limit known
+    assert (crashed.status, crashed.data_limit) == (TrialStatus.FAILED, None)

@@ -223,3 +223,27 @@ def test_a_conflicting_verdict_is_decided_by_a_repeat_not_by_the_last_one(repeat
     line = searcher._lines[first.line]
     assert (line.lo, line.hi) == ((3, 4) if repeat is OK else (1, 1))
     assert len(searcher.notes) == 1  # the repeat's own verdict is not a new conflict
+
+
+@PROP
+@given(method=METHOD, stages=STAGES, data=st.integers(1, 900), seed=st.integers(0, 2**16))
+def test_a_micro_batch_the_scripts_data_cannot_give_caps_every_line(method, stages, data, seed):
+    """A trial whose loader gave fewer examples than its micro-batch (``data_limit``) is a failure
+    of that micro-batch alone: after it no line proposes a larger one, at any ZeRO config."""
+    s = settings_for(method, zero_stages=stages, max_trials=40, random_seed=seed)
+    searcher = make_searcher(s, profile_with_range(5000))
+
+    def run(spec):
+        if spec.micro_batch > data:
+            return TrialResult(spec, FAILED, error="data set smaller than the micro-batch", data_limit=data)
+        return TrialResult(spec, OK, {"FLOPS_per_gpu": float(spec.micro_batch), "throughput": 1.0,
+                                      "forward": 1.0, "backward": 1.0, "latency": 1.0})
+
+    calls, results = drive(searcher, run)
+    first = next((i for i, r in enumerate(results) if r.data_limit is not None), None)
+    if first is not None:
+        later = {r.spec.trial_id for r in results[first + 1:]}
+        proposed_after = [spec for call in calls for spec in call if spec.trial_id in later]
+        assert all(spec.micro_batch <= data for spec in proposed_after), (data, proposed_after)
+        assert any(f"at most {data} examples" in note for note in searcher.notes)
+    assert TrialResult.from_json(results[-1].to_json()) == results[-1]

@@ -162,6 +162,9 @@ def check_result(data: Any, spec: TrialSpec) -> str | None:
     engine = data.get("engine")
     if engine is not None and not (isinstance(engine, dict) and set(engine) <= set(SUMMARY_NAMES)):
         return f"engine={engine!r:.200}: expected an object with {', '.join(SUMMARY_NAMES)}"
+    limit = data.get("data_limit")
+    if limit is not None and (type(limit) is not int or limit < 1):
+        return f"data_limit={limit!r:.60}: expected an integer >= 1 or none"
     if status != "ok":
         return None
     metrics = data.get("metrics")
@@ -234,7 +237,8 @@ def classify(spec: TrialSpec, *, directory: Path, code: int | None, duration_s: 
     if data["status"] == "oom":
         return result(TrialStatus.OOM, own or "out of memory (reported by the trial)")
     if data["status"] == "failed":  # the trial's own reason; an exit status says more if there is one
-        return result(TrialStatus.FAILED, exit_text(code) if code else own or "failed")
+        return result(TrialStatus.FAILED, exit_text(code) if code else own or "failed",
+                      data_limit=None if code else data.get("data_limit"))
     wrong = _engine_mismatch(data.get("engine"), directory / "ds_config.json")
     if wrong:
         return result(TrialStatus.MISMATCH, f"its result was measured on an engine that runs another config "

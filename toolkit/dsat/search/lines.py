@@ -122,6 +122,7 @@ class LineSearcher(Generic[LineT]):
         self._verdicts: dict[tuple[int, str], list[TrialResult]] = {}  # config -> its OK/OOM results
         self._repeats: set[int] = set()  # trial ids proposed to settle conflicting verdicts
         self.notes: list[str] = []       # what the user should read: conflicting verdicts and their repeat
+        self._data_limit: int | None = None  # the most examples per forward the script's data gives
 
     # -- public (the Searcher protocol) -------------------------------------------------------
     def propose(self, capacity: int) -> list[TrialSpec]:
@@ -151,6 +152,7 @@ class LineSearcher(Generic[LineT]):
         line, spec = self._take_in_flight(result.spec)
         line.in_flight = False
         self._results.append(result)
+        self._note_data_limit([result])
         if self._conflicts(line, result):
             return  # decided by the repeat, not by this verdict
         metric = self.settings.metric
@@ -180,6 +182,7 @@ class LineSearcher(Generic[LineT]):
         Once, before the first :meth:`propose`. Rank 0 only."""
         if self._proposed or self._lines:
             raise ValueError("observe_profiling: call it once, before the first propose")
+        self._note_data_limit(results)
         base = offload.offload_zero(self.settings.base_zero, self.level)
         allowed, metric = self.settings.micro_batches, self.settings.metric
         taken: list[TrialResult] = []
@@ -199,6 +202,18 @@ class LineSearcher(Generic[LineT]):
                 self._take_profiling(stage, mine)
                 taken += mine
         return taken
+
+    def _note_data_limit(self, results: Sequence[TrialResult]) -> None:
+        """A trial whose script's data gave fewer examples than its micro-batch caps every line there
+        (the data per rank is the same at any ZeRO config)."""
+        limits = [r.data_limit for r in results if r.data_limit is not None]
+        if not limits or (self._data_limit is not None and self._data_limit <= min(limits)):
+            return
+        self._data_limit = min(limits)
+        self.notes.append(f"the script's data gives at most {self._data_limit} examples per forward: "
+                          "no larger micro-batch is tried")
+        for line in self._lines:
+            line.hi = self._top(line.hi)
 
     def _take_profiling(self, stage: int, results: list[TrialResult]) -> None:
         """What a method does with the profiling trials taken at ``stage``: nothing by default."""
@@ -312,6 +327,8 @@ class LineSearcher(Generic[LineT]):
             return m
         if self.settings.max_micro_batch is not None:
             m = min(m, self.settings.max_micro_batch)
+        if self._data_limit is not None:
+            m = min(m, self._data_limit)
         allowed = self.settings.micro_batches
         return m if allowed is None else allowed[bisect.bisect_right(allowed, m) - 1]
 

@@ -96,19 +96,22 @@ class TrialResult:
     error: str | None = None                # why not OK, in words; logs in the trial's directory
     profile: Mapping[str, Any] | None = None  # a profiling trial's ProfileInfo
     peak_bytes: int | None = None           # on CPU peak RSS, on GPUs the chief's peak
+    data_limit: int | None = None           # failed: the most examples per forward the script's data gave
 
     def to_json(self) -> dict[str, Any]:
         return {"spec": self.spec.to_json(), "status": self.status.value, "metrics": dict(self.metrics),
                 "duration_s": self.duration_s, "error": self.error,
                 "profile": dict(self.profile) if self.profile is not None else None,
-                **({"peak_bytes": self.peak_bytes} if self.peak_bytes is not None else {})}
+                **({"peak_bytes": self.peak_bytes} if self.peak_bytes is not None else {}),
+                **({"data_limit": self.data_limit} if self.data_limit is not None else {})}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "TrialResult":
-        peak = data.get("peak_bytes")
+        peak, limit = data.get("peak_bytes"), data.get("data_limit")
         return cls(TrialSpec.from_json(data["spec"]), TrialStatus(data["status"]),
                    dict(data.get("metrics") or {}), float(data.get("duration_s", 0.0)),
-                   data.get("error"), data.get("profile"), int(peak) if peak is not None else None)
+                   data.get("error"), data.get("profile"), int(peak) if peak is not None else None,
+                   int(limit) if limit is not None else None)
 
 
 @dataclasses.dataclass(frozen=True)

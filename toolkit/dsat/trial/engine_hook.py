@@ -225,7 +225,7 @@ def check_data_batch(engine: Any, contract: TrialContract, sizes: set[int]) -> N
         _end(contract, f"its loop feeds {fed} examples per forward, fewer than micro-batch "
              f"{actual['micro_batch']}: the data set (per rank) is smaller than the micro-batch, so this "
              "micro-batch cannot be measured with this data (a larger data set measures it)",
-             {"engine": actual, "data_batch": sorted(sizes)}, status="failed")
+             {"engine": actual, "data_batch": sorted(sizes), "data_limit": max(sizes)}, status="failed")
     text = (f"its loop feeds {fed} examples per forward (the input's first dimension) to an engine that runs "
             f"micro-batch {actual['micro_batch']}, so its throughput would be counted for examples it never "
             f"trained. The script's config: {_checked.get(engine) or 'not seen'}. Fix: let the data loader "

@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import fcntl
 import json
 import logging
 import os
@@ -22,7 +21,7 @@ from pathlib import Path
 
 from toolkit.errors import CheckpointLockError
 from toolkit.runtime.context import DistributedContext
-from toolkit.runtime.op_builds import judge_lock
+from toolkit.runtime.op_builds import judge_lock, remove_dead_lock
 from toolkit.runtime.run_conflict import WAIT_ENV, install_conflict_exit_hook, wait_bound
 
 __all__ = ["LOCK_DIR", "LOCK_FILE", "held_directories", "hold_directory", "holder_text", "lock_path",
@@ -110,7 +109,7 @@ def _acquire(root: str, bound_s: float) -> _Held:
             continue
         if state.kind == "dead" and dead is not None and state.ident == dead:
             left_by = holder_text(path) or "a process"
-            if _remove_if_still_dead(path, state.ident):
+            if remove_dead_lock(path, state.ident):
                 logger.warning("took over the writer lock %s, left by %s, which has ended", path, left_by)
             dead = None
             continue
@@ -125,20 +124,6 @@ def _acquire(root: str, bound_s: float) -> _Held:
                            "more for it to finish (%s)", root, who, state.detail,
                            max(0.0, bound_s - (now - start)), WAIT_ENV)
         time.sleep(_LOOK_S)
-
-
-def _remove_if_still_dead(path: Path, ident: tuple[int, int] | None) -> bool:
-    """Remove the lock if judge_lock still finds the same dead file, one waiter at a time (a second must
-    not remove the lock the first has just taken); True if removed."""
-    with open(path.parent / ".clear", "a") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
-        state = judge_lock(path)
-        if state.kind != "dead" or state.ident != ident:
-            return False
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            return True
-    return False
 
 
 def _refusal(root: str, path: Path, who: str, kind: str, detail: str, waited: float) -> str:

@@ -27,7 +27,8 @@ from toolkit.runtime.build_env import extensions_root, torch_default_root
 from toolkit.runtime.cuda_arch import install_arch_list_guard
 
 __all__ = ["GuardedBaton", "LockState", "UNSEEN_HOLDER_LIMIT_S", "builders_for", "clear_dead_locks",
-           "extensions_root", "install_build_guards", "install_lock_guard", "judge_lock", "load_ops"]
+           "extensions_root", "install_build_guards", "install_lock_guard", "judge_lock", "load_ops",
+           "remove_dead_lock"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +155,9 @@ def judge_lock(lock: Path) -> LockState:
     return LockState("dead", "no process of this machine holds it", ident)
 
 
-def _remove_dead(lock: Path, ident: tuple[int, int] | None) -> bool:
-    """Remove ``lock`` if it is still the same dead lock; one waiter at a time. True if removed."""
+def remove_dead_lock(lock: Path, ident: tuple[int, int] | None) -> bool:
+    """Remove ``lock`` if :func:`judge_lock` still finds the same dead holder, one waiter at a time (a
+    second must not remove the lock the first has just taken). True if removed; any process."""
     with open(lock.parent / _CLEANER, "a") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         state = judge_lock(lock)
@@ -178,7 +180,7 @@ def clear_dead_locks(root: Path | None = None) -> list[Path]:
     if not candidates:
         return []
     time.sleep(_JUDGE_EVERY_S)
-    removed = [lock for lock, state in candidates.items() if _remove_dead(lock, state.ident)]
+    removed = [lock for lock, state in candidates.items() if remove_dead_lock(lock, state.ident)]
     for lock in removed:
         logger.warning("removed %s: a lock of DeepSpeed's op %s that a process left when it died",
                        lock, lock.parent.name)
@@ -233,7 +235,7 @@ def _wait_for(lock: Path) -> None:
             next_judge = now + _JUDGE_EVERY_S
             state = judge_lock(lock)
             if state.kind == "dead" and dead_ident is not None and state.ident == dead_ident:
-                if _remove_dead(lock, state.ident):
+                if remove_dead_lock(lock, state.ident):
                     logger.warning("removed %s, left by a process that died while loading DeepSpeed's op %s; "
                                    "loading it again", lock, op)
                     raise _LockCleared(str(lock))

@@ -100,7 +100,7 @@ SLOW_UNITS: tuple[str, ...] = (
     "tests/reliability/test_dsat_faults.py",
     "tests/dsat/test_cli.py::test_sigkilled_search", "tests/dsat/test_cli.py::test_binary_search",
     "tests/dsat/test_cli.py::test_the_global_batch_is_kept",
-    "tests/dsat/execution/test_hosts.py", "tests/config/test_ds_verdicts.py",
+    "tests/dsat/execution/test_multihost.py", "tests/config/test_ds_verdicts.py",
     "tests/runtime/test_context.py::test_deepspeed_launcher",
 )
 

@@ -26,14 +26,12 @@ def test_how_many_trials_run_at_once():
 
 
 def test_each_trial_gets_its_own_gpus_or_a_share_of_the_cores(tmp_path, monkeypatch):
-    # No GPU here: the pool is dsat's, told of 2 GPUs; what a trial would see is its environment.
-    from toolkit.run import plan_run
-    from toolkit.run.scheduler import _slot_pool, _trial_env
+    # No GPU here: the pool is told of 2 GPUs; what a trial would see is its environment.
+    from toolkit.launch.slots import SlotPool
+    from toolkit.run.scheduler import _trial_env
 
-    plan = plan_run({"entrypoint": "python3 x.py"}, config_path=tmp_path / "x.yaml", model_dir=tmp_path,
-                    output_dir=tmp_path)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    pool = _slot_pool(plan, slots=2, gpus=2, cap=2)
+    pool = SlotPool(slots_per_trial=1, gpus=(0, 1))
     held = [pool.take(trial_id=i) for i in range(2)]
     envs = [_trial_env(tmp_path / f"t{i}", h, threads=8) for i, h in enumerate(held)]
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["4", "5"] and "OMP_NUM_THREADS" not in envs[0]
@@ -41,7 +39,7 @@ def test_each_trial_gets_its_own_gpus_or_a_share_of_the_cores(tmp_path, monkeypa
     pool.give_back(held[0])
     assert pool.take(trial_id=2).gpus == (0,)  # the freed GPU goes to the next trial
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    cpu = _slot_pool(plan, slots=2, gpus=0, cap=2).take(trial_id=0)
+    cpu = SlotPool(slots_per_trial=1).take(trial_id=0)
     assert _trial_env(tmp_path, cpu, threads=1)["OMP_NUM_THREADS"] == "1"
 
 

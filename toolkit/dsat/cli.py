@@ -28,11 +28,11 @@ from toolkit.config.deepspeed import (
 from toolkit.config.experiment import entrypoint_argv, load_experiment_config
 from toolkit.dsat.cli_args import build_parser, parse_bytes
 from toolkit.dsat.execution.argv import config_flag
-from toolkit.dsat.execution.hosts import Host, read_hostfile, slurm_hosts
 from toolkit.dsat.execution.settings import RunnerSettings, available_memory_bytes, default_memory_per_slot
 from toolkit.dsat.search.batch import GlobalBatch, allowed_micro_batches, global_batch_policy
 from toolkit.dsat.search.types import SearchSettings
 from toolkit.errors import ConfigError
+from toolkit.launch.hosts import Host, read_hostfile, slurm_hosts
 from toolkit.launch.wrappers import entrypoint_launcher
 
 if TYPE_CHECKING:  # the plan imports the records and the search; the CLI loads them on use

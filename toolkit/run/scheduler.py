@@ -3,7 +3,7 @@
 ``python -m toolkit.run`` runs up to :func:`concurrency` trials at once: ``searcher.max_concurrent_trials``
 (0 or absent: no limit of its own) within the slots (``--max-slots``; by default this machine's
 GPUs, or on CPU its cores) at ``resources.slots_per_trial`` each. The slots are handed out by
-dsat's slot pool (:class:`toolkit.dsat.execution.slots.SlotPool`): each trial on GPUs gets its
+the pool dsat's runner uses too (:class:`toolkit.launch.slots.SlotPool`): each trial on GPUs gets its
 own ``CUDA_VISIBLE_DEVICES``; on CPU each trial's ranks get ``OMP_NUM_THREADS`` = cores / slots
 (as dsat's trials), so that trials in flight share the cores instead of fighting for them.
 
@@ -41,10 +41,9 @@ from toolkit._checks import is_int
 from toolkit._files import atomic_write
 from toolkit.compat.determined import search
 from toolkit.compat.determined.info import load_trial_state
-from toolkit.dsat.execution.settings import RunnerSettings
-from toolkit.dsat.execution.slots import SlotPool, Slots, device_ids
 from toolkit.errors import ConfigError
 from toolkit.launch.procs import cpu_slots
+from toolkit.launch.slots import SlotPool, Slots, device_ids
 from toolkit.run.plan import RunPlan
 from toolkit.run.process import STOP_SIGNALS, Forwarder, check_slots
 from toolkit.run.search import _Watcher, finish_trial, load_state, save_state
@@ -114,15 +113,6 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _slot_pool(plan: RunPlan, *, slots: int, gpus: int, cap: int) -> SlotPool:
-    """dsat's pool of this machine's slots (GPU ids, or CPU slots counted)."""
-    settings = RunnerSettings(entrypoint=tuple(plan.command), model_dir=plan.model_dir,
-                              slots_per_trial=plan.nproc, max_slots=slots, max_concurrent=cap,
-                              timeout_s=float(2**31),
-                              launcher=plan.launcher, gpus=tuple(range(slots)) if gpus else None)
-    return SlotPool(settings)
-
-
 def _trial_env(trial_dir: Path, held: Slots, *, threads: int) -> dict[str, str]:
     env = {search.SEARCH_ACK_ENV: str(trial_dir)}
     if held.gpus is not None:
@@ -159,7 +149,7 @@ def run_search(plan: RunPlan, *, grace_s: float = 60.0, max_slots: int | None = 
     out.mkdir(parents=True, exist_ok=True)
     state = load_state(out, plan.config)
     experiment_id = load_trial_state(out, write=False)["experiment_id"]
-    pool = _slot_pool(plan, slots=slots, gpus=gpus, cap=cap)
+    pool = SlotPool(slots_per_trial=plan.nproc, gpus=tuple(range(slots)) if gpus else None)
     threads = max(1, cpu_slots() // slots)
     running: dict[int, _InFlight] = {}
     signals = _Signals(running)

@@ -1,7 +1,7 @@
 """The argv that launches one dsat trial across hosts: pure logic, no processes.
 
 A trial whose slots are on a host that is not this machine (see
-:mod:`toolkit.dsat.execution.hosts`) is started by :func:`build_multihost_argv`; a trial on this
+:mod:`toolkit.launch.hosts`) is started by :func:`build_multihost_argv`; a trial on this
 machine by :func:`toolkit.launch.argv.build_trial_argv`, whose rules for the entrypoint (a
 leading interpreter dropped, a launcher it names stripped, Determined's wrappers unwrapped)
 apply here too. Only :mod:`toolkit.dsat.execution.runner` spawns a trial.
@@ -74,7 +74,7 @@ def build_multihost_argv(entrypoint: Sequence[str], *, placement: Mapping[str, S
 
     Args:
         entrypoint: as for :func:`toolkit.launch.argv.build_trial_argv`.
-        placement: host -> slot ids, in rank order (from :func:`toolkit.dsat.execution.hosts.place_trial`).
+        placement: host -> slot ids, in rank order (from :func:`toolkit.launch.hosts.place_trial`).
         via: one of :data:`MULTIHOST_LAUNCHERS`.
         master_port: the trial's own rendezvous port on the first host.
         hostfile: DeepSpeed runners only: a hostfile listing exactly the placement's hosts with
@@ -137,7 +137,7 @@ def _srun_command(mode: str, target: str) -> list[str]:
 def _deepspeed_runner_argv(placement: Mapping[str, Sequence[int]], *, via: str, master_port: int,
                            hostfile: str | os.PathLike[str], ssh_port: int | None) -> list[str]:
     """DeepSpeed's multinode runner with the trial's hostfile, rendezvous and launcher (no script yet)."""
-    from toolkit.dsat.execution.hosts import format_include  # pure, no cycle at import time
+    from toolkit.launch.hosts import format_include  # pure, no cycle at import time
 
     module = PDSH_RUNNER_MODULE if via == "pdsh" else "deepspeed.launcher.runner"
     argv = [sys.executable, "-m", module, "--hostfile", os.fspath(hostfile)]

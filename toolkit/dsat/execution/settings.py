@@ -19,9 +19,9 @@ from pathlib import Path
 from toolkit._checks import int_problem, is_int, is_number
 from toolkit.dsat.contract import TrialContract
 from toolkit.dsat.execution.argv import MULTIHOST_LAUNCHERS
-from toolkit.dsat.execution.hosts import Host, place_trial
 from toolkit.errors import ConfigError
 from toolkit.launch.argv import LAUNCHERS, build_trial_argv
+from toolkit.launch.hosts import Host, place_trial
 from toolkit.launch.procs import cpu_slots
 
 __all__ = ["CONFIG_READS_ENV", "CPU_ALLOCATOR_ENV", "CPU_MEMORY_FRACTION", "CPU_MEMORY_RESERVE",
@@ -100,7 +100,7 @@ class RunnerSettings:
         poll_s: how often running trials are checked (exit, timeout, memory).
         hosts: the machines and their slots (``--hostfile`` or the Slurm allocation); None: this
             machine alone (the single-machine path: ``max_slots`` local slots, no ssh). With
-            hosts, each trial is placed with :func:`toolkit.dsat.execution.hosts.place_trial` and records
+            hosts, each trial is placed with :func:`toolkit.launch.hosts.place_trial` and records
             its hosts in ``placement.json``; a trial whose hosts are all this machine (loopback
             names, this host name) is started locally as without hosts, any other through
             ``multihost_launcher``.
@@ -247,7 +247,7 @@ class RunnerSettings:
         hosts = self.hosts
         if not isinstance(hosts, tuple) or not hosts or not all(isinstance(h, Host) for h in hosts) \
                 or len({h.name for h in hosts}) != len(hosts):
-            return [f"hosts={hosts!r}: expected distinct Host entries (toolkit.dsat.execution.hosts), "
+            return [f"hosts={hosts!r}: expected distinct Host entries (toolkit.launch.hosts), "
                     "or None"]
         total = sum(h.slots for h in hosts)
         if is_int(self.max_slots) and self.max_slots > total:

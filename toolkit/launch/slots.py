@@ -1,20 +1,14 @@
-"""Which slots the running trials hold: the bookkeeping of
-:class:`~toolkit.dsat.execution.runner.TrialRunner`.
+"""Which slots the running trials hold: the pool dsat's runner and ``python -m toolkit.run`` share.
 
-Pure bookkeeping, no processes. One scheme per kind of machine, chosen by the settings:
-
-* **hosts** (``--hostfile`` or a Slurm allocation): each host's free slot ids; a trial is placed
-  with :func:`~toolkit.dsat.execution.hosts.place_trial` (a host's slots are not pooled with
-  another's); a trial wholly on this machine with GPUs gets the slot ids as its GPU ids;
-* **GPUs of this machine**: free GPU ids, handed out in order;
-* **CPU slots of this machine**: counted only (``max_slots``), nothing to hand out.
-
-Autotuner process only.
+Pure bookkeeping, no processes, no time limits. One scheme per kind of machine: the hosts'
+free slot ids (``--hostfile``, a Slurm allocation; a trial placed with
+:func:`~toolkit.launch.hosts.place_trial`), this machine's free GPU ids, or CPU slots (counted
+by the caller, nothing handed out). The runner's process only (dsat's or toolkit.run's).
 
 Example::
 
-    pool = SlotPool(settings)
-    held = pool.take(trial_id=3)          # Slots(gpus=(0, 1)), or a placement on hosts
+    pool = SlotPool(slots_per_trial=2, gpus=(0, 1, 2, 3))
+    held = pool.take(trial_id=3)          # Slots(gpus=(0, 1))
     pool.give_back(held)
 """
 
@@ -24,8 +18,7 @@ import dataclasses
 import os
 from typing import Iterable, Mapping
 
-from toolkit.dsat.execution.hosts import is_local_host, place_trial
-from toolkit.dsat.execution.settings import RunnerSettings
+from toolkit.launch.hosts import Host, is_local_host, place_trial
 
 __all__ = ["SlotPool", "Slots", "device_ids"]
 
@@ -62,22 +55,24 @@ def _without(free: Mapping[str, tuple[int, ...]], placement: Mapping[str, Iterab
 
 
 class SlotPool:
-    """The free slots of a run, for the scheme its settings imply (see the module)."""
+    """The free slots of a run: ``hosts`` (placed across machines, launched there through
+    ``multihost_launcher``), else ``gpus`` of this machine, else CPU slots (nothing to hand out)."""
 
-    def __init__(self, settings: RunnerSettings) -> None:
-        self.settings = settings
-        self.free_gpus = list(settings.gpus) if settings.gpus is not None else None
-        self.free_slots = ({h.name: tuple(range(h.slots)) for h in settings.hosts}
-                           if settings.hosts is not None else None)
+    def __init__(self, *, slots_per_trial: int, gpus: tuple[int, ...] | None = None,
+                 hosts: tuple[Host, ...] | None = None, multihost_launcher: str = "pdsh") -> None:
+        self.slots_per_trial, self.multihost_launcher = slots_per_trial, multihost_launcher
+        self.uniform = multihost_launcher == "srun"   # srun starts the same count on every host
+        self.local_gpus = gpus is not None
+        self.free_gpus = list(gpus) if gpus is not None else None
+        self.free_slots = {h.name: tuple(range(h.slots)) for h in hosts} if hosts is not None else None
 
     def placeable(self, count: int) -> int:
         """How many of ``count`` more trials the hosts' free slots can place (``count`` without hosts)."""
         if self.free_slots is None:
             return count
-        s = self.settings
         free, placed = dict(self.free_slots), 0
         while placed < count:
-            chosen = place_trial(free, s.slots_per_trial, uniform=s.multihost_launcher == "srun")
+            chosen = place_trial(free, self.slots_per_trial, uniform=self.uniform)
             if chosen is None:
                 break
             free = _without(free, chosen)
@@ -86,20 +81,18 @@ class SlotPool:
 
     def take(self, *, trial_id: int) -> Slots:
         """Slots for one trial; RuntimeError if none are free (check :meth:`placeable` first)."""
-        s = self.settings
         if self.free_slots is not None:
-            placement = place_trial(self.free_slots, s.slots_per_trial,
-                                    uniform=s.multihost_launcher == "srun")
+            placement = place_trial(self.free_slots, self.slots_per_trial, uniform=self.uniform)
             if placement is None:
                 raise RuntimeError(f"trial {trial_id} does not fit the free slots {self.free_slots}")
             self.free_slots = _without(self.free_slots, placement)
             if not all(is_local_host(h) for h in placement):
-                return Slots(placement=placement, via=s.multihost_launcher)
-            if s.gpus is not None and len(placement) == 1:  # this machine: slot ids are its GPU ids
+                return Slots(placement=placement, via=self.multihost_launcher)
+            if self.local_gpus and len(placement) == 1:  # this machine: slot ids are its GPU ids
                 return Slots(gpus=next(iter(placement.values())), placement=placement)
             return Slots(placement=placement)
         if self.free_gpus is not None:
-            n = s.slots_per_trial
+            n = self.slots_per_trial
             gpus, self.free_gpus = tuple(self.free_gpus[:n]), self.free_gpus[n:]
             return Slots(gpus=gpus)
         return Slots()

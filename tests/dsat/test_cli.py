@@ -21,25 +21,25 @@ from toolkit.dsat.search.types import TrialSpec
 @pytest.mark.parametrize(
     "flags, fragment",
     [
-        (["--max-trials", "1"], "--max-trials 1: expected an integer >= 2 (it counts the profiling trial)"),
+        (["--max-trials", "1"], "--max-trials=1: expected an integer >= 2 (it counts the profiling trial)"),
         (["--max-trials", "x"], "argument --max-trials: 'x' is not an integer"),
-        (["--max-concurrent-trials", "0"], "--max-concurrent-trials 0: expected an integer >= 1"),
+        (["--max-concurrent-trials", "0"], "--max-concurrent-trials=0: expected an integer >= 1"),
         (["--zero-stages", "4"], "argument --zero-stages: '4' is not a ZeRO stage"),
         (["--metric", "speed"], "argument --metric: invalid choice: 'speed'"),
-        (["--confirm", "-1"], "--confirm -1: expected an integer >= 0"),
-        (["--trial-timeout", "0"], "--trial-timeout 0.0: expected a number of seconds > 0"),
+        (["--confirm", "-1"], "--confirm=-1: expected an integer >= 0"),
+        (["--trial-timeout", "0"], "--trial-timeout=0.0: expected a number of seconds > 0"),
         (["--memory-per-slot", "3XB"], "argument --memory-per-slot: '3XB' is not a size"),
-        (["--start-profile-step", "0"], "--start-profile-step 0: expected an integer >= 1"),
-        (["--memory-per-slot", "0"], "--memory-per-slot 0: expected an integer >= 1"),
+        (["--start-profile-step", "0"], "--start-profile-step=0: expected an integer >= 1"),
+        (["--memory-per-slot", "0"], "--memory-per-slot=0: expected an integer >= 1"),
         (
             ["--start-profile-step", "5", "--end-profile-step", "4"],
-            "--end-profile-step 4 < --start-profile-step 5",
+            "--end-profile-step=4 < --start-profile-step=5",
         ),
-        (["--timed-window", "-1"], "--timed-window -1.0: expected a number of seconds >= 0"),
+        (["--timed-window", "-1"], "--timed-window=-1.0: expected a number of seconds >= 0"),
         (["--timed-window", "inf"], "argument --timed-window: 'inf' is not a finite number"),
-        (["--search-range-factor", "-1"], "--search-range-factor -1.0: expected a number > 0"),
-        (["--bisect-tolerance", "1"], "--bisect-tolerance 1.0: expected a number >= 0 and < 1"),
-        (["--bisect-tolerance", "-0.1"], "--bisect-tolerance -0.1: expected a number >= 0 and < 1"),
+        (["--search-range-factor", "-1"], "--search-range-factor=-1.0: expected a number > 0"),
+        (["--bisect-tolerance", "1"], "--bisect-tolerance=1.0: expected a number >= 0 and < 1"),
+        (["--bisect-tolerance", "-0.1"], "--bisect-tolerance=-0.1: expected a number >= 0 and < 1"),
         (["--bisect-tolerance", "nan"], "argument --bisect-tolerance: 'nan' is not a finite number"),
         (["--search-range-factor", "inf"], "argument --search-range-factor: 'inf' is not a finite number"),
         (["--bisect-tolerance", "10%"], "argument --bisect-tolerance: '10%' is not a number"),
@@ -50,7 +50,7 @@ def test_bad_flags_exit_2_and_write_nothing(tmp_path, flags, fragment, capsys):
     model_dir = make_model_dir(tmp_path, slots=2 if fragment is None else 1)
     code, output = dsat_in_process(model_dir, *flags, capsys=capsys)
     assert code == 2, output[-3000:]
-    assert (fragment or "resources.slots_per_trial=2 > --max-slots 1") in output
+    assert (fragment or "resources.slots_per_trial=2 > --max-slots=1") in output
     assert not (tmp_path / "out").exists()
 
 
@@ -72,41 +72,26 @@ def test_every_bad_value_is_reported_once_in_the_users_words(tmp_path, capsys):
         capsys=capsys,
     )
     assert code == 2, output[-3000:]
-    for fragment in ("--max-trials 1: expected an integer >= 2",
-                     "resources.slots_per_trial=2 > --max-slots 1: no trial could ever start",
-                     "--end-profile-step 3 < --start-profile-step 4",
-                     "--trial-timeout -2.0: expected a number of seconds > 0",
+    for fragment in ("--max-trials=1: expected an integer >= 2",
+                     "resources.slots_per_trial=2 > --max-slots=1: no trial could ever start",
+                     "--end-profile-step=3 < --start-profile-step=4",
+                     "--trial-timeout=-2.0: expected a number of seconds > 0",
                      "hyperparameters.data_parallel_world_size=3: expected a divisor"):
         assert output.count(fragment) == 1, (fragment, output[-3000:])
     assert "max_trials=" not in output and "max_slots=" not in output  # no settings field names
     assert not (tmp_path / "out").exists()
 
 
-def test_user_terms_names_flags_and_config_keys():
-    from toolkit.dsat.cli import user_terms
-
-    assert user_terms("max_trials=1: expected an integer >= 2") == "--max-trials 1: expected an integer >= 2"
-    assert (
-        user_terms("slots_per_trial=2 > max_slots=1: lower slots_per_trial or raise max_slots")
-        == "resources.slots_per_trial=2 > --max-slots 1: lower resources.slots_per_trial or raise --max-slots"
-    )
-    assert (
-        user_terms("hyperparameters.data_parallel_world_size=3")
-        == "hyperparameters.data_parallel_world_size=3"
-    )
-    assert user_terms("the metric is unknown") == "the metric is unknown"
-
-
 def test_the_installed_cli_exits_2_on_bad_input(tmp_path):
     model_dir = make_model_dir(tmp_path)
     result = dsat(model_dir, "--max-trials", "1")
-    assert result.returncode == 2 and "--max-trials 1: expected an integer >= 2" in result.stdout
+    assert result.returncode == 2 and "--max-trials=1: expected an integer >= 2" in result.stdout
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("method, flags, fragment", [
-    ("asha", ["--divisor", "1"], "--divisor 1: expected an integer >= 2"),
-    ("random", ["--trials-per-random-config", "0"], "--trials-per-random-config 0: expected an integer >= 1"),
+    ("asha", ["--divisor", "1"], "--divisor=1: expected an integer >= 2"),
+    ("random", ["--trials-per-random-config", "0"], "--trials-per-random-config=0: expected an integer >= 1"),
     ("binary", ["--divisor", "2"], "unrecognized arguments: --divisor"),
     ("asha", ["--bisect-tolerance", "0.1"], "unrecognized arguments: --bisect-tolerance"),
     ("random", ["--bisect-tolerance", "0.1"], "unrecognized arguments: --bisect-tolerance"),

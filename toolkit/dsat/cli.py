@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import shlex
 import signal
 import sys
@@ -38,45 +37,15 @@ from toolkit.launch.wrappers import entrypoint_launcher
 if TYPE_CHECKING:  # the plan imports the records and the search; the CLI loads them on use
     from toolkit.dsat.plan import Plan
 
-__all__ = ["build_parser", "choose_launcher", "make_plan", "main", "parse_bytes", "user_terms", "UsageError",
-           "USER_NAMES"]
+__all__ = ["build_parser", "choose_launcher", "make_plan", "main", "parse_bytes", "UsageError"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_LAUNCHER = "torchrun"
 
 
 class UsageError(ConfigError):
-    """Bad input found before anything was launched: every problem, in the user's words (flags,
-    config keys). The CLI prints them and exits 2; nothing was launched or written."""
-
-
-#: Where each settings field comes from: a flag, or a key of the experiment config.
-_FLAGS = ("max_trials", "max_slots", "zero_stages", "start_profile_step", "end_profile_step", "random_seed",
-          "memory_per_slot", "ssh_port", "multihost_launcher", "search_range_factor", "bisect_tolerance",
-          "trials_per_random_config", "early_stopping", "max_rungs", "min_binary_search_trials",
-          "asha_early_stopping", "divisor", "offload")
-USER_NAMES = {**{field: "--" + field.replace("_", "-") for field in _FLAGS},
-              "max_concurrent": "--max-concurrent-trials", "timeout_s": "--trial-timeout",
-              "timed_window_s": "--timed-window",
-              "slots_per_trial": "resources.slots_per_trial",
-              "data_parallel_size": "hyperparameters.data_parallel_world_size"}
-_FIELD = re.compile(r"(?<![\w.-])(" + "|".join(sorted(USER_NAMES, key=len, reverse=True)) + r")(=?)")
-
-
-def user_terms(problem: str) -> str:
-    """A settings problem with each field named as the user wrote it. Pure.
-
-    >>> user_terms("max_trials=1: expected an integer >= 2")
-    '--max-trials 1: expected an integer >= 2'
-    >>> user_terms("slots_per_trial=2 > max_slots=1: no trial could ever start")
-    'resources.slots_per_trial=2 > --max-slots 1: no trial could ever start'
-    """
-    def name(match: re.Match[str]) -> str:
-        user = USER_NAMES[match.group(1)]
-        if not match.group(2):
-            return user
-        return user + (" " if user.startswith("--") else "=")
-    return _FIELD.sub(name, problem)
+    """Bad input found before anything was launched: every problem, naming the flag or config key.
+    The CLI prints them and exits 2; nothing was launched or written."""
 
 
 def choose_launcher(flag: str | None, entrypoint: Sequence[str]) -> tuple[str, str]:
@@ -280,7 +249,7 @@ def _build_settings(args: argparse.Namespace, inputs: _Inputs, machines: _Machin
                                 base_zero=dict(zero) if isinstance(zero, dict) else {},
                                 micro_batches=micro_batches, offload=args.offload, **method_args)
     except ConfigError as err:
-        problems.extend(user_terms(p) for p in err.problems)
+        problems.extend(err.problems)
     try:
         runner = RunnerSettings(entrypoint=tuple(inputs.entrypoint), model_dir=inputs.model_dir,
                                 slots_per_trial=inputs.slots, max_slots=machines.max_slots,
@@ -295,7 +264,7 @@ def _build_settings(args: argparse.Namespace, inputs: _Inputs, machines: _Machin
                                 ssh_port=args.ssh_port, echo=not args.quiet,
                                 merge_config=not args.no_merge_config, config_files=_config_files(inputs))
     except ConfigError as err:
-        problems.extend(user_terms(p) for p in err.problems)
+        problems.extend(err.problems)
     return search, runner
 
 
@@ -340,7 +309,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                         "dsat merge each trial's tuned keys over the one your script gives "
                         "deepspeed.initialize")
     if args.confirm < 0:
-        problems.append(f"--confirm {args.confirm}: expected an integer >= 0 (how many of the best "
+        problems.append(f"--confirm={args.confirm}: expected an integer >= 0 (how many of the best "
                         "configurations are re-run; 0: none)")
     if problems or search is None or runner is None or policy is None:
         raise UsageError(problems)

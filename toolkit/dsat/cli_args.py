@@ -1,8 +1,8 @@
 """The argument parser of ``python -m toolkit.dsat {binary,random,asha} CONFIG MODEL_DIR``.
 
 Every flag has a help line with its default and unit. The argparse types parse a flag's syntax
-only; its range is checked once, by the settings it goes into, and reported with the flag's
-name (see :func:`toolkit.dsat.cli.user_terms`). Autotuner process only. Example::
+only; its range is checked once, by the settings it goes into, whose messages name the flag.
+Autotuner process only. Example::
 
     args = build_parser().parse_args(["binary", "deepspeed.yaml", "."])
 """

@@ -176,10 +176,11 @@ def test_capacity_follows_placement(tmp_path):
     assert runner(2).capacity() == 2
     assert runner(3).capacity() == 1
     assert runner(1).capacity() == 4
-    with pytest.raises(ConfigError, match="max_slots=5 but the hosts have 4 slot"):
+    with pytest.raises(ConfigError, match="--max-slots=5 but the hosts have 4 slot"):
         RunnerSettings(entrypoint=("python3", "t.py"), model_dir=procutil.WORKERS, slots_per_trial=1,
                        max_slots=5, max_concurrent=1, timeout_s=1, hosts=LOCAL_HOSTS)
-    with pytest.raises(ConfigError, match="slots_per_trial=3 cannot be placed .* on each host \\(srun\\)"):
+    with pytest.raises(ConfigError,
+                       match="resources.slots_per_trial=3 cannot be placed .* on each host \\(srun\\)"):
         RunnerSettings(entrypoint=("python3", "t.py"), model_dir=procutil.WORKERS, slots_per_trial=3,
                        max_slots=4, max_concurrent=1, timeout_s=1, hosts=LOCAL_HOSTS,
                        multihost_launcher="srun")
@@ -260,5 +261,5 @@ def test_bad_hostfile_is_a_usage_error(tmp_path, capsys):
     assert code == 2 and f"hostfile {hostfile}, line 2: slots='two' for 'node'" in text
     hostfile.write_text("localhost slots=1\n")
     code, text = dsat_in_process(model_dir, "--hostfile", str(hostfile), capsys=capsys)
-    assert code == 2 and "resources.slots_per_trial=2 > --max-slots 1" in text
+    assert code == 2 and "resources.slots_per_trial=2 > --max-slots=1" in text
     assert not (tmp_path / "out").exists()

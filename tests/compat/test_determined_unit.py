@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import resets
 from toolkit.compat import determined as det
 from toolkit.compat.determined import info as info_mod
 from toolkit.compat.determined import storage
@@ -17,6 +18,7 @@ from toolkit.compat.determined.core.searcher import SearcherContext
 from toolkit.compat.determined.core.train import TensorboardMode, TrainContext
 from toolkit.compat.determined.pytorch import dsat
 from toolkit.errors import ConfigError, LaunchEnvError
+from toolkit.launch.trial_files import TRIAL_FILE
 from toolkit.launch.wrappers import torchrun_nproc_override, unwrap_launcher
 
 # The entrypoints of Determined's own examples, exactly as their YAMLs write them.
@@ -95,9 +97,9 @@ def env(tmp_path, monkeypatch):
         if key.startswith("TOOLKIT_") or key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
             monkeypatch.delenv(key)
     monkeypatch.setenv("TOOLKIT_OUTPUT_DIR", str(tmp_path / "out"))
-    info_mod.reset_for_tests()
+    resets.forget_cluster_info()
     yield tmp_path
-    info_mod.reset_for_tests()
+    resets.forget_cluster_info()
 
 
 def test_cluster_info_from_yaml_with_stable_ids(env, monkeypatch):
@@ -119,10 +121,10 @@ def test_cluster_info_from_yaml_with_stable_ids(env, monkeypatch):
     )
     assert info.slot_ids == [0, 1] and info.container_addrs == ["127.0.0.1"] and info.container_rank == 0
     ids = (info.trial.trial_id, info.trial.experiment_id)
-    info_mod.reset_for_tests()
+    resets.forget_cluster_info()
     again = det.get_cluster_info()
     assert (again.trial.trial_id, again.trial.experiment_id) == ids
-    assert json.loads((env / "out" / info_mod.TRIAL_FILE).read_text())["trial_id"] == ids[0]
+    assert json.loads((env / "out" / TRIAL_FILE).read_text())["trial_id"] == ids[0]
 
 
 @pytest.mark.parametrize(

@@ -12,17 +12,18 @@ import warnings
 import pytest
 
 from helpers import procutil
-from toolkit.compat.determined import hparams, storage
+from toolkit.compat.determined import storage
 from toolkit.compat.determined.core.checkpoint import CheckpointContext
 from toolkit.compat.determined.core.distributed import DummyDistributedContext
 from toolkit.compat.determined.core.searcher import SearcherContext, Unit
 from toolkit.compat.determined.core.train import TensorboardMode, TrainContext
-from toolkit.compat.determined.info import CONTAINER_PER_RANK_ENV
 from toolkit.compat.determined.shim.determined.launch import _in_rank as in_rank
-from toolkit.compat.determined.wrap_rank import WRAPPED_ENV
+from toolkit.config import hyperparameters
 from toolkit.config.experiment import ConfigWarning, check_experiment_config, max_length_steps
 from toolkit.errors import ConfigError
 from toolkit.launch.experiment_env import environment_variables, environment_variables_problems
+from toolkit.launch.trial_files import SEARCH_FILE
+from toolkit.launch.wrappers import CONTAINER_PER_RANK_ENV, WRAPPED_ENV
 
 SCRIPT = """import json, os, sys
 from toolkit.compat import determined as det
@@ -132,9 +133,9 @@ def test_best_validation_from_the_search_record(tmp_path):
     record = {"smaller_is_better": False, "trials": [
         {"dir": "trial-0000", "metric": 0.5}, {"dir": "trial-0001", "metric": None},
         {"dir": "trial-0002", "metric": 0.7}]}
-    (tmp_path / "search.json").write_text(json.dumps(record))
+    (tmp_path / SEARCH_FILE).write_text(json.dumps(record))
     assert best() == 0.7
-    (tmp_path / "search.json").write_text(json.dumps({**record, "smaller_is_better": True}))
+    (tmp_path / SEARCH_FILE).write_text(json.dumps({**record, "smaller_is_better": True}))
     assert best() == 0.5
     assert best(tmp_path / "trial-0009") is None  # not this search's trial
 
@@ -179,7 +180,7 @@ def test_cluster_only_determined_keys_are_not_honoured_here_and_typos_stay_unkno
                     " max_time: 8, bracket_rungs: [1], source_trial_id: 3}\nmax_restart: 1\n")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        hparams.load_config(path)
+        hyperparameters.load_config(path)
     messages = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
     honoured = sorted(m.split(" is not honoured here: ")[0] for m in messages if "not honoured here" in m)
     assert honoured == ["bind_mounts", "checkpoint_policy", "checkpoint_storage.save_experiment_best",

@@ -25,7 +25,6 @@ from hypothesis import strategies as st
 import toolkit
 from helpers import procutil
 from toolkit.bounded_load import MAX_DEPTH, MAX_YAML_NODES, load_json, load_yaml, parse_json, parse_yaml
-from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state
 from toolkit.dsat.cli import main as dsat_main
 from toolkit.dsat.contract import MAX_ERROR_CHARS, METRICS, TrialStatus
 from toolkit.dsat.execution.classify import classify
@@ -33,6 +32,7 @@ from toolkit.dsat.profiling_phase import ProfilingPhase
 from toolkit.dsat.records import EventLog
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.errors import ConfigError
+from toolkit.launch.trial_files import TRIAL_FILE, load_trial_state
 from toolkit.run.cli import main as run_main
 
 MODEL = procutil.WORKERS / "dsat_model_trial.py"

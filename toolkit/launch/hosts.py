@@ -1,23 +1,10 @@
-"""Hosts and slots for dsat trials across machines: hostfile, Slurm allocation, placement. Pure logic.
+"""Hosts and slots across machines: DeepSpeed's hostfile, a Slurm allocation, and where a trial goes.
 
-Where the slots come from (see :func:`toolkit.dsat.cli.make_plan`):
-
-* ``--hostfile FILE``: DeepSpeed's hostfile format, one host per line, ``#`` comments::
-
-      worker-0 slots=4      # slots = GPUs (or CPU processes) a trial may use on that host
-      worker-1 slots=4
-
-* inside a Slurm allocation (``SLURM_JOB_NODELIST`` set, no ``--hostfile``): every node of the
-  allocation, with ``SLURM_GPUS_PER_NODE``, else ``SLURM_TASKS_PER_NODE``, else
-  ``SLURM_JOB_CPUS_PER_NODE`` slots (``2(x3),1`` = 2, 2, 2, 1);
-* otherwise this machine alone (``--max-slots``): the single-machine path, unchanged, no ssh.
-
-A trial needs ``slots_per_trial`` slots. :func:`place_trial` puts it on one host when one host
-has room (the fullest host that fits, so that large holes stay free for later trials), and
-otherwise spreads it over as few hosts as possible. Slot ids are per host (``0..slots-1``); they
-are DeepSpeed's ``--include host:ids`` and become ``CUDA_VISIBLE_DEVICES`` on GPU hosts.
-
-Example::
+Slots come from ``--hostfile`` (``worker-0 slots=4``), else the Slurm allocation
+(``SLURM_JOB_NODELIST`` with ``SLURM_GPUS_PER_NODE``, else the tasks or CPUs per node), else this
+machine alone. :func:`place_trial` puts a trial on the fullest host that fits, else over as few
+hosts as possible; slot ids are per host (``--include host:ids``, ``CUDA_VISIBLE_DEVICES``).
+How dsat uses them: docs/multi-node.md. Pure; the runner's process. Example::
 
     >>> hosts = parse_hostfile("localhost slots=2\\n127.0.0.1 slots=2\\n")
     >>> place_trial({h.name: tuple(range(h.slots)) for h in hosts}, 3)

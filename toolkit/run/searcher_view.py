@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from toolkit._checks import is_number
+from toolkit.run.search_state import SearchState
 
 __all__ = ["SEARCHER_RUN", "flat_hparams", "searcher_series", "write_searcher_view", "write_trial_hparams"]
 
@@ -23,39 +24,37 @@ SEARCHER_RUN = Path("tensorboard") / "searcher"
 _FILE, _HPARAMS = "toolkit-searcher", "toolkit-hparams"
 
 
-def searcher_series(state: Mapping[str, Any],
+def searcher_series(state: SearchState,
                     config: Mapping[str, Any]) -> dict[str, list[tuple[int, float]]]:
     """The searcher's scalars, ``(trial index, value)`` by tag: ``searcher/metric``,
     ``searcher/stopped_early``, ``searcher/error``; ASHA's ``asha/rungs_reached`` and
     ``asha/<time_metric>_<rung time>`` (a trial's metric at that rung, NaN left out)."""
     series: dict[str, list[tuple[int, float]]] = {}
-    for trial in state.get("trials") or ():
-        index = int(trial["index"])
-        if is_number(trial.get("metric")):
-            series.setdefault("searcher/metric", []).append((index, float(trial["metric"])))
-        if trial.get("state") in ("COMPLETED", "ERROR"):
-            stopped = float(bool(trial.get("stopped_early")))
-            series.setdefault("searcher/stopped_early", []).append((index, stopped))
-            series.setdefault("searcher/error", []).append((index, float(trial["state"] == "ERROR")))
-    asha = state.get("asha")
-    if isinstance(asha, Mapping):
+    for trial in state.trials:
+        if is_number(trial.metric):
+            series.setdefault("searcher/metric", []).append((trial.index, float(trial.metric)))
+        if trial.ended:
+            stopped = float(trial.stopped_early)
+            series.setdefault("searcher/stopped_early", []).append((trial.index, stopped))
+            series.setdefault("searcher/error", []).append((trial.index, float(trial.state == "ERROR")))
+    if state.asha is not None:
         searcher = config.get("searcher") or {}
         sign = 1.0 if searcher.get("smaller_is_better", True) else -1.0
         reached: dict[int, int] = {}
-        for bracket in asha.get("brackets") or ():
-            for rung_time, entries in zip(bracket["rungs"], bracket["metrics"], strict=True):
+        for bracket in state.asha.brackets:
+            for rung_time, entries in zip(bracket.rungs, bracket.metrics, strict=True):
                 tag = f"asha/{searcher.get('time_metric', 'time')}_{rung_time}"
                 for index, value in entries:
-                    reached[int(index)] = reached.get(int(index), 0) + 1
+                    reached[index] = reached.get(index, 0) + 1
                     if value < sys.float_info.max:  # a metric that was not finite ranks last, not drawn
-                        series.setdefault(tag, []).append((int(index), sign * float(value)))
-        started = [int(t["index"]) for t in state.get("trials") or () if t.get("state") != "PENDING"]
+                        series.setdefault(tag, []).append((index, sign * float(value)))
+        started = [t.index for t in state.trials if t.state != "PENDING"]
         series["asha/rungs_reached"] = [(i, float(reached.get(i, 0))) for i in started]
     return series
 
 
-def write_searcher_view(output_dir: Path, state: Mapping[str, Any], config: Mapping[str, Any]) -> None:
-    """Rewrite the searcher's run from the search state (``search.json``'s)."""
+def write_searcher_view(output_dir: Path, state: SearchState, config: Mapping[str, Any]) -> None:
+    """Rewrite the searcher's run from the search state."""
     from toolkit.metrics.tb_events import write_run  # tensorboard is slow to import
 
     write_run(Path(output_dir) / SEARCHER_RUN, searcher_series(state, config), name=_FILE)

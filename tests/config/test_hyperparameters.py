@@ -1,14 +1,12 @@
-"""Determined's hyperparameter semantics without processes: sampling per type, the grid, the YAML
-loader that keeps search spaces, and the values toolkit.run records per output directory."""
+"""Determined's hyperparameter semantics (toolkit.config.hyperparameters) without processes: sampling
+per type, the grid, and the YAML loader that keeps search spaces."""
 
 import json
 import random
 
 import pytest
 
-from toolkit.compat import determined as det
-from toolkit.compat.determined import hparams as hp
-from toolkit.compat.determined import info as info_mod
+from toolkit.config import hyperparameters as hp
 from toolkit.errors import ConfigError
 
 SPACE = {
@@ -92,60 +90,3 @@ def test_load_config_keeps_search_spaces_and_checks_the_rest(tmp_path):
         hp.load_config(cfg)
     with pytest.raises(FileNotFoundError):
         hp.load_config(tmp_path / "missing.yaml")
-
-
-@pytest.fixture
-def env(tmp_path, monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "TOOLKIT_TRIAL_HPARAMS",
-                info_mod.CONTAINER_PER_RANK_ENV):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("TOOLKIT_OUTPUT_DIR", str(tmp_path / "out"))
-    info_mod.reset_for_tests()
-    yield tmp_path
-    info_mod.reset_for_tests()
-
-
-def test_recorded_sample_is_what_every_rank_reads_and_is_kept(env, monkeypatch):
-    cfg = env / "exp.yaml"
-    cfg.write_text(
-        "entrypoint: python3 x.py\nsearcher: {name: single, metric: x}\n"
-        "reproducibility: {experiment_seed: 11}\n"
-        "hyperparameters: {n: {type: int, minval: 1, maxval: 1000}, c: {type: const, val: 2}}\n"
-    )
-    monkeypatch.setenv("TOOLKIT_EXPERIMENT_CONFIG", str(cfg))
-    with pytest.raises(ConfigError, match="hyperparameters.n"):  # nothing sampled: outside toolkit.run
-        det.get_cluster_info()
-    config, out = hp.load_config(cfg), env / "out"
-    values = info_mod.record_hparams(out, config)
-    assert values == hp.sample_hparams(config["hyperparameters"], random.Random(11))  # the experiment seed
-    info_mod.reset_for_tests()
-    info = det.get_cluster_info()
-    assert info.trial.hparams == values == {"c": 2, "n": values["n"]}
-    trial_id = info.trial.trial_id
-    assert info_mod.record_hparams(out, config, seed=99) == values  # a rerun keeps them
-    state = json.loads((out / info_mod.TRIAL_FILE).read_text())
-    assert state["hparams_seed"] == 11 and state["trial_id"] == trial_id
-    monkeypatch.setenv("RANK", "1")
-    info_mod.reset_for_tests()
-    assert det.get_cluster_info().trial.hparams == values  # another rank: the same values
-    changed = dict(config, hyperparameters={"n": {"type": "int", "minval": 1, "maxval": 2}})
-    with pytest.raises(ConfigError, match="another search space"):
-        info_mod.record_hparams(out, changed)
-    other = env / "other"
-    assert info_mod.record_hparams(other, {"hyperparameters": {"a": 1}}) is None  # nothing to sample
-    assert not other.exists()
-
-
-def test_each_rank_is_one_container_under_toolkit_run(env, monkeypatch):
-    cfg = env / "exp.yaml"
-    cfg.write_text("entrypoint: python3 x.py\nresources: {slots_per_trial: 2}\n")
-    monkeypatch.setenv("TOOLKIT_EXPERIMENT_CONFIG", str(cfg))
-    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                       "MASTER_ADDR": "127.0.0.1", info_mod.CONTAINER_PER_RANK_ENV: "1"}.items():
-        monkeypatch.setenv(key, value)
-    info = det.get_cluster_info()
-    assert (info.slot_ids, info.container_rank, info.container_addrs) == ([1], 1, ["127.0.0.1"] * 2)
-    monkeypatch.delenv(info_mod.CONTAINER_PER_RANK_ENV)
-    info_mod.reset_for_tests()
-    info = det.get_cluster_info()  # a worker under a launcher wrapper: the machine is the container
-    assert (info.slot_ids, info.container_rank, info.container_addrs) == ([0, 1], 0, ["127.0.0.1"])

@@ -1,28 +1,13 @@
 """Determined's ``hyperparameters`` section: search spaces checked, sampled and laid on a grid.
 
-Determined's master chooses every trial's values, also for ``searcher: single`` (its single
-searcher is a random search of one trial, so ``{type: int, minval: 1, maxval: 8}`` there gives
-one random integer). ``python -m toolkit.run`` plays the master: it samples once per output
-directory and records the values in the trial state file, and every rank reads them from there
-(:func:`toolkit.compat.determined.get_cluster_info`). The rules, as Determined 0.38's master:
+The rules are Determined 0.38's master's: ``const``, ``int`` (both ends included), ``double``,
+``log`` (``base ** uniform``), ``categorical``, nested groups; a grid takes ``count`` evenly spaced
+values of each numeric range. ``python -m toolkit.run`` samples them (every searcher, ``single``
+too); a trial reads the values recorded for it (:mod:`toolkit.launch.trial_files`).
+:func:`load_config` reads an experiment YAML with its search spaces. Pure apart from that read;
+any rank. Example::
 
-* ``{type: const, val: X}`` -> ``X``; a plain value (scalar or list) is a constant too;
-* ``{type: int, minval: a, maxval: b}`` -> a uniform integer in ``[a, b]`` (both ends included);
-* ``{type: double, minval: a, maxval: b}`` -> uniform in ``[a, b)``;
-* ``{type: log, base: B, minval: a, maxval: b}`` -> ``B ** uniform(a, b)``;
-* ``{type: categorical, vals: [...]}`` -> one of the values, each equally likely;
-* a mapping without ``type`` is a nested group, sampled key by key (an empty group stays ``{}``).
-
-Grid search (:func:`grid_points`) takes ``count`` values of each numeric range, evenly spaced
-(ints rounded, at most the range's size), every categorical value, and their cartesian product.
-
-Pure: no file, no process; any rank. :func:`load_config` reads the YAML.
-
-Example::
-
-    rng = random.Random(7)
-    sample_hparams({"lr": {"type": "log", "base": 10, "minval": -4, "maxval": -2}}, rng)
-    # {'lr': 0.00031...}
+    sample_hparams({"lr": {"type": "log", "base": 10, "minval": -4, "maxval": -2}}, random.Random(7))
 """
 
 from __future__ import annotations
@@ -34,10 +19,9 @@ import random
 from pathlib import Path
 from typing import Any, Mapping
 
-import toolkit
 from toolkit._checks import is_int, is_mapping, is_number
 from toolkit.bounded_load import load_yaml
-from toolkit.config.experiment import check_experiment_config, warn_unknown_keys
+from toolkit.config.experiment import check_experiment_config, load_experiment_config, warn_unknown_keys
 from toolkit.config.not_honoured import NOT_HONOURED
 from toolkit.errors import ConfigError
 
@@ -239,18 +223,18 @@ def load_config(path: str | Path) -> dict[str, Any]:
 
     Toolkit's own :func:`toolkit.load_experiment_config` refuses search spaces (a plain toolkit
     script runs one value); here they are checked by :func:`check_space` and kept as written, and
-    ``{type: const, val: X}`` stays too (:func:`toolkit.compat.determined.info.resolve_hparams`
-    and :func:`sample_hparams` resolve it).
+    ``{type: const, val: X}`` stays too (resolved by the trial's ``get_cluster_info`` and by
+    :func:`sample_hparams`).
 
     Raises:
         FileNotFoundError: no such file.
         ConfigError: malformed YAML or any problem, each naming its key.
     """
     if not Path(path).is_file():
-        return toolkit.load_experiment_config(path)  # its message (the absolute path looked at)
+        return load_experiment_config(path)  # its message (the absolute path looked at)
     raw = load_yaml(path, what="experiment config")
     if not is_mapping(raw) or not is_mapping(raw.get("hyperparameters") or {}):
-        return toolkit.load_experiment_config(path)
+        return load_experiment_config(path)
     masked = {k: v for k, v in raw.items() if k not in _COMPAT_KEYS}
     hparams = raw.get("hyperparameters") or {}
     masked["hyperparameters"] = {k: (0 if _kind(v) in SEARCH_TYPES else v) for k, v in hparams.items()}

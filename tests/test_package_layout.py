@@ -9,6 +9,10 @@
 * Modules over 400 lines and functions over 60 (docstring included, unless their docstring says
   why in a line starting ``Long because``) are reported as hints to split by meaning, not failures.
 * One definition of the integer check and of the atomic write.
+* No circle: none between the wings (core, launch, dsat, the facade, compat, run), none among the
+  modules at import time but the one checkpoint/api.py documents; following toolkit.run's config
+  from its command line to a trial's launch stays in run/, launch/ and the core.
+* No two modules share a file name outside compat/ (which keeps Determined's module names).
 """
 
 from __future__ import annotations
@@ -179,3 +183,92 @@ def test_one_integer_check_and_one_atomic_write():
 
 def _line_of(text: str, path: Path) -> int:
     return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
+
+
+# --------------------------------------------------------------------------- circles and names
+
+MODULES = {_module(path): path for path in SOURCES}
+
+
+def _module_targets(path: Path, *, import_time: bool = False) -> set[str]:
+    """The toolkit modules ``path`` imports (``from toolkit.run import searchers``: the submodule);
+    ``import_time``: only the statements run on import (not in functions or ``if TYPE_CHECKING``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    on_import = [n for top in tree.body if not isinstance(top, ast.If)
+                 for n in ([top] if not isinstance(top, ast.Try) else top.body)]
+    nodes = on_import if import_time else ast.walk(tree)
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("toolkit"):
+            found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                         for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("toolkit"))
+    return {t for t in found if t in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            part = [stack.pop()]
+            while part[-1] != node:
+                part.append(stack.pop())
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _wing(module: str) -> str:
+    return "toolkit" if module == "toolkit" else _layer(module) if _layer(module) != "core" else "core"
+
+
+def test_no_circle_between_the_wings_nor_among_modules_at_import_time():
+    wings: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        wings.setdefault(_wing(module), set()).update(_wing(t) for t in _module_targets(path) if
+                                                       _wing(t) != _wing(module))
+    assert _cycles(wings) == [], wings
+    modules = {m: _module_targets(p, import_time=True) - {m} for m, p in MODULES.items()}
+    # checkpoint/api.py imports remote, which uses api's helpers in calls only (said at the import)
+    assert _cycles(modules) == [["toolkit.checkpoint.api", "toolkit.checkpoint.remote"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # not vacuous
+
+
+def _closure(start: list[str]) -> set[str]:
+    """Every toolkit module reached from ``start`` through its imports (lazy ones too), and the
+    packages whose ``__init__`` those imports run (the facade ``toolkit`` aside: not a wing)."""
+    seen, todo = set(), list(start)
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        parents = [".".join(module.split(".")[:i]) for i in range(2, module.count(".") + 1)]
+        todo.extend(t for t in [*_module_targets(MODULES[module]), *parents] if t != "toolkit")
+    return seen
+
+
+def test_toolkit_runs_config_from_its_command_line_to_a_launch_stays_in_run_launch_and_the_core():
+    reached = _closure(["toolkit.run.cli", "toolkit.run.slurm_job"])
+    assert {"toolkit.run.plan", "toolkit.run.process", "toolkit.launch.argv", "toolkit.launch.trial_files",
+            "toolkit.config.hyperparameters"} <= reached
+    elsewhere = sorted(m for m in reached if _layer(m) not in ("core", "toolkit.launch", "toolkit.run"))
+    assert elsewhere == [], elsewhere

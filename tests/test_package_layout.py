@@ -114,7 +114,7 @@ def test_the_layer_rule_sees_an_import_that_runs_up(tmp_path):
     cases = {
         ("toolkit.config.experiment", "from toolkit.dsat.contract import OUTPUT_DIR_ENV"): 1,
         ("toolkit.runtime.context", "def f():\n    from toolkit.dsat.trial.oom import hook"): 1,
-        ("toolkit.dsat.execution.argv", "from toolkit.compat.determined.launch import unwrap_launcher"): 1,
+        ("toolkit.dsat.execution.runner", "from toolkit.compat.determined.launch import unwrap_launcher"): 1,
         ("toolkit.launch.argv", "import toolkit.run.plan"): 1,
         ("toolkit.checkpoint.records", "from toolkit import dsat, _names"): 1,
         ("toolkit.compat.determined.info", "import toolkit\nfrom toolkit.dsat.contract import X"): 0,
@@ -272,3 +272,12 @@ def test_toolkit_runs_config_from_its_command_line_to_a_launch_stays_in_run_laun
             "toolkit.config.hyperparameters"} <= reached
     elsewhere = sorted(m for m in reached if _layer(m) not in ("core", "toolkit.launch", "toolkit.run"))
     assert elsewhere == [], elsewhere
+
+
+def test_no_two_modules_share_a_file_name_outside_compat():
+    names: dict[str, list[str]] = {}
+    for path in SOURCES:
+        if "compat" not in path.relative_to(TOOLKIT).parts and path.name not in ("__init__.py",
+                                                                                  "__main__.py"):
+            names.setdefault(path.name, []).append(str(path.relative_to(procutil.REPO)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}

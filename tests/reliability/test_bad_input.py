@@ -10,7 +10,7 @@ Entry points:
     yaml      toolkit.load_experiment_config(<file>)
     hparams   toolkit.get_hparams() inside a "trial" (TOOLKIT_TRIAL_HPARAMS=<file>) or with a path
     ds        toolkit.build_ds_config(hparams, data_parallel_size=2, ...) with ds_config.json
-    cli       toolkit.dsat.cli.main(argv), the code of ``python -m toolkit.dsat``
+    cli       toolkit.dsat.tuner_cli.main(argv), the code of ``python -m toolkit.dsat``
     ckpt      toolkit.save_checkpoint / load_checkpoint argument checks, and the checkpoint
               directory decisions (toolkit.checkpoint.layout) that save/load apply to a directory
 """
@@ -308,7 +308,7 @@ def _prepare(kind: str, payload, tmp_path: Path, monkeypatch):
                                                pipeline=payload.get("pipeline", False), device="cpu",
                                                hidden_size=payload.get("hidden_size"))
     if kind == "cli":
-        from toolkit.dsat.cli import main
+        from toolkit.dsat.tuner_cli import main
 
         model_dir = _model_dir(tmp_path, payload)
         config = tmp_path / payload["config"] if "config" in payload else model_dir / "deepspeed.yaml"

@@ -99,7 +99,7 @@ def test_dsat_settings_refuse_more_cpu_slots_than_cores(tmp_path):
 
 
 def test_dsat_cli_names_the_key_and_exits_2(tmp_path, capsys):
-    from toolkit.dsat.cli import main
+    from toolkit.dsat.tuner_cli import main
 
     model = tmp_path / "model"
     model.mkdir()

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from toolkit.dsat.contract import METRICS
-from toolkit.dsat.execution.argv import MULTIHOST_LAUNCHERS
+from toolkit.dsat.execution.multihost_argv import MULTIHOST_LAUNCHERS
 from toolkit.dsat.execution.settings import WINDOW_STEPS_FACTOR
 from toolkit.dsat.search.confirm import CONFIRM_MEASUREMENTS
 from toolkit.dsat.search.offload import OFFLOAD_MODES

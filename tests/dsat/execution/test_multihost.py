@@ -18,7 +18,7 @@ import pytest
 from helpers import procutil
 from helpers.dsatcli import dsat, dsat_in_process, make_model_dir, trial_rows
 from toolkit.dsat.contract import TrialStatus
-from toolkit.dsat.execution.argv import build_multihost_argv, build_remote_kill_argv
+from toolkit.dsat.execution.multihost_argv import build_multihost_argv, build_remote_kill_argv
 from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
 from toolkit.dsat.search.types import TrialSpec
 from toolkit.errors import ConfigError

@@ -38,8 +38,12 @@ from typing import Any, Iterable, Mapping
 from toolkit._files import atomic_write_json
 from toolkit.checkpoint.stop_record import STOP_FILE, STOP_RECORD_ENV
 from toolkit.dsat.contract import PROGRESS_FILE, TrialStatus, trial_hparams
-from toolkit.dsat.execution.argv import build_multihost_argv, build_remote_kill_argv, with_config_flag
 from toolkit.dsat.execution.classify import TrialPreempted, classify, preemption_of
+from toolkit.dsat.execution.multihost_argv import (
+    build_multihost_argv,
+    build_remote_kill_argv,
+    with_config_flag,
+)
 from toolkit.dsat.execution.settings import CONFIG_READS_ENV, CPU_ALLOCATOR_ENV, RunnerSettings
 from toolkit.dsat.execution.watch import heartbeat_text, peak_bytes, read_progress
 from toolkit.dsat.search.types import TrialResult, TrialSpec

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from toolkit._checks import int_problem, is_int, is_number
 from toolkit.dsat.contract import TrialContract
-from toolkit.dsat.execution.argv import MULTIHOST_LAUNCHERS
+from toolkit.dsat.execution.multihost_argv import MULTIHOST_LAUNCHERS
 from toolkit.errors import ConfigError
 from toolkit.launch.argv import LAUNCHERS, build_trial_argv
 from toolkit.launch.hosts import Host, place_trial
@@ -104,7 +104,7 @@ class RunnerSettings:
             its hosts in ``placement.json``; a trial whose hosts are all this machine (loopback
             names, this host name) is started locally as without hosts, any other through
             ``multihost_launcher``.
-        multihost_launcher: one of :data:`~toolkit.dsat.execution.argv.MULTIHOST_LAUNCHERS`.
+        multihost_launcher: one of :data:`~toolkit.dsat.execution.multihost_argv.MULTIHOST_LAUNCHERS`.
         ssh_port: ssh port of the hosts (DeepSpeed's runners), None for ssh's default.
         experiment_config: the experiment YAML, exported to every trial as
             ``TOOLKIT_EXPERIMENT_CONFIG`` (``det.get_cluster_info()`` reads it); None: not exported.

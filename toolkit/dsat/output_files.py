@@ -2,7 +2,7 @@
 
 Layout of ``OUTPUT_DIR``::
 
-    search.json            the settings of the search (checked on --resume)
+    dsat_search.json       the settings of the search (checked on --resume; search.json before)
     events.jsonl           append-only log: one "start" and one "result" line per trial
     profile.json           the profiling numbers and the memory model's prediction
     trials.jsonl           one record per finished trial: trial (its name: p1, p2, ... for the
@@ -41,12 +41,24 @@ from toolkit.dsat.contract import METRICS, ProfileInfo, TrialStatus, clip_error
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.errors import ConfigError
 
-__all__ = ["EventLog", "event_problem", "write_trial_tables", "summary_table", "flatten_zero", "role"]
+__all__ = ["SEARCH_FILE", "EventLog", "event_problem", "write_trial_tables", "summary_table", "flatten_zero",
+           "role", "search_file"]
 
 
 #: The largest event log read (a line is a few hundred bytes; a trial's error text is cut).
 MAX_LOG_BYTES = 256 * 2**20
+#: The settings of the search, which ``--resume`` checks; an earlier toolkit named it search.json.
+SEARCH_FILE = "dsat_search.json"
+_OLD_SEARCH_FILE = "search.json"
 
+
+
+def search_file(output_dir: Path) -> Path:
+    """The record of the search's settings in ``output_dir``: today's name, else an earlier toolkit's
+    ``search.json`` when only that one is there (``--resume`` reads it). Rank 0 only."""
+    path = Path(output_dir) / SEARCH_FILE
+    old = Path(output_dir) / _OLD_SEARCH_FILE
+    return old if not path.exists() and old.exists() else path
 
 def _read_log(path: Path) -> bytes:
     with open(path, "rb") as fh:

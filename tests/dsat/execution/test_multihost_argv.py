@@ -1,4 +1,5 @@
-"""toolkit.dsat.execution.argv's remote line for pdsh, and the pdsh runner that uses it (issue 30).
+"""toolkit.dsat.execution.multihost_argv: the remote line for pdsh, and the pdsh runner that uses it
+(issue 30); the flag that names a trial's own DeepSpeed config in the entrypoint (the last test).
 
 Pure checks of the words, plus the line itself run by the real ``bash -c`` and ``sh -c`` as the
 remote login shell would after pdsh's ``%`` substitution (which :func:`pdsh_substitute` mimics:
@@ -15,11 +16,13 @@ import sys
 
 import pytest
 
-from toolkit.dsat.execution.argv import (
+from toolkit.dsat.execution.multihost_argv import (
     PDSH_RUNNER_MODULE,
     build_multihost_argv,
     build_remote_kill_argv,
+    config_flag,
     pdsh_remote_command,
+    with_config_flag,
 )
 
 PY = sys.executable
@@ -107,3 +110,34 @@ def test_the_quoting_runner_builds_pdsh_argv_from_our_argv(tmp_path, monkeypatch
     rank = words.index("--node_rank=1")
     assert "--no_local_rank" in words[12:rank] and words[rank + 1:] == ["train.py", *NASTY]
     assert kill == build_remote_kill_argv(["w0", "w1"], master_port=29512)
+
+
+# --deepspeed_config and HF's --deepspeed name each trial's own config file (DeepSpeed's autotuner's rule
+# for --deepspeed: a value naming a .json; alone it is DeepSpeed's switch from add_config_arguments)
+T = "/out/trials/trial_3/ds_config.json"
+
+
+@pytest.mark.parametrize("entrypoint, flag, rewritten", [
+    (["python3", "train.py", "--deepspeed", "--deepspeed_config", "ds.json", "--lr", "1"],
+     ("--deepspeed_config", "ds.json"),
+     ["python3", "train.py", "--deepspeed", "--deepspeed_config", T, "--lr", "1"]),
+    (["deepspeed", "--num_gpus", "2", "train.py", "--deepspeed_config=cfg/ds.json"],
+     ("--deepspeed_config", "cfg/ds.json"),
+     ["deepspeed", "--num_gpus", "2", "train.py", f"--deepspeed_config={T}"]),
+    (["python3", "run_clm.py", "--deepspeed", "ds_z2.json", "--do_train"],
+     ("--deepspeed", "ds_z2.json"), ["python3", "run_clm.py", "--deepspeed", T, "--do_train"]),
+    (["python3", "run_clm.py", "--deepspeed=ds_z2.json"], ("--deepspeed", "ds_z2.json"),
+     ["python3", "run_clm.py", f"--deepspeed={T}"]),
+    # none: DeepSpeed's bare switch, a value that names no JSON, a flag with no value, nothing
+    (["python3", "train.py", "--deepspeed", "--epochs", "3"], None, None),
+    (["python3", "train.py", "--deepspeed", "stage2"], None, None),
+    (["python3", "train.py", "--deepspeed_config"], None, None),
+    (["python3", "train.py"], None, None),
+])
+def test_the_config_flag_names_the_trials_own_file(entrypoint, flag, rewritten):
+    assert config_flag(entrypoint) == flag
+    assert with_config_flag(entrypoint, T) == (rewritten or entrypoint)
+    # both flags: the first is the convention, both name the trial's file
+    both = ["python3", "t.py", "--deepspeed_config", "a.json", "--deepspeed", "b.json"]
+    assert config_flag(both) == ("--deepspeed_config", "a.json")
+    assert with_config_flag(both, T) == ["python3", "t.py", "--deepspeed_config", T, "--deepspeed", T]

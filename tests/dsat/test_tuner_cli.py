@@ -13,7 +13,7 @@ import yaml
 
 from helpers import procutil
 from helpers.dsatcli import KEEP_64, dsat, dsat_in_process, make_model_dir, plan_for, trial_rows
-from toolkit.dsat.plan import memory_only, profile_spec, trial_ds_config
+from toolkit.dsat.tuning_plan import memory_only, profile_spec, trial_ds_config
 from toolkit.dsat.search.types import TrialSpec
 
 
@@ -107,7 +107,7 @@ def test_method_flags_are_checked(tmp_path, method, flags, fragment, capsys):
 @pytest.mark.parametrize("flags, expected", [([], 0.25), (["--bisect-tolerance", "0"], 0.0),
                                              (["--bisect-tolerance", "0.1"], 0.1)])
 def test_bisect_tolerance_reaches_the_search_settings(tmp_path, flags, expected):
-    from toolkit.dsat.cli import build_parser, make_plan
+    from toolkit.dsat.tuner_cli import build_parser, make_plan
 
     model_dir = make_model_dir(tmp_path)
     args = build_parser().parse_args(
@@ -171,7 +171,7 @@ def test_bad_config_exits_2_before_launch(tmp_path, change, fragment, capsys):
 
 def test_missing_paths(tmp_path, capsys):
     # in this process: nothing is launched (test_the_installed_cli_exits_2_on_bad_input runs the CLI itself)
-    from toolkit.dsat.cli import main
+    from toolkit.dsat.tuner_cli import main
 
     model_dir = make_model_dir(tmp_path)
     for argv, fragments in (([str(tmp_path / "x.yaml"), str(model_dir)], ("x.yaml", "not found")),
@@ -395,7 +395,7 @@ def test_auto_zero_sizes_are_accepted_and_resolved(tmp_path):
 
 
 def test_every_flag_has_help_with_its_default():
-    from toolkit.dsat.cli import build_parser
+    from toolkit.dsat.tuner_cli import build_parser
 
     parser = build_parser()
     methods = next(a for a in parser._actions if a.dest == "method")
@@ -443,19 +443,20 @@ def test_the_global_batch_is_kept_in_every_trial_and_latency_is_minimised(tmp_pa
     assert best["train_micro_batch_size_per_gpu"] * best["gradient_accumulation_steps"] * 2 == 64
     metrics = json.loads((out / "best_ds_metrics.json").read_text())
     assert metrics["global_batch"]["policy"] == "keep" and metrics["global_batch"]["train_batch_size"] == 64
-    assert json.loads((out / "search.json").read_text())["global_batch"] == {"policy": "keep",
-                                                                           "train_batch_size": 64}
+    assert json.loads((out / "dsat_search.json").read_text())["global_batch"] == {
+        "policy": "keep", "train_batch_size": 64}
     ok_rows = [r for r in trial_rows(out)[1:] if r["status"] == "ok"]
     assert metrics["metric"] == "latency" and metrics["latency"] == min(float(r["latency"]) for r in ok_rows)
 
 
-def test_resume_needs_the_same_global_batch(tmp_path):
-    from toolkit.dsat.cli import UsageError
+@pytest.mark.parametrize("record", ["dsat_search.json", "search.json"])  # an earlier toolkit's name too
+def test_resume_needs_the_same_global_batch(tmp_path, record):
+    from toolkit.dsat.tuner_cli import UsageError
 
     model_dir = make_model_dir(tmp_path, slots=2, ds=KEEP_64)
     plan = plan_for(tmp_path, model_dir)
     (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "search.json").write_text(json.dumps(plan.fingerprint()))
+    (tmp_path / "out" / record).write_text(json.dumps(plan.fingerprint()))
     (tmp_path / "out" / "events.jsonl").write_text("")
     assert plan_for(tmp_path, model_dir, "--resume").global_batch == plan.global_batch
     with pytest.raises(UsageError, match="settings differ.*global_batch"):

@@ -1,13 +1,13 @@
-"""toolkit.dsat.records: what event_problem says of each kind of bad line of ``events.jsonl`` (pure),
+"""toolkit.dsat.output_files: what event_problem says of each kind of bad line of ``events.jsonl`` (pure),
 an oversized log, blank lines, and the summary table's missing metrics."""
 
 import json
 
 import pytest
 
-from toolkit.dsat import records
+from toolkit.dsat import output_files
 from toolkit.dsat.contract import METRICS, TrialStatus
-from toolkit.dsat.records import EventLog, event_problem, summary_table
+from toolkit.dsat.output_files import EventLog, event_problem, summary_table
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.errors import ConfigError
 
@@ -61,7 +61,7 @@ def test_metrics_that_are_no_object_are_named():
     event = result_event()
     event["result"]["metrics"] = None  # from_json reads a missing object as {}: every metric is missing
     assert event_problem(event) == "metric FLOPS_per_gpu=None: expected a finite number >= 0"
-    assert records._finite_metrics([1.0]) == "metrics=[1.0]: expected an object"
+    assert output_files._finite_metrics([1.0]) == "metrics=[1.0]: expected an object"
 
 
 def test_a_log_over_the_limit_is_refused_and_blank_lines_are_skipped(tmp_path, monkeypatch):
@@ -71,7 +71,7 @@ def test_a_log_over_the_limit_is_refused_and_blank_lines_are_skipped(tmp_path, m
         fh.write("\n   \n")
     EventLog(log).append(result_event())
     assert [e["event"] for e in EventLog(log).read()] == ["start", "result"]
-    monkeypatch.setattr(records, "MAX_LOG_BYTES", 100)
+    monkeypatch.setattr(output_files, "MAX_LOG_BYTES", 100)
     with pytest.raises(ConfigError, match=r"over 0 MiB: not a search log this toolkit wrote; start a new "
                                           r"search in another --output-dir"):
         EventLog(log).read()

@@ -23,7 +23,7 @@ from toolkit.config.deepspeed import (
     validate_ds_config,
 )
 from toolkit.dsat.execution.settings import RunnerSettings
-from toolkit.dsat.records import EventLog
+from toolkit.dsat.output_files import EventLog, search_file
 from toolkit.dsat.search.batch import GlobalBatch, allowed_micro_batches, global_batch_policy
 from toolkit.dsat.search.space import default_zero_autos, offloads_nothing
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
@@ -184,9 +184,9 @@ class Plan:
 
         A search continues only with the settings it was recorded with (:meth:`fingerprint`),
         and from a log every line of which can be replayed (a damaged line is named with how
-        to repair the log: :class:`~toolkit.dsat.records.EventLog`). Reads; writes nothing.
+        to repair the log: :class:`~toolkit.dsat.output_files.EventLog`). Reads; writes nothing.
         """
-        path = self.output_dir / "search.json"
+        path = search_file(self.output_dir)
         try:
             events = EventLog(self.output_dir / "events.jsonl").read()
             recorded = load_json(path, what="record of the search's settings") if path.exists() else None

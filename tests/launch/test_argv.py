@@ -1,4 +1,6 @@
-"""toolkit.dsat.execution.argv: the argv of a trial (pure; exact lists)."""
+"""toolkit.launch.argv: the argv of a trial on this machine under torchrun or DeepSpeed's launcher, the
+entrypoint's rules (an interpreter dropped, a launcher stripped, Determined's wrappers unwrapped) and
+what is refused. Pure; exact lists."""
 
 import base64
 import json
@@ -6,7 +8,6 @@ import sys
 
 import pytest
 
-from toolkit.dsat.execution.argv import config_flag, with_config_flag
 from toolkit.errors import ConfigError
 from toolkit.launch.argv import build_trial_argv, world_info
 
@@ -114,34 +115,3 @@ def test_bad_arguments():
         ds(["train.py"], include="worker-1:0,1")
     with pytest.raises(ValueError, match="integers"):
         ds(["train.py"], include="localhost:a,b")
-
-
-# --deepspeed_config and HF's --deepspeed name each trial's own config file (DeepSpeed's autotuner's rule
-# for --deepspeed: a value naming a .json; alone it is DeepSpeed's switch from add_config_arguments)
-T = "/out/trials/trial_3/ds_config.json"
-
-
-@pytest.mark.parametrize("entrypoint, flag, rewritten", [
-    (["python3", "train.py", "--deepspeed", "--deepspeed_config", "ds.json", "--lr", "1"],
-     ("--deepspeed_config", "ds.json"),
-     ["python3", "train.py", "--deepspeed", "--deepspeed_config", T, "--lr", "1"]),
-    (["deepspeed", "--num_gpus", "2", "train.py", "--deepspeed_config=cfg/ds.json"],
-     ("--deepspeed_config", "cfg/ds.json"),
-     ["deepspeed", "--num_gpus", "2", "train.py", f"--deepspeed_config={T}"]),
-    (["python3", "run_clm.py", "--deepspeed", "ds_z2.json", "--do_train"],
-     ("--deepspeed", "ds_z2.json"), ["python3", "run_clm.py", "--deepspeed", T, "--do_train"]),
-    (["python3", "run_clm.py", "--deepspeed=ds_z2.json"], ("--deepspeed", "ds_z2.json"),
-     ["python3", "run_clm.py", f"--deepspeed={T}"]),
-    # none: DeepSpeed's bare switch, a value that names no JSON, a flag with no value, nothing
-    (["python3", "train.py", "--deepspeed", "--epochs", "3"], None, None),
-    (["python3", "train.py", "--deepspeed", "stage2"], None, None),
-    (["python3", "train.py", "--deepspeed_config"], None, None),
-    (["python3", "train.py"], None, None),
-])
-def test_the_config_flag_names_the_trials_own_file(entrypoint, flag, rewritten):
-    assert config_flag(entrypoint) == flag
-    assert with_config_flag(entrypoint, T) == (rewritten or entrypoint)
-    # both flags: the first is the convention, both name the trial's file
-    both = ["python3", "t.py", "--deepspeed_config", "a.json", "--deepspeed", "b.json"]
-    assert config_flag(both) == ("--deepspeed_config", "a.json")
-    assert with_config_flag(both, T) == ["python3", "t.py", "--deepspeed_config", T, "--deepspeed", T]

@@ -26,7 +26,7 @@ from toolkit.config.deepspeed import (
 )
 from toolkit.config.experiment import entrypoint_argv, load_experiment_config
 from toolkit.dsat.cli_args import build_parser, parse_bytes
-from toolkit.dsat.execution.argv import config_flag
+from toolkit.dsat.execution.multihost_argv import config_flag
 from toolkit.dsat.execution.settings import RunnerSettings, available_memory_bytes, default_memory_per_slot
 from toolkit.dsat.search.batch import GlobalBatch, allowed_micro_batches, global_batch_policy
 from toolkit.dsat.search.types import SearchSettings
@@ -35,7 +35,7 @@ from toolkit.launch.hosts import Host, read_hostfile, slurm_hosts
 from toolkit.launch.wrappers import entrypoint_launcher
 
 if TYPE_CHECKING:  # the plan imports the records and the search; the CLI loads them on use
-    from toolkit.dsat.plan import Plan
+    from toolkit.dsat.tuning_plan import Plan
 
 __all__ = ["build_parser", "choose_launcher", "make_plan", "main", "parse_bytes", "UsageError"]
 
@@ -90,7 +90,7 @@ class _Inputs:
 
 def _base_config(hparams: dict[str, Any], flag: tuple[str, str] | None,
                  model_dir: Path) -> tuple[dict[str, Any], str]:
-    """The search's base config and where it comes from (:data:`toolkit.dsat.plan.CONFIG_SOURCES`):
+    """The search's base config and where it comes from (:data:`toolkit.dsat.tuning_plan.CONFIG_SOURCES`):
     ``hyperparameters.deepspeed_config``, else DeepSpeed keys in the hyperparameters, else the file of
     the entrypoint's flag (with ``overwrite_deepspeed_args``), else none yet (the script builds it)."""
     if "deepspeed_config" in hparams:
@@ -211,7 +211,7 @@ def _check_ds_config(args: argparse.Namespace, inputs: _Inputs, dp: Any, *, devi
     """The user's DeepSpeed config (JSON + overwrite_deepspeed_args) as written, against every rule
     of ``validate_ds_config``, before dsat substitutes its own values; then the global batch policy
     and the profiling trial's config. Returns (the policy, ``hidden_size``); None: a problem."""
-    from toolkit.dsat.plan import as_written, profile_spec, trial_ds_config
+    from toolkit.dsat.tuning_plan import as_written, profile_spec, trial_ds_config
     hidden = _hidden_size(inputs, problems)
     if not (is_int(dp) and dp >= 1):
         return None, hidden  # reported as a value; the config cannot be checked without it
@@ -280,7 +280,7 @@ def _output_dir_problem(output_dir: Path, *, resume: bool) -> str | None:
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
-    """Check every input and build the :class:`~toolkit.dsat.plan.Plan`. Launches nothing.
+    """Check every input and build the :class:`~toolkit.dsat.tuning_plan.Plan`. Launches nothing.
 
     Each value is checked once, where its rule lives (the experiment loader, the settings, or
     here for what involves several inputs); every problem is collected and raised together.
@@ -289,7 +289,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     Raises:
         UsageError: listing every problem found, in the user's words (flags, config keys).
     """
-    from toolkit.dsat.plan import Plan
+    from toolkit.dsat.tuning_plan import Plan
 
     problems: list[str] = []
     inputs = _load_inputs(args, problems)

@@ -9,7 +9,7 @@ import yaml
 
 from helpers import procutil
 from toolkit.config.experiment import entrypoint_argv
-from toolkit.dsat.cli import choose_launcher
+from toolkit.dsat.tuner_cli import choose_launcher
 from toolkit.dsat.contract import TrialStatus
 from toolkit.dsat.execution.classify import classify, launcher_hint
 from toolkit.dsat.search.types import TrialSpec
@@ -76,7 +76,7 @@ def _model_dir(tmp_path, entrypoint):
 
 
 def _plan(tmp_path, model_dir, *flags):
-    from toolkit.dsat.cli import build_parser, make_plan
+    from toolkit.dsat.tuner_cli import build_parser, make_plan
 
     args = build_parser().parse_args(["binary", str(model_dir / "deepspeed.yaml"), str(model_dir),
                                       "--output-dir", str(tmp_path / "out"), "--memory-per-slot", "100MiB",

@@ -19,56 +19,7 @@ from toolkit.compat.determined.core.train import TensorboardMode, TrainContext
 from toolkit.compat.determined.pytorch import dsat
 from toolkit.errors import ConfigError, LaunchEnvError
 from toolkit.launch.trial_files import TRIAL_FILE
-from toolkit.launch.wrappers import torchrun_nproc_override, unwrap_launcher
-
-# The entrypoints of Determined's own examples, exactly as their YAMLs write them.
-EXAMPLES = [
-    ("python3 -m determined.launch.deepspeed python3 script.py", ("deepspeed", [], ["python3", "script.py"])),
-    (
-        "python3 -m determined.launch.torch_distributed python3 model_def_distributed.py",
-        ("torchrun", [], ["python3", "model_def_distributed.py"]),
-    ),
-    (
-        "python3 -m determined.launch.torch_distributed --nproc_per_node 1 -- python3 train.py",
-        ("torchrun", ["--nproc_per_node", "1"], ["python3", "train.py"]),
-    ),
-    (
-        "python3 -m determined.launch.wrap_rank 0 -- python3 4_distributed.py worker 0 0",
-        (None, [], ["python3", "4_distributed.py", "worker", "0", "0"]),
-    ),
-    ("python3 4_distributed.py launcher", (None, [], ["python3", "4_distributed.py", "launcher"])),
-    ("python3 2_checkpoints.py", (None, [], ["python3", "2_checkpoints.py"])),
-    (
-        "python3 -m determined.launch.deepspeed -- python3 script.py",
-        ("deepspeed", [], ["python3", "script.py"]),
-    ),
-]
-
-
-@pytest.mark.parametrize("entry,expected", EXAMPLES)
-def test_unwrap_launcher_on_determined_example_entrypoints(entry, expected):
-    assert unwrap_launcher(entry.split()) == expected
-
-
-@pytest.mark.parametrize(
-    "entry,match",
-    [
-        ("python3 -m determined.launch.torch_distributed", "no command"),
-        ("python3 -m determined.launch.deepspeed --trial model_def:Trial", "Trial API"),
-        ("python3 -m determined.launch.torch_distributed -- --trial model_def:Trial", "Trial API"),
-    ],
-)
-def test_unwrap_launcher_errors_name_the_fix(entry, match):
-    with pytest.raises(ConfigError, match=match):
-        unwrap_launcher(entry.split())
-    with pytest.raises(TypeError):
-        unwrap_launcher("python3 train.py")
-
-
-def test_torchrun_override_nproc():
-    assert torchrun_nproc_override(["--nproc_per_node=3", "--foo"]) == (3, ["--foo"])
-    with pytest.raises(ConfigError, match="nproc_per_node"):
-        torchrun_nproc_override(["--nproc_per_node", "x"])
+from toolkit.launch.wrappers import unwrap_launcher
 
 
 def test_hparams_const_resolved_and_search_spaces_named():

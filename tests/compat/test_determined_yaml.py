@@ -1,7 +1,8 @@
 """The Determined experiment YAML as Determined read it (issue 27 item 4): environment_variables
-(list and cpu/cuda forms) for every rank, the determined.launch wrappers called from a script
-the entrypoint runs, max_length in records and epochs, get_experiment_best_validation() from the
-search's records, save_trial_best, and the ignored keys warned once per run. One real
+for every rank (the forms: tests/launch/test_experiment_env.py), the determined.launch wrappers
+called from a script the entrypoint runs, max_length in records and epochs,
+get_experiment_best_validation() from the search's records, save_trial_best, and the ignored keys
+warned once per run. One real
 `python -m toolkit.run` of a `bash launch.sh` entrypoint with 2 ranks; the rest pure."""
 
 import json
@@ -21,7 +22,6 @@ from toolkit.compat.determined.shim.determined.launch import _in_rank as in_rank
 from toolkit.config import hyperparameters
 from toolkit.config.experiment import ConfigWarning, check_experiment_config, max_length_steps
 from toolkit.errors import ConfigError
-from toolkit.launch.experiment_env import environment_variables, environment_variables_problems
 from toolkit.launch.trial_files import SEARCH_FILE
 from toolkit.launch.wrappers import CONTAINER_PER_RANK_ENV, WRAPPED_ENV
 
@@ -80,23 +80,6 @@ def test_the_wrapper_outside_a_rank_says_to_use_toolkit_run(monkeypatch, capsys)
 def test_worker_env_marks_the_worker_and_ends_the_one_slot_container():
     env = in_rank.worker_env({"RANK": "3", "LOCAL_WORLD_SIZE": "2", CONTAINER_PER_RANK_ENV: "1"}, "deepspeed")
     assert env == {"RANK": "3", "LOCAL_WORLD_SIZE": "2", WRAPPED_ENV: "3", "LOCAL_SIZE": "2"}
-
-
-def test_environment_variables_forms_and_problems():
-    both = {"environment": {"environment_variables": {"cpu": ["A=1"], "cuda": ["A=2", "B=x=y"]}}}
-    assert environment_variables(both, device="cuda") == {"A": "2", "B": "x=y"}
-    assert environment_variables(both, device="cpu") == {"A": "1"}
-    listed = {"environment": {"environment_variables": ["A=1"]}}
-    assert environment_variables(listed, device="cuda") == {"A": "1"}
-    assert environment_variables({}, device="cpu") == {}
-    bad = {"environment": {"environment_variables": ["NOVALUE", "1X=2", 5]}}
-    assert [p.split("=")[0] for p in environment_variables_problems(bad)] == [
-        "environment.environment_variables[0]", "environment.environment_variables[1]",
-        "environment.environment_variables[2]"]
-    assert "unknown device" in environment_variables_problems(
-        {"environment": {"environment_variables": {"gpu": ["A=1"]}}})[0]
-    with pytest.raises(ConfigError, match="NAME=VALUE"):
-        environment_variables(bad, device="cpu")
 
 
 def test_max_length_in_records_and_epochs():

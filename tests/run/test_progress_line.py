@@ -1,21 +1,12 @@
-"""What a search under toolkit.run logs while it runs (toolkit.run.progress_line, toolkit.launch.progress):
-each running trial's latest report, the trials left and a rough time left. Pure functions and files; the
-real concurrent search that logs them is tests/run/test_scheduler.py's."""
+"""What a search under toolkit.run logs while it runs (toolkit.run.progress_line): each running trial's
+latest report, the trials left and a rough time left (its arithmetic: tests/launch/test_progress.py).
+Pure functions and files; the real concurrent search that logs them is tests/run/test_scheduler.py's."""
 
 import json
 from types import SimpleNamespace
 
-from toolkit.launch.progress import format_duration, remaining_text, time_left
 from toolkit.run import searchers
 from toolkit.run.progress_line import latest_report, progress_line, report_text
-
-
-def test_time_left_is_the_mean_trial_over_the_slots_and_says_so_for_people():
-    assert time_left([], remaining=3, concurrency=1) is None
-    assert time_left([10.0, 30.0], remaining=3, concurrency=2, running=[5.0, 40.0]) == (60 + 15) / 2
-    assert [format_duration(s) for s in (3, 89.6, 90, 5399, 5400)] == [
-        "3 s", "90 s", "1.5 min", "90.0 min", "1.5 h"]
-    assert remaining_text([60.0], remaining=1, concurrency=1) == "up to 1 more trial, about 60 s left"
 
 
 def test_a_trials_latest_report_is_the_last_whole_line_of_its_metrics_file(tmp_path):

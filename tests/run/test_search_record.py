@@ -1,17 +1,13 @@
-"""A search's record (toolkit.run.search_record, toolkit.run.search_state): a record the previous toolkit
-wrote (as search.json) or an earlier one (one ASHA bracket at the top) continues; a rerun refuses a
-changed search or a damaged record (exit 2, nothing started). No trial process."""
+"""A search's record (toolkit.run.search_record): a record the previous toolkit wrote (as search.json)
+continues under its new name with nothing lost; a rerun refuses a changed search or a damaged record
+(exit 2, nothing started). No trial process."""
 
 import copy
 import json
 
-import pytest
-
-from toolkit.errors import CheckpointError
 from toolkit.launch.trial_files import SEARCH_FILE
 from toolkit.run import searchers
 from toolkit.run.search_record import OLD_SEARCH_FILE, load_state, save_state
-from toolkit.run.search_state import SearchState
 
 ASHA = {"searcher": {"name": "adaptive_asha", "metric": "x", "max_trials": 3, "time_metric": "batches",
                      "max_time": 100, "divisor": 2, "mode": "aggressive"},
@@ -50,35 +46,6 @@ def test_the_previous_toolkits_record_continues_under_its_new_name(tmp_path):
     assert record["best"] == PREVIOUS["best"] and record["progress"] == 0.5
     assert json.loads((tmp_path / OLD_SEARCH_FILE).read_text()) == PREVIOUS  # left as it was
     assert load_state(tmp_path, ASHA).trials[0].state == "PAUSED"  # the new name is read from now on
-
-
-def test_an_earlier_record_of_one_bracket_at_the_top_continues():
-    old = {"searcher": "adaptive_asha", "seed": 1, "searcher_config": dict(ASHA["searcher"], mode=None),
-           "trials": [], "asha": {"rungs": [50, 100], "metrics": [[[0, 5.0]], []], "trial_rung": {"0": 1}}}
-    state = SearchState.from_json(old, source="search.json")
-    brackets = [(b.rungs, b.max_trials, b.metrics) for b in state.asha.brackets]
-    assert brackets == [([50, 100], 3, [[(0, 5.0)], []])]
-    assert searchers.asha_report(state, 1, time_step=50, metric=9.0, config=ASHA) is True
-    early = SearchState.from_json({"searcher": "random", "seed": 2, "trials": [
-        {"index": 0, "dir": "trial-0000", "hparams": {}, "state": "COMPLETED", "metric": 1}]}, source="s")
-    assert early.searcher_config is None and early.trials[0].seed is None and early.trials[0].metric == 1.0
-
-
-@pytest.mark.parametrize("record, fragment", [
-    ([], "is not a search state (expected an object with 'seed' and 'trials')"),
-    ({"seed": 1, "trials": [5]}, "trials[0]: expected a trial (an object), found int"),
-    ({"seed": 1, "trials": [{"index": 0, "dir": "../../etc", "hparams": {}, "state": "PENDING"}]},
-     "trials[0]: dir='../../etc': expected 'trial-0000'"),
-    ({"seed": 1, "trials": [{"index": 0, "hparams": {}, "state": "LOST"}]}, "state='LOST'"),
-    ({"seed": 1, "trials": [{"index": 1, "hparams": {}, "state": "PENDING"}]}, "the trials' indices are [1]"),
-    ({"seed": 1, "searcher": "adaptive_asha", "trials": []}, "ASHA's state for adaptive_asha"),
-    ({"seed": 1, "searcher": "adaptive_asha", "trials": [], "asha": {"brackets": [{"rungs": [1]}]}},
-     "asha is not ASHA's state"),
-])
-def test_a_damaged_record_is_named_with_what_to_do(record, fragment):
-    with pytest.raises(CheckpointError) as err:
-        SearchState.from_json(record, source="runs/hp/determined_search.json")
-    assert fragment in str(err.value) and "use a new --output-dir" in str(err.value), str(err.value)
 
 
 def test_a_rerun_refuses_a_changed_search_or_a_corrupt_record(tmp_path, capsys):

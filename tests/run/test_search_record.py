@@ -48,6 +48,14 @@ def test_the_previous_toolkits_record_continues_under_its_new_name(tmp_path):
     assert load_state(tmp_path, ASHA).trials[0].state == "PAUSED"  # the new name is read from now on
 
 
+def test_an_early_records_trials_get_the_seed_their_values_were_drawn_with(tmp_path):
+    config = {"searcher": {"name": "random", "metric": "x", "max_trials": 2}}
+    (tmp_path / OLD_SEARCH_FILE).write_text(json.dumps({"searcher": "random", "seed": 3, "trials": [
+        {"index": 0, "dir": "trial-0000", "hparams": {}, "state": "RUNNING", "metric": None}]}))
+    state = load_state(tmp_path, config)  # an early toolkit: no seed per trial, the searcher's name only
+    assert state.trials[0].seed == searchers.trial_seed(state, 0) and state.trials[0].state == "PAUSED"
+
+
 def test_a_rerun_refuses_a_changed_search_or_a_corrupt_record(tmp_path, capsys):
     from toolkit.run import main
 

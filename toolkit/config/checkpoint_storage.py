@@ -29,10 +29,9 @@ def keep_count_problem(key: str, value: Any) -> str | None:
 
 
 def _url_problems(storage: str) -> list[str]:
-    if storage.startswith(("s3://", "gs://", "gcs://")):
+    if storage.startswith(("s3://", "gs://", "gcs://")):  # a URL of a scheme toolkit stores in
         try:
-            if parse_url(storage, what="checkpoint_storage") is None:
-                return [f"checkpoint_storage={_names.shown(storage)}: expected an s3:// or gs:// URL"]
+            parse_url(storage, what="checkpoint_storage")
         except ConfigError as err:
             return list(err.problems)
         return []

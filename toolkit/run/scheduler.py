@@ -203,7 +203,7 @@ def _slots(plan: RunPlan, max_slots: int | None) -> tuple[int, int]:
 
 
 class _Progress:
-    """Logs :func:`_progress` every :data:`~toolkit.run.watch.HEARTBEAT_S` while trials run; keeps
+    """Logs :func:`_progress` every :data:`~toolkit.run.progress_line.HEARTBEAT_S` while trials run; keeps
     the durations of the trials that ended (``_poll`` adds them)."""
 
     def __init__(self, plan: RunPlan, cap: int) -> None:

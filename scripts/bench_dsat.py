@@ -91,7 +91,7 @@ ENTRY = ROOT / "scripts" / "ds_autotune_entry.py"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from toolkit.dsat.cli import build_parser, make_plan, parse_bytes  # noqa: E402
+from toolkit.dsat.tuner_cli import build_parser, make_plan, parse_bytes  # noqa: E402
 from toolkit.dsat.contract import METRICS, TrialStatus  # noqa: E402
 from toolkit.dsat.search.space import zero_config_for_stage  # noqa: E402
 from toolkit.dsat.search.types import SMALLER_IS_BETTER, TrialResult, TrialSpec  # noqa: E402
@@ -284,7 +284,7 @@ class TrialArm:
         from toolkit.config.deepspeed import overwrite_deepspeed_config
         from toolkit.dsat.contract import TrialContract
         from toolkit.dsat.execution.runner import TrialRunner
-        from toolkit.dsat.plan import trial_ds_config
+        from toolkit.dsat.tuning_plan import trial_ds_config
         from toolkit.dsat.trial.reporting import instrumentation_overrides
 
         plan, results = self.plan, list[TrialResult]()

@@ -40,7 +40,7 @@ from typing import Any
 import yaml
 
 from toolkit.config.deepspeed import overwrite_deepspeed_config
-from toolkit.dsat.cli import build_parser, make_plan, parse_bytes
+from toolkit.dsat.tuner_cli import build_parser, make_plan, parse_bytes
 from toolkit.dsat.contract import ProfileInfo, TrialContract, TrialStatus
 from toolkit.dsat.execution.runner import TrialRunner
 from toolkit.dsat.orchestrator import Autotuner, Plan, trial_ds_config

@@ -301,7 +301,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
     import bench_trial
 
-    from toolkit.dsat.cli import build_parser, make_plan
+    from toolkit.dsat.tuner_cli import build_parser, make_plan
     from toolkit.dsat.execution.runner import TrialRunner
 
     work = args.work.resolve()

@@ -19,7 +19,7 @@ other, each in a fresh output directory: **sequential** with ``max_concurrent_tr
 alternating, and compares the medians (on a shared machine the load changes between arms).
 Printed: each arm's wall time (the command's, start-up included), the ratio concurrent /
 sequential (target <= 0.6; the acceptance bound 0.7), and the best trial each found (its
-hyperparameters and metric, from ``search.json``), with whether they agree. ASHA decides on the
+hyperparameters and metric, from ``determined_search.json``), with whether they agree. ASHA decides on the
 reports in the order they arrive, so two arms may stop different trials; the best of a seeded
 search is the same when its trial is never stopped.
 """
@@ -77,7 +77,7 @@ def run_arm(work: Path, *, concurrent: int, seed: int, trials: int, step_s: floa
     wall = time.monotonic() - start
     if proc.returncode != 0:
         print(proc.stdout[-4000:], file=sys.stderr)
-    summary = json.loads((out / "search.json").read_text(encoding="utf-8"))
+    summary = json.loads((out / "determined_search.json").read_text(encoding="utf-8"))
     best = summary.get("best") or {}
     return {"max_concurrent_trials": concurrent, "wall_s": round(wall, 2), "exit_status": proc.returncode,
             "best": {k: best.get(k) for k in ("dir", "hparams", "metric")},

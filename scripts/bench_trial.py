@@ -334,7 +334,7 @@ def stage1_trial(plan: Any, trial_id: int, micro_batch: int, *, profile: bool) -
     trials are (scripts/bench_preload.py runs the same trials)."""
     from toolkit.config.deepspeed import overwrite_deepspeed_config
     from toolkit.dsat.contract import TrialContract
-    from toolkit.dsat.plan import trial_ds_config
+    from toolkit.dsat.tuning_plan import trial_ds_config
     from toolkit.dsat.search.space import zero_config_for_stage
     from toolkit.dsat.search.types import TrialSpec
     from toolkit.dsat.trial.reporting import instrumentation_overrides
@@ -350,7 +350,7 @@ def stage1_trial(plan: Any, trial_id: int, micro_batch: int, *, profile: bool) -
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from toolkit.dsat.cli import build_parser, make_plan
+    from toolkit.dsat.tuner_cli import build_parser, make_plan
     from toolkit.dsat.execution.runner import TrialRunner
 
     work = args.work.resolve()

@@ -77,7 +77,7 @@ def _hung(item) -> None:
 #: unit of work of its own, so that their minutes spread over the workers.
 SPLIT_FILES: tuple[str, ...] = (
     "tests/test_examples.py", "tests/test_preemption.py", "tests/dsat/test_e2e.py",
-    "tests/runtime/test_op_builds.py", "tests/dsat/test_cli.py", "tests/runtime/test_context.py",
+    "tests/runtime/test_op_builds.py", "tests/dsat/test_tuner_cli.py", "tests/runtime/test_context.py",
     "tests/dsat/execution/test_runner.py", "tests/dsat/test_conventions_e2e.py",
 )
 
@@ -98,9 +98,9 @@ SLOW_UNITS: tuple[str, ...] = (
     "tests/test_preemption.py::test_the_deepspeed_launcher_killed_alone",
     "tests/runtime/test_ds_shm.py", "tests/run/test_scheduler.py", "tests/compat/test_determined_legacy.py",
     "tests/reliability/test_dsat_faults.py",
-    "tests/dsat/test_cli.py::test_sigkilled_search", "tests/dsat/test_cli.py::test_binary_search",
-    "tests/dsat/test_cli.py::test_the_global_batch_is_kept",
-    "tests/dsat/execution/test_hosts.py", "tests/config/test_ds_verdicts.py",
+    "tests/dsat/test_tuner_cli.py::test_sigkilled_search", "tests/dsat/test_tuner_cli.py::test_binary_search",
+    "tests/dsat/test_tuner_cli.py::test_the_global_batch_is_kept",
+    "tests/dsat/execution/test_multihost.py", "tests/config/test_ds_verdicts.py",
     "tests/runtime/test_context.py::test_deepspeed_launcher",
 )
 

@@ -20,8 +20,9 @@ from toolkit.errors import CheckpointError
 from toolkit.preemption import AgreedStop
 from toolkit.run import plan_run
 from toolkit.run.process import Forwarder
-from toolkit.run.search import finish_trial
+from toolkit.run.search_state import SearchState, TrialRecord
 from toolkit.run.trial import execute
+from toolkit.run.trial_reports import finish_trial
 
 
 @pytest.fixture
@@ -136,6 +137,7 @@ def test_toolkit_run_does_not_restart_a_preempted_run_and_its_search_pauses_the_
         def finish(self, *, stop_sent):
             pass
 
-    trial = {"dir": "trial_0", "time": None}
-    finish_trial({}, trial, Watcher(), Forwarder(install=False), 0, tmp_path / "out")
-    assert trial["state"] == "PAUSED" and not trial["stopped_early"]
+    trial = TrialRecord(index=0, hparams={}, state="RUNNING")
+    state = SearchState(searcher="random", seed=1, trials=[trial])
+    finish_trial(state, trial, Watcher(), Forwarder(install=False), 0, tmp_path / "out")
+    assert trial.state == "PAUSED" and not trial.stopped_early

@@ -17,8 +17,8 @@ from unittest import mock
 
 from helpers import procutil
 from toolkit.dsat.contract import TrialStatus
-from toolkit.dsat.execution import slots as slots_module
-from toolkit.dsat.execution.hosts import Host
+from toolkit.launch import slots as slots_module
+from toolkit.launch.hosts import Host
 from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
 from toolkit.dsat.search.types import TrialSpec
 from toolkit.launch.procs import find_trial_processes, kill_until_gone

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from helpers import procutil
+from toolkit.launch.trial_files import SEARCH_FILE
 
 START_S = 300  # a rank's start (torch, gloo) on 2 busy cores; normally a few seconds
 STEPS = 120
@@ -102,7 +103,7 @@ def test_search_as_slurm_jobs_pauses_continues_and_resubmits_a_trial_stopped_by_
                  proc, first_log)
         proc.terminate()
         assert proc.wait(timeout=120) == 0, first_log.read_text()[-4000:]
-        paused = read(out / "search.json")["trials"]
+        paused = read(out / SEARCH_FILE)["trials"]
         assert [t["state"] for t in paused] == ["PAUSED", "PAUSED"], first_log.read_text()[-4000:]
         stops = [read(t / "stop0.json") for t in trials]
         assert all(s["received"] == "SIGUSR1" and s["step"] < STEPS for s in stops), stops
@@ -110,7 +111,7 @@ def test_search_as_slurm_jobs_pauses_continues_and_resubmits_a_trial_stopped_by_
         # the same command continues; then trial 0's job gets scancel --signal=USR1 and is submitted again
         proc = launch(again_log)
         wait_for(lambda: started(trials[0], resumed=True), START_S, "trial 0 to resume", proc, again_log)
-        job = read(out / "search.json")["trials"][0]["slurm_jobs"][1]
+        job = read(out / SEARCH_FILE)["trials"][0]["slurm_jobs"][1]
         slurm.run("scancel", "--signal=USR1", job)
         assert proc.wait(timeout=START_S) == 0, again_log.read_text()[-4000:]
     finally:
@@ -119,7 +120,7 @@ def test_search_as_slurm_jobs_pauses_continues_and_resubmits_a_trial_stopped_by_
             proc.wait(timeout=120)
         slurm.cancel_all()
     text = again_log.read_text()
-    records = read(out / "search.json")["trials"]
+    records = read(out / SEARCH_FILE)["trials"]
     assert [t["state"] for t in records] == ["COMPLETED", "COMPLETED"], text[-4000:]
     assert [len(t["slurm_jobs"]) for t in records] == [3, 2], records  # first, after the pause, after USR1
     assert f"Slurm job {job} stopped by SIGUSR1 (preempted)" in text, text[-4000:]

@@ -15,9 +15,9 @@ import pytest
 
 from helpers import procutil
 from toolkit.compat.determined import storage, wrap_rank
-from toolkit.compat.determined.wrap_rank import SHIM_DIR, WRAPPED_ENV, shim_pythonpath
 from toolkit.errors import ConfigError, LaunchEnvError
 from toolkit.launch.procs import find_trial_processes
+from toolkit.launch.wrappers import SHIM_DIR, WRAPPED_ENV, shim_pythonpath
 from toolkit.run.process import signal_targets
 
 YAML = """name: det-launcher

@@ -1,7 +1,8 @@
-"""Searcher sections of Determined 0.37 and earlier (toolkit.compat.determined.legacy): async_halving and
-max_length-only ASHA translated with one notice, a trial's searcher operations at its rungs (recorded,
-resumed, none after a stop), and the runner's side of them (judged, acknowledged after the stop). Pure,
-but for one real `python -m toolkit.run` of a 0.37-style script (the last test)."""
+"""Searcher sections of Determined 0.37 and earlier, end to end (the translation itself:
+tests/config/test_searcher_section.py): the runner plans them with one notice, a trial's searcher
+operations come at its rungs (recorded, resumed, none after a stop), and the runner judges them
+(acknowledged after the stop). Pure, but for one real `python -m toolkit.run` of a 0.37-style script
+(the last test)."""
 
 import json
 import logging
@@ -11,45 +12,14 @@ import sys
 import pytest
 
 from helpers import procutil
-from toolkit.compat.determined import legacy, search
 from toolkit.compat.determined.core.distributed import DummyDistributedContext
-from toolkit.compat.determined.core.searcher import OPS_ACK_FILE, SearcherContext
+from toolkit.compat.determined.core.searcher import SearcherContext
+from toolkit.config.searcher_section import translate_searcher
 from toolkit.errors import ConfigError
+from toolkit.launch.trial_files import OPS_ACK_FILE, SEARCH_ACK_ENV, SEARCH_FILE
+from toolkit.run import searchers
 
 OLD_ASHA = {"name": "adaptive_asha", "metric": "x", "max_length": 100, "max_trials": 10}
-
-
-def test_037_asha_and_async_halving_are_translated_with_one_notice():
-    config = {"searcher": dict(OLD_ASHA), "entrypoint": "python3 x.py"}
-    translated, notice, problems = legacy.translate_searcher(config)
-    assert problems == [] and config == {"searcher": OLD_ASHA, "entrypoint": "python3 x.py"}  # not mutated
-    assert translated["searcher"] == dict(OLD_ASHA, max_time=100)
-    assert "max_time = 100 batches" in notice and "op.report_completed" in notice
-    assert search.check_searcher(translated) == [] and search.check_searcher(config) != []
-    assert legacy.translate_searcher(translated)[1] is None  # translated once: nothing more to say
-    assert legacy.operation_lengths(config) == legacy.operation_lengths(translated) == [25, 100]
-    halving = {"searcher": {"name": "async_halving", "num_rungs": 3, "metric": "x", "divisor": 3,
-                            "max_trials": 9, "max_length": {"epochs": 9}, "stop_once": False,
-                            "max_concurrent_trials": 2}, "records_per_epoch": 100}
-    translated, notice, _ = legacy.translate_searcher(halving)
-    assert translated["searcher"] == {"name": "adaptive_asha", "bracket_rungs": [3], "metric": "x",
-                                      "divisor": 3, "max_trials": 9, "max_length": {"epochs": 9},
-                                      "max_time": 9, "max_concurrent_trials": 2}
-    assert notice.count("searcher section translated") == 1 and "bracket_rungs: [3]" in notice
-    assert "stop_once=False is dropped" in notice and "9 epochs" in notice
-    state = search.new_state(translated, seed=1)
-    assert [b["rungs"] for b in state["asha"]["brackets"]] == [[1, 3, 9]]  # no cap by max_trials
-    assert legacy.operation_lengths(halving) == [1, 3, 9]
-    current = {"searcher": {"name": "async_halving", "num_rungs": 2, "metric": "x", "max_trials": 4,
-                            "time_metric": "batches", "max_time": 16}}
-    assert legacy.translate_searcher(current)[0]["searcher"]["bracket_rungs"] == [2]
-    assert legacy.operation_lengths(current) is None  # 0.38's form: the script reports its time itself
-    new = {"searcher": dict(current["searcher"], name="adaptive_asha", mode="standard")}
-    assert legacy.translate_searcher(new) == (new, None, [])
-    assert legacy.translate_searcher({"searcher": {"name": "async_halving", "metric": "x"}})[2] == [
-        "searcher.num_rungs=None: async_halving needs an integer >= 1 (its rounds of halving)"]
-    assert "searcher.max_length" in legacy.translate_searcher(
-        {"searcher": dict(OLD_ASHA, max_length={"steps": 3})})[2][0]
 
 
 def test_the_runner_plans_a_037_search_with_one_notice_and_refuses_what_it_cannot_translate(tmp_path, caplog):
@@ -91,7 +61,7 @@ def test_a_037_trial_gets_its_rungs_as_operations_recorded_resumed_and_none_afte
     # under toolkit.run: after an operation the chief waits for the runner's answer, then a stop
     # (the searcher's, or a pause) ends the operations
     other = tmp_path / "trial"
-    monkeypatch.setenv(search.SEARCH_ACK_ENV, str(other))
+    monkeypatch.setenv(SEARCH_ACK_ENV, str(other))
     (other / OPS_ACK_FILE).parent.mkdir()
     (other / OPS_ACK_FILE).write_text("1")
     ctx = SearcherContext(DummyDistributedContext(), config, other, stopped=lambda: bool(stop))
@@ -102,29 +72,29 @@ def test_a_037_trial_gets_its_rungs_as_operations_recorded_resumed_and_none_afte
 
 
 def test_the_runner_judges_037_operations_and_answers_after_the_stop(tmp_path, caplog):
-    from toolkit.run.search import _Watcher
+    from toolkit.run.trial_reports import ReportWatcher
 
-    config, _, _ = legacy.translate_searcher({"searcher": dict(OLD_ASHA, max_trials=2, divisor=2,
+    config, _, _ = translate_searcher({"searcher": dict(OLD_ASHA, max_trials=2, divisor=2,
                                                                 mode="aggressive")})
-    state = search.new_state(config, seed=1)
-    assert state["asha"]["brackets"][0]["rungs"] == [50, 100]
+    state = searchers.new_state(config, seed=1)
+    assert state.asha.brackets[0].rungs == [50, 100]
     trials = []
     for _ in range(2):
-        trials.append(search.next_trial(state, config))
-        trials[-1]["state"] = "RUNNING"
-    assert search.asha_report(state, 0, time_step=50, metric=1.0, config=config) is False
-    watcher = _Watcher(state, trials[1], config, tmp_path, lambda: None)
+        trials.append(searchers.next_trial(state, config))
+        trials[-1].state = "RUNNING"
+    assert searchers.asha_report(state, 0, time_step=50, metric=1.0, config=config) is False
+    watcher = ReportWatcher(state, trials[1], config, tmp_path, lambda: None)
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"group": "validation", "metrics": {"x": 4.0}}) + "\n")
     ops = {"ops": [{"length": 50, "searcher_metric": 3.0}], "completed": False}
     (tmp_path / "determined_searcher.json").write_text(json.dumps(ops))
     assert watcher() is True  # second of two at the rung: stopped; not answered until the stop is sent
     assert not (tmp_path / OPS_ACK_FILE).exists()
     assert watcher() is True and (tmp_path / OPS_ACK_FILE).read_text() == "1"
-    assert (trials[1]["metric"], trials[1]["best_metric"], trials[1]["time"]) == (3.0, 3.0, 50)
+    assert (trials[1].metric, trials[1].best_metric, trials[1].time) == (3.0, 3.0, 50)
     # a script that validates but never loops over operations() is not judged: said, not silent
     (tmp_path / "determined_searcher.json").unlink()
     with caplog.at_level(logging.WARNING):
-        _Watcher(state, trials[0], config, tmp_path, lambda: None).finish(stop_sent=False)
+        ReportWatcher(state, trials[0], config, tmp_path, lambda: None).finish(stop_sent=False)
     assert "completed no searcher operation" in caplog.text
 
 
@@ -132,12 +102,12 @@ def _seed(check):
     config = {"searcher": {"name": "random", "max_trials": 4},
               "hyperparameters": {"increment_by": {"type": "int", "minval": 1, "maxval": 8}}}
     for seed in range(5000):
-        state = search.new_state(config, seed=seed)
+        state = searchers.new_state(config, seed=seed)
         incs = []
         for _ in range(4):
-            trial = search.next_trial(state, config)
-            trial["state"] = "COMPLETED"
-            incs.append(trial["hparams"]["increment_by"])
+            trial = searchers.next_trial(state, config)
+            trial.state = "COMPLETED"
+            incs.append(trial.hparams["increment_by"])
         if check(incs):
             return seed, incs
     raise AssertionError("no seed found")
@@ -170,7 +140,7 @@ def test_a_037_search_runs_its_trials_by_operations_replaces_an_invalid_one_and_
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
     assert log.count("searcher section translated from Determined's") == 1, log[-4000:]
-    summary = json.loads((out / "search.json").read_text())
+    summary = json.loads((out / SEARCH_FILE).read_text())
     trials = summary["trials"]
     assert [t["hparams"]["increment_by"] for t in trials] == incs
     assert [t["state"] for t in trials] == ["COMPLETED"] * 4

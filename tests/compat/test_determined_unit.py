@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import resets
 from toolkit.compat import determined as det
 from toolkit.compat.determined import info as info_mod
 from toolkit.compat.determined import storage
@@ -17,56 +18,8 @@ from toolkit.compat.determined.core.searcher import SearcherContext
 from toolkit.compat.determined.core.train import TensorboardMode, TrainContext
 from toolkit.compat.determined.pytorch import dsat
 from toolkit.errors import ConfigError, LaunchEnvError
-from toolkit.launch.wrappers import torchrun_nproc_override, unwrap_launcher
-
-# The entrypoints of Determined's own examples, exactly as their YAMLs write them.
-EXAMPLES = [
-    ("python3 -m determined.launch.deepspeed python3 script.py", ("deepspeed", [], ["python3", "script.py"])),
-    (
-        "python3 -m determined.launch.torch_distributed python3 model_def_distributed.py",
-        ("torchrun", [], ["python3", "model_def_distributed.py"]),
-    ),
-    (
-        "python3 -m determined.launch.torch_distributed --nproc_per_node 1 -- python3 train.py",
-        ("torchrun", ["--nproc_per_node", "1"], ["python3", "train.py"]),
-    ),
-    (
-        "python3 -m determined.launch.wrap_rank 0 -- python3 4_distributed.py worker 0 0",
-        (None, [], ["python3", "4_distributed.py", "worker", "0", "0"]),
-    ),
-    ("python3 4_distributed.py launcher", (None, [], ["python3", "4_distributed.py", "launcher"])),
-    ("python3 2_checkpoints.py", (None, [], ["python3", "2_checkpoints.py"])),
-    (
-        "python3 -m determined.launch.deepspeed -- python3 script.py",
-        ("deepspeed", [], ["python3", "script.py"]),
-    ),
-]
-
-
-@pytest.mark.parametrize("entry,expected", EXAMPLES)
-def test_unwrap_launcher_on_determined_example_entrypoints(entry, expected):
-    assert unwrap_launcher(entry.split()) == expected
-
-
-@pytest.mark.parametrize(
-    "entry,match",
-    [
-        ("python3 -m determined.launch.torch_distributed", "no command"),
-        ("python3 -m determined.launch.deepspeed --trial model_def:Trial", "Trial API"),
-        ("python3 -m determined.launch.torch_distributed -- --trial model_def:Trial", "Trial API"),
-    ],
-)
-def test_unwrap_launcher_errors_name_the_fix(entry, match):
-    with pytest.raises(ConfigError, match=match):
-        unwrap_launcher(entry.split())
-    with pytest.raises(TypeError):
-        unwrap_launcher("python3 train.py")
-
-
-def test_torchrun_override_nproc():
-    assert torchrun_nproc_override(["--nproc_per_node=3", "--foo"]) == (3, ["--foo"])
-    with pytest.raises(ConfigError, match="nproc_per_node"):
-        torchrun_nproc_override(["--nproc_per_node", "x"])
+from toolkit.launch.trial_files import TRIAL_FILE
+from toolkit.launch.wrappers import unwrap_launcher
 
 
 def test_hparams_const_resolved_and_search_spaces_named():
@@ -95,9 +48,9 @@ def env(tmp_path, monkeypatch):
         if key.startswith("TOOLKIT_") or key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
             monkeypatch.delenv(key)
     monkeypatch.setenv("TOOLKIT_OUTPUT_DIR", str(tmp_path / "out"))
-    info_mod.reset_for_tests()
+    resets.forget_cluster_info()
     yield tmp_path
-    info_mod.reset_for_tests()
+    resets.forget_cluster_info()
 
 
 def test_cluster_info_from_yaml_with_stable_ids(env, monkeypatch):
@@ -119,10 +72,10 @@ def test_cluster_info_from_yaml_with_stable_ids(env, monkeypatch):
     )
     assert info.slot_ids == [0, 1] and info.container_addrs == ["127.0.0.1"] and info.container_rank == 0
     ids = (info.trial.trial_id, info.trial.experiment_id)
-    info_mod.reset_for_tests()
+    resets.forget_cluster_info()
     again = det.get_cluster_info()
     assert (again.trial.trial_id, again.trial.experiment_id) == ids
-    assert json.loads((env / "out" / info_mod.TRIAL_FILE).read_text())["trial_id"] == ids[0]
+    assert json.loads((env / "out" / TRIAL_FILE).read_text())["trial_id"] == ids[0]
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """The Determined experiment YAML as Determined read it (issue 27 item 4): environment_variables
-(list and cpu/cuda forms) for every rank, the determined.launch wrappers called from a script
-the entrypoint runs, max_length in records and epochs, get_experiment_best_validation() from the
-search's records, save_trial_best, and the ignored keys warned once per run. One real
+for every rank (the forms: tests/launch/test_experiment_env.py), the determined.launch wrappers
+called from a script the entrypoint runs, max_length in records and epochs,
+get_experiment_best_validation() from the search's records, save_trial_best, and the ignored keys
+warned once per run. One real
 `python -m toolkit.run` of a `bash launch.sh` entrypoint with 2 ranks; the rest pure."""
 
 import json
@@ -12,17 +13,17 @@ import warnings
 import pytest
 
 from helpers import procutil
-from toolkit.compat.determined import hparams, storage
+from toolkit.compat.determined import storage
 from toolkit.compat.determined.core.checkpoint import CheckpointContext
 from toolkit.compat.determined.core.distributed import DummyDistributedContext
 from toolkit.compat.determined.core.searcher import SearcherContext, Unit
 from toolkit.compat.determined.core.train import TensorboardMode, TrainContext
-from toolkit.compat.determined.info import CONTAINER_PER_RANK_ENV
 from toolkit.compat.determined.shim.determined.launch import _in_rank as in_rank
-from toolkit.compat.determined.wrap_rank import WRAPPED_ENV
+from toolkit.config import hyperparameters
 from toolkit.config.experiment import ConfigWarning, check_experiment_config, max_length_steps
 from toolkit.errors import ConfigError
-from toolkit.launch.experiment_env import environment_variables, environment_variables_problems
+from toolkit.launch.trial_files import SEARCH_FILE
+from toolkit.launch.wrappers import CONTAINER_PER_RANK_ENV, WRAPPED_ENV
 
 SCRIPT = """import json, os, sys
 from toolkit.compat import determined as det
@@ -81,23 +82,6 @@ def test_worker_env_marks_the_worker_and_ends_the_one_slot_container():
     assert env == {"RANK": "3", "LOCAL_WORLD_SIZE": "2", WRAPPED_ENV: "3", "LOCAL_SIZE": "2"}
 
 
-def test_environment_variables_forms_and_problems():
-    both = {"environment": {"environment_variables": {"cpu": ["A=1"], "cuda": ["A=2", "B=x=y"]}}}
-    assert environment_variables(both, device="cuda") == {"A": "2", "B": "x=y"}
-    assert environment_variables(both, device="cpu") == {"A": "1"}
-    listed = {"environment": {"environment_variables": ["A=1"]}}
-    assert environment_variables(listed, device="cuda") == {"A": "1"}
-    assert environment_variables({}, device="cpu") == {}
-    bad = {"environment": {"environment_variables": ["NOVALUE", "1X=2", 5]}}
-    assert [p.split("=")[0] for p in environment_variables_problems(bad)] == [
-        "environment.environment_variables[0]", "environment.environment_variables[1]",
-        "environment.environment_variables[2]"]
-    assert "unknown device" in environment_variables_problems(
-        {"environment": {"environment_variables": {"gpu": ["A=1"]}}})[0]
-    with pytest.raises(ConfigError, match="NAME=VALUE"):
-        environment_variables(bad, device="cpu")
-
-
 def test_max_length_in_records_and_epochs():
     base = {"hyperparameters": {"global_batch_size": {"type": "const", "val": 32}}, "records_per_epoch": 100}
     assert max_length_steps({**base, "searcher": {"max_length": {"records": 64}}}) == 2
@@ -132,9 +116,9 @@ def test_best_validation_from_the_search_record(tmp_path):
     record = {"smaller_is_better": False, "trials": [
         {"dir": "trial-0000", "metric": 0.5}, {"dir": "trial-0001", "metric": None},
         {"dir": "trial-0002", "metric": 0.7}]}
-    (tmp_path / "search.json").write_text(json.dumps(record))
+    (tmp_path / SEARCH_FILE).write_text(json.dumps(record))
     assert best() == 0.7
-    (tmp_path / "search.json").write_text(json.dumps({**record, "smaller_is_better": True}))
+    (tmp_path / SEARCH_FILE).write_text(json.dumps({**record, "smaller_is_better": True}))
     assert best() == 0.5
     assert best(tmp_path / "trial-0009") is None  # not this search's trial
 
@@ -179,7 +163,7 @@ def test_cluster_only_determined_keys_are_not_honoured_here_and_typos_stay_unkno
                     " max_time: 8, bracket_rungs: [1], source_trial_id: 3}\nmax_restart: 1\n")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        hparams.load_config(path)
+        hyperparameters.load_config(path)
     messages = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
     honoured = sorted(m.split(" is not honoured here: ")[0] for m in messages if "not honoured here" in m)
     assert honoured == ["bind_mounts", "checkpoint_policy", "checkpoint_storage.save_experiment_best",

@@ -120,7 +120,7 @@ def test_a_script_building_its_config_that_recorded_none_stops_with_the_three_wa
     """The first profiling trial ran, but nothing was recorded at deepspeed.initialize (a script whose
     python runs without the site module, say): the search stops naming the three ways to give the config."""
     from toolkit.dsat.contract import TrialStatus
-    from toolkit.dsat.plan import profile_spec
+    from toolkit.dsat.tuning_plan import profile_spec
     from toolkit.dsat.script_config import discovered_plan
     from toolkit.dsat.search.types import TrialResult
     from toolkit.errors import ConfigError

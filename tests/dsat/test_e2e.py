@@ -51,7 +51,7 @@ def test_binary_search_on_the_example_then_train_with_the_best_config(tmp_path):
                     # first two trials run out of memory (a loaded machine's peaks) still finds a fit
                     # (another stage's point: tests/dsat/test_profiling_phase.py)
                     "--zero-stages", "1", "--start-profile-step", "2", "--end-profile-step", "3",
-                    # no re-runs of the best here (tests/dsat/test_cli.py confirms one on the simulated
+                    # no re-runs of the best here (tests/dsat/test_tuner_cli.py confirms one on the simulated
                     # model), nor of the example's own config (tests/dsat/test_conventions.py measures one)
                     "--confirm", "0", "--no-own-config", "--trial-timeout", "240", "--output-dir", str(out)],
                            timeout=1200)

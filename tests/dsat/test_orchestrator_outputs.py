@@ -11,7 +11,7 @@ import json
 import yaml
 
 from helpers import procutil
-from toolkit.dsat.cli import build_parser, make_plan
+from toolkit.dsat.tuner_cli import build_parser, make_plan
 from toolkit.dsat.contract import METRICS, TrialStatus
 from toolkit.dsat.full_run import run_full_experiment
 from toolkit.dsat.orchestrator import BEST_METRICS_EXTRA_KEYS, Autotuner, best_metrics_record
@@ -99,7 +99,7 @@ def test_the_extra_keys_never_hide_a_metric():
 def test_tuning_trials_that_only_ran_out_of_memory_leave_the_profiling_results(tmp_path):
     """The main job's autotune: its one tuning trial, at the predicted boundary, ran out of memory;
     the profiling trials the searcher took as results still give the best. Crashed tuning trials
-    do not (tests/dsat/test_cli.py::test_all_tuning_trials_failing_is_a_failed_search)."""
+    do not (tests/dsat/test_tuner_cli.py::test_all_tuning_trials_failing_is_a_failed_search)."""
     tuner, _ = _tuner(tmp_path, {"train_micro_batch_size_per_gpu": 4})
     tuner.results = {0: TrialResult(TrialSpec(0, 1, {"stage": 1}, line=-1, profile=True), OK, _metrics(1.0)),
                      1: TrialResult(TrialSpec(1, 804, {"stage": 1}), TrialStatus.OOM, {})}

@@ -4,6 +4,7 @@
   a clean environment and the suite's session mark; the paths of the repository and tests/workers.
 * ``relutil``: the reliability suite's chaos campaigns on examples/core_api/train.py (start, signal,
   restart, compare the final weights with an uninterrupted run).
+* ``resets``: forget what toolkit caches once per process (the cluster info, a dsat trial's session).
 
 ``tests/`` is on ``sys.path`` (pytest puts the directory of the top ``conftest.py`` there), so
 ``helpers`` is found from any test directory. Worker scripts under tests/workers run as separate

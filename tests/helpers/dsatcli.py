@@ -40,7 +40,7 @@ def dsat(model_dir, *flags, method="binary", output=None, timeout=300):
 
 def dsat_in_process(model_dir, *flags, method="binary", capsys):
     """The CLI in this process (bad input never launches anything, so no subprocess is needed)."""
-    from toolkit.dsat.cli import main
+    from toolkit.dsat.tuner_cli import main
 
     argv = [
         method,
@@ -66,7 +66,7 @@ def trial_rows(out):
 
 
 def plan_for(tmp_path, model_dir, *flags, method="binary"):
-    from toolkit.dsat.cli import build_parser, make_plan
+    from toolkit.dsat.tuner_cli import build_parser, make_plan
 
     args = build_parser().parse_args([method, str(model_dir / "deepspeed.yaml"), str(model_dir),
                                       "--output-dir", str(tmp_path / "out"), "--memory-per-slot", "100MiB",

@@ -10,7 +10,7 @@ Entry points:
     yaml      toolkit.load_experiment_config(<file>)
     hparams   toolkit.get_hparams() inside a "trial" (TOOLKIT_TRIAL_HPARAMS=<file>) or with a path
     ds        toolkit.build_ds_config(hparams, data_parallel_size=2, ...) with ds_config.json
-    cli       toolkit.dsat.cli.main(argv), the code of ``python -m toolkit.dsat``
+    cli       toolkit.dsat.tuner_cli.main(argv), the code of ``python -m toolkit.dsat``
     ckpt      toolkit.save_checkpoint / load_checkpoint argument checks, and the checkpoint
               directory decisions (toolkit.checkpoint.layout) that save/load apply to a directory
 """
@@ -169,9 +169,9 @@ ROWS = [
     C({"flags": ["--metric", "speed"]}, ["--metric", "'speed'"], id="metric-unknown"),
     C({"method": "grid"}, ["invalid choice: 'grid'"], id="search-method-unknown"),
     C({"flags": ["--start-profile-step", "5", "--end-profile-step", "2"]},
-      ["--end-profile-step 2", "--start-profile-step 5"], id="profile-steps-reversed"),
+      ["--end-profile-step=2", "--start-profile-step=5"], id="profile-steps-reversed"),
     C({"flags": ["--timed-window", "-3"]}, ["--timed-window", "-3"], id="timed-window-negative"),
-    C({"flags": ["--max-slots", "1"], "slots": 2}, ["resources.slots_per_trial=2", "--max-slots 1"],
+    C({"flags": ["--max-slots", "1"], "slots": 2}, ["resources.slots_per_trial=2", "--max-slots=1"],
       id="slots-above-max-slots"),
     C({"flags": ["--resume"]}, ["--resume", "holds no search"], id="resume-nothing"),
     C({"previous_search": True}, ["--output-dir", "holds a previous search"], id="output-dir-taken"),
@@ -213,7 +213,7 @@ ROWS = [
     C({"flags": ["--global-batch", "0"]}, ["--global-batch 0"], id="global-batch-zero"),
     C({"flags": ["--global-batch", "some"]}, ["--global-batch", "'some'"], id="global-batch-word"),
     C({"flags": ["--offload", "sometimes"]}, ["--offload", "'sometimes'"], id="offload-unknown"),
-    C({"flags": ["--offload", "always", "--zero-stages", "1"]}, ["--offload 'always'", "stage 2 or 3"],
+    C({"flags": ["--offload", "always", "--zero-stages", "1"]}, ["--offload=always", "stage 2 or 3"],
       id="offload-always-without-stage-2-3"),
     # ---- checkpoints: arguments and directories
     K({"call": "save", "kwargs": {"steps_completed": -1}}, ["steps_completed=-1"],
@@ -307,7 +307,7 @@ def _prepare(kind: str, payload, tmp_path: Path, monkeypatch):
                                                pipeline=payload.get("pipeline", False), device="cpu",
                                                hidden_size=payload.get("hidden_size"))
     if kind == "cli":
-        from toolkit.dsat.cli import main
+        from toolkit.dsat.tuner_cli import main
 
         model_dir = _model_dir(tmp_path, payload)
         config = tmp_path / payload["config"] if "config" in payload else model_dir / "deepspeed.yaml"

@@ -25,14 +25,14 @@ from hypothesis import strategies as st
 import toolkit
 from helpers import procutil
 from toolkit.bounded_load import MAX_DEPTH, MAX_YAML_NODES, load_json, load_yaml, parse_json, parse_yaml
-from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state
-from toolkit.dsat.cli import main as dsat_main
+from toolkit.dsat.tuner_cli import main as dsat_main
 from toolkit.dsat.contract import MAX_ERROR_CHARS, METRICS, TrialStatus
 from toolkit.dsat.execution.classify import classify
 from toolkit.dsat.profiling_phase import ProfilingPhase
-from toolkit.dsat.records import EventLog
+from toolkit.dsat.output_files import EventLog
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.errors import ConfigError
+from toolkit.launch.trial_files import TRIAL_FILE, load_trial_state
 from toolkit.run.cli import main as run_main
 
 MODEL = procutil.WORKERS / "dsat_model_trial.py"
@@ -292,13 +292,13 @@ def test_an_old_long_error_is_cut_when_read(tmp_path):
 
 
 def _args(model_dir: Path, out: Path, *extra: str):
-    from toolkit.dsat.cli import build_parser
+    from toolkit.dsat.tuner_cli import build_parser
     return build_parser().parse_args(["binary", str(model_dir / "deepspeed.yaml"), str(model_dir),
                                       "--output-dir", str(out), "--memory-per-slot", "100MiB", *extra])
 
 
 def test_resume_refuses_a_damaged_log_and_works_after_the_named_repair(tmp_path, capsys):
-    from toolkit.dsat.cli import make_plan
+    from toolkit.dsat.tuner_cli import make_plan
     experiment(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
@@ -316,8 +316,8 @@ def test_resume_refuses_a_damaged_log_and_works_after_the_named_repair(tmp_path,
     assert {q: q.read_bytes() for q in out.iterdir()} == before
     log.write_text(log.read_text().splitlines()[0] + "\n")  # what the message says to do
     assert make_plan(_args(tmp_path, out, "--resume")).resume
-    (out / "search.json").write_text("{")
-    with pytest.raises(ConfigError, match="search.json.*malformed JSON.*delete it"):
+    (out / "dsat_search.json").write_text("{")
+    with pytest.raises(ConfigError, match="dsat_search.json.*malformed JSON.*delete it"):
         make_plan(_args(tmp_path, out, "--resume"))
 
 

@@ -12,19 +12,19 @@ import time
 import pytest
 import yaml
 
-from toolkit.compat.determined import search
 from toolkit.dsat.contract import TrialStatus
 from toolkit.dsat.execution.settings import RunnerSettings
 from toolkit.dsat.search import best_result
 from toolkit.dsat.search.types import TrialResult, TrialSpec, is_better
 from toolkit.errors import ConfigError
 from toolkit.launch.procs import cpu_slots
-from toolkit.run import plan_run, process, trial
+from toolkit.run import plan_run, process, searchers, trial
+from toolkit.run.search_state import SearchState, TrialRecord
 
 CATEGORY = "security"
 NON_FINITE = [math.nan, math.inf, -math.inf]
-CPU_PROBLEM = (f"slots_per_trial=100000: a trial on CPU runs one process per slot and this machine has "
-               f"{cpu_slots()} CPU core(s); expected at most {cpu_slots()}")
+CPU_PROBLEM = (f"resources.slots_per_trial=100000: a trial on CPU runs one process per slot and this machine "
+               f"has {cpu_slots()} CPU core(s); expected at most {cpu_slots()}")
 GRID = {"searcher": {"name": "grid", "metric": "loss", "max_trials": 4},
         "hyperparameters": {"lr": {"type": "categorical", "vals": [1, 2, 3, 4]}}}
 
@@ -35,38 +35,40 @@ GRID = {"searcher": {"name": "grid", "metric": "loss", "max_trials": 4},
 @pytest.mark.parametrize("smaller", [True, False])
 def test_a_grid_search_never_ranks_a_non_finite_metric_best(bad, smaller):
     config = dict(GRID, searcher=dict(GRID["searcher"], smaller_is_better=smaller))
-    state = {"trials": [{"index": i, "state": "COMPLETED", "metric": m, "stopped_early": False}
-                        for i, m in enumerate([bad, 2.0, bad, 1.0, bad])]}
-    assert search.best_trial(state, config)["index"] == (3 if smaller else 1)
-    state["trials"] = [t for t in state["trials"] if t["metric"] is bad]
-    assert search.best_trial(state, config) is None
+    state = SearchState(searcher="grid", seed=1, trials=[
+        TrialRecord(index=i, hparams={}, state="COMPLETED", metric=m)
+        for i, m in enumerate([bad, 2.0, bad, 1.0, bad])])
+    assert searchers.best_trial(state, config).index == (3 if smaller else 1)
+    state.trials = [t for t in state.trials if t.metric is bad]
+    assert searchers.best_trial(state, config) is None
 
 
 @pytest.mark.parametrize("bad", NON_FINITE)
 def test_asha_ranks_a_non_finite_metric_last_and_stores_a_finite_number(bad):
     config = {"searcher": {"name": "adaptive_asha", "metric": "x", "max_trials": 4, "time_metric": "b",
                            "max_time": 100, "divisor": 2}}
-    state = search.new_state(config, seed=1)  # rungs [50, 100]
-    assert search.asha_report(state, 0, time_step=50, metric=5.0, config=config) is False
-    assert search.asha_report(state, 1, time_step=50, metric=bad, config=config) is True  # stopped: last
-    assert search.asha_report(state, 2, time_step=50, metric=4.0, config=config) is False
-    assert [i for i, _ in state["asha"]["brackets"][0]["metrics"][0]] == [2, 0, 1]
-    assert all(math.isfinite(v) for _, v in state["asha"]["brackets"][0]["metrics"][0])
-    json.dumps(state, allow_nan=False)  # search.json stays strict JSON
-    assert search.asha_report(state, 3, time_step=math.nan, metric=1.0, config=config) is False
-    assert "3" not in state["asha"]["trial_rung"]  # a report at no finite time counts nowhere
+    state = searchers.new_state(config, seed=1)  # rungs [50, 100]
+    assert searchers.asha_report(state, 0, time_step=50, metric=5.0, config=config) is False
+    assert searchers.asha_report(state, 1, time_step=50, metric=bad, config=config) is True  # stopped: last
+    assert searchers.asha_report(state, 2, time_step=50, metric=4.0, config=config) is False
+    assert [i for i, _ in state.asha.brackets[0].metrics[0]] == [2, 0, 1]
+    assert all(math.isfinite(v) for _, v in state.asha.brackets[0].metrics[0])
+    json.dumps(state.to_json(), allow_nan=False)  # the search's record stays strict JSON
+    assert searchers.asha_report(state, 3, time_step=math.nan, metric=1.0, config=config) is False
+    assert 3 not in state.asha.trial_rung  # a report at no finite time counts nowhere
 
 
 def test_the_watcher_makes_a_non_finite_metric_null(tmp_path, caplog):
-    from toolkit.run.search import _Watcher
+    from toolkit.run.trial_reports import ReportWatcher
 
-    run = {"index": 0, "dir": "trial-0000", "metric": None, "time": None}
+    run = TrialRecord(index=0, hparams={})
     lines = [{"group": "validation", "metrics": {"loss": 0.5}},
              {"group": "validation", "metrics": {"loss": "x"}}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines)
                                             + '{"group": "validation", "metrics": {"loss": NaN}}\n')
-    _Watcher(search.new_state(GRID, seed=1), run, GRID, tmp_path, lambda: None).finish(stop_sent=False)
-    assert run["metric"] is None and "'loss'=nan is not finite" in caplog.text
+    watcher = ReportWatcher(searchers.new_state(GRID, seed=1), run, GRID, tmp_path, lambda: None)
+    watcher.finish(stop_sent=False)
+    assert run.metric is None and "'loss'=nan is not finite" in caplog.text
 
 
 @pytest.mark.parametrize("bad", NON_FINITE)
@@ -97,7 +99,7 @@ def test_dsat_settings_refuse_more_cpu_slots_than_cores(tmp_path):
 
 
 def test_dsat_cli_names_the_key_and_exits_2(tmp_path, capsys):
-    from toolkit.dsat.cli import main
+    from toolkit.dsat.tuner_cli import main
 
     model = tmp_path / "model"
     model.mkdir()
@@ -114,7 +116,7 @@ def test_dsat_cli_names_the_key_and_exits_2(tmp_path, capsys):
         code = exit_.code
     text = capsys.readouterr()
     assert code == 2, text
-    assert f"resources.{CPU_PROBLEM}" in text.err + text.out
+    assert CPU_PROBLEM in text.err + text.out
     assert not out.exists()
 
 

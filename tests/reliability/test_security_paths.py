@@ -28,11 +28,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import procutil
+from helpers import procutil, resets
 from toolkit import _names
 from toolkit.checkpoint import layout
 from toolkit.compat import determined as det
-from toolkit.compat.determined import info as info_mod
 from toolkit.compat.determined import storage
 from toolkit.compat.determined.core.checkpoint import CheckpointContext
 from toolkit.errors import CheckpointError, ConfigError
@@ -227,9 +226,9 @@ def trial(tmp_path, monkeypatch):
     (tmp_path / "exp.yaml").write_text("entrypoint: python3 x.py\n")
     monkeypatch.setenv("TOOLKIT_EXPERIMENT_CONFIG", str(tmp_path / "exp.yaml"))
     monkeypatch.setenv("TOOLKIT_OUTPUT_DIR", str(tmp_path / "out"))
-    info_mod.reset_for_tests()
+    resets.forget_cluster_info()
     yield tmp_path
-    info_mod.reset_for_tests()
+    resets.forget_cluster_info()
 
 
 def _store(ckpt, step: int) -> str:

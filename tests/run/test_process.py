@@ -94,3 +94,20 @@ def test_the_entrypoints_python3_is_this_interpreter(tmp_path):
     assert env["PATH"] == f"{here}{os.pathsep}/usr/bin:/bin"
     env = environment(plan, base={"PATH": f"{here}{os.pathsep}/usr/bin"})  # already first: unchanged
     assert env["PATH"] == f"{here}{os.pathsep}/usr/bin"
+
+
+def test_a_signal_before_the_run_starts_starts_nothing(monkeypatch, tmp_path):
+    from toolkit.run import execute
+
+    plan = plan_run({"entrypoint": "python3 x.py"}, config_path=tmp_path / "x.yaml", model_dir=tmp_path,
+                    output_dir=tmp_path)
+    monkeypatch.setattr(process.subprocess, "Popen", lambda *a, **k: pytest.fail("started"))
+    forwarder = process.Forwarder()
+    try:
+        forwarder.received = signal.SIGTERM
+        assert process.run_once(plan, {}, forwarder=forwarder, grace_s=1.0) == 0
+        sub = plan.with_output_dir(tmp_path / "trial-0003")  # a search's next trial: not even counted
+        assert execute(sub, forwarder=forwarder, hparams={}, hparams_seed=1) == 0
+        assert not sub.output_dir.exists() and plan.output_dir == tmp_path
+    finally:
+        forwarder.restore()

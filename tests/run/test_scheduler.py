@@ -13,7 +13,8 @@ import time
 import pytest
 
 from helpers import procutil
-from toolkit.compat.determined import search
+from toolkit.launch.trial_files import SEARCH_FILE
+from toolkit.run import searchers
 from toolkit.run.scheduler import concurrency
 
 
@@ -26,14 +27,12 @@ def test_how_many_trials_run_at_once():
 
 
 def test_each_trial_gets_its_own_gpus_or_a_share_of_the_cores(tmp_path, monkeypatch):
-    # No GPU here: the pool is dsat's, told of 2 GPUs; what a trial would see is its environment.
-    from toolkit.run import plan_run
-    from toolkit.run.scheduler import _slot_pool, _trial_env
+    # No GPU here: the pool is told of 2 GPUs; what a trial would see is its environment.
+    from toolkit.launch.slots import SlotPool
+    from toolkit.run.scheduler import _trial_env
 
-    plan = plan_run({"entrypoint": "python3 x.py"}, config_path=tmp_path / "x.yaml", model_dir=tmp_path,
-                    output_dir=tmp_path)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    pool = _slot_pool(plan, slots=2, gpus=2, cap=2)
+    pool = SlotPool(slots_per_trial=1, gpus=(0, 1))
     held = [pool.take(trial_id=i) for i in range(2)]
     envs = [_trial_env(tmp_path / f"t{i}", h, threads=8) for i, h in enumerate(held)]
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["4", "5"] and "OMP_NUM_THREADS" not in envs[0]
@@ -41,7 +40,7 @@ def test_each_trial_gets_its_own_gpus_or_a_share_of_the_cores(tmp_path, monkeypa
     pool.give_back(held[0])
     assert pool.take(trial_id=2).gpus == (0,)  # the freed GPU goes to the next trial
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    cpu = _slot_pool(plan, slots=2, gpus=0, cap=2).take(trial_id=0)
+    cpu = SlotPool(slots_per_trial=1).take(trial_id=0)
     assert _trial_env(tmp_path, cpu, threads=1)["OMP_NUM_THREADS"] == "1"
 
 
@@ -76,12 +75,12 @@ def _seed_with_a_worse_second_trial():
     config = {"searcher": {"name": "random", "max_trials": 2},
               "hyperparameters": {"increment_by": {"type": "int", "minval": 1, "maxval": 8}}}
     for seed in range(100):
-        state = search.new_state(config, seed=seed)
-        a = search.next_trial(state, config)
-        a["state"] = "COMPLETED"
-        b = search.next_trial(state, config)
-        if b["hparams"]["increment_by"] > a["hparams"]["increment_by"]:
-            return seed, a["hparams"]["increment_by"], b["hparams"]["increment_by"]
+        state = searchers.new_state(config, seed=seed)
+        a = searchers.next_trial(state, config)
+        a.state = "COMPLETED"
+        b = searchers.next_trial(state, config)
+        if b.hparams["increment_by"] > a.hparams["increment_by"]:
+            return seed, a.hparams["increment_by"], b.hparams["increment_by"]
     raise AssertionError("no seed found")
 
 
@@ -116,7 +115,7 @@ def test_two_trials_at_once_pause_together_and_continue_with_nothing_lost_or_rep
     _each_trials_lines_are_its_own(log, out, {"trial-0000": inc0, "trial-0001": inc1})
     stop = re.search(r"searcher: stopping trial-0001 at batches=(\d+)", log)
     assert stop, log[-4000:]
-    summary = json.loads((out / "search.json").read_text())
+    summary = json.loads((out / SEARCH_FILE).read_text())
     first, second = summary["trials"]
     assert first["state"] == "PAUSED" and _steps(metrics[0])[-1] in (8, 12), log[-4000:]  # 12: a late start
     # the searcher's stop reached trial 1 at its next should_preempt(): its last report is the one ranked
@@ -126,7 +125,7 @@ def test_two_trials_at_once_pause_together_and_continue_with_nothing_lost_or_rep
     result = procutil.run(argv + ["--quiet"], env=procutil.child_env(DET_TEST_STEP_SLEEP="0.05"), timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]
     assert "trial-0001" not in result.stdout.replace("best", "")  # nothing of the stopped trial again
-    summary = json.loads((out / "search.json").read_text())
+    summary = json.loads((out / SEARCH_FILE).read_text())
     first, second = summary["trials"]
     assert (first["hparams"]["increment_by"], second["hparams"]["increment_by"]) == (inc0, inc1)
     assert first["state"] == "COMPLETED" and not first["stopped_early"] and first["metric"] == 16 * inc0

@@ -12,6 +12,7 @@ import yaml
 from toolkit.errors import ConfigError
 from toolkit.run.cli import _joined_slurm, main
 from toolkit.run.plan import RunPlan
+from toolkit.run.search_state import TrialRecord
 from toolkit.run.slurm_argv import (
     DEFAULT_SIGNAL,
     job_script,
@@ -98,7 +99,7 @@ def _job(tmp_path: Path, *, max_restarts: int = 1) -> _Job:
                    output_dir=tmp_path, config_path=tmp_path / "e.yaml", model_dir=tmp_path)
     forwarder = _JobForwarder()
     forwarder.job = "7"
-    return _Job({"dir": "trial-0000", "index": 0}, plan, forwarder, watcher=None)  # type: ignore[arg-type]
+    return _Job(TrialRecord(index=0, hparams={}), plan, forwarder, watcher=None)  # type: ignore[arg-type]
 
 
 def test_an_ended_job_is_submitted_again_when_preempted_or_lost_within_max_restarts(tmp_path):

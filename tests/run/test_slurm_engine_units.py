@@ -22,9 +22,11 @@ import pytest
 import yaml
 
 from toolkit.errors import ConfigError
+from toolkit.launch.trial_files import SEARCH_FILE
 from toolkit.run import slurm_engine
 from toolkit.run.plan import RunPlan
-from toolkit.run.search import load_state
+from toolkit.run.search_record import load_state
+from toolkit.run.search_state import TrialRecord
 from toolkit.run.slurm_argv import RESULT_FILE, SPEC_FILE
 from toolkit.run.slurm_engine import (
     SlurmError,
@@ -156,10 +158,10 @@ def _plan(tmp_path: Path, *, max_restarts: int = 0, searcher: dict[str, Any] | N
 
 
 def _job(plan: RunPlan, index: int, job_id: str | None, state: str) -> _Job:
-    trial: dict[str, Any] = {"dir": f"trial-{index:04d}", "index": index, "hparams": {"x": 1}, "seed": 1}
+    trial = TrialRecord(index=index, hparams={"x": 1}, seed=1)
     forwarder = _JobForwarder()
     forwarder.job = job_id
-    return _Job(trial, plan.with_output_dir(plan.output_dir / trial["dir"]), forwarder,
+    return _Job(trial, plan.with_output_dir(plan.output_dir / trial.dir), forwarder,
                 watcher=None, state=state)  # type: ignore[arg-type]
 
 
@@ -211,11 +213,11 @@ def test_a_job_stopped_by_the_pause_is_paused_whatever_its_exit_status(tmp_path)
 def test_jobs_left_by_a_killed_runner_are_followed_not_submitted_again(fake, tmp_path):
     plan = _plan(tmp_path)
     state = load_state(plan.output_dir, plan.config)
-    state["trials"] = [
-        {"dir": "trial-0000", "index": 0, "state": "PAUSED", "slurm_jobs": ["20", "21"], "hparams": {}},
-        {"dir": "trial-0001", "index": 1, "state": "PAUSED", "slurm_jobs": ["22"], "hparams": {}},
-        {"dir": "trial-0002", "index": 2, "state": "PAUSED", "hparams": {}},
-        {"dir": "trial-0003", "index": 3, "state": "COMPLETED", "slurm_jobs": ["23"], "hparams": {}},
+    state.trials = [
+        TrialRecord(index=0, state="PAUSED", slurm_jobs=["20", "21"], hparams={}),
+        TrialRecord(index=1, state="PAUSED", slurm_jobs=["22"], hparams={}),
+        TrialRecord(index=2, state="PAUSED", hparams={}),
+        TrialRecord(index=3, state="COMPLETED", slurm_jobs=["23"], hparams={}),
     ]
     (fake / "squeue.out").write_text("20|COMPLETED\n21|PENDING\n22|FAILED\n23|RUNNING\n")
     saved = []
@@ -224,16 +226,15 @@ def test_jobs_left_by_a_killed_runner_are_followed_not_submitted_again(fake, tmp
     job = jobs[0]
     assert job.forwarder.job == "21" and job.state == "PENDING"
     assert job.plan.output_dir == plan.output_dir / "trial-0000"
-    assert [t["state"] for t in state["trials"]] == ["RUNNING", "PAUSED", "PAUSED", "COMPLETED"]
+    assert [t.state for t in state.trials] == ["RUNNING", "PAUSED", "PAUSED", "COMPLETED"]
 
     (fake / "squeue.out").write_text("")
-    for trial in state["trials"]:
-        trial["state"] = "PAUSED" if trial["index"] == 0 else trial["state"]
+    state.trials[0].state = "PAUSED"
     assert _adopt(state, plan, lambda: saved.append(1)) == {} and saved == [1]  # nothing left: no save
 
 
 def _summary(plan: RunPlan) -> dict:
-    return json.loads((plan.output_dir / "search.json").read_text())
+    return json.loads((plan.output_dir / SEARCH_FILE).read_text())
 
 
 def test_a_search_submits_each_trial_once_and_records_the_failed_trials_status(fake, tmp_path, monkeypatch):

@@ -314,7 +314,7 @@ import torch.utils.cpp_extension as ce
 from deepspeed.ops.op_builder import builder      # DeepSpeed first, as a Determined script may
 before, meta, env = dict(vars(ce)), list(sys.meta_path), dict(os.environ)
 method = builder.CUDAOpBuilder.compute_capability_args
-import toolkit, toolkit.compat.determined, toolkit.dsat.cli, toolkit.run.cli
+import toolkit, toolkit.compat.determined, toolkit.dsat.tuner_cli, toolkit.run.cli
 changed = sorted(k for k, v in vars(ce).items() if before.get(k) is not v)
 assert not changed and sys.meta_path == meta and dict(os.environ) == env, (changed, sys.meta_path)
 assert builder.CUDAOpBuilder.compute_capability_args is method

@@ -8,7 +8,7 @@ login node; nothing else changes.
 import runpy
 import sys
 
-from toolkit.dsat.execution import slots
+from toolkit.launch import slots
 
 slots.is_local_host = lambda name, **_: False
 sys.argv[0] = "python -m toolkit.dsat"

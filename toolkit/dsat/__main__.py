@@ -1,8 +1,8 @@
-"""``python -m toolkit.dsat {binary,random,asha} CONFIG MODEL_DIR [flags]``; see :mod:`toolkit.dsat.cli`."""
+"""``python -m toolkit.dsat {binary,random,asha} CONFIG MODEL_DIR [flags]``: :mod:`toolkit.dsat.tuner_cli`."""
 
 import sys
 
-from toolkit.dsat.cli import main
+from toolkit.dsat.tuner_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

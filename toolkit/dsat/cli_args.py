@@ -1,8 +1,8 @@
 """The argument parser of ``python -m toolkit.dsat {binary,random,asha} CONFIG MODEL_DIR``.
 
 Every flag has a help line with its default and unit. The argparse types parse a flag's syntax
-only; its range is checked once, by the settings it goes into, and reported with the flag's
-name (see :func:`toolkit.dsat.cli.user_terms`). Autotuner process only. Example::
+only; its range is checked once, by the settings it goes into, whose messages name the flag.
+Autotuner process only. Example::
 
     args = build_parser().parse_args(["binary", "deepspeed.yaml", "."])
 """
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from toolkit.dsat.contract import METRICS
-from toolkit.dsat.execution.argv import MULTIHOST_LAUNCHERS
+from toolkit.dsat.execution.multihost_argv import MULTIHOST_LAUNCHERS
 from toolkit.dsat.execution.settings import WINDOW_STEPS_FACTOR
 from toolkit.dsat.search.confirm import CONFIRM_MEASUREMENTS
 from toolkit.dsat.search.offload import OFFLOAD_MODES

@@ -13,11 +13,11 @@ from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
 from toolkit.config.experiment import max_length_steps
 from toolkit.dsat.contract import trial_hparams
-from toolkit.dsat.execution.argv import with_config_flag
+from toolkit.dsat.execution.multihost_argv import with_config_flag
 from toolkit.dsat.execution.settings import CONFIG_READS_ENV, CPU_ALLOCATOR_ENV
-from toolkit.dsat.plan import Plan
 from toolkit.dsat.trial.engine_hook import APPLY_ENV
 from toolkit.dsat.trial.site import site_pythonpath
+from toolkit.dsat.tuning_plan import Plan
 from toolkit.launch.argv import LOOPBACK, build_trial_argv
 from toolkit.launch.procs import free_port, run_to_completion
 from toolkit.runtime.ds_shm import remove_buffers

@@ -22,7 +22,7 @@ from toolkit.dsat import script_config, search
 from toolkit.dsat.contract import ProfileInfo, TrialContract, TrialStatus
 from toolkit.dsat.execution.runner import TrialRunner
 from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV
-from toolkit.dsat.plan import Plan, own_spec, trial_ds_config
+from toolkit.dsat.output_files import SEARCH_FILE, EventLog, summary_table, write_trial_tables
 from toolkit.dsat.profiling_phase import (
     ProfilingPhase,
     budget_share,
@@ -30,7 +30,6 @@ from toolkit.dsat.profiling_phase import (
     extra_profiling_trials,
     record_boundaries,
 )
-from toolkit.dsat.records import EventLog, summary_table, write_trial_tables
 from toolkit.dsat.search import confirm
 from toolkit.dsat.search.batch import (
     global_batch_change,
@@ -42,6 +41,7 @@ from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
 from toolkit.dsat.tensorboard import TensorBoardTrials
 from toolkit.dsat.trial.reporting import instrumentation_overrides
 from toolkit.dsat.tuned_keys import config_summary, describe_summary
+from toolkit.dsat.tuning_plan import Plan, own_spec, trial_ds_config
 from toolkit.errors import ConfigError
 from toolkit.launch.progress import remaining_text
 
@@ -103,7 +103,7 @@ def _dsat_argv() -> list[str] | None:
 
 
 class Autotuner:
-    """Runs a :class:`~toolkit.dsat.plan.Plan`. Rank 0 only.
+    """Runs a :class:`~toolkit.dsat.tuning_plan.Plan`. Rank 0 only.
 
     Args:
         plan: the checked plan.
@@ -273,7 +273,7 @@ class Autotuner:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "trials").mkdir(exist_ok=True)
         events = self.log.read()
-        atomic_write_json(self.out / "search.json", self.plan.fingerprint())
+        atomic_write_json(self.out / SEARCH_FILE, self.plan.fingerprint())
         if not self.plan.awaiting_config:  # else said once the first trial recorded the script's config
             self.say(self.plan.global_batch.describe(implied_global_batch(
                 self.plan.base_ds_config, data_parallel_size=self.plan.data_parallel_size)))
@@ -394,7 +394,7 @@ class Autotuner:
                 and not self.plan.memory_only(r.spec) and r.status in (TrialStatus.OK, TrialStatus.OOM)]
 
     def _measure_own(self, runner: TrialRunner, events: list[dict[str, Any]]) -> None:
-        """The user's own config as written (:func:`~toolkit.dsat.plan.own_spec`), measured once
+        """The user's own config as written (:func:`~toolkit.dsat.tuning_plan.own_spec`), measured once
         after the search when no trial did, so that the closing lines compare the best with it;
         not counted in ``--max-trials``. A candidate like any trial."""
         next_id = max([*self.results, *(e["trial_id"] for e in events)], default=0) + 1

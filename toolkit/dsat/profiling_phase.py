@@ -21,9 +21,9 @@ from typing import Any, Callable, Iterable, Mapping
 from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
 from toolkit.dsat.contract import ProfileInfo, TrialStatus
-from toolkit.dsat.plan import Plan, profile_spec
 from toolkit.dsat.search import boundaries, calibration, memory
 from toolkit.dsat.search.types import TrialResult, TrialSpec
+from toolkit.dsat.tuning_plan import Plan, profile_spec
 from toolkit.errors import ConfigError
 
 __all__ = ["ProfilingPhase", "budget_share", "budget_share_line", "extra_profiling_trials",

@@ -18,10 +18,10 @@ from typing import Any, Mapping, Sequence
 from toolkit._checks import is_mapping
 from toolkit.bounded_load import load_json
 from toolkit.dsat.contract import TrialStatus
-from toolkit.dsat.plan import Plan, own_zero
 from toolkit.dsat.search.types import SMALLER_IS_BETTER, TrialResult, TrialSpec
 from toolkit.dsat.trial.engine_hook import SCRIPT_CONFIG_FILE
 from toolkit.dsat.tuned_keys import merge_tuned, strip_instrumentation
+from toolkit.dsat.tuning_plan import Plan, own_zero
 from toolkit.errors import ConfigError
 
 __all__ = ["NO_CONFIG", "best_config", "discovered_plan", "own_comparison", "recorded"]

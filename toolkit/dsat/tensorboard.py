@@ -116,7 +116,7 @@ class TensorBoardTrials:
     Args:
         log_dir: the TensorBoard directory.
         data_parallel_size, memory_only: the search's (for the predicted lines, and which
-            profiling trials measured no configuration: :meth:`toolkit.dsat.plan.Plan.memory_only`).
+            profiling trials measured no configuration: :meth:`toolkit.dsat.tuning_plan.Plan.memory_only`).
     """
 
     def __init__(self, log_dir: Path, *, data_parallel_size: int = 1,
@@ -143,7 +143,7 @@ class TensorBoardTrials:
     def _trial_run(self, result: TrialResult) -> None:
         from torch.utils.tensorboard.summary import hparams as hparams_summaries  # slow imports
 
-        from toolkit.dsat.records import flatten_zero, role
+        from toolkit.dsat.output_files import flatten_zero, role
         from toolkit.metrics.tb_events import write_run
 
         hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))

@@ -26,7 +26,7 @@ Decisions (documented here because tests compare argv lists exactly):
   comes from the environment (``LOCAL_RANK``), as under torchrun, so scripts need no
   ``--local_rank`` argument.
 
-Across hosts, dsat builds its own argv (:mod:`toolkit.dsat.execution.argv`) from
+Across hosts, dsat builds its own argv (:mod:`toolkit.dsat.execution.multihost_argv`) from
 :func:`parse_entrypoint`.
 
 Example::

@@ -28,15 +28,27 @@ shell script (``bash launch.sh``) cannot be seen without running it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
-from typing import Sequence
+from pathlib import Path
+from typing import Mapping, Sequence
 
 from toolkit.errors import ConfigError
 
-__all__ = ["WRAPPERS", "entrypoint_launcher", "python_module", "unwrap_launcher", "torchrun_nproc_override"]
+__all__ = ["CONTAINER_PER_RANK_ENV", "SHIM_DIR", "WRAPPED_ENV", "WRAPPERS", "entrypoint_launcher",
+           "python_module", "shim_pythonpath", "torchrun_nproc_override", "unwrap_launcher"]
 
+#: Set by ``python -m toolkit.run`` for the command ``determined.launch.wrap_rank`` starts: its rank.
+#: Marks wrapped workers for toolkit.run's signal forwarding.
+WRAPPED_ENV = "TOOLKIT_DET_WRAPPED_RANK"
+#: Set by ``python -m toolkit.run`` for an entrypoint without a launcher wrapper: each rank process
+#: is one Determined container of one slot (Determined runs such an entrypoint once per container).
+CONTAINER_PER_RANK_ENV = "TOOLKIT_DET_CONTAINER_PER_RANK"
+#: The ``determined`` shim package's directory (``determined.launch.wrap_rank`` and the wrappers),
+#: in the Determined layer; toolkit.run puts it on an entrypoint's ``PYTHONPATH``.
+SHIM_DIR = Path(__file__).resolve().parent.parent / "compat" / "determined" / "shim"
 #: Determined wrapper module -> the launcher that runs its command here (None: no launcher).
 WRAPPERS = {
     "determined.launch.torch_distributed": "torchrun",
@@ -192,3 +204,22 @@ def torchrun_nproc_override(overrides: Sequence[str]) -> tuple[int | None, list[
             left.append(arg)
         i += 1
     return nproc, left
+
+
+def shim_pythonpath(environ: Mapping[str, str]) -> str | None:
+    """``PYTHONPATH`` with the shim directory in front, or None when a real ``determined`` is importable.
+
+    Runner only (the entrypoint's environment). The shim package provides
+    ``determined.launch.wrap_rank`` alone; any other ``determined`` name raises an error saying
+    to swap the import.
+    """
+    if importlib.util.find_spec("determined") is not None and not _is_shim(environ):
+        return None
+    rest = environ.get("PYTHONPATH", "")
+    parts = [p for p in rest.split(os.pathsep) if p and p != str(SHIM_DIR)]
+    return os.pathsep.join([str(SHIM_DIR), *parts])
+
+
+def _is_shim(environ: Mapping[str, str]) -> bool:
+    spec = importlib.util.find_spec("determined")
+    return spec is not None and spec.origin is not None and Path(spec.origin).is_relative_to(SHIM_DIR)

@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 
 from toolkit.bounded_load import load_json
-from toolkit.compat.determined import hparams
-from toolkit.compat.determined.core.searcher import SEARCHER_FILE
-from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state
+from toolkit.config.hyperparameters import load_config
 from toolkit.errors import CheckpointError, ConfigError
+from toolkit.launch.trial_files import OPS_FILE, TRIAL_FILE, load_trial_state
 from toolkit.run.plan import RunPlan, plan_run
 from toolkit.run.scheduler import run_search
 from toolkit.run.slurm_argv import parse_options
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_slots is not None and args.max_slots < 1:
         parser.error(f"--max-slots={args.max_slots!r}: expected an integer >= 1")
     try:
-        config = hparams.load_config(config_path)
+        config = load_config(config_path)
         plan = plan_run(
             config,
             config_path=config_path,
@@ -73,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if searching:
         try:
             return run_search(plan, grace_s=args.grace, max_slots=args.max_slots, echo=not args.quiet)
-        except (ConfigError, CheckpointError) as err:  # search.json: another search, or not one
+        except (ConfigError, CheckpointError) as err:  # the search's record: another search, or not one
             print(f"python -m toolkit.run: error: {err}", file=sys.stderr)
             return 2
     problem = _record_problem(plan.output_dir)
@@ -124,8 +123,8 @@ def _record_problem(output_dir: Path) -> str | None:
     try:
         if (output_dir / TRIAL_FILE).exists():
             load_trial_state(output_dir, write=False)
-        if (output_dir / SEARCHER_FILE).exists():
-            load_json(output_dir / SEARCHER_FILE, what="searcher record")
+        if (output_dir / OPS_FILE).exists():
+            load_json(output_dir / OPS_FILE, what="searcher record")
     except ConfigError as err:
         return str(err)
     except OSError as err:

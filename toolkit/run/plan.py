@@ -21,10 +21,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from toolkit.compat.determined import hparams, legacy, search, storage
-from toolkit.compat.determined.info import output_dir_for
+from toolkit.config.checkpoint_storage import checkpoint_storage_problems
+from toolkit.config.hyperparameters import check_space
+from toolkit.config.searcher_section import check_searcher, translate_searcher
 from toolkit.errors import ConfigError
 from toolkit.launch.experiment_env import environment_variables_problems
+from toolkit.launch.trial_files import output_dir_for
 from toolkit.launch.wrappers import python_module, torchrun_nproc_override, unwrap_launcher
 
 __all__ = ["PORTING", "plan_run", "refused_entrypoint", "RunPlan"]
@@ -127,18 +129,13 @@ def _entrypoint(config: Mapping[str, Any], problems: list[str]) -> list[str]:
     return argv
 
 
-def _keep(config: Mapping[str, Any], key: str) -> Any:
-    section = config.get("checkpoint_storage")
-    return section.get(key) if isinstance(section, Mapping) else None
-
-
 def plan_run(
     config: Mapping[str, Any], *, config_path: Path, model_dir: Path, output_dir: Path | None
 ) -> RunPlan:
     """Check the experiment and decide the launch. Runner only.
 
     Pure, but reads ``$TOOLKIT_OUTPUT_DIR`` (the default output directory) and logs the notice of
-    a searcher section written for Determined 0.37 (:mod:`toolkit.compat.determined.legacy`; the
+    a searcher section written for Determined 0.37 (:mod:`toolkit.config.searcher_section`; the
     plan's ``config`` is the translated one).
 
     Raises:
@@ -149,22 +146,17 @@ def plan_run(
     """
     problems: list[str] = []
     argv = _entrypoint(config, problems)
-    config, notice, translation_problems = legacy.translate_searcher(config)
+    config, notice, translation_problems = translate_searcher(config)
     problems.extend(translation_problems)
     if notice:
         logger.warning("%s", notice)
-    problems.extend(search.check_searcher(config))
+    problems.extend(check_searcher(config))
     restarts = config.get("max_restarts", 5)
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
         problems.append(f"max_restarts={restarts!r}: expected an integer >= 0")
-    problems.extend(hparams.check_space(config.get("hyperparameters") or {}))
+    problems.extend(check_space(config.get("hyperparameters") or {}))
     problems.extend(environment_variables_problems(config))
-    try:
-        storage.storage_root(config.get("checkpoint_storage"), output_dir=Path("."), base_dir=Path("."))
-        storage.plan_gc([], _keep(config, "save_trial_latest"),
-                        save_trial_best=_keep(config, "save_trial_best"))
-    except ConfigError as err:
-        problems.extend(err.problems)
+    problems.extend(checkpoint_storage_problems(config.get("checkpoint_storage")))
     launcher, command, nproc, wrapped = _launcher_of(argv, problems)
     if problems:  # a grid's range problems come from both space checks: each named once
         raise ConfigError(list(dict.fromkeys(problems)), source=str(config_path))

@@ -30,8 +30,6 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
-from toolkit.compat.determined.info import CONTAINER_PER_RANK_ENV
-from toolkit.compat.determined.wrap_rank import WRAPPED_ENV, shim_pythonpath
 from toolkit.errors import ConfigError
 from toolkit.launch.argv import build_trial_argv
 from toolkit.launch.experiment_env import CONFIG_WARNED_ENV, environment_variables
@@ -44,6 +42,7 @@ from toolkit.launch.procs import (
     kill_until_gone,
     scan_processes,
 )
+from toolkit.launch.wrappers import CONTAINER_PER_RANK_ENV, WRAPPED_ENV, shim_pythonpath
 from toolkit.run.plan import RunPlan
 from toolkit.runtime.trial_env import BUILD_GUARDS_ENV, EXPERIMENT_CONFIG_ENV, OUTPUT_DIR_ENV
 

@@ -3,22 +3,22 @@
 ``python -m toolkit.run`` runs up to :func:`concurrency` trials at once: ``searcher.max_concurrent_trials``
 (0 or absent: no limit of its own) within the slots (``--max-slots``; by default this machine's
 GPUs, or on CPU its cores) at ``resources.slots_per_trial`` each. The slots are handed out by
-dsat's slot pool (:class:`toolkit.dsat.execution.slots.SlotPool`): each trial on GPUs gets its
+the pool dsat's runner uses too (:class:`toolkit.launch.slots.SlotPool`): each trial on GPUs gets its
 own ``CUDA_VISIBLE_DEVICES``; on CPU each trial's ranks get ``OMP_NUM_THREADS`` = cores / slots
 (as dsat's trials), so that trials in flight share the cores instead of fighting for them.
 
 Each trial runs in a thread of its own (:func:`toolkit.run.trial.execute`: its runs, restarts
 and signals); this (main) thread does the rest, so the search state has one writer: it starts
-the next trial (:func:`toolkit.compat.determined.search.next_trial`, lowest index first) when a
-slot is free, reads every running trial's validation reports, sends the searcher's stop, answers
-the trials' chiefs that their report was read (``.searcher_ack``, after the stop was sent:
-:func:`toolkit.compat.determined.search.wait_for_searcher`), and records each trial that ended.
+the next trial (:func:`toolkit.run.searchers.next_trial`, lowest index first) when a slot is
+free, reads every running trial's reports (:mod:`toolkit.run.trial_reports`), sends the
+searcher's stop, answers the trials' chiefs that their report was read (``.searcher_ack``, after
+the stop was sent), and records each trial that ended.
 A SIGTERM/SIGINT/SIGUSR1 to the runner goes to every trial in flight (each saves and stops: PAUSED)
 and starts nothing more; the same command again resumes those trials from their checkpoints,
 then continues the search. Exit status: 0, or the last failed (or paused) trial's.
 
-It logs the search's progress (:mod:`toolkit.run.watch`) and writes its TensorBoard view
-(:mod:`toolkit.run.tensorboard`).
+It logs the search's progress (:mod:`toolkit.run.progress_line`) and writes its TensorBoard view
+(:mod:`toolkit.run.searcher_view`).
 
 Example::
 
@@ -39,18 +39,19 @@ from typing import Any, Mapping
 
 from toolkit._checks import is_int
 from toolkit._files import atomic_write
-from toolkit.compat.determined import search
-from toolkit.compat.determined.info import load_trial_state
-from toolkit.dsat.execution.settings import RunnerSettings
-from toolkit.dsat.execution.slots import SlotPool, Slots, device_ids
 from toolkit.errors import ConfigError
 from toolkit.launch.procs import cpu_slots
+from toolkit.launch.slots import SlotPool, Slots, device_ids
+from toolkit.launch.trial_files import ACK_FILE, SEARCH_ACK_ENV, load_trial_state
 from toolkit.run.plan import RunPlan
 from toolkit.run.process import STOP_SIGNALS, Forwarder, check_slots
-from toolkit.run.search import _Watcher, finish_trial, load_state, save_state
-from toolkit.run.tensorboard import write_searcher_view, write_trial_hparams
+from toolkit.run.progress_line import HEARTBEAT_S, latest_report, progress_line, report_text
+from toolkit.run.search_record import load_state, save_state
+from toolkit.run.search_state import SearchState, TrialRecord
+from toolkit.run.searcher_view import write_searcher_view, write_trial_hparams
+from toolkit.run.searchers import best_trial, next_trial, planned_count
 from toolkit.run.trial import execute
-from toolkit.run.watch import HEARTBEAT_S, latest_report, progress_line, report_text
+from toolkit.run.trial_reports import ReportWatcher, finish_trial
 
 __all__ = ["POLL_S", "concurrency", "run_search"]
 
@@ -75,11 +76,11 @@ def concurrency(config: Mapping[str, Any], *, slots: int, nproc: int) -> int:
 
 @dataclasses.dataclass
 class _InFlight:
-    trial: dict[str, Any]
+    trial: TrialRecord
     plan: RunPlan
     slots: Slots
     forwarder: Forwarder
-    watcher: _Watcher
+    watcher: ReportWatcher
     thread: threading.Thread
     started: float = dataclasses.field(default_factory=time.monotonic)
     acked: int = -1
@@ -114,17 +115,8 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _slot_pool(plan: RunPlan, *, slots: int, gpus: int, cap: int) -> SlotPool:
-    """dsat's pool of this machine's slots (GPU ids, or CPU slots counted)."""
-    settings = RunnerSettings(entrypoint=tuple(plan.command), model_dir=plan.model_dir,
-                              slots_per_trial=plan.nproc, max_slots=slots, max_concurrent=cap,
-                              timeout_s=float(2**31),
-                              launcher=plan.launcher, gpus=tuple(range(slots)) if gpus else None)
-    return SlotPool(settings)
-
-
 def _trial_env(trial_dir: Path, held: Slots, *, threads: int) -> dict[str, str]:
-    env = {search.SEARCH_ACK_ENV: str(trial_dir)}
+    env = {SEARCH_ACK_ENV: str(trial_dir)}
     if held.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(device_ids(held.gpus).values())
     elif "OMP_NUM_THREADS" not in os.environ:
@@ -136,7 +128,7 @@ def _ack(flight: _InFlight) -> None:
     """Tell the trial's chief how far its reports were read (after any stop was sent)."""
     if flight.watcher.offset != flight.acked:
         flight.plan.output_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(flight.plan.output_dir / search.ACK_FILE, str(flight.watcher.offset))
+        atomic_write(flight.plan.output_dir / ACK_FILE, str(flight.watcher.offset))
         flight.acked = flight.watcher.offset
 
 
@@ -148,10 +140,10 @@ def run_search(plan: RunPlan, *, grace_s: float = 60.0, max_slots: int | None = 
     ``echo`` False (``--quiet``): the trials' lines go to their logs only, not to the console.
 
     Raises:
-        ConfigError: ``search.json`` holds a search started from another searcher section,
+        ConfigError: the search's record holds a search started from another searcher section,
             search space or experiment seed, or the trials' process count is more than this
             machine (or ``max_slots``) runs (nothing is started).
-        CheckpointError: ``search.json`` is not a search state (nothing is started).
+        CheckpointError: the search's record is not a search state (nothing is started).
     """
     slots, gpus = _slots(plan, max_slots)  # before anything is written
     cap = concurrency(plan.config, slots=slots, nproc=plan.nproc)
@@ -159,7 +151,7 @@ def run_search(plan: RunPlan, *, grace_s: float = 60.0, max_slots: int | None = 
     out.mkdir(parents=True, exist_ok=True)
     state = load_state(out, plan.config)
     experiment_id = load_trial_state(out, write=False)["experiment_id"]
-    pool = _slot_pool(plan, slots=slots, gpus=gpus, cap=cap)
+    pool = SlotPool(slots_per_trial=plan.nproc, gpus=tuple(range(slots)) if gpus else None)
     threads = max(1, cpu_slots() // slots)
     running: dict[int, _InFlight] = {}
     signals = _Signals(running)
@@ -169,8 +161,8 @@ def run_search(plan: RunPlan, *, grace_s: float = 60.0, max_slots: int | None = 
     try:
         while True:
             while signals.received is None and len(running) < cap and \
-                    (trial := search.next_trial(state, plan.config)) is not None:
-                flight = running[trial["index"]] = _start(plan, state, trial, pool, grace_s=grace_s,
+                    (trial := next_trial(state, plan.config)) is not None:
+                flight = running[trial.index] = _start(plan, state, trial, pool, grace_s=grace_s,
                                                           experiment_id=experiment_id, threads=threads,
                                                           echo=echo)
                 if signals.received is not None:  # it came while the trial was being started
@@ -189,9 +181,9 @@ def run_search(plan: RunPlan, *, grace_s: float = 60.0, max_slots: int | None = 
     if signals.received is not None:
         logger.info("search paused; run the same command again to continue")
         return status
-    best = search.best_trial(state, plan.config)
-    logger.info("search done: %d trials; best %s", len(state["trials"]),
-                json.dumps({k: best[k] for k in ("dir", "hparams", "metric")}) if best else None)
+    best = best_trial(state, plan.config)
+    logger.info("search done: %d trials; best %s", len(state.trials),
+                json.dumps(best.summary()) if best else None)
     return status
 
 
@@ -211,34 +203,34 @@ def _slots(plan: RunPlan, max_slots: int | None) -> tuple[int, int]:
 
 
 class _Progress:
-    """Logs :func:`_progress` every :data:`~toolkit.run.watch.HEARTBEAT_S` while trials run; keeps
+    """Logs :func:`_progress` every :data:`~toolkit.run.progress_line.HEARTBEAT_S` while trials run; keeps
     the durations of the trials that ended (``_poll`` adds them)."""
 
     def __init__(self, plan: RunPlan, cap: int) -> None:
         self.plan, self.cap, self.last = plan, cap, time.monotonic()
         self.durations: list[float] = []
 
-    def __call__(self, running: Mapping[int, _InFlight], state: dict[str, Any]) -> None:
+    def __call__(self, running: Mapping[int, _InFlight], state: SearchState) -> None:
         if running and time.monotonic() - self.last >= HEARTBEAT_S:
             self.last = time.monotonic()
             logger.info("%s", _progress(running, state, self.plan, self.durations, self.cap))
 
 
-def _progress(running: Mapping[int, _InFlight], state: dict[str, Any], plan: RunPlan, durations: list[float],
+def _progress(running: Mapping[int, _InFlight], state: SearchState, plan: RunPlan, durations: list[float],
               cap: int) -> str:
     """The progress line: each running trial's latest report, the trials left, a rough time left."""
     metric = (plan.config.get("searcher") or {}).get("metric")
-    reports = [(f.trial["dir"], report_text(latest_report(f.plan.output_dir / "metrics.jsonl"),
+    reports = [(f.trial.dir, report_text(latest_report(f.plan.output_dir / "metrics.jsonl"),
                                             metric=metric)) for f in running.values()]
-    done = sum(t["state"] in ("COMPLETED", "ERROR") for t in state["trials"])
-    planned = search._planned(state, plan.config)  # the one count of the search's trials
+    done = sum(t.ended for t in state.trials)
+    planned = planned_count(state, plan.config)  # the one count of the search's trials
     now = time.monotonic()
     return progress_line(reports, done=done, to_start=max(planned - done - len(running), 0),
                          durations=durations, elapsed=[now - f.started for f in running.values()],
                          concurrency=cap)
 
 
-def _poll(running: dict[int, _InFlight], pool: SlotPool, state: dict[str, Any], plan: RunPlan,
+def _poll(running: dict[int, _InFlight], pool: SlotPool, state: SearchState, plan: RunPlan,
           durations: list[float]) -> int:
     """One look at the trials in flight: their reports (the searcher's stops, the chiefs' answers),
     and those that ended, recorded and their slots freed (their durations added to ``durations``,
@@ -259,39 +251,38 @@ def _poll(running: dict[int, _InFlight], pool: SlotPool, state: dict[str, Any], 
         save_state(plan.output_dir, state, plan.config)
         durations.append(time.monotonic() - flight.started)
         metric = (plan.config.get("searcher") or {}).get("metric")
-        write_trial_hparams(flight.plan.output_dir, flight.trial["hparams"], metric=metric)
+        write_trial_hparams(flight.plan.output_dir, flight.trial.hparams, metric=metric)
         write_searcher_view(plan.output_dir, state, plan.config)
-        if flight.trial["state"] in ("ERROR", "PAUSED") and code:
+        if flight.trial.state in ("ERROR", "PAUSED") and code:
             status = code
     return status
 
 
-def _start(plan: RunPlan, state: dict[str, Any], trial: dict[str, Any], pool: SlotPool, *, grace_s: float,
+def _start(plan: RunPlan, state: SearchState, trial: TrialRecord, pool: SlotPool, *, grace_s: float,
            experiment_id: int, threads: int, echo: bool) -> _InFlight:
-    """Start one trial's thread on free slots (marked RUNNING in ``search.json`` first)."""
+    """Start one trial's thread on free slots (marked RUNNING in the search's record first)."""
     out = plan.output_dir
-    sub = plan.with_output_dir(out / trial["dir"])
-    trial["state"] = "RUNNING"
-    trial.setdefault("seed", search.trial_seed(state, trial["index"]))
+    sub = plan.with_output_dir(out / trial.dir)
+    trial.state = "RUNNING"
     save_state(out, state, plan.config)
-    (sub.output_dir / search.ACK_FILE).unlink(missing_ok=True)  # an earlier run's: read afresh
-    held = pool.take(trial_id=trial["index"])
+    (sub.output_dir / ACK_FILE).unlink(missing_ok=True)  # an earlier run's: read afresh
+    held = pool.take(trial_id=trial.index)
     forwarder = Forwarder(install=False)
     def save() -> None:  # a report changed the search: its record and the searcher's view
         save_state(out, state, plan.config)
         write_searcher_view(out, state, plan.config)
 
-    watcher = _Watcher(state, trial, plan.config, sub.output_dir, save)
-    logger.info("searcher: %s (trial %d) with %s%s", trial["dir"], trial["index"],
-                json.dumps(trial["hparams"]), f" on GPUs {held.gpus}" if held.gpus else "")
+    watcher = ReportWatcher(state, trial, plan.config, sub.output_dir, save)
+    logger.info("searcher: %s (trial %d) with %s%s", trial.dir, trial.index,
+                json.dumps(trial.hparams), f" on GPUs {held.gpus}" if held.gpus else "")
     flight = _InFlight(trial, sub, held, forwarder, watcher, threading.Thread(target=lambda: None))
 
     def run() -> None:
-        flight.status = execute(sub, grace_s=grace_s, forwarder=forwarder, hparams=trial["hparams"],
-                                hparams_seed=trial["seed"], experiment_id=experiment_id,
+        flight.status = execute(sub, grace_s=grace_s, forwarder=forwarder, hparams=trial.hparams,
+                                hparams_seed=trial.seed, experiment_id=experiment_id,
                                 extra_env=_trial_env(sub.output_dir, held, threads=threads),
-                                label=trial["dir"], echo=echo)
+                                label=trial.dir, echo=echo)
 
-    flight.thread = threading.Thread(target=run, name=f"toolkit.run {trial['dir']}", daemon=True)
+    flight.thread = threading.Thread(target=run, name=f"toolkit.run {trial.dir}", daemon=True)
     flight.thread.start()
     return flight

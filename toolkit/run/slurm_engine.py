@@ -3,8 +3,8 @@
 Outside an allocation, each trial is its own job (:func:`toolkit.run.slurm_argv.sbatch_argv`, the
 user's sbatch options last) whose one ``srun`` step runs the trial as ``toolkit.run`` runs it
 locally (:mod:`toolkit.run.slurm_job`). The search keeps its records as the local one does
-(``search.json``, ``trial-NNNN``; :mod:`toolkit.run.search`), with the job ids in each trial's
-``slurm_jobs``; MODEL_DIR and the output directory must be on storage the nodes share.
+(``determined_search.json``, ``trial-NNNN``; :mod:`toolkit.run.search_record`), with the job ids
+in each trial's ``slurm_jobs``; MODEL_DIR and the output directory must be on storage the nodes share.
 
 * Up to ``searcher.max_concurrent_trials`` jobs at once (0 or absent: every trial the searcher
   has); Slurm queues them. Their states come from ``squeue`` every :data:`POLL_S` seconds; every
@@ -39,12 +39,13 @@ from typing import Any, Callable
 from toolkit._checks import is_int
 from toolkit._files import atomic_write, atomic_write_json
 from toolkit.bounded_load import load_json
-from toolkit.compat.determined import search
-from toolkit.compat.determined.info import load_trial_state
 from toolkit.errors import ConfigError
+from toolkit.launch.trial_files import ACK_FILE, SEARCH_ACK_ENV, load_trial_state
 from toolkit.run.plan import RunPlan
 from toolkit.run.process import STOP_SIGNALS, Forwarder
-from toolkit.run.search import _Watcher, finish_trial, load_state, save_state
+from toolkit.run.search_record import load_state, save_state
+from toolkit.run.search_state import SearchState, TrialRecord
+from toolkit.run.searchers import best_trial, next_trial
 from toolkit.run.slurm_argv import (
     ACTIVE_STATES,
     RESULT_FILE,
@@ -55,6 +56,7 @@ from toolkit.run.slurm_argv import (
     scancel_argv,
     squeue_argv,
 )
+from toolkit.run.trial_reports import ReportWatcher, finish_trial
 
 __all__ = ["CANCEL_MARGIN_S", "COMMAND_TIMEOUT_S", "POLL_S", "SQUEUE_GIVE_UP_S", "SlurmError",
            "check_submission", "run_slurm_search"]
@@ -136,10 +138,10 @@ class _JobForwarder(Forwarder):
 
 @dataclasses.dataclass
 class _Job:
-    trial: dict[str, Any]
+    trial: TrialRecord
     plan: RunPlan
     forwarder: _JobForwarder
-    watcher: _Watcher
+    watcher: ReportWatcher
     state: str = "PENDING"
     acked: int = -1
     failures: int = 0
@@ -165,22 +167,22 @@ def _submit(job: _Job, options: list[str], *, grace_s: float, experiment_id: int
     out = job.plan.output_dir
     out.mkdir(parents=True, exist_ok=True)
     (out / RESULT_FILE).unlink(missing_ok=True)
-    (out / search.ACK_FILE).unlink(missing_ok=True)
+    (out / ACK_FILE).unlink(missing_ok=True)
     job.acked = -1
     spec = {"config": str(job.plan.config_path), "model_dir": str(job.plan.model_dir), "output_dir": str(out),
-            "grace_s": grace_s, "hparams": job.trial["hparams"], "seed": job.trial["seed"],
-            "experiment_id": experiment_id, "env": {search.SEARCH_ACK_ENV: str(out)}}
+            "grace_s": grace_s, "hparams": job.trial.hparams, "seed": job.trial.seed,
+            "experiment_id": experiment_id, "env": {SEARCH_ACK_ENV: str(out)}}
     atomic_write_json(out / SPEC_FILE, spec)
     script = out / "slurm_job.sh"
-    atomic_write(script, job_script(sys.executable, out / SPEC_FILE, trial=job.trial["dir"]))
+    atomic_write(script, job_script(sys.executable, out / SPEC_FILE, trial=job.trial.dir))
     argv = sbatch_argv(options, script=script, job_name=f"{job.plan.config.get('name') or 'toolkit'}."
-                       f"{job.trial['dir']}", output=out / "slurm-%j.out", chdir=job.plan.model_dir,
+                       f"{job.trial.dir}", output=out / "slurm-%j.out", chdir=job.plan.model_dir,
                        nproc=job.plan.nproc)
     job.forwarder.job = _command(argv).strip().split(";")[0]
     job.state = "PENDING"
-    job.trial.setdefault("slurm_jobs", []).append(job.forwarder.job)
-    logger.info("searcher: %s (trial %d) with %s as Slurm job %s", job.trial["dir"], job.trial["index"],
-                job.trial["hparams"], job.forwarder.job)
+    job.trial.slurm_jobs.append(job.forwarder.job)
+    logger.info("searcher: %s (trial %d) with %s as Slurm job %s", job.trial.dir, job.trial.index,
+                job.trial.hparams, job.forwarder.job)
 
 
 def _result(job: _Job) -> dict[str, Any] | None:
@@ -201,11 +203,11 @@ def _ended(job: _Job, result: dict[str, Any] | None, *, pausing: bool) -> int | 
         if job.failures > job.plan.max_restarts:
             logger.error("%s: Slurm job %s ended without the trial's result (see %s); max_restarts=%d "
                          "reached",
-                         job.trial["dir"], fwd.job, job.plan.output_dir / f"slurm-{fwd.job}.out",
+                         job.trial.dir, fwd.job, job.plan.output_dir / f"slurm-{fwd.job}.out",
                          job.plan.max_restarts)
             return 1
         logger.warning("%s: Slurm job %s ended without the trial's result (see its slurm-%s.out); submitting "
-                       "it again (%d of max_restarts=%d)", job.trial["dir"], fwd.job, fwd.job, job.failures,
+                       "it again (%d of max_restarts=%d)", job.trial.dir, fwd.job, fwd.job, job.failures,
                        job.plan.max_restarts)
         return None
     if result.get("received") and pausing:
@@ -216,7 +218,7 @@ def _ended(job: _Job, result: dict[str, Any] | None, *, pausing: bool) -> int | 
         return 0
     if result.get("received") and not fwd.searcher_stopped:
         logger.info("%s: Slurm job %s stopped by %s (preempted) after saving; submitting it again, to "
-                    "continue from its checkpoint", job.trial["dir"], fwd.job, result["received"])
+                    "continue from its checkpoint", job.trial.dir, fwd.job, result["received"])
         return None
     return int(result["status"])
 
@@ -244,23 +246,23 @@ def _states(last_ok: list[float]) -> dict[str, str] | None:
     return states
 
 
-def _adopt(state: dict[str, Any], plan: RunPlan, save: Callable[[], None]) -> dict[int, _Job]:
+def _adopt(state: SearchState, plan: RunPlan, save: Callable[[], None]) -> dict[int, _Job]:
     """The jobs a killed ``toolkit.run`` left running or queued: followed again, not submitted twice."""
-    waiting = [t for t in state["trials"] if t["state"] == "PAUSED" and t.get("slurm_jobs")]
+    waiting = [t for t in state.trials if t.state == "PAUSED" and t.slurm_jobs]
     if not waiting:
         return {}
     queued = parse_squeue(_command(squeue_argv()))
     jobs = {}
     for trial in waiting:
-        job_id = trial["slurm_jobs"][-1]
+        job_id = trial.slurm_jobs[-1]
         if queued.get(job_id) in ACTIVE_STATES:
-            sub = plan.with_output_dir(plan.output_dir / trial["dir"])
-            job = jobs[trial["index"]] = _Job(trial, sub, _JobForwarder(),
-                                              _Watcher(state, trial, plan.config, sub.output_dir, save),
-                                              state=queued[job_id])
+            sub = plan.with_output_dir(plan.output_dir / trial.dir)
+            job = jobs[trial.index] = _Job(trial, sub, _JobForwarder(),
+                                           ReportWatcher(state, trial, plan.config, sub.output_dir, save),
+                                           state=queued[job_id])
             job.forwarder.job = job_id
-            trial["state"] = "RUNNING"
-            logger.info("%s: following Slurm job %s (%s), left by an earlier toolkit.run", trial["dir"],
+            trial.state = "RUNNING"
+            logger.info("%s: following Slurm job %s (%s), left by an earlier toolkit.run", trial.dir,
                         job_id, queued[job_id])
     if jobs:
         save()
@@ -290,13 +292,12 @@ def run_slurm_search(plan: RunPlan, options: list[str], *, grace_s: float = 60.0
     try:
         while True:
             while signals.received is None and len(jobs) < cap and \
-                    (trial := search.next_trial(state, plan.config)) is not None:
-                trial["state"] = "RUNNING"
-                trial.setdefault("seed", search.trial_seed(state, trial["index"]))
-                sub = plan.with_output_dir(out / trial["dir"])
-                watcher = _Watcher(state, trial, plan.config, sub.output_dir, save)
+                    (trial := next_trial(state, plan.config)) is not None:
+                trial.state = "RUNNING"
+                sub = plan.with_output_dir(out / trial.dir)
+                watcher = ReportWatcher(state, trial, plan.config, sub.output_dir, save)
                 job = _Job(trial, sub, _JobForwarder(), watcher)
-                jobs[trial["index"]] = job
+                jobs[trial.index] = job
                 _submit(job, options, grace_s=grace_s, experiment_id=experiment_id)
                 save()
             if not jobs:
@@ -320,14 +321,13 @@ def run_slurm_search(plan: RunPlan, options: list[str], *, grace_s: float = 60.0
             for job in jobs.values():
                 if job.forwarder.job is not None:
                     _command_quiet(scancel_argv(job.forwarder.job))
-                job.trial["state"] = "PAUSED"
+                job.trial.state = "PAUSED"
             save()
     if signals.received is not None:
         logger.info("search paused; run the same command again to continue")
         return status
-    best = search.best_trial(state, plan.config)
-    logger.info("search done: %d trials; best %s", len(state["trials"]),
-                {k: best[k] for k in ("dir", "hparams", "metric")} if best else None)
+    best = best_trial(state, plan.config)
+    logger.info("search done: %d trials; best %s", len(state.trials), best.summary() if best else None)
     return status
 
 
@@ -338,7 +338,7 @@ def _command_quiet(argv: list[str]) -> None:
         logger.warning("%s", err)
 
 
-def _poll(jobs: dict[int, _Job], states: dict[str, str], state: dict[str, Any], plan: RunPlan,
+def _poll(jobs: dict[int, _Job], states: dict[str, str], state: SearchState, plan: RunPlan,
           options: list[str], *, grace_s: float, experiment_id: int, pausing: bool) -> int:
     """One look at the jobs: the trials' reports (ASHA's stops, the chiefs' answers), and the jobs that
     ended, recorded or submitted again; the exit status of the last that failed (0: none)."""
@@ -347,11 +347,11 @@ def _poll(jobs: dict[int, _Job], states: dict[str, str], state: dict[str, Any], 
         if job.watcher() and not job.forwarder.searcher_stopped:
             job.forwarder.searcher_stop()
         if job.watcher.offset != job.acked:
-            atomic_write(job.plan.output_dir / search.ACK_FILE, str(job.watcher.offset))
+            atomic_write(job.plan.output_dir / ACK_FILE, str(job.watcher.offset))
             job.acked = job.watcher.offset
         now = states.get(job.forwarder.job or "", "GONE")
         if now != job.state:
-            logger.info("%s: Slurm job %s %s", job.trial["dir"], job.forwarder.job, now)
+            logger.info("%s: Slurm job %s %s", job.trial.dir, job.forwarder.job, now)
             job.state = now
         if now in ACTIVE_STATES:
             continue
@@ -369,6 +369,6 @@ def _poll(jobs: dict[int, _Job], states: dict[str, str], state: dict[str, Any], 
         del jobs[index]
         finish_trial(state, job.trial, job.watcher, job.forwarder, code, job.plan.output_dir)
         save_state(plan.output_dir, state, plan.config)
-        if job.trial["state"] in ("ERROR", "PAUSED") and code:
+        if job.trial.state in ("ERROR", "PAUSED") and code:
             status = code
     return status

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
-from toolkit.compat.determined import hparams
+from toolkit.config.hyperparameters import load_config
 from toolkit.run.plan import plan_run
 from toolkit.run.process import SHIELD_USR1_ENV, STOP_SIGNALS, Forwarder
 from toolkit.run.slurm_argv import RESULT_FILE
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: [toolkit.run slurm job] %(message)s")
     spec = load_json(Path(args[0]), what="slurm trial spec")
     config_path = Path(spec["config"])
-    plan = plan_run(hparams.load_config(config_path), config_path=config_path,
+    plan = plan_run(load_config(config_path), config_path=config_path,
                     model_dir=Path(spec["model_dir"]), output_dir=Path(spec["output_dir"]))
     forwarder = _StepForwarder()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, set(STOP_SIGNALS))  # blocked by the job script until now

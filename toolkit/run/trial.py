@@ -22,9 +22,9 @@ from typing import Any, Mapping
 
 from toolkit._files import atomic_write_json
 from toolkit.checkpoint.stop_record import STOP_FILE, STOP_RECORD_ENV, StopRecord, read_stop_record
-from toolkit.compat.determined.info import TRIAL_FILE, load_trial_state, record_hparams
 from toolkit.errors import CheckpointError, ConfigError
 from toolkit.launch.output import OutputPump
+from toolkit.launch.trial_files import TRIAL_FILE, load_trial_state, record_hparams
 from toolkit.run.plan import RunPlan
 from toolkit.run.process import Forwarder, check_slots, environment, run_once
 

@@ -106,12 +106,12 @@ def test_settings_list_every_problem(tmp_path):
     for words in (
         "entrypoint=()",
         "model_dir=",
-        "max_concurrent=0",
-        "slots_per_trial=2 > max_slots=1",
-        "timeout_s=-1",
-        "launcher='mpirun'",
-        "memory_per_slot=0",
-        "start_profile_step=0",
+        "--max-concurrent-trials=0",
+        "resources.slots_per_trial=2 > --max-slots=1",
+        "--trial-timeout=-1",
+        "--launcher='mpirun'",
+        "--memory-per-slot=0",
+        "--start-profile-step=0",
         "gpus=(0, 0)",
     ):
         assert words in text

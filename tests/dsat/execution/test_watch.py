@@ -33,7 +33,7 @@ def test_a_trials_peak_is_the_largest_seen_and_survives_the_event_log():
     result = TrialResult(TrialSpec(3, 4, {"stage": 1}), TrialStatus.OOM, peak_bytes=7 * GIB)
     assert TrialResult.from_json(json.loads(json.dumps(result.to_json()))) == result
     assert "peak_bytes" not in TrialResult(TrialSpec(3, 4, {"stage": 1}), TrialStatus.OOM).to_json()
-    from toolkit.dsat.records import event_problem
+    from toolkit.dsat.output_files import event_problem
 
     event = {"event": "result", "trial_id": 3, "result": {**result.to_json(), "peak_bytes": -1}}
     assert event_problem(event) == "peak_bytes=-1: expected an integer >= 0 or null"

@@ -204,9 +204,9 @@ def test_never_and_always():
     assert never.level == "none" and "offload_optimizer" not in never.propose(1)[0].zero
     always = make_searcher(SearchSettings(method="binary", max_trials=5, offload="always"), _profile(10**9))
     assert always.level == "optimizer" and always.propose(1)[0].zero["offload_optimizer"] == {"device": "cpu"}
-    with pytest.raises(ConfigError, match="offload='always' with zero_stages=\\[0, 1\\]"):
+    with pytest.raises(ConfigError, match="--offload=always with --zero-stages=\\[0, 1\\]"):
         SearchSettings(method="binary", offload="always", zero_stages=(0, 1))
-    with pytest.raises(ConfigError, match="offload='sometimes'"):
+    with pytest.raises(ConfigError, match="--offload='sometimes'"):
         SearchSettings(method="binary", offload="sometimes")
 
 

@@ -17,7 +17,7 @@ import timeit
 
 import pytest
 
-from helpers import procutil
+from helpers import procutil, resets
 from toolkit.dsat.contract import METRICS, MISMATCH_EXIT_STATUS, ProfileInfo, TrialContract, TrialStatus
 from toolkit.dsat.execution.classify import classify
 from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
@@ -298,7 +298,7 @@ class Untouchable:
 
 def test_outside_a_trial_it_is_a_shared_no_op(monkeypatch):
     monkeypatch.delenv("TOOLKIT_DSAT_TRIAL", raising=False)
-    reporting._reset_for_tests()
+    resets.forget_trial_session()
     engine = Untouchable()
     first = dsat_reporting_context(engine, steps_completed=0)
     assert dsat_reporting_context(engine, steps_completed=10 ** 6) is first
@@ -314,17 +314,17 @@ def test_outside_a_trial_it_is_a_shared_no_op(monkeypatch):
 
 def test_the_environment_is_read_once_per_process(monkeypatch, tmp_path):
     monkeypatch.delenv("TOOLKIT_DSAT_TRIAL", raising=False)
-    reporting._reset_for_tests()
+    resets.forget_trial_session()
     assert dsat_reporting_context(object(), steps_completed=0) is dsat_reporting_context(
         object(), steps_completed=1
     )
     monkeypatch.setenv("TOOLKIT_DSAT_TRIAL", str(tmp_path / "missing.json"))
     # memoised: setting the variable later in the same process changes nothing
     assert dsat_reporting_context(object(), steps_completed=0) is reporting._NOOP
-    reporting._reset_for_tests()
+    resets.forget_trial_session()
     with pytest.raises(LaunchEnvError, match="cannot read the trial contract"):
         dsat_reporting_context(object(), steps_completed=0)
-    reporting._reset_for_tests()
+    resets.forget_trial_session()
 
 
 def test_instrumentation_overrides_only_switch_off_competing_profilers():

@@ -8,7 +8,8 @@ launcher's variables:
 * ``trial.hparams``: the YAML's hyperparameters, ``{type: const, val: X}`` resolved to ``X``;
   inside a dsat trial the trial's own (``toolkit.get_hparams``). Search spaces (int, double,
   log, categorical) are sampled by ``python -m toolkit.run``, as Determined's master samples them
-  (``searcher: single`` too), once per output directory (:func:`record_hparams`); started any
+  (``searcher: single`` too), once per output directory
+  (:func:`toolkit.launch.trial_files.record_hparams`); started any
   other way, a search space is a ConfigError naming the key.
 * ``trial.trial_id``, ``trial.experiment_id``, ``trial.trial_seed``: derived from the output
   directory and kept in ``<output_dir>/determined_trial.json``: stable across restarts there.
@@ -20,48 +21,28 @@ Read once per process and cached, as in Determined. Any rank (no collective).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import random
-import re
 import socket
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any, Mapping
 
 import toolkit
-from toolkit._files import atomic_write_json
-from toolkit.bounded_load import load_json
-from toolkit.compat.determined import hparams as hparams_mod
 from toolkit.compat.determined import storage
+from toolkit.config import hyperparameters
 from toolkit.config.experiment import ConfigWarning
 from toolkit.errors import ConfigError
 from toolkit.launch.experiment_env import CONFIG_WARNED_ENV
+from toolkit.launch.trial_files import load_trial_state, output_dir_for
+from toolkit.launch.wrappers import CONTAINER_PER_RANK_ENV
 from toolkit.runtime.trial_env import EXPERIMENT_CONFIG_ENV, TRIAL_HPARAMS_ENV
 
-__all__ = [
-    "ClusterInfo",
-    "TrialInfo",
-    "RendezvousInfo",
-    "ResourcesInfo",
-    "get_cluster_info",
-    "resolve_hparams",
-    "TRIAL_FILE",
-    "load_trial_state",
-    "output_dir_for",
-    "record_hparams",
-    "CONTAINER_PER_RANK_ENV",
-]
+__all__ = ["ClusterInfo", "TrialInfo", "RendezvousInfo", "ResourcesInfo", "get_cluster_info",
+           "resolve_hparams"]
 
 logger = logging.getLogger(__name__)
 
-TRIAL_FILE = "determined_trial.json"
-_SAMPLE_KEYS = ("hparams", "hparams_seed", "hparams_space")
-#: Set by ``python -m toolkit.run`` for an entrypoint without a launcher wrapper: each rank process
-#: is one Determined container of one slot (Determined runs such an entrypoint once per container).
-CONTAINER_PER_RANK_ENV = "TOOLKIT_DET_CONTAINER_PER_RANK"
 _cached: "ClusterInfo | None" = None
 
 
@@ -181,7 +162,7 @@ def resolve_hparams(hparams: Mapping[str, Any], prefix: str = "hyperparameters")
         key = f"{prefix}.{name}"
         if isinstance(value, Mapping) and value.get("type") == "const" and "val" in value:
             out[name] = value["val"]
-        elif isinstance(value, Mapping) and value.get("type") in hparams_mod.SEARCH_TYPES:
+        elif isinstance(value, Mapping) and value.get("type") in hyperparameters.SEARCH_TYPES:
             problems.append(
                 f"{key} is a search space (type: {value['type']}) and no value was sampled for "
                 "this output directory: run the experiment with python -m toolkit.run CONFIG "
@@ -200,84 +181,6 @@ def resolve_hparams(hparams: Mapping[str, Any], prefix: str = "hyperparameters")
     return out
 
 
-def output_dir_for(config: Mapping[str, Any]) -> Path:
-    """``$TOOLKIT_OUTPUT_DIR``, else ``runs/<experiment name>`` in the working directory. Any rank."""
-    name = (
-        re.sub(r"[^A-Za-z0-9._-]+", "-", str(config.get("name") or "determined")).strip("-.") or "determined"
-    )
-    return toolkit.get_output_dir(Path("runs") / name)
-
-
-def load_trial_state(output_dir: Path, *, write: bool) -> dict[str, Any]:
-    """The trial's ids and run count, from ``determined_trial.json`` or derived from the directory.
-
-    Derived ids are the same on every rank (a CRC of the absolute path), so ranks need not
-    agree first; ``write=True`` (chief, or the runner) persists them. When the runner sampled
-    the hyperparameters, the file also holds ``hparams`` and ``hparams_seed`` (see
-    :func:`record_hparams`).
-    """
-    path = output_dir / TRIAL_FILE
-    try:
-        state = load_json(path, what="trial record")
-    except FileNotFoundError:
-        key = str(output_dir.resolve()).encode()
-        state = {
-            "experiment_id": zlib.crc32(b"experiment:" + key) % 100_000 + 1,
-            "trial_id": zlib.crc32(b"trial:" + key) % 1_000_000 + 1,
-            "trial_seed": zlib.crc32(b"seed:" + key),
-            "trial_run_id": 1,
-        }
-        if write:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(path, state)
-    bad = [f"{k}={v!r:.60}" for k, v in state.items() if k not in _SAMPLE_KEYS and type(v) is not int]
-    if bad:
-        raise ConfigError(f"{', '.join(bad)}: expected integers; the file records this trial's ids (and any "
-                          "sampled hyperparameters): delete it to derive them again", source=str(path))
-    return dict(state)
-
-
-def record_hparams(output_dir: Path, config: Mapping[str, Any], *, seed: int | None = None,
-                   values: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
-    """Sample the YAML's search spaces once for this output directory and record them. Runner only.
-
-    What Determined's master does for every trial (``searcher: single`` too): the values and
-    the seed go into ``determined_trial.json``, which every rank's :func:`get_cluster_info`
-    reads, so all ranks, restarts and reruns in this directory see the same values and trial id.
-    ``values`` records given values instead (a search's trial), with ``seed`` as the seed the
-    searcher drew them with (``hparams_seed``); without ``values``, ``seed`` defaults to
-    ``reproducibility.experiment_seed``, else a random one. ``trial_seed`` is not this seed: it
-    is derived from the output directory as before (:func:`load_trial_state`). Nothing is
-    recorded (None returned) when the section has no search space and no ``values`` are given.
-
-    Raises:
-        ConfigError: the directory holds values sampled from another search space (a changed
-            YAML): use a new output directory.
-    """
-    space = config.get("hyperparameters") or {}
-    if values is None and not hparams_mod.has_search_space(space):
-        return None
-    state = load_trial_state(output_dir, write=True)
-    if "hparams" in state:
-        if state.get("hparams_space") != json.loads(json.dumps(space)):
-            raise ConfigError(
-                f"{output_dir / TRIAL_FILE} holds hyperparameters sampled from another search space "
-                "than the YAML's hyperparameters; use a new --output-dir for a changed search space"
-            )
-        return dict(state["hparams"])
-    given = values is not None
-    if values is None:
-        if seed is None:
-            seed = (config.get("reproducibility") or {}).get("experiment_seed")
-        seed = int(seed) if seed is not None else random.SystemRandom().randrange(2**31)
-        values = hparams_mod.sample_hparams(space, random.Random(seed))
-    state.update(hparams=dict(values), hparams_seed=seed, hparams_space=space)
-    atomic_write_json(output_dir / TRIAL_FILE, state)
-    logger.info("hyperparameters for this trial (%sseed %s): %s", "given by the searcher, " if given else "",
-                seed, json.dumps(values))
-    return dict(values)
-
-
 def _experiment_config() -> tuple[dict[str, Any], Path]:
     path = os.environ.get(EXPERIMENT_CONFIG_ENV)
     if not path:
@@ -290,7 +193,7 @@ def _experiment_config() -> tuple[dict[str, Any], Path]:
     with warnings.catch_warnings():
         if os.environ.get(CONFIG_WARNED_ENV):  # the runner warned once for the run: not once per rank
             warnings.simplefilter("ignore", ConfigWarning)
-        return hparams_mod.load_config(path), Path(path).resolve().parent
+        return hyperparameters.load_config(path), Path(path).resolve().parent
 
 
 def _check_searcher(config: Mapping[str, Any]) -> None:
@@ -379,9 +282,3 @@ def get_cluster_info() -> ClusterInfo:
     if _cached is None:
         _cached = _build()
     return _cached
-
-
-def reset_for_tests() -> None:
-    """Forget the cached info (tests build it again under another environment)."""
-    global _cached
-    _cached = None

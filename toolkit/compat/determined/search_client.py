@@ -3,8 +3,8 @@
 After each validation report (and each searcher operation of a 0.37 ASHA search) the trial's
 chief waits until the runner has read it (:func:`wait_for_searcher`): a stop the report earns is
 sent before the report returns, so the script's next ``should_preempt()`` sees it.
-``get_experiment_best_validation`` reads ``search.json`` (:func:`best_validation`). Chief only,
-or any rank for the reads; re-exported by :mod:`toolkit.compat.determined.search`.
+``get_experiment_best_validation`` reads the search's record (:func:`best_validation`). Chief only,
+or any rank for the reads. The file and variable names: :mod:`toolkit.launch.trial_files`.
 """
 
 from __future__ import annotations
@@ -17,24 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from toolkit._checks import is_number
+from toolkit.launch.trial_files import ACK_FILE, SEARCH_ACK_ENV
 
-__all__ = ["ACK_FILE", "ACK_TIMEOUT_S", "SEARCH_ACK_ENV", "SEARCH_FILE", "best_validation",
-           "wait_for_searcher"]
+__all__ = ["ACK_TIMEOUT_S", "best_validation", "wait_for_searcher"]
 
 logger = logging.getLogger(__name__)
 
-#: The search's record, in the directory above its trials' (kept by ``toolkit.run``'s search).
-SEARCH_FILE = "search.json"
-#: Set by ``toolkit.run``'s search to the trial's output directory: its chief waits after each
-#: validation report until the runner has read it (the offset of ``metrics.jsonl`` in ``ACK_FILE``).
-SEARCH_ACK_ENV = "TOOLKIT_SEARCH_ACK"
-ACK_FILE = ".searcher_ack"
 #: How long a chief waits for the runner to read a validation report (then it goes on, warned).
 ACK_TIMEOUT_S = 30.0
 
 
 def best_validation(state: Any, trial_dir: str) -> float | None:
-    """The best validation ``metric`` of a search state (``search.json``) that lists ``trial_dir``; else None.
+    """The best validation ``metric`` of a search's record that lists ``trial_dir``; else None.
 
     Pure. Each trial's best reported value (``best_metric``, which the runner keeps while the trials
     run; ``metric``, the latest, in a record of an earlier toolkit), the best of them by the recorded

@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from toolkit import _names
-from toolkit._checks import is_int
 from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
 from toolkit.compat.determined import cloud
 from toolkit.compat.determined.cloud import CloudRoot
+from toolkit.config.checkpoint_storage import checkpoint_storage_problems, keep_count_problem
 from toolkit.errors import CheckpointError, ConfigError
 
 __all__ = [
@@ -71,46 +71,27 @@ def storage_root(storage: Any, *, output_dir: Path, base_dir: Path) -> Root:
     paths are relative to ``base_dir``.
 
     Raises:
-        ConfigError: azure, another URL, a bad cloud section, or no usable path; names the key.
+        ConfigError: every problem :func:`~toolkit.config.checkpoint_storage.checkpoint_storage_problems`
+            finds (azure, another URL, a bad cloud section, no usable path), each naming its key.
     """
+    problems = checkpoint_storage_problems(storage)
+    if problems:
+        raise ConfigError(problems)
     if storage is None:
         return output_dir / "checkpoints"
     if isinstance(storage, str):
         if storage.startswith(("s3://", "gs://", "gcs://")):
             return cloud.url_root(storage)
-        if "://" in storage and not storage.startswith("file://"):
-            raise ConfigError(
-                f"checkpoint_storage={_names.shown(storage)}: expected a local or shared directory (a path), "
-                "or an s3:// or gs:// URL"
-            )
         return base_dir / storage.removeprefix("file://")
-    if not isinstance(storage, Mapping):
-        raise ConfigError(
-            f"checkpoint_storage={storage!r}: expected a path or a mapping such as "
-            "{type: shared_fs, host_path: /mnt/ckpt}"
-        )
     kind = storage.get("type")
     if kind is None and not any(storage.get(k) for k in ("host_path", "storage_path", "container_path")):
         return output_dir / "checkpoints"  # only policy keys such as save_trial_latest
     if kind in ("s3", "gcs"):
         return cloud.cloud_root(storage)
-    if kind == "azure":
-        raise ConfigError(
-            "checkpoint_storage.type='azure': Azure Blob Storage is not available here; use type: s3 or "
-            "gcs (bucket, prefix), or type: shared_fs (host_path, storage_path) on a disk every rank sees"
-        )
     if kind == "directory":
-        path = storage.get("container_path")
-        key = "container_path"
-    else:
-        host, sub = storage.get("host_path"), storage.get("storage_path")
-        path = str(Path(host) / sub) if host and sub else (host or sub)
-        key = "host_path"
-    if kind not in (None, "shared_fs", "directory"):
-        raise ConfigError(f"checkpoint_storage.type={kind!r}: expected shared_fs, directory, s3 or gcs")
-    if not isinstance(path, str) or not path:
-        raise ConfigError(f"checkpoint_storage.{key}={storage.get(key)!r}: expected a directory path")
-    return base_dir / path
+        return base_dir / storage["container_path"]
+    host, sub = storage.get("host_path"), storage.get("storage_path")
+    return base_dir / (str(Path(host) / sub) if host and sub else (host or sub))
 
 
 def root_from_registry(recorded: Any, configured: Root) -> Root:
@@ -223,8 +204,9 @@ def read_metadata(root: Root, storage_id: str) -> dict[str, Any]:
 
 
 def _keep_count(key: str, value: Any) -> int:
-    if not is_int(value) or value < 0:
-        raise ConfigError(f"checkpoint_storage.{key}={value!r}: expected an integer >= 0")
+    problem = keep_count_problem(key, value)
+    if problem:
+        raise ConfigError(problem)
     return int(value)
 
 

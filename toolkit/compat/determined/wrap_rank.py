@@ -4,7 +4,7 @@ Determined's tutorial launcher (``4_distributed.py``) starts each worker through
 the real ``determined`` package, a module path that no import swap reaches. ``python -m
 toolkit.run`` therefore puts a shim directory on the entrypoint's ``PYTHONPATH`` (only when no
 real ``determined`` package is importable) whose ``determined.launch.wrap_rank`` is this
-:func:`main`; see :func:`shim_pythonpath`. As Determined's:
+:func:`main`; see :func:`toolkit.launch.wrappers.shim_pythonpath`. As Determined's:
 
 * ``RANK`` is an integer, or comma-separated names of environment variables tried in order;
 * every line the command writes (split on ``\\n`` or ``\\r``) is written with ``[rank=N] ``
@@ -25,24 +25,19 @@ Any process (the wrapper itself is not a rank). Example::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from typing import IO, Any, Iterator, Mapping
 
 from toolkit.errors import ConfigError, LaunchEnvError
+from toolkit.launch.wrappers import WRAPPED_ENV
 
-__all__ = ["WRAPPED_ENV", "SHIM_DIR", "main", "parse_rank", "shim_pythonpath", "split_lines"]
+__all__ = ["main", "parse_rank", "split_lines"]
 
-#: Set for the wrapped command: its rank. Marks wrapped workers for toolkit.run's signal forwarding.
-WRAPPED_ENV = "TOOLKIT_DET_WRAPPED_RANK"
-#: The directory holding the ``determined.launch.wrap_rank`` shim package.
-SHIM_DIR = Path(__file__).resolve().parent / "shim"
 _LINE_END = re.compile(rb"[\r\n]")
 _CHUNK = 8191
 _FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGWINCH")
@@ -169,22 +164,3 @@ def main(argv: list[str] | None = None) -> int:
     for thread in threads:  # a process the command left behind may hold its pipes open
         thread.join(timeout=5)
     return status
-
-
-def shim_pythonpath(environ: Mapping[str, str]) -> str | None:
-    """``PYTHONPATH`` with the shim directory in front, or None when a real ``determined`` is importable.
-
-    Runner only: only the runner calls it (for the entrypoint's environment). The shim package provides
-    ``determined.launch.wrap_rank`` alone; any other ``determined`` name raises an error saying
-    to swap the import.
-    """
-    if importlib.util.find_spec("determined") is not None and not _is_shim(environ):
-        return None
-    rest = environ.get("PYTHONPATH", "")
-    parts = [p for p in rest.split(os.pathsep) if p and p != str(SHIM_DIR)]
-    return os.pathsep.join([str(SHIM_DIR), *parts])
-
-
-def _is_shim(environ: Mapping[str, str]) -> bool:
-    spec = importlib.util.find_spec("determined")
-    return spec is not None and spec.origin is not None and Path(spec.origin).is_relative_to(SHIM_DIR)

@@ -5,11 +5,11 @@ hold unusual characters, so ``$(...)`` and backquotes still ran), ``cd MODEL_DIR
 script's arguments (double-quoted only when they hold a space) into the one line pdsh has each
 host's shell run: an entrypoint argument ``--note=a;touch${IFS}X`` ran ``touch`` on the host.
 :class:`QuotedPDSHRunner` builds that line with
-:func:`toolkit.dsat.execution.argv.pdsh_remote_command` instead; everything else is DeepSpeed's
+:func:`toolkit.dsat.execution.multihost_argv.pdsh_remote_command` instead; everything else is DeepSpeed's
 runner unchanged (its options, hostfile, ssh check, exported variables, ``DS_ENV_FILE``).
 Its kill command on SIGTERM stops only this trial's launchers
-(:func:`~toolkit.dsat.execution.argv.build_remote_kill_argv`), not every DeepSpeed launcher of
-the hosts. dsat's trial runner starts it (:func:`~toolkit.dsat.execution.argv.build_multihost_argv`
+(:func:`~toolkit.dsat.execution.multihost_argv.build_remote_kill_argv`), not every DeepSpeed launcher of
+the hosts. dsat's trial runner starts it (:func:`~toolkit.dsat.execution.multihost_argv.build_multihost_argv`
 with ``via="pdsh"``); nothing imports it.
 
 Example::
@@ -29,7 +29,7 @@ from deepspeed.launcher import runner as ds_runner
 from deepspeed.launcher.constants import PDSH_MAX_FAN_OUT
 from deepspeed.launcher.multinode_runner import PDSHRunner
 
-from toolkit.dsat.execution.argv import build_remote_kill_argv, pdsh_remote_command
+from toolkit.dsat.execution.multihost_argv import build_remote_kill_argv, pdsh_remote_command
 
 __all__ = ["QuotedPDSHRunner", "main"]
 

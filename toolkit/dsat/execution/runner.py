@@ -38,16 +38,19 @@ from typing import Any, Iterable, Mapping
 from toolkit._files import atomic_write_json
 from toolkit.checkpoint.stop_record import STOP_FILE, STOP_RECORD_ENV
 from toolkit.dsat.contract import PROGRESS_FILE, TrialStatus, trial_hparams
-from toolkit.dsat.execution.argv import build_multihost_argv, build_remote_kill_argv, with_config_flag
 from toolkit.dsat.execution.classify import TrialPreempted, classify, preemption_of
-from toolkit.dsat.execution.hosts import format_include
+from toolkit.dsat.execution.multihost_argv import (
+    build_multihost_argv,
+    build_remote_kill_argv,
+    with_config_flag,
+)
 from toolkit.dsat.execution.settings import CONFIG_READS_ENV, CPU_ALLOCATOR_ENV, RunnerSettings
-from toolkit.dsat.execution.slots import SlotPool, Slots, device_ids
 from toolkit.dsat.execution.watch import heartbeat_text, peak_bytes, read_progress
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.dsat.trial.cpu_info import CPUINFO_ENV, measure_into
 from toolkit.dsat.trial.site import site_pythonpath
 from toolkit.launch.argv import LOOPBACK, build_trial_argv
+from toolkit.launch.hosts import format_include
 from toolkit.launch.output import OutputPump
 from toolkit.launch.procs import (
     block_interrupts,
@@ -59,6 +62,7 @@ from toolkit.launch.procs import (
     scan_processes,
     unblock_interrupts,
 )
+from toolkit.launch.slots import SlotPool, Slots, device_ids
 from toolkit.runtime.build_env import build_processes
 from toolkit.runtime.ds_shm import remove_buffers
 from toolkit.runtime.op_builds import builders_for, clear_dead_locks, load_ops
@@ -109,7 +113,8 @@ class TrialRunner:
         self.trials_dir = Path(output_dir).resolve() / "trials"
         self.trials_dir.mkdir(parents=True, exist_ok=True)
         self._running: dict[int, _Trial] = {}
-        self._slots = SlotPool(settings)
+        self._slots = SlotPool(slots_per_trial=settings.slots_per_trial, gpus=settings.gpus,
+                               hosts=settings.hosts, multihost_launcher=settings.multihost_launcher)
         self._device_ids = device_ids(settings.gpus)
         self._closed = False
         self._ops_ready: set[str] = set()

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from toolkit._checks import int_problem, is_int, is_number
 from toolkit.dsat.contract import TrialContract
-from toolkit.dsat.execution.argv import MULTIHOST_LAUNCHERS
-from toolkit.dsat.execution.hosts import Host, place_trial
+from toolkit.dsat.execution.multihost_argv import MULTIHOST_LAUNCHERS
 from toolkit.errors import ConfigError
 from toolkit.launch.argv import LAUNCHERS, build_trial_argv
+from toolkit.launch.hosts import Host, place_trial
 from toolkit.launch.procs import cpu_slots
 
 __all__ = ["CONFIG_READS_ENV", "CPU_ALLOCATOR_ENV", "CPU_MEMORY_FRACTION", "CPU_MEMORY_RESERVE",
@@ -100,11 +100,11 @@ class RunnerSettings:
         poll_s: how often running trials are checked (exit, timeout, memory).
         hosts: the machines and their slots (``--hostfile`` or the Slurm allocation); None: this
             machine alone (the single-machine path: ``max_slots`` local slots, no ssh). With
-            hosts, each trial is placed with :func:`toolkit.dsat.execution.hosts.place_trial` and records
+            hosts, each trial is placed with :func:`toolkit.launch.hosts.place_trial` and records
             its hosts in ``placement.json``; a trial whose hosts are all this machine (loopback
             names, this host name) is started locally as without hosts, any other through
             ``multihost_launcher``.
-        multihost_launcher: one of :data:`~toolkit.dsat.execution.argv.MULTIHOST_LAUNCHERS`.
+        multihost_launcher: one of :data:`~toolkit.dsat.execution.multihost_argv.MULTIHOST_LAUNCHERS`.
         ssh_port: ssh port of the hosts (DeepSpeed's runners), None for ssh's default.
         experiment_config: the experiment YAML, exported to every trial as
             ``TOOLKIT_EXPERIMENT_CONFIG`` (``det.get_cluster_info()`` reads it); None: not exported.
@@ -163,37 +163,39 @@ class RunnerSettings:
             raise ConfigError(problems)
 
     def _value_problems(self) -> list[str]:
-        """Each setting on its own: one sentence per bad value, naming the field as written here."""
+        """Each setting on its own: one sentence per bad value, naming dsat's flag or the config key."""
         p: list[str | None] = []
         ep = self.entrypoint
         if not isinstance(ep, tuple) or not ep or not all(isinstance(x, str) and x for x in ep):
             p.append(f"entrypoint={ep!r}: expected a non-empty list of strings, e.g. ('python3', 'train.py')")
         if not isinstance(self.model_dir, Path) or not self.model_dir.is_dir():
             p.append(f"model_dir={str(self.model_dir)!r}: expected an existing directory (the entrypoint's)")
-        p += [int_problem(name, getattr(self, name), minimum=1)
-              for name in ("slots_per_trial", "max_slots", "max_concurrent")]
-        for name in ("timeout_s", "grace_s", "poll_s", "heartbeat_s"):
-            value = getattr(self, name)
+        p += [int_problem(name, getattr(self, field), minimum=1) for field, name in (
+            ("slots_per_trial", "resources.slots_per_trial"), ("max_slots", "--max-slots"),
+            ("max_concurrent", "--max-concurrent-trials"))]
+        for field, name in (("timeout_s", "--trial-timeout"), ("grace_s", "grace_s"), ("poll_s", "poll_s"),
+                            ("heartbeat_s", "heartbeat_s")):
+            value = getattr(self, field)
             if not is_number(value) or not math.isfinite(value) or value <= 0:
                 p.append(f"{name}={value!r}: expected a number of seconds > 0")
         if self.launcher not in LAUNCHERS:
-            p.append(f"launcher={self.launcher!r}: expected one of {', '.join(LAUNCHERS)}")
+            p.append(f"--launcher={self.launcher!r}: expected one of {', '.join(LAUNCHERS)}")
         if self.memory_per_slot is not None:
-            p.append(int_problem("memory_per_slot", self.memory_per_slot, minimum=1,
+            p.append(int_problem("--memory-per-slot", self.memory_per_slot, minimum=1,
                                  hint=" (bytes), or None"))
         if not is_number(self.timed_window_s) or not math.isfinite(self.timed_window_s) \
                 or self.timed_window_s < 0:
-            p.append(f"timed_window_s={self.timed_window_s!r}: expected a number of seconds >= 0")
+            p.append(f"--timed-window={self.timed_window_s!r}: expected a number of seconds >= 0")
         s, e = self.start_profile_step, self.end_profile_step
-        p += [int_problem("start_profile_step", s, minimum=1, hint=" (step start-1 counts the FLOPs)"),
-              int_problem("end_profile_step", e, minimum=1)]
+        p += [int_problem("--start-profile-step", s, minimum=1, hint=" (step start-1 counts the FLOPs)"),
+              int_problem("--end-profile-step", e, minimum=1)]
         if is_int(s) and is_int(e) and 1 <= s and 1 <= e < s:
-            p.append(f"end_profile_step={e} < start_profile_step={s}: expected end >= start")
+            p.append(f"--end-profile-step={e} < --start-profile-step={s}: expected end >= start")
         if self.multihost_launcher not in MULTIHOST_LAUNCHERS:
-            p.append(f"multihost_launcher={self.multihost_launcher!r}: expected one of "
+            p.append(f"--multihost-launcher={self.multihost_launcher!r}: expected one of "
                      f"{', '.join(MULTIHOST_LAUNCHERS)}")
         if self.ssh_port is not None:
-            p.append(int_problem("ssh_port", self.ssh_port, minimum=1, maximum=65535, hint=", or None"))
+            p.append(int_problem("--ssh-port", self.ssh_port, minimum=1, maximum=65535, hint=", or None"))
         return [problem for problem in p if problem]
 
     @property
@@ -229,15 +231,15 @@ class RunnerSettings:
         if not (is_int(spt) and is_int(most) and spt >= 1 and most >= 1):
             return p  # the counts are reported as values already
         if most < spt:
-            p.append(f"slots_per_trial={spt} > max_slots={most}: no trial could ever start; lower "
-                     "slots_per_trial or raise max_slots")
+            p.append(f"resources.slots_per_trial={spt} > --max-slots={most}: no trial could ever start; "
+                     "lower resources.slots_per_trial or raise --max-slots")
         elif gpus_ok and g is not None and most > len(g) and self.hosts is None:
-            p.append(f"max_slots={most} but only {len(g)} GPU(s) given ({g}); lower max_slots or give "
+            p.append(f"--max-slots={most} but only {len(g)} GPU(s) given ({g}); lower --max-slots or give "
                      "more GPUs")
         if g is None and self.hosts is None and spt > cpu_slots():
-            p.append(f"slots_per_trial={spt}: a trial on CPU runs one process per slot and this machine has "
-                     f"{cpu_slots()} CPU core(s); expected at most {cpu_slots()} (or give more machines with "
-                     "--hostfile)")
+            p.append(f"resources.slots_per_trial={spt}: a trial on CPU runs one process per slot and this "
+                     f"machine has {cpu_slots()} CPU core(s); expected at most {cpu_slots()} (or give more "
+                     "machines with --hostfile)")
         return p
 
     def _host_problems(self) -> list[str]:
@@ -247,16 +249,18 @@ class RunnerSettings:
         hosts = self.hosts
         if not isinstance(hosts, tuple) or not hosts or not all(isinstance(h, Host) for h in hosts) \
                 or len({h.name for h in hosts}) != len(hosts):
-            return [f"hosts={hosts!r}: expected distinct Host entries (toolkit.dsat.execution.hosts), "
+            return [f"hosts={hosts!r}: expected distinct Host entries (toolkit.launch.hosts), "
                     "or None"]
         total = sum(h.slots for h in hosts)
         if is_int(self.max_slots) and self.max_slots > total:
-            return [f"max_slots={self.max_slots} but the hosts have {total} slot(s) in all; lower max_slots"]
+            return [f"--max-slots={self.max_slots} but the hosts have {total} slot(s) in all; lower "
+                    "--max-slots"]
         if is_int(self.slots_per_trial) and place_trial(
                 {h.name: tuple(range(h.slots)) for h in hosts}, self.slots_per_trial,
                 uniform=self.multihost_launcher == "srun") is None:
             slots = {h.name: h.slots for h in hosts}
             srun = (" with the same number of slots on each host (srun)"
                     if self.multihost_launcher == "srun" else "")
-            return [f"slots_per_trial={self.slots_per_trial} cannot be placed on the hosts {slots}{srun}"]
+            return [f"resources.slots_per_trial={self.slots_per_trial} cannot be placed on the hosts "
+                    f"{slots}{srun}"]
         return []

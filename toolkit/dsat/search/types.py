@@ -117,7 +117,8 @@ class TrialResult:
 @dataclasses.dataclass(frozen=True)
 class SearchSettings:
     """Everything a search method needs besides the profile; validated on construction, all problems in
-    one :class:`ConfigError`. The fields: docs/design-dsat-search.md#the-searcher-protocol."""
+    one :class:`ConfigError`, each naming dsat's flag (or the config key) that sets the field. The
+    fields: docs/design-dsat-search.md#the-searcher-protocol."""
 
     method: str
     metric: str = "FLOPS_per_gpu"
@@ -145,22 +146,23 @@ class SearchSettings:
         if self.metric not in METRICS:
             p.append(f"metric={self.metric!r}: expected one of {', '.join(METRICS)}")
         if not self.zero_stages or not all(is_int(s) and 0 <= s <= 3 for s in self.zero_stages):
-            p.append(f"zero_stages={self.zero_stages!r}: expected one or more of 0, 1, 2, 3")
+            p.append(f"--zero-stages={self.zero_stages!r}: expected one or more of 0, 1, 2, 3")
         if self.early_stopping is not None:
-            p.append(int_problem("early_stopping", self.early_stopping, minimum=1, hint=" or None"))
+            p.append(int_problem("--early-stopping", self.early_stopping, minimum=1, hint=" or None"))
         if not is_number(self.search_range_factor) or not self.search_range_factor > 0:
-            p.append(f"search_range_factor={self.search_range_factor!r}: expected a number > 0")
+            p.append(f"--search-range-factor={self.search_range_factor!r}: expected a number > 0")
         if not is_number(self.bisect_tolerance) or not 0 <= self.bisect_tolerance < 1:
-            p.append(f"bisect_tolerance={self.bisect_tolerance!r}: expected a number >= 0 and < 1 (0 "
+            p.append(f"--bisect-tolerance={self.bisect_tolerance!r}: expected a number >= 0 and < 1 (0 "
                      "bisects the micro-batch range exactly, 0.25 stops within 25% of the largest fitting "
                      "micro-batch)")
-        p += [int_problem("max_trials", self.max_trials, minimum=2, hint=" (it counts the profiling trial)"),
-              int_problem("data_parallel_size", self.data_parallel_size, minimum=1),
-              int_problem("trials_per_random_config", self.trials_per_random_config, minimum=1),
-              int_problem("max_rungs", self.max_rungs, minimum=1),
-              int_problem("min_binary_search_trials", self.min_binary_search_trials, minimum=1),
-              int_problem("asha_early_stopping", self.asha_early_stopping, minimum=0),
-              int_problem("divisor", self.divisor, minimum=2)]
+        p += [int_problem("--max-trials", self.max_trials, minimum=2,
+                          hint=" (it counts the profiling trial)"),
+              int_problem("hyperparameters.data_parallel_world_size", self.data_parallel_size, minimum=1),
+              int_problem("--trials-per-random-config", self.trials_per_random_config, minimum=1),
+              int_problem("--max-rungs", self.max_rungs, minimum=1),
+              int_problem("--min-binary-search-trials", self.min_binary_search_trials, minimum=1),
+              int_problem("--asha-early-stopping", self.asha_early_stopping, minimum=0),
+              int_problem("--divisor", self.divisor, minimum=2)]
         p += self._micro_batch_problems()
         problems = [problem for problem in p if problem]
         if problems:
@@ -177,11 +179,11 @@ class SearchSettings:
         if self.max_micro_batch is not None:
             p.append(int_problem("max_micro_batch", self.max_micro_batch, minimum=1, hint=" or None"))
         if self.offload not in OFFLOAD_MODES:
-            p.append(f"offload={self.offload!r}: expected one of {', '.join(OFFLOAD_MODES)}")
+            p.append(f"--offload={self.offload!r}: expected one of {', '.join(OFFLOAD_MODES)}")
         elif self.offload == "always" and all(is_int(x) for x in self.zero_stages) \
                 and not set(self.zero_stages) & {2, 3}:
-            p.append(f"offload='always' with zero_stages={list(self.zero_stages)}: offload needs stage 2 or "
-                     "3; add one to zero_stages or use offload 'auto'")
+            p.append(f"--offload=always with --zero-stages={list(self.zero_stages)}: offload needs stage 2 "
+                     "or 3; add one to --zero-stages or use --offload auto")
         return p
 
 

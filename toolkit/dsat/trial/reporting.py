@@ -81,9 +81,3 @@ def engine_session(engine: Any, contract_file: str) -> TrialSession:
         install_oom_excepthook()
         _session = TrialSession(engine, contract_file, auto=True)
     return _session
-
-
-def _reset_for_tests() -> None:
-    """Forget the memoised environment and session (tests only)."""
-    global _trial_file, _session
-    _trial_file, _session = _UNSET, None

@@ -5,7 +5,7 @@ in the unit it names, as Determined's Core API gave it (``100``, ``{batches: 100
 or ``{epochs: N}``: :meth:`SearcherContext.get_configured_units` says which; inside a dsat trial:
 ``end_profile_step + 1`` as Determined's dsat set it, plus the room of dsat's ``--timed-window``:
 one more than the contract's last step). In a search of a 0.37 ASHA section
-(:mod:`toolkit.compat.determined.legacy`) it yields one operation per rung instead, as 0.37's
+(:mod:`toolkit.config.searcher_section`) it yields one operation per rung instead, as 0.37's
 searcher did, and none more once the searcher stopped the trial (or a stop signal came: the
 trial is paused and continues with the next operation). Each ``op.report_completed(metric)`` is
 recorded in ``<output_dir>/determined_searcher.json`` (``ops``; ``completed`` once the last is);
@@ -32,22 +32,19 @@ from typing import Any, Callable, Iterator, Mapping
 import toolkit
 from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
-from toolkit.compat.determined import legacy
 from toolkit.compat.determined.core.distributed import DistributedContext
 from toolkit.compat.determined.search_client import wait_for_searcher
-from toolkit.compat.determined.trial_reports import OPS_FILE
 from toolkit.config.experiment import max_length_unit
+from toolkit.config.searcher_section import operation_lengths
 from toolkit.dsat.contract import TrialContract
 from toolkit.errors import ConfigError
+from toolkit.launch.trial_files import OPS_ACK_FILE, OPS_FILE
 from toolkit.runtime.trial_env import TRIAL_ENV
 
-__all__ = ["SearcherContext", "SearcherOperation", "SearcherMode", "Unit", "SEARCHER_FILE"]
+__all__ = ["SearcherContext", "SearcherOperation", "SearcherMode", "Unit"]
 
 logger = logging.getLogger(__name__)
 
-SEARCHER_FILE = OPS_FILE
-#: The runner writes how many completed operations of the trial it read (after any stop they earned).
-OPS_ACK_FILE = ".searcher_ops_ack"
 
 
 class SearcherMode(enum.Enum):
@@ -115,7 +112,7 @@ class SearcherContext:
         self._dist = dist
         self._config = config
         self._dir = Path(output_dir)
-        self._file = self._dir / SEARCHER_FILE
+        self._file = self._dir / OPS_FILE
         self._report_progress, self._stopped = report_progress, stopped
         try:
             record = load_json(self._file, what="searcher record")
@@ -145,7 +142,7 @@ class SearcherContext:
             # Determined's dsat set it, plus the timed window's room); the trial ends there or
             # earlier (SystemExit from the reporting context).
             return [TrialContract.read(trial_file).final_step_bound + 1]
-        return legacy.operation_lengths(self._config) or [self._length()]
+        return operation_lengths(self._config) or [self._length()]
 
     def progress(self, fraction: float) -> None:
         """Pass the trial's progress (0 to 1, clamped) on. Chief only (through ``op.report_progress``)."""

@@ -15,7 +15,7 @@ After a resume, TensorBoard hides the points past the restored checkpoint's step
 discards metrics past it). ``report_progress`` writes ``<output_dir>/determined_progress.json``
 (at most every :data:`PROGRESS_EVERY_S`, the last value at ``close()``) and ``report_early_exit``
 ``determined_early_exit.json``, which ``python -m toolkit.run`` hands to its search
-(:mod:`toolkit.compat.determined.trial_reports`); ``set_status`` logs, as Determined off-cluster.
+(:mod:`toolkit.run.trial_reports`); ``set_status`` logs, as Determined off-cluster.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any, Callable
 from toolkit._checks import is_int
 from toolkit._files import atomic_write_json
 from toolkit.bounded_load import load_json
-from toolkit.compat.determined.search_client import SEARCH_FILE, best_validation, wait_for_searcher
-from toolkit.compat.determined.trial_reports import EARLY_EXIT_FILE, PROGRESS_FILE
+from toolkit.compat.determined.search_client import best_validation, wait_for_searcher
 from toolkit.errors import ConfigError
+from toolkit.launch.trial_files import EARLY_EXIT_FILE, PROGRESS_FILE, SEARCH_FILE
 
 __all__ = ["TrainContext", "EarlyExitReason", "TensorboardMode"]
 

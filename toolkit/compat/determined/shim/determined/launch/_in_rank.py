@@ -19,10 +19,13 @@ from __future__ import annotations
 import os
 import sys
 
-from toolkit.compat.determined.info import CONTAINER_PER_RANK_ENV
-from toolkit.compat.determined.wrap_rank import WRAPPED_ENV
 from toolkit.errors import ConfigError
-from toolkit.launch.wrappers import torchrun_nproc_override, unwrap_launcher
+from toolkit.launch.wrappers import (
+    CONTAINER_PER_RANK_ENV,
+    WRAPPED_ENV,
+    torchrun_nproc_override,
+    unwrap_launcher,
+)
 
 
 def worker_env(environ: dict[str, str], launcher: str | None) -> dict[str, str]:

@@ -1,0 +1,16 @@
+"""Forget what toolkit caches once per process (the Determined layer's cluster info, a dsat trial's
+session), for tests that build it again under another environment. The package ships no hook for
+tests: these reset its private caches from here."""
+
+from toolkit.compat.determined import info
+from toolkit.dsat.trial import reporting
+
+
+def forget_cluster_info() -> None:
+    """``det.get_cluster_info()`` is built again at its next call."""
+    info._cached = None
+
+
+def forget_trial_session() -> None:
+    """``dsat_reporting_context`` reads ``TOOLKIT_DSAT_TRIAL`` again and makes a new session."""
+    reporting._trial_file, reporting._session = reporting._UNSET, None

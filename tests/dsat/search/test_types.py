@@ -10,7 +10,7 @@ from toolkit.errors import ConfigError
 
 @pytest.mark.parametrize("value", [1, 1.0, -0.1, float("nan"), float("inf"), "0.1", True, None])
 def test_bisect_tolerance_is_validated(value):
-    with pytest.raises(ConfigError, match=r"bisect_tolerance=.*expected a number >= 0 and < 1"):
+    with pytest.raises(ConfigError, match=r"--bisect-tolerance=.*expected a number >= 0 and < 1"):
         SearchSettings(method="binary", bisect_tolerance=value)
 
 

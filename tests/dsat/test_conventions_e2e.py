@@ -16,7 +16,7 @@ EXAMPLES = procutil.REPO / "examples" / "dsat"
 USER = json.loads((EXAMPLES / "ds_config.json").read_text())  # train_in_code.py's dict is the same config
 
 
-def _search(tmp_path, yaml_name, *flags, hparams=None, model_dir=EXAMPLES):
+def _search(tmp_path, yaml_name, *flags, hparams=None, model_dir=EXAMPLES, trials=2):
     config = yaml.safe_load((EXAMPLES / yaml_name).read_text())
     config["resources"]["slots_per_trial"] = 1
     if hparams:
@@ -37,7 +37,7 @@ def _search(tmp_path, yaml_name, *flags, hparams=None, model_dir=EXAMPLES):
         "--metric",
         "throughput",
         "--max-trials",
-        "2",
+        str(trials),
         "--zero-stages",
         "1",
         "--memory-per-slot",
@@ -62,7 +62,7 @@ def _search(tmp_path, yaml_name, *flags, hparams=None, model_dir=EXAMPLES):
 def _engines_ran_their_labels(out, rows):
     """Every ok trial's engine (its own report) trained the micro-batch and stage it is labelled with."""
     ok = [r for r in rows if r["status"] == "ok"]
-    assert len(ok) == len(rows) == 3, rows  # p1, one tuning trial, the user's own config
+    assert len(ok) == len(rows) and len(rows) >= 3, rows  # p1, the search's trials, the user's own config
     for row in ok:
         engine = json.loads((out / "trials" / f"trial_{row['trial_id']}" / "result.json").read_text())[
             "engine"
@@ -83,14 +83,15 @@ def _best_beats_the_users_own(result, out, rows):
     own = metrics["own_config"]
     assert (own["micro_batch"], own["stage"], own["statuses"]) == (2, 1, ["ok"])
     assert [r["role"] for r in rows][-1] == "own" and own["value"] == pytest.approx(rows[-1]["throughput"])
-    assert own["factor"] > 1 and metrics["throughput"] > own["value"], metrics  # measured side by side
+    seen = [(r["trial"], r["status"], r["micro_batch"], r.get("throughput")) for r in rows]
+    assert own["factor"] > 1 and metrics["throughput"] > own["value"], (metrics, seen)  # side by side
     line = next(x for x in result.stdout.splitlines() if x.startswith("your own config"))
     assert line.startswith("your own config (stage 1, micro-batch 2; trial own): throughput = ")
 
 
 @pytest.mark.slow
 def test_a_deepspeed_config_script_is_tuned_through_its_own_flag(tmp_path):
-    result, out, rows = _search(tmp_path, "ds_config_flag.yaml")
+    result, out, rows = _search(tmp_path, "ds_config_flag.yaml", trials=3)
     assert result.returncode == 0, result.stdout[-5000:]
     first = result.stdout.splitlines()[0]
     assert first == (
@@ -110,7 +111,7 @@ def test_a_deepspeed_config_script_is_tuned_through_its_own_flag(tmp_path):
 
 @pytest.mark.slow
 def test_a_script_that_builds_its_config_in_code_is_tuned_with_the_one_line(tmp_path):
-    result, out, rows = _search(tmp_path, "in_code.yaml")
+    result, out, rows = _search(tmp_path, "in_code.yaml", trials=3)
     assert result.returncode == 0, result.stdout[-5000:]
     assert result.stdout.splitlines()[0].startswith(
         "dsat: the search starts from the DeepSpeed config of the script itself"

@@ -356,11 +356,7 @@ def _load_universal(engine: Any, ctx: DistributedContext, root: str, tag: str | 
 
 
 def _universal_choice(root: str, tag: str | None) -> str:
-    """Chief only: the universal checkpoint to load (``latest_universal`` read as ``latest`` is)."""
-    tag, problem = (tag, None) if tag is not None else layout.read_pointer(root, "latest_universal")
-    if problem:
-        raise CheckpointError(f"checkpoint.load_universal is set but {problem}; pass the tag of the "
-                              "ds_to_universal output folder")
+    """Chief only: the universal checkpoint to load (``tag``, else the one ``latest_universal`` names)."""
     chosen = universal_tag(root, tag)
     layout.tag_path(root, chosen)
     return chosen

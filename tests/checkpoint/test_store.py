@@ -19,27 +19,15 @@ from pathlib import Path
 import pytest
 
 from helpers import procutil
-from helpers.storage_servers import GcsEmulator, S3Server, TcpProxy, wait_for
+from helpers.storage_servers import GcsEmulator, S3Server, TcpProxy, bucket_fixture, wait_for
 from toolkit.checkpoint import layout, remote, store
 from toolkit.errors import CheckpointError, ConfigError
 
 WORKER = procutil.WORKERS / "ckpt_store.py"
 
 
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server(auth=True)
-    server.make_bucket("spot")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def gcs():
-    server = GcsEmulator()
-    server.make_bucket("spot")
-    yield server
-    server.stop()
+s3 = bucket_fixture(S3Server, "spot", auth=True)
+gcs = bucket_fixture(GcsEmulator, "spot")
 
 
 def _results(out: Path, ranks: int = 1) -> list[dict]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import procutil
-from helpers.storage_servers import GcsEmulator, S3Server
+from helpers.storage_servers import GcsEmulator, S3Server, bucket_fixture
 from toolkit.compat import determined as det
 from toolkit.compat.determined import storage
 from toolkit.compat.determined.core.checkpoint import CheckpointContext
@@ -21,20 +21,8 @@ from toolkit.errors import CheckpointError, ConfigError
 from test_determined_e2e import DS_CONFIG, _committed, _finish, _start, _wait_committed
 
 
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server(auth=True)
-    server.make_bucket("det")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def gcs():
-    server = GcsEmulator()
-    server.make_bucket("det")
-    yield server
-    server.stop()
+s3 = bucket_fixture(S3Server, "det", auth=True)
+gcs = bucket_fixture(GcsEmulator, "det")
 
 
 def test_cloud_storage_sections(tmp_path):

@@ -203,6 +203,20 @@ class TcpProxy:
         self.release()  # held pipes now write to closed sockets and end
 
 
+def bucket_fixture(server_class, bucket: str, **kwargs):
+    """A module-scoped pytest fixture: a ``server_class`` server holding ``bucket``, stopped after."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def serve():
+        server = server_class(**kwargs)
+        server.make_bucket(bucket)
+        yield server
+        server.stop()
+
+    return serve
+
+
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.02):
     """Poll until ``predicate()`` is truthy; its value, or AssertionError after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

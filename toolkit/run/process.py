@@ -1,17 +1,7 @@
 """Start one run of the plan, pass signals to its ranks, leave no process behind. Runner process only.
 
-Every process of a run carries ``DET_ALLOCATION_ID=<unique>`` in its environment, so that all
-of them are found (``/proc``) and killed at the end, also those a rank started in a session of
-its own. A forwarded signal goes to the rank processes themselves (torchrun then sees them
-exit 0 after saving, and exits 0), except a self-launching script's own process: when a rank
-started workers through ``determined.launch.wrap_rank`` (Determined's ``4_distributed.py``), the
-workers get the signal and the launcher waits for them, as on Determined, where the master
-never signals the launcher (:func:`signal_targets`).
-
-Each rank of an entrypoint without a launcher wrapper is one Determined container of one slot
-(``TOOLKIT_DET_CONTAINER_PER_RANK``): Determined runs such an entrypoint once per container, so
-a script that starts ``len(info.slot_ids)`` workers per container starts one per rank here, and
-its workers' ranks (``container_rank * len(slot_ids) + local``) are the torchrun ranks.
+Called by :mod:`toolkit.run.trial` once per run. Every process of a run is marked by
+``DET_ALLOCATION_ID``; where a signal goes and why: docs/design-determined.md#one-run-processes-and-signals.
 """
 
 from __future__ import annotations
@@ -62,12 +52,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 def signal_targets(table: Mapping[int, tuple[int, bytes]], pids: set[int]) -> list[int]:
-    """The processes of ``pids`` a forwarded signal goes to (``table``: pid -> (ppid, environ)).
-
-    Pure; any process. The rank processes (and what they started), except the processes between
-    a wrapped worker (``TOOLKIT_DET_WRAPPED_RANK`` set) and its launcher: the ``wrap_rank`` process and the
-    script that launched it, which waits for its workers to stop and then exits with them.
-    """
+    """The processes of ``pids`` a forwarded signal goes to (``table``: pid -> (ppid, environ)). Pure; any
+    process. The ranks and what they started, less the ``wrap_rank`` process and the script that launched a
+    wrapped worker (``TOOLKIT_DET_WRAPPED_RANK``): it waits for its workers and exits with them."""
     ranks = {pid for pid in pids if pid in table and is_rank_process(table[pid][1])}
     marker = b"\0" + WRAPPED_ENV.encode() + b"="
     wrapped = {pid for pid in ranks if marker in b"\0" + table[pid][1]}
@@ -81,15 +68,10 @@ def signal_targets(table: Mapping[int, tuple[int, bytes]], pids: set[int]) -> li
 
 
 class Forwarder:
-    """Signal handlers that pass SIGTERM/SIGINT/SIGUSR1 to the run's rank processes (or, before they exist,
-    to the launcher's process group); :meth:`searcher_stop` sends the same stop for the searcher.
-
-    Runner only (it installs this process's signal handlers; :meth:`restore` puts them back). A
-    signal that arrives before a run has started is remembered: :func:`run_once` then starts
-    nothing, or passes it on as soon as the run's process exists (:meth:`attach`).
-    ``install=False``: no handlers of its own; a search's main thread passes each signal on
-    (:meth:`handle`) to the forwarder of every trial in flight.
-    """
+    """Passes SIGTERM/SIGINT/SIGUSR1 to the run's ranks (before they exist: the launcher's process group);
+    :meth:`searcher_stop` sends the same stop. Runner only. A signal before the start is remembered
+    (:func:`run_once` then starts nothing). ``install=False``: no handlers; a search's main thread calls
+    :meth:`handle`."""
 
     def __init__(self, *, install: bool = True) -> None:
         self.proc: subprocess.Popen | None = None
@@ -153,14 +135,9 @@ class Forwarder:
 
 
 def check_slots(plan: RunPlan, *, gpus: int | None = None) -> None:
-    """Refuse a process count this machine cannot run: more than its GPUs, or on CPU its cores. Runner only.
-
-    ``gpus``: the GPUs of this machine (None: ``torch.cuda.device_count()`` when CUDA is available).
-
-    Raises:
-        ConfigError: naming ``resources.slots_per_trial`` (or the wrapper's ``--nproc_per_node``),
-            the value given and the most this machine runs.
-    """
+    """Refuse a process count this machine cannot run: more than its GPUs (``gpus`` None: torch's count),
+    or on CPU its cores. Runner only. Raises ConfigError naming ``resources.slots_per_trial`` (or the
+    wrapper's ``--nproc_per_node``), the value and the most this machine runs."""
     if gpus is None:
         import torch  # already loaded by the CLI
 
@@ -189,14 +166,9 @@ def _take_port() -> int:
 
 
 def deepspeed_include(plan: RunPlan, env: Mapping[str, str]) -> str | None:
-    """DeepSpeed's ``--include`` for the run's GPUs, or None. Pure; any process.
-
-    DeepSpeed's per-node launcher writes ``CUDA_VISIBLE_DEVICES`` of each rank from its slot ids
-    (``0..n-1`` by default), which would replace the GPUs the run was given (a search's trial on
-    GPU 1, a user's ``CUDA_VISIBLE_DEVICES=2,3``): the first ``nproc`` ids of the environment's
-    ``CUDA_VISIBLE_DEVICES`` become its slots, as dsat's trials do. None under torchrun, without
-    the variable, or when its entries are not all integers (UUIDs: the launcher's default stays).
-    """
+    """DeepSpeed's ``--include`` for the run's GPUs (the first ``nproc`` of ``CUDA_VISIBLE_DEVICES``), or
+    None (torchrun, no such variable, or UUIDs). Pure; any process.
+    Why: docs/design-determined.md#one-run-processes-and-signals."""
     ids = [x.strip() for x in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
     ids = ids[: plan.nproc]
     if plan.launcher != "deepspeed" or len(set(ids)) < plan.nproc or not all(x.isdigit() for x in ids):
@@ -219,14 +191,9 @@ def _ignore_usr1() -> None:
 
 def run_once(plan: RunPlan, env: dict[str, str], *, forwarder: Forwarder, grace_s: float,
              output: OutputPump | None = None) -> int:
-    """Start the run, wait for it, kill what is left; its exit status. Runner only.
-
-    A search's thread runs it; the searcher's stop comes through ``forwarder`` (preemption
-    signal). When ``forwarder`` has already received a signal, nothing is started and 0 is
-    returned (a stop before the start). ``output``: the ranks write their output to its files
-    (:mod:`toolkit.launch.output`), the launcher to its ``launcher.log``; None: they inherit this
-    process's.
-    """
+    """Start the run, wait for it, kill what is left; its exit status. Runner only (a search's thread).
+    A signal already in ``forwarder``: nothing starts, 0. ``output``: where the ranks and launcher
+    write (:mod:`toolkit.launch.output`); None: this process's streams."""
     if forwarder.received is not None:
         logger.info("%s received before the run started: not starting it",
                     signal.Signals(forwarder.received).name)
@@ -272,20 +239,9 @@ def run_once(plan: RunPlan, env: dict[str, str], *, forwarder: Forwarder, grace_
 
 def environment(plan: RunPlan, base: Mapping[str, str] | None = None,
                 extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The entrypoint's environment (runner only): this one's, plus the experiment, the output directory, and
-
-    * the YAML's ``environment.environment_variables`` (the ``cpu`` or ``cuda`` list by this
-      machine's device), for every rank and what it starts;
-    * ``TOOLKIT_DET_CONFIG_WARNED=1``: the runner warned about the YAML's ignored keys, the ranks stay quiet;
-    * ``TOOLKIT_BUILD_GUARDS=1``: importing ``toolkit.compat.determined`` installs the op-build guards;
-    * ``TOOLKIT_DET_CONTAINER_PER_RANK=1`` for an entrypoint without a launcher wrapper (each
-      rank one Determined container of one slot; see the module docstring);
-    * the ``determined.launch.wrap_rank`` shim on ``PYTHONPATH`` when no real ``determined``
-      package is importable;
-    * this interpreter's directory first on ``PATH`` when ``python3`` there is another Python
-      (an unactivated virtual environment): Determined's scripts start ``python3`` by name;
-    * ``extra``: what a search sets for one trial (its GPUs, threads, the searcher's handshake).
-    """
+    """The entrypoint's environment: this one's, the YAML's ``environment_variables``, the toolkit's
+    variables and ``extra`` (a search's per-trial GPUs, threads, handshake). Runner only. Each variable
+    and why: docs/design-determined.md#one-run-processes-and-signals."""
     import torch  # already loaded by the CLI
 
     env = dict(os.environ if base is None else base)

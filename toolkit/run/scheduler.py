@@ -1,28 +1,8 @@
 """A search's trials in flight on the free slots of this machine. Runner process only.
 
-``python -m toolkit.run`` runs up to :func:`concurrency` trials at once: ``searcher.max_concurrent_trials``
-(0 or absent: no limit of its own) within the slots (``--max-slots``; by default this machine's
-GPUs, or on CPU its cores) at ``resources.slots_per_trial`` each. The slots are handed out by
-the pool dsat's runner uses too (:class:`toolkit.launch.slots.SlotPool`): each trial on GPUs gets its
-own ``CUDA_VISIBLE_DEVICES``; on CPU each trial's ranks get ``OMP_NUM_THREADS`` = cores / slots
-(as dsat's trials), so that trials in flight share the cores instead of fighting for them.
-
-Each trial runs in a thread of its own (:func:`toolkit.run.trial.execute`: its runs, restarts
-and signals); this (main) thread does the rest, so the search state has one writer: it starts
-the next trial (:func:`toolkit.run.searchers.next_trial`, lowest index first) when a slot is
-free, reads every running trial's reports (:mod:`toolkit.run.trial_reports`), sends the
-searcher's stop, answers the trials' chiefs that their report was read (``.searcher_ack``, after
-the stop was sent), and records each trial that ended.
-A SIGTERM/SIGINT/SIGUSR1 to the runner goes to every trial in flight (each saves and stops: PAUSED)
-and starts nothing more; the same command again resumes those trials from their checkpoints,
-then continues the search. Exit status: 0, or the last failed (or paused) trial's.
-
-It logs the search's progress (:mod:`toolkit.run.progress_line`) and writes its TensorBoard view
-(:mod:`toolkit.run.searcher_view`).
-
-Example::
-
-    python -m toolkit.run 3_hpsearch.yaml . --output-dir runs/hp --max-slots 2
+:func:`run_search` (called by :mod:`toolkit.run.cli`) runs up to :func:`concurrency` trials at once,
+each in a thread of its own (:func:`toolkit.run.trial.execute`); the main thread alone changes the
+search state. How: docs/design-determined.md#a-search-on-this-machine.
 """
 
 from __future__ import annotations
@@ -134,17 +114,14 @@ def _ack(flight: _InFlight) -> None:
 
 def run_search(plan: RunPlan, *, grace_s: float = 60.0, max_slots: int | None = None,
                echo: bool = True) -> int:
-    """Run (or continue) the search of ``plan.config``; the exit status. Runner only.
-
-    ``max_slots``: the slots of this machine the trials share (None: its GPUs, or its cores).
-    ``echo`` False (``--quiet``): the trials' lines go to their logs only, not to the console.
+    """Run (or continue) the search of ``plan.config``; the exit status (0, or the last failed or paused
+    trial's). Runner only. ``max_slots`` None: this machine's GPUs, or its cores; ``echo`` False
+    (``--quiet``): the trials' lines go to their logs only.
 
     Raises:
-        ConfigError: the search's record holds a search started from another searcher section,
-            search space or experiment seed, or the trials' process count is more than this
-            machine (or ``max_slots``) runs (nothing is started).
-        CheckpointError: the search's record is not a search state (nothing is started).
-    """
+        ConfigError: the record holds a search of another searcher section, space or seed, or a trial
+            needs more slots than there are (nothing is started).
+        CheckpointError: the search's record is not a search state (nothing is started)."""
     slots, gpus = _slots(plan, max_slots)  # before anything is written
     cap = concurrency(plan.config, slots=slots, nproc=plan.nproc)
     out = plan.output_dir

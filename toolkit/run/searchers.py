@@ -1,10 +1,7 @@
-"""Determined's searchers as pure decisions on a :class:`~toolkit.run.search_state.SearchState`.
-
-``single``, ``random``, ``grid`` and ``adaptive_asha`` (Determined 0.38's asynchronous,
-stopping-based ASHA, brackets by ``mode``): which trial runs next, when ASHA stops one, how an
-early exit counts, the best trial and the search's progress. The rules, as Determined's:
-docs/determined.md#searches. Pure (they update the state given); runner process only, called by
-:mod:`toolkit.run.scheduler` and :mod:`toolkit.run.slurm_engine`. Example::
+"""Determined's searchers (``single``, ``random``, ``grid``, ``adaptive_asha``) as pure decisions on a
+:class:`~toolkit.run.search_state.SearchState`. Runner process only, called by
+:mod:`toolkit.run.scheduler` and :mod:`toolkit.run.slurm_engine`. Rules: docs/determined.md#searches;
+details: docs/design-determined.md#the-searchers. Example::
 
     state = new_state(config, seed=3)
     trial = next_trial(state, config)        # TrialRecord(index=0, hparams={...}, state='PENDING', ...)
@@ -123,12 +120,8 @@ def trial_bracket(state: SearchState, index: int) -> int:
 
 
 def next_trial(state: SearchState, config: Mapping[str, Any]) -> TrialRecord | None:
-    """The trial to run next: a PENDING or PAUSED one (the lowest index), else a new one, else None
-    (every planned trial exists and none waits). Pure (a new trial is appended to ``state.trials``).
-
-    A new trial's values come from the grid or from a sample seeded by :func:`trial_seed` (a rerun
-    draws the same), recorded as its ``seed`` (also for a grid point).
-    """
+    """The trial to run next: a PENDING or PAUSED one (lowest index), else a new one (appended to
+    ``state.trials``, values from the grid or seeded by :func:`trial_seed`), else None. Pure."""
     for trial in state.trials:
         if trial.state in ("PENDING", "PAUSED"):
             return trial
@@ -151,13 +144,8 @@ def next_trial(state: SearchState, config: Mapping[str, Any]) -> TrialRecord | N
 def asha_report(state: SearchState, index: int, *, time_step: float, metric: float,
                 config: Mapping[str, Any]) -> bool:
     """Record one validation report of trial ``index``; True: stop the trial now. Pure (updates ``state``).
-
-    From the trial's current rung of its bracket upwards, each rung whose time the report reached
-    takes the metric (negated when ``smaller_is_better`` is false); the trial stops where it ranks
-    outside the top ``max(1, len(rung) // divisor)`` of the reports that rung has so far. At the
-    last rung it is left to end by itself (no stop races the script's own exit). A report seen
-    already changes nothing; a NaN or infinite metric ranks last; a non-finite time is ignored.
-    """
+    It ranks at each rung reached, stops outside the top ``max(1, len(rung) // divisor)``, never at the
+    last rung: docs/design-determined.md#the-searchers."""
     if not math.isfinite(time_step):
         return False
     assert state.asha is not None, "an ASHA search"
@@ -186,13 +174,9 @@ def asha_report(state: SearchState, index: int, *, time_step: float, metric: flo
 
 
 def exited_early(state: SearchState, trial: TrialRecord, reason: str) -> None:
-    """Record that ``trial`` exited early for ``reason`` (Determined's ``ExitedReason``); update ASHA.
-
-    Pure (updates ``state`` and ``trial``). ``INVALID_HP``: its ASHA reports leave every rung and
-    :func:`next_trial` replaces it (random, ASHA; not a grid point). Any other reason: under ASHA
-    the trial takes the worst value at the rung it was working towards (once). Not for a trial the
-    searcher stopped.
-    """
+    """Record that ``trial`` exited early for ``reason`` (Determined's ``ExitedReason``); update ASHA. Pure.
+    ``INVALID_HP``: its reports leave the rungs and :func:`next_trial` replaces it (not a grid point); any
+    other reason ranks last at the rung it worked towards (once). Not for a trial the searcher stopped."""
     trial.early_exit = reason
     if state.asha is None:
         return
@@ -211,11 +195,8 @@ def exited_early(state: SearchState, trial: TrialRecord, reason: str) -> None:
 
 
 def best_trial(state: SearchState, config: Mapping[str, Any]) -> TrialRecord | None:
-    """The completed trial with the best ``metric`` (``smaller_is_better``, default true), or None. Pure.
-
-    Trials stopped early (by ASHA or their own report) count only when none ran to its end; an
-    invalid trial never counts, nor a metric that is not finite.
-    """
+    """The completed trial with the best finite ``metric`` (``smaller_is_better``, default true), or None;
+    never an invalid one, and one stopped early only when none ran to its end. Pure."""
     sign = 1.0 if searcher_section(config).get("smaller_is_better", True) else -1.0
     done = [t for t in state.trials if t.state == "COMPLETED" and is_number(t.metric)
             and math.isfinite(t.metric) and t.early_exit != "INVALID_HP"]

@@ -107,7 +107,7 @@ def job_script(python: str, spec: Path, *, trial: str) -> str:
     warnings reach a step's processes, not the batch shell) running :mod:`toolkit.run.slurm_job`.
 
     Example:
-        >>> job_script("/venv/bin/python", Path("/o/t/slurm_trial.json"), trial="t").splitlines()[-1][:60]
+        >>> job_script("/venv/bin/python", Path("/o/t/slurm_trial.json"), trial="t").splitlines()[-1][:61]
         'exec srun --ntasks=1 --kill-on-bad-exit=1 /venv/bin/python -c'
     """
     command = shlex.join(["srun", "--ntasks=1", "--kill-on-bad-exit=1", python, "-c", _BOOT, str(spec)])

@@ -1,26 +1,8 @@
-"""A search's trials as Slurm jobs: ``python -m toolkit.run EXP.yaml MODEL_DIR --slurm OPTIONS``. Runner only.
+"""A search's trials as Slurm jobs (``python -m toolkit.run ... --slurm OPTIONS``). Runner only.
 
-Outside an allocation, each trial is its own job (:func:`toolkit.run.slurm_argv.sbatch_argv`, the
-user's sbatch options last) whose one ``srun`` step runs the trial as ``toolkit.run`` runs it
-locally (:mod:`toolkit.run.slurm_job`). The search keeps its records as the local one does
-(``determined_search.json``, ``trial-NNNN``; :mod:`toolkit.run.search_record`), with the job ids
-in each trial's ``slurm_jobs``; MODEL_DIR and the output directory must be on storage the nodes share.
-
-* Up to ``searcher.max_concurrent_trials`` jobs at once (0 or absent: every trial the searcher
-  has); Slurm queues them. Their states come from ``squeue`` every :data:`POLL_S` seconds; every
-  command has a timeout, and ``squeue`` failing for :data:`SQUEUE_GIVE_UP_S` ends the search.
-* A trial whose job was signalled (``scancel --signal=USR1``, the ``--signal`` warning before the
-  time limit, SIGTERM at preemption) saves its checkpoint and stops; the search submits it again and
-  it continues from that checkpoint. A job Slurm requeues itself (``--requeue``) is followed as the
-  same job. A job that ended without the trial's result (killed, node failure) is submitted again
-  up to ``max_restarts`` times.
-* ASHA's stop is ``scancel --signal=USR1`` to the trial's job.
-* SIGTERM/SIGINT/SIGUSR1 to ``toolkit.run`` pause the search: the running jobs get
-  ``scancel --signal=USR1`` (their trials save and stop), pending ones ``scancel``; jobs still there
-  ``grace`` + :data:`CANCEL_MARGIN_S` seconds later are cancelled. The same command continues; it
-  follows the jobs a killed ``toolkit.run`` left in the queue instead of submitting their trials again.
-
-The commands run through :func:`_command`, the only place that starts a Slurm client.
+Called by :mod:`toolkit.run.cli`. What a user sees:
+docs/multi-node.md#a-search-as-slurm-jobs-toolkitrun-slurm; how: docs/design-determined.md#slurm-jobs.
+:func:`_command` is the only place that starts a Slurm client.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """One trial of a ``toolkit.run --slurm`` search inside its Slurm job (``toolkit.run.slurm_job SPEC``).
 
-The job's ``srun`` step runs this (:func:`toolkit.run.slurm_argv.job_script`). It runs the trial as
-``toolkit.run`` runs one locally (:func:`toolkit.run.trial.execute`: its values, ids, restarts,
-resumed from the trial's latest checkpoint) and writes ``<trial dir>/slurm_result.json``
-(:data:`~toolkit.run.slurm_argv.RESULT_FILE`: ``status``, ``received``: the stop signal's name or
-null, ``job``), which the search reads when the job has ended. SIGTERM/SIGINT/SIGUSR1 (``scancel
---signal``, Slurm's ``--signal`` warning) stop the ranks through preemption, as locally; the
-launcher starts with SIGUSR1 ignored, since Slurm signals every process of the step
-(:data:`toolkit.run.process.SHIELD_USR1_ENV`); the job script blocks the stop signals from the
-interpreter's start until the handlers are installed, so that one that comes while Python starts
-waits instead of killing the trial. Runner process only.
+The job's ``srun`` step runs it (:func:`toolkit.run.slurm_argv.job_script`): the trial as
+``toolkit.run`` runs one locally (:func:`toolkit.run.trial.execute`), then ``slurm_result.json``.
+Runner process only. The signals inside a step: docs/design-determined.md#slurm-jobs.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """One trial of ``python -m toolkit.run``: its ids and values recorded, its runs and restarts. Runner only.
 
-Its ranks' output goes to ``<output_dir>/logs/`` (``trial.log``, ``ranks/``, ``launcher.log``:
-:mod:`toolkit.launch.output`, all runs of the trial appended) and, labelled, to the console; a
-failed run's last lines are logged with the log's path.
-
-A failed run is restarted (``max_restarts`` times at most) after a pause that doubles from
-:data:`RESTART_BACKOFF_S` to :data:`RESTART_BACKOFF_MAX_S` (1, 2, 4, ... 30 s): a run that
-fails at once does not spin. A signal during the pause ends it, and nothing more is started.
-A run whose ranks stopped for a preemption (they wrote the stop record, ``TOOLKIT_STOP_RECORD``
-= ``<output dir>/toolkit_stopped.json``) is not a failure, whatever its launcher returned: it is
-not restarted, and the trial ends with status 0.
+Called by :mod:`toolkit.run.cli` (a single run), :mod:`toolkit.run.scheduler` and
+:mod:`toolkit.run.slurm_job`. Restarts, the stop record and the logs:
+docs/design-determined.md#one-run-processes-and-signals.
 """
 
 from __future__ import annotations
@@ -106,17 +99,10 @@ def execute(
     label: str | None = None,
     echo: bool = True,
 ) -> int:
-    """Run the plan, restarting failed runs; return the exit status. Runner only.
-
-    A search (:mod:`toolkit.run.scheduler`) passes the trial's ``forwarder`` (its signals and the
-    searcher's stop), ``hparams`` and the seed they were drawn with (``hparams_seed``, recorded in
-    ``determined_trial.json``), the experiment's id, and ``extra_env`` (its GPUs or threads, the
-    searcher's handshake), and ``label``, how the console names the trial (None: a single run, its
-    lines named by rank alone); ``echo`` False (``--quiet``): the ranks' lines go to the log
-    only. A signal received before a run starts starts nothing (exit 0, a stop).
-    A process count this machine cannot run (:func:`~toolkit.run.process.check_slots`) starts
-    and writes nothing: exit 2.
-    """
+    """Run the plan, restarting failed runs; the exit status. Runner only. A search passes the trial's
+    ``forwarder``, ``hparams`` and their ``hparams_seed``, ``experiment_id``, ``extra_env`` and ``label``
+    (its console name; None: lines named by rank alone); ``echo`` False: lines to the log only. A signal
+    before a run starts nothing (0); a process count this machine cannot run writes nothing (2)."""
     if forwarder is not None and forwarder.received is not None:
         return 0  # stopped before it started (a search's next trial): nothing counted, nothing run
     try:

@@ -1,11 +1,7 @@
-"""A search's trial's reports read into its :class:`~toolkit.run.search_state.TrialRecord` while it
-runs, and how it ended once it stopped. Runner process only (the main thread).
-
-:class:`ReportWatcher` reads each validation line of the trial's ``metrics.jsonl`` (written at once
-by ``report_validation_metrics``), its ``report_progress`` file and, under a 0.37 ASHA section,
-its completed searcher operations, feeds ASHA and says when the searcher stops the trial;
-:func:`finish_trial` records its state, its id and an early exit. What each field means:
-docs/determined.md#searches. Example::
+"""A search's trial's reports read into its :class:`~toolkit.run.search_state.TrialRecord` while it runs,
+and how it ended. Runner process only (the main thread of :mod:`toolkit.run.scheduler` and
+:mod:`toolkit.run.slurm_engine`). The handshake with the trial's chief:
+docs/design-determined.md#the-report-handshake. Example::
 
     watcher = ReportWatcher(state, trial, config, trial_dir, save)
     if watcher():                # a report ASHA stopped it at
@@ -63,16 +59,10 @@ def _validations(path: Path, offset: int) -> list[tuple[dict[str, Any], int]]:
 
 
 class ReportWatcher:
-    """Feeds the running trial's reports to the searcher; True: stop the trial (ASHA).
-
-    Each validation report sets the trial's ``metric`` (the latest), ``best_metric`` and, under
-    ASHA, ``time``; a report ASHA stops the trial at ends the poll, and later ones no longer reach
-    ASHA. :attr:`offset` is how far ``metrics.jsonl`` was read (the handshake with the trial's
-    chief). :meth:`finish` reads the rest after the trial ended (a rung passed there is no stop).
-    Under a 0.37 ASHA section (no ``time_metric``: :mod:`toolkit.config.searcher_section`) ASHA
-    judges the completed searcher operations instead, acknowledged in ``.searcher_ops_ack`` once
-    any stop they earned was sent.
-    """
+    """Feeds the running trial's reports to the searcher; True: stop the trial (ASHA). :attr:`offset` is how
+    far ``metrics.jsonl`` was read (the ack); :meth:`finish` reads the rest after the trial ended. Under
+    a 0.37 ASHA section it judges the completed searcher operations:
+    docs/design-determined.md#the-report-handshake."""
 
     def __init__(self, state: SearchState, trial: TrialRecord, config: Mapping[str, Any],
                  trial_dir: Path, save: Callable[[], None]) -> None:

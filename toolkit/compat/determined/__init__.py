@@ -1,19 +1,12 @@
-"""Run Determined AI Core API scripts on toolkit, with only their import lines changed.
+"""Run Determined AI Core API scripts on toolkit, with only their import lines changed. Any rank.
 
 ::
 
     from toolkit.compat import determined as det          # was: import determined as det
-    from toolkit.compat.determined.pytorch import dsat    # was: from determined.pytorch import dsat
-
-Then start the script as Determined would, with its experiment YAML::
-
     python -m toolkit.run deepspeed.yaml .                # was: det experiment create deepspeed.yaml .
 
-``det.get_cluster_info()`` reads the YAML named by ``TOOLKIT_EXPERIMENT_CONFIG`` (the runner and
-dsat set it); ``det.core.init()`` gives metrics in TensorBoard, crash-safe checkpoints, preemption
-by signal, and the single searcher's operation. What Determined's master alone provided (web UI,
-alerts, the profiler, cloud checkpoint storage, hyperparameter searches) is an error that says
-what to use instead. No dependency on the ``determined`` package.
+What each call does here: docs/determined.md#what-each-call-does-here; inside:
+docs/design-determined.md#the-core-api-on-toolkit. No dependency on the ``determined`` package.
 """
 
 import os

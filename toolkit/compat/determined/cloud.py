@@ -1,13 +1,7 @@
 """Determined's ``checkpoint_storage`` of ``type: s3`` and ``type: gcs``: a bucket prefix as a storage root.
 
-Checkpoints sit at ``<bucket>/<prefix>/<storage_id>/`` as in Determined; ``metadata.json`` is
-uploaded last (the commit), after every file, so a listing never shows a partial checkpoint as
-committed. Files are written to a local staging directory and uploaded (what Determined's cloud
-storage managers do); restoring downloads into the local cache. Keys come from the YAML
-(``access_key``, ``secret_key``, ``endpoint_url``) or the standard credential chain; they stay in
-memory (never in ``repr``, a log or a record). Any rank; which rank uploads: core/checkpoint.py.
-
-Example::
+Any rank; which rank uploads, the commit and the keys: docs/design-determined.md#checkpoints
+(core/checkpoint.py calls it). Example::
 
     root = cloud_root({"type": "s3", "bucket": "ckpts", "prefix": "exp1"})
     committed(root, storage_id)        # True once metadata.json is in the bucket

@@ -1,22 +1,8 @@
 """``det.get_cluster_info()``: what a Determined trial learns about itself, built from the experiment YAML.
 
-On a Determined cluster the master wrote this information into the container. Here it comes from
-the YAML named by ``TOOLKIT_EXPERIMENT_CONFIG`` (set by ``python -m toolkit.run`` and by dsat
-trials; set it by hand with torchrun), the output directory ``TOOLKIT_OUTPUT_DIR`` and the
-launcher's variables:
-
-* ``trial.hparams``: the YAML's hyperparameters, ``{type: const, val: X}`` resolved to ``X``;
-  inside a dsat trial the trial's own (``toolkit.get_hparams``). Search spaces (int, double,
-  log, categorical) are sampled by ``python -m toolkit.run``, as Determined's master samples them
-  (``searcher: single`` too), once per output directory
-  (:func:`toolkit.launch.trial_files.record_hparams`); started any
-  other way, a search space is a ConfigError naming the key.
-* ``trial.trial_id``, ``trial.experiment_id``, ``trial.trial_seed``: derived from the output
-  directory and kept in ``<output_dir>/determined_trial.json``: stable across restarts there.
-* ``latest_checkpoint``: this trial's newest committed checkpoint (see
-  :mod:`toolkit.compat.determined.storage`), or None on a fresh output directory.
-
-Read once per process and cached, as in Determined. Any rank (no collective).
+Determined's master wrote it into the container; here it comes from the YAML named by
+``TOOLKIT_EXPERIMENT_CONFIG``, ``TOOLKIT_OUTPUT_DIR`` and the launcher's variables, read once per
+process. Any rank (no collective). Where each field comes from: docs/design-determined.md#get_cluster_info.
 """
 
 from __future__ import annotations
@@ -145,12 +131,8 @@ class ClusterInfo:
 
 
 def resolve_hparams(hparams: Mapping[str, Any], prefix: str = "hyperparameters") -> dict[str, Any]:
-    """Determined's hyperparameter section as the values a single trial sees. Pure.
-
-    ``{type: const, val: X}`` becomes ``X`` at any depth; nested groups stay nested dicts.
-
-    Raises:
-        ConfigError: every search space (int, double, log, categorical), each named by its key.
+    """Determined's hyperparameter section as one trial sees it: ``{type: const, val: X}`` becomes ``X`` at
+    any depth. Pure. Raises ConfigError naming every search space (toolkit.run samples those).
 
     Example:
         >>> resolve_hparams({"lr": {"type": "const", "val": 0.1}, "opt": {"beta": 0.9}})
@@ -265,14 +247,9 @@ def _build() -> ClusterInfo:
 
 
 def get_cluster_info() -> ClusterInfo:
-    """This trial's :class:`ClusterInfo`; never None. Any rank; read once and cached.
-
-    Raises:
-        ConfigError: the YAML is malformed, has a search space or a searcher other than
-            ``single`` that toolkit.run did not sample, or a cloud ``checkpoint_storage``; every
-            problem is named.
-
-    Example::
+    """This trial's :class:`ClusterInfo`; never None (Determined off-cluster: None). Any rank; cached.
+    Raises ConfigError naming every problem: a malformed YAML, a search space or searcher toolkit.run
+    did not sample, a bad ``checkpoint_storage``. Example::
 
         # python -m toolkit.run deepspeed.yaml .      (or torchrun with TOOLKIT_EXPERIMENT_CONFIG set)
         info = det.get_cluster_info()

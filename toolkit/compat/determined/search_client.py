@@ -1,10 +1,7 @@
 """What a search's trial reads of ``toolkit.run``'s search, and how it waits for it (trial side).
 
-After each validation report (and each searcher operation of a 0.37 ASHA search) the trial's
-chief waits until the runner has read it (:func:`wait_for_searcher`): a stop the report earns is
-sent before the report returns, so the script's next ``should_preempt()`` sees it.
-``get_experiment_best_validation`` reads the search's record (:func:`best_validation`). Chief only,
-or any rank for the reads. The file and variable names: :mod:`toolkit.launch.trial_files`.
+Called by ``core_context.train`` and ``searcher``: chief only, or any rank for the reads. The handshake:
+docs/design-determined.md#the-report-handshake; file and variable names: :mod:`toolkit.launch.trial_files`.
 """
 
 from __future__ import annotations
@@ -28,13 +25,9 @@ ACK_TIMEOUT_S = 30.0
 
 
 def best_validation(state: Any, trial_dir: str) -> float | None:
-    """The best validation ``metric`` of a search's record that lists ``trial_dir``; else None.
-
-    Pure. Each trial's best reported value (``best_metric``, which the runner keeps while the trials
-    run; ``metric``, the latest, in a record of an earlier toolkit), the best of them by the recorded
-    ``smaller_is_better``, as Determined's ``get_experiment_best_validation``; values that are not
-    finite numbers are skipped. A state that does not list ``trial_dir`` is another search's: None,
-    as before any report.
+    """The best validation ``metric`` of a search's record that lists ``trial_dir``, else None: each
+    trial's ``best_metric`` (``metric`` in an earlier toolkit's record), the best by the recorded
+    ``smaller_is_better``, non-finite values skipped, as Determined's. Pure.
 
     Example:
         >>> best_validation({"trials": [{"dir": "t0", "metric": 0.9, "best_metric": 0.5}]}, "t0")
@@ -53,16 +46,9 @@ def best_validation(state: Any, trial_dir: str) -> float | None:
 
 def wait_for_searcher(output_dir: Path, offset: int, *, timeout_s: float = ACK_TIMEOUT_S,
                       ack_file: str = ACK_FILE) -> None:
-    """After a report: wait until ``toolkit.run``'s search has read the trial's reports up to ``offset``.
-    Chief only; returns at once outside such a search (``TOOLKIT_SEARCH_ACK`` unset or naming
-    another directory).
-
-    ``ack_file`` :data:`ACK_FILE`: ``offset`` is one of ``metrics.jsonl`` (a validation report);
-    another name is another count (the searcher operations completed). The runner sends the
-    searcher's stop (SIGTERM to the ranks) before it writes the value, so the next
-    ``should_preempt()`` sees a stop this report earned. After ``timeout_s`` (a runner that does
-    not answer) it goes on, with a warning.
-    """
+    """After a report: wait until ``toolkit.run``'s search read the trial's reports up to ``offset`` in
+    ``ack_file`` (:data:`ACK_FILE`: ``metrics.jsonl``'s; another: searcher operations completed). Chief
+    only; at once outside such a search; after ``timeout_s`` it goes on, warned."""
     named = os.environ.get(SEARCH_ACK_ENV)
     if not named or os.path.realpath(named) != os.path.realpath(output_dir):
         return

@@ -1,23 +1,8 @@
 """Where Core API checkpoints live, and which of them are committed. Pure decisions, thin file effects.
 
-Layout (what ``core_context.checkpoint`` writes; every rank of one machine sees the same paths):
-
-* ``<root>/<storage_id>/``: one checkpoint, ``storage_id`` a fresh UUID, as in Determined.
-  ``<root>`` comes from the YAML's ``checkpoint_storage`` (:func:`storage_root`): a directory, or
-  a bucket prefix (``type: s3`` / ``gcs``, :mod:`toolkit.compat.determined.cloud`), where the
-  same functions below read and delete.
-* ``<root>/<storage_id>/metadata.json``: written last, atomically, after every file of the
-  checkpoint was flushed (``fsync_tree``): its presence is the commit. A checkpoint without it
-  is a partial one (a crash inside ``store_path``) and is never restored.
-* ``<output_dir>/determined_checkpoints.json``: this trial's committed checkpoints, oldest
-  first, rewritten atomically after each commit; ``latest_checkpoint`` is its last entry.
-  A crash at any moment leaves either the old list or the new one, so the latest is always a
-  complete checkpoint. Also ``pending``: ids whose ``store_path`` began, removed by the next
-  run if they never committed.
-
-Storage ids follow toolkit's one rule for names that become paths (:mod:`toolkit._names`) wherever
-they enter: from the script, from the registry on disk, from the chief's broadcast. Deletion
-removes only a UUID that toolkit recorded, whose directory is a real directory inside the root.
+Called by :mod:`toolkit.compat.determined.core.checkpoint` and ``info``. The layout
+(``<root>/<storage_id>/``, ``metadata.json`` as the commit, the trial's registry
+``determined_checkpoints.json``) and the rules for ids: docs/design-determined.md#checkpoints.
 """
 
 from __future__ import annotations
@@ -62,18 +47,10 @@ Root = Path | CloudRoot
 
 
 def storage_root(storage: Any, *, output_dir: Path, base_dir: Path) -> Root:
-    """Where checkpoints go, from ``checkpoint_storage`` (YAML or ``core.init``). Pure.
-
-    ``None``: ``<output_dir>/checkpoints``. A string: that path, or an ``s3://``/``gs://`` URL.
-    A mapping: ``type: shared_fs`` (``host_path`` joined with ``storage_path``), ``type:
-    directory`` (``container_path``), toolkit's own ``storage_path``, or ``type: s3`` / ``gcs``
-    (``bucket``, ``prefix``; s3 also ``endpoint_url``, ``access_key``, ``secret_key``). Relative
-    paths are relative to ``base_dir``.
-
-    Raises:
-        ConfigError: every problem :func:`~toolkit.config.checkpoint_storage.checkpoint_storage_problems`
-            finds (azure, another URL, a bad cloud section, no usable path), each naming its key.
-    """
+    """Where checkpoints go, from ``checkpoint_storage`` (YAML or ``core.init``). Pure. None:
+    ``<output_dir>/checkpoints``; a path or an ``s3://``/``gs://`` URL; a mapping of ``type: shared_fs``,
+    ``directory``, ``s3`` or ``gcs`` as Determined's (not azure), or toolkit's own ``storage_path``.
+    Relative paths from ``base_dir``. Raises ConfigError, each problem named."""
     problems = checkpoint_storage_problems(storage)
     if problems:
         raise ConfigError(problems)
@@ -107,10 +84,7 @@ def root_from_registry(recorded: Any, configured: Root) -> Root:
 
 def read_registry(output_dir: Path) -> dict[str, Any]:
     """This trial's registry (``committed``, ``pending``); empty lists when none yet. Any rank.
-
-    Raises:
-        CheckpointError: the file is damaged (not JSON, or not the registry's shape), naming it.
-    """
+    Raises CheckpointError naming a damaged file."""
     path = output_dir / REGISTRY_NAME
     damaged = ("; the registry is damaged: move it aside to start the trial's checkpoint list afresh "
                "(the checkpoints stay in the storage)")
@@ -136,12 +110,8 @@ def write_registry(output_dir: Path, registry: Mapping[str, Any]) -> None:
 
 
 def check_storage_id(storage_id: Any, *, error: type[Exception] = ConfigError) -> str:
-    """``storage_id`` if it is a safe name (:mod:`toolkit._names`). Any rank.
-
-    Raises:
-        ``error``: ConfigError for an id the script passed, CheckpointError for one from disk or
-            another rank.
-    """
+    """``storage_id`` if it is a safe name (:mod:`toolkit._names`), else ``error`` (ConfigError for an id
+    the script passed, CheckpointError for one from disk or another rank). Any rank."""
     return _names.check_name(storage_id, what="storage_id", error=error,
                              example="5f0c3f4e-8d2a-4c53-9a8e-2b1d7c6e9f10")
 
@@ -155,12 +125,8 @@ def is_toolkit_id(storage_id: Any) -> bool:
 
 
 def checkpoint_path(root: Path, storage_id: Any) -> Path:
-    """``<root>/<storage_id>`` once the id is safe and the path (symlinks resolved) stays inside
-    ``root``. Any rank; the path need not exist.
-
-    Raises:
-        CheckpointError: an unsafe id, or a symlink that leads outside ``root``.
-    """
+    """``<root>/<storage_id>`` (need not exist) once the id is safe and the path, symlinks resolved, stays
+    inside ``root``; else CheckpointError. Any rank."""
     _names.resolve_inside(root, check_storage_id(storage_id, error=CheckpointError), what="storage_id")
     return root / storage_id
 
@@ -186,11 +152,8 @@ def latest_storage_id(registry: Mapping[str, Any], root: Root) -> str | None:
 
 
 def read_metadata(root: Root, storage_id: str) -> dict[str, Any]:
-    """The checkpoint's metadata.json. Any rank. Raises FileNotFoundError for a partial one.
-
-    Raises:
-        CheckpointError: an unsafe id, a symlink out of ``root``, or a damaged file (named).
-    """
+    """The checkpoint's metadata.json. Any rank. Raises FileNotFoundError for a partial one,
+    CheckpointError for an unsafe id, a symlink out of ``root`` or a damaged file."""
     if isinstance(root, CloudRoot):
         return cloud.read_metadata(root, check_storage_id(storage_id, error=CheckpointError))
     path = checkpoint_path(root, storage_id) / METADATA_NAME
@@ -213,18 +176,12 @@ def _keep_count(key: str, value: Any) -> int:
 def plan_gc(committed: list[dict[str, Any]], save_trial_latest: Any, *, save_trial_best: Any = None,
             metrics: Mapping[str, float] | None = None, smaller_is_better: bool = True) -> list[str]:
     """Storage ids to delete: all but the newest ``save_trial_latest`` (at least 1) and the
-    ``save_trial_best`` best by ``metrics`` (storage id -> the searcher metric validated at its
-    step; a checkpoint without one is never among the best). Pure.
-
-    Both ``None`` (the YAML sets neither) keeps everything; ``save_trial_best`` alone keeps the
-    newest one besides the best (Determined's default ``save_trial_latest: 1``).
+    ``save_trial_best`` best by ``metrics`` (id -> the metric validated at its step). Pure. Both None
+    keeps all; ``save_trial_best`` alone keeps the newest too (Determined's default latest: 1).
 
     Example:
         >>> plan_gc([{"storage_id": "a"}, {"storage_id": "b"}, {"storage_id": "c"}], 2)
         ['a']
-        >>> plan_gc([{"storage_id": "a"}, {"storage_id": "b"}, {"storage_id": "c"}], 1, save_trial_best=1,
-        ...         metrics={"a": 0.1, "b": 0.5})
-        ['b']
     """
     if save_trial_latest is None and save_trial_best is None:
         return []
@@ -239,14 +196,9 @@ def plan_gc(committed: list[dict[str, Any]], save_trial_latest: Any, *, save_tri
 
 
 def remove_checkpoint(root: Root, storage_id: Any) -> bool:
-    """Delete a checkpoint directory toolkit made: metadata.json first (uncommit), then the rest.
-
-    Any rank. Only a canonical UUID (toolkit's ids) naming a real directory directly inside
-    ``root`` is removed; returns False when there is no such directory.
-
-    Raises:
-        CheckpointError: not a toolkit id, or a symlink or file where the directory should be.
-    """
+    """Delete a checkpoint directory toolkit made, metadata.json first (uncommit). Any rank. Only a
+    canonical UUID naming a real directory directly inside ``root``; False when there is none.
+    Raises CheckpointError for another id, or a symlink or file where the directory should be."""
     check_storage_id(storage_id, error=CheckpointError)
     if not is_toolkit_id(storage_id):
         raise CheckpointError(f"storage_id={_names.shown(storage_id)} is not an id toolkit gives its "

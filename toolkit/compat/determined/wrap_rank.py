@@ -1,23 +1,8 @@
 """``python3 -m determined.launch.wrap_rank RANK [--] CMD...``: run a worker, its output prefixed by its rank.
 
-Determined's tutorial launcher (``4_distributed.py``) starts each worker through this module of
-the real ``determined`` package, a module path that no import swap reaches. ``python -m
-toolkit.run`` therefore puts a shim directory on the entrypoint's ``PYTHONPATH`` (only when no
-real ``determined`` package is importable) whose ``determined.launch.wrap_rank`` is this
-:func:`main`; see :func:`toolkit.launch.wrappers.shim_pythonpath`. As Determined's:
-
-* ``RANK`` is an integer, or comma-separated names of environment variables tried in order;
-* every line the command writes (split on ``\\n`` or ``\\r``) is written with ``[rank=N] ``
-  in front, stdout to stdout and stderr to stderr (``--no-redirect-stdio`` is accepted: there
-  is no container log file to redirect to here);
-* SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2 and SIGWINCH are passed to the command;
-* the exit status is the command's.
-
-The command also gets ``TOOLKIT_DET_WRAPPED_RANK=<rank>``, by which ``toolkit.run`` tells a
-wrapped worker (which should hear a preemption signal) from the script that launched it (which
-must not: Determined never signals it, and it would die instead of waiting for its workers).
-
-Any process (the wrapper itself is not a rank). Example::
+Determined's own, reached through the shim toolkit.run puts on ``PYTHONPATH``
+(:func:`toolkit.launch.wrappers.shim_pythonpath`). Any process (the wrapper is not a rank). What it does as
+Determined's, and ``TOOLKIT_DET_WRAPPED_RANK``: docs/design-determined.md#wrap_rank-and-the-shim. Example::
 
     python3 -m determined.launch.wrap_rank 0 -- python3 4_distributed.py worker 0 0
 """
@@ -44,14 +29,8 @@ _FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGWINCH")
 
 
 def parse_rank(spec: str, environ: Mapping[str, str]) -> int | None:
-    """``"3"`` -> 3; ``"RANK,OMPI_COMM_WORLD_RANK"`` -> the first of those variables set; else None.
-
-    Pure; any process.
-
-    Raises:
-        ConfigError: ``spec`` is a negative number (RANK is an integer >= 0 or variable names).
-        LaunchEnvError: the variable found does not hold an integer >= 0 (the launcher set it).
-    """
+    """``"3"`` -> 3; ``"RANK,OMPI_COMM_WORLD_RANK"`` -> the first of those variables set; else None. Pure.
+    Raises ConfigError for a negative number, LaunchEnvError for a variable that is no integer >= 0."""
     if re.fullmatch(r"\s*[+-]?\d+\s*", spec):
         if int(spec) < 0:
             raise ConfigError(f"RANK={spec!r}: expected an integer >= 0, or comma-separated names of "
@@ -68,10 +47,8 @@ def parse_rank(spec: str, environ: Mapping[str, str]) -> int | None:
 
 
 def split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
-    """Lines of a byte stream, ended by ``\\n`` or ``\\r`` (each yielded with ``\\n``). Pure; any process.
-
-    A line longer than 8 KiB is cut, as Determined's log shipper does, so a progress bar
-    that never ends its line cannot hold the output back.
+    """Lines of a byte stream, ended by ``\\n`` or ``\\r`` (each yielded with ``\\n``), cut at 8 KiB as
+    Determined's log shipper does (an endless progress bar cannot hold the output back). Pure.
 
     Example:
         >>> list(split_lines(iter([b"a\\rb", b"c\\nd"])))
@@ -128,10 +105,8 @@ class _Passthru:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line; returns the command's exit status (1: RANK names no set variable; 2: bad RANK).
-
-    Any process: the wrapper of one worker.
-    """
+    """The command line; the command's exit status (1: RANK names no set variable; 2: bad RANK). Any
+    process: the wrapper of one worker."""
     parser = argparse.ArgumentParser(
         prog="python3 -m determined.launch.wrap_rank",
         usage="wrap_rank [-h] [--no-redirect-stdio] RANK SCRIPT...",

@@ -1,27 +1,8 @@
 """``core_context.checkpoint``: Determined's checkpoint calls, with toolkit's crash-safe commit.
 
-``store_path`` yields ``(path, storage_id)``; the path is ``<root>/<storage_id>/``, the final
-directory. After the block (after *every* rank's block, with ``shard=True``) the chief flushes
-every file (``fsync_tree``), writes ``metadata.json`` atomically (the commit) and then appends
-the id to this trial's registry (:mod:`toolkit.compat.determined.storage`). A crash at any moment
-(SIGKILL inside the block included) leaves the previous checkpoint as ``latest_checkpoint``; the
-next run removes what an interrupted ``store_path`` left. After each commit, ``checkpoint_storage``'s
-``save_trial_latest`` newest and ``save_trial_best`` best checkpoints (by ``searcher.metric``
-validated at the checkpoint's ``steps_completed``) are kept, the others deleted
-(:func:`toolkit.compat.determined.storage.plan_gc`); neither set: all kept.
-
-With ``checkpoint_storage`` of ``type: s3`` / ``gcs`` the path is a staging directory in this
-machine's cache: after the block the chief (``shard=False``) or every machine's local rank 0
-(``shard=True``) uploads it, every rank learns whether every upload worked, and only then the
-chief uploads ``metadata.json`` (the commit). ``restore_path`` and ``download`` download into the
-cache, once per machine by default (:mod:`toolkit.compat.determined.cloud`).
-
-Storage ids are checked by toolkit's one rule for names (:mod:`toolkit._names`, through
-:mod:`toolkit.compat.determined.storage`) where they enter: an unsafe id from the script is a
-``ConfigError``, one from the registry or the chief's broadcast a ``CheckpointError``. ``delete``
-and the clean-up remove only checkpoints this trial recorded, inside the storage root.
-
-Example (the Core API tutorials' pattern)::
+Made by ``core.init``; layout and pure decisions in :mod:`toolkit.compat.determined.storage`,
+buckets in :mod:`toolkit.compat.determined.cloud`. The commit, keeping and buckets:
+docs/design-determined.md#checkpoints. Example (the Core API tutorials' pattern)::
 
     if core_context.distributed.rank == 0:                                   # shard=False: chief only
         with core_context.checkpoint.store_path({"steps_completed": steps}) as (path, storage_id):
@@ -66,9 +47,7 @@ class DownloadMode(enum.Enum):
 
 def merge_metadata(parts: list[dict[str, Any] | None]) -> dict[str, Any]:
     """Every rank's metadata merged as Determined does: dicts recursively, equal values once. Pure.
-
-    Raises:
-        RuntimeError: two ranks gave different values for one key (Determined's message).
+    Raises RuntimeError (Determined's message) when two ranks disagree on a key.
 
     Example:
         >>> merge_metadata([{"a": 1}, {"b": 2}, None])
@@ -89,7 +68,8 @@ def merge_metadata(parts: list[dict[str, Any] | None]) -> dict[str, Any]:
 
 
 class CheckpointContext:
-    """Store and restore checkpoints under the trial's checkpoint root. See the module docstring."""
+    """Store and restore checkpoints under the trial's checkpoint root. How:
+    docs/design-determined.md#checkpoints."""
 
     def __init__(
         self, dist: DistributedContext, *, root: storage.Root, output_dir: Path,
@@ -218,15 +198,11 @@ class CheckpointContext:
     def store_path(
         self, metadata: dict[str, Any] | None = None, *, shard: bool = False
     ) -> Iterator[tuple[Path, str]]:
-        """A new checkpoint directory to write into; committed when the block ends.
-
-        ``shard=False``: chief only. ``shard=True``: call on all ranks; every rank gets the same
-        directory, and the commit waits until every rank left its block. If the block raises,
-        nothing is committed.
-
-        Raises:
-            RuntimeError: ``shard=False`` on a rank other than 0; metadata conflicts across ranks.
-        """
+        """A new checkpoint directory ``<root>/<uuid>/`` to write into, committed when the block ends (not
+        if it raises). ``shard=False``: chief only. ``shard=True``: all ranks, one directory, the commit
+        after every rank's block. Unlike Determined's, a crash at any moment leaves the previous checkpoint
+        the latest. Raises RuntimeError for ``shard=False`` off rank 0, or metadata that conflicts across
+        ranks."""
         if not shard and self._dist.rank != 0:
             raise RuntimeError(
                 "cannot call CheckpointContext.store_path(shard=False) from non-chief worker "
@@ -255,10 +231,8 @@ class CheckpointContext:
         shard: bool = False,
         selector: Callable[[str], bool] | None = None,
     ) -> str:
-        """Copy a directory into storage as a new checkpoint; returns its storage id.
-
-        ``shard=False``: chief only. ``shard=True``: all ranks; ranks with nothing to add pass None.
-        """
+        """Copy a directory into storage as a new checkpoint; its storage id. ``shard=False``: chief only;
+        ``shard=True``: all ranks, those with nothing to add pass None."""
         if not shard and ckpt_dir is None:
             raise ValueError("upload(ckpt_dir=None) is only allowed with shard=True")
         with self.store_path(metadata, shard=shard) as (path, storage_id):
@@ -306,11 +280,8 @@ class CheckpointContext:
         *,
         selector: Callable[[str], bool] | None = None,
     ) -> Iterator[Path]:
-        """The committed checkpoint's directory itself (no copy, as for Determined's shared_fs). Any rank.
-
-        Raises:
-            CheckpointNotFound: no committed checkpoint with that id.
-        """
+        """The committed checkpoint's directory itself, no copy (Determined's shared_fs behaviour; from a
+        bucket: downloaded into the cache, removed after the block). Any rank. Raises CheckpointNotFound."""
         shared = DownloadMode(download_mode) is DownloadMode.LocalWorkersShareDownload
         directory = self._committed_dir(storage_id)
         if not isinstance(self._root, CloudRoot):
@@ -352,12 +323,8 @@ class CheckpointContext:
         return storage.read_metadata(self._root, self._committed_dir(storage_id).name)
 
     def delete(self, storage_id: str) -> None:
-        """Remove a checkpoint this trial committed (first from its registry, then from disk). Any rank.
-
-        Raises:
-            ConfigError: an unsafe id (empty, a path, ``..``).
-            CheckpointNotFound: the id is not in this trial's registry; nothing is deleted.
-        """
+        """Remove a checkpoint this trial committed: from its registry, then from disk. Any rank. Raises
+        ConfigError for an unsafe id, CheckpointNotFound for one not in the registry (nothing deleted)."""
         storage.check_storage_id(storage_id)
         registry = storage.read_registry(self._output_dir)
         kept = [e for e in registry["committed"] if e["storage_id"] != storage_id]

@@ -144,16 +144,11 @@ def init(
     """The Core API context of this trial. Call on all ranks, as ``with det.core.init(...) as ctx``.
 
     Args:
-        distributed: from ``DistributedContext.from_torch_distributed()`` / ``from_deepspeed()``;
-            None means rank 0 of 1 (an error under a launcher with several processes).
-        checkpoint_storage: a directory, or a mapping like the YAML's ``checkpoint_storage``;
-            None: the YAML's, else ``<output_dir>/checkpoints``.
-        preempt_mode: see :mod:`toolkit.compat.determined.core.preempt`.
-        tensorboard_mode: AUTO writes the reported metrics to TensorBoard; MANUAL writes none.
-
-    Raises:
-        ValueError: several processes were launched but no ``distributed`` was given.
-        ConfigError: a bad ``checkpoint_storage`` (cloud types are cluster-only).
+        distributed: from ``DistributedContext.from_torch_distributed()`` / ``from_deepspeed()``; None:
+            rank 0 of 1 (a ValueError under a launcher of several processes, as Determined's).
+        checkpoint_storage: as the YAML's; None: the YAML's, else ``<output_dir>/checkpoints``
+            (ConfigError when bad).
+        preempt_mode, tensorboard_mode: as Determined's (MANUAL writes no TensorBoard metrics).
     """
     install_build_guards()   # a Determined script may never call toolkit.init_distributed
     info = get_cluster_info()

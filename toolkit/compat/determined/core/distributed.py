@@ -1,13 +1,8 @@
 """``det.core.DistributedContext``: Determined's rank bookkeeping and object collectives, on toolkit's.
 
-Determined's collectives travel over ZMQ sockets of their own; here they are toolkit's object
-collectives (``toolkit.init_distributed()``'s process group, gloo), so the same loop may mix them
-with DeepSpeed freely. Building a context with ``size >= 2`` initialises torch.distributed
-(through ``toolkit.init_distributed``) if it is not yet: a collective, as in Determined.
+The collectives run on ``toolkit.init_distributed()``'s process group, not Determined's ZMQ sockets
+(docs/design-determined.md#distributed). Example::
 
-Example::
-
-    # python -m toolkit.run deepspeed.yaml .   (torchrun --nproc_per_node 2 train.py works too)
     distributed = det.core.DistributedContext.from_torch_distributed()      # call on all ranks
     with det.core.init(distributed=distributed) as core_context:
         total = sum(core_context.distributed.allgather(local_value))       # call on all ranks
@@ -46,13 +41,9 @@ def _env_ints(names: dict[str, str], launcher: str) -> dict[str, int]:
 
 
 class DistributedContext:
-    """Where this process sits (rank, size, local and cross ranks) and Determined's collectives.
-
-    Keyword-only, as in Determined: all six rank arguments, or none (rank 0 of 1).
-    ``chief_ip``, ``pub_port`` and ``pull_port`` give the rendezvous address when no launcher
-    set ``MASTER_ADDR``/``MASTER_PORT``; ``port_offset`` and ``force_tcp`` are accepted and
-    ignored (no ZMQ here). Call the constructor on all ranks.
-    """
+    """Where this process sits (rank, size, local and cross ranks) and Determined's collectives. All ranks.
+    Keyword-only, as Determined's: all six ranks or none (rank 0 of 1); ``chief_ip``, ``pub_port`` and
+    ``pull_port`` give the rendezvous without ``MASTER_ADDR``; ``port_offset``, ``force_tcp`` are ignored."""
 
     def __init__(
         self,
@@ -134,10 +125,7 @@ class DistributedContext:
 
     @classmethod
     def from_deepspeed(cls, chief_ip: str | None = None) -> "DistributedContext":
-        """From DeepSpeed's launcher variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_*).
-
-        Call on all ranks.
-        """
+        """From DeepSpeed's launcher variables (RANK, LOCAL_SIZE, CROSS_*, ...). All ranks."""
         return cls._from_env(("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"),
                              "deepspeed", chief_ip)
 

@@ -1,21 +1,9 @@
 """``core_context.preempt``: a signal (SIGTERM, SIGINT, SIGUSR1) becomes ``should_preempt() == True``.
 
-On a Determined cluster the master asks a trial to stop (pause, preemption by a higher-priority
-job). Here a scheduler, a terminal or ``python -m toolkit.run`` does it with a signal, watched by
-``toolkit.watch_preemption``:
-
-* ``PreemptMode.WorkersAskChief`` (default): every rank calls ``should_preempt()`` in step, and a
-  signal to any rank gives True on every rank at the same call (toolkit's agreement; the answer
-  may come one call after the signal).
-* ``PreemptMode.ChiefOnly``: only the chief calls (a worker call is a RuntimeError, as in
-  Determined); it answers for its own signals, and tells the workers itself. torchrun and
-  ``toolkit.run`` signal every rank, so the chief hears a stop too.
-* ``PreemptMode.WorkersAskMaster``: every rank answers for itself, no agreement.
-
-Example::
+Made by ``core.init`` on ``toolkit.watch_preemption``. What each ``PreemptMode`` means here:
+docs/design-determined.md#preemption. Example::
 
     with det.core.init(distributed=distributed) as core_context:     # installs the handlers
-        ...
         if core_context.preempt.should_preempt():                    # call on all ranks
             return                                                   # after saving a checkpoint
 """
@@ -72,11 +60,8 @@ class PreemptContext:
         return self
 
     def should_preempt(self, auto_ack: bool = True) -> bool:
-        """True once a stop was asked for (see the module docstring for who calls it).
-
-        Raises:
-            RuntimeError: before ``start()``, or on a worker with ``PreemptMode.ChiefOnly``.
-        """
+        """True once a stop was asked for: all ranks in step (WorkersAskChief), the chief (ChiefOnly) or any
+        rank (WorkersAskMaster). RuntimeError before ``start()``, or on a worker under ChiefOnly."""
         if not self._started or self._watcher is None:
             raise RuntimeError(
                 "you cannot call PreemptContext.should_preempt() before PreemptContext.start()"
@@ -105,11 +90,8 @@ class PreemptContext:
             )
 
     def close(self, *, after_error: bool = False) -> None:
-        """Restore the signal handlers. All ranks (``with core.init()`` does it).
-
-        Determined's ``close()``; ``after_error=True`` (what ``with`` passes when the block raised)
-        skips waiting for a check point in flight, which the other ranks may never reach.
-        """
+        """Restore the signal handlers. All ranks (``with core.init()`` does it). ``after_error=True`` (the
+        block raised) skips waiting for a check point in flight, which the other ranks may never reach."""
         if self._watcher is not None:
             watcher, self._watcher = self._watcher, None
             watcher.__exit__(BaseException if after_error else None, None, None)

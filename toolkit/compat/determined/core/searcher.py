@@ -1,17 +1,7 @@
 """``core_context.searcher``: the trial's searcher operations (Determined 0.37's Core API loop).
 
-``operations()`` yields one :class:`SearcherOperation` whose ``length`` is ``searcher.max_length``
-in the unit it names, as Determined's Core API gave it (``100``, ``{batches: 100}``, ``{records: N}``
-or ``{epochs: N}``: :meth:`SearcherContext.get_configured_units` says which; inside a dsat trial:
-``end_profile_step + 1`` as Determined's dsat set it, plus the room of dsat's ``--timed-window``:
-one more than the contract's last step). In a search of a 0.37 ASHA section
-(:mod:`toolkit.config.searcher_section`) it yields one operation per rung instead, as 0.37's
-searcher did, and none more once the searcher stopped the trial (or a stop signal came: the
-trial is paused and continues with the next operation). Each ``op.report_completed(metric)`` is
-recorded in ``<output_dir>/determined_searcher.json`` (``ops``; ``completed`` once the last is);
-a completed operation is not yielded again, in this run or the next ones in that directory.
-``op.report_progress(length)`` is the trial's progress, ``length`` over the last operation's.
-
+Made by ``core.init``. One operation of ``searcher.max_length``, or one per rung under a 0.37 ASHA section;
+completed ones recorded in ``determined_searcher.json``: docs/design-determined.md#searcher-operations.
 Example (0.37-era tutorials)::
 
     for op in core_context.searcher.operations():          # call on all ranks
@@ -99,12 +89,8 @@ class SearcherOperation:
 
 
 class SearcherContext:
-    """Determined's SearcherContext for a trial. See the module docstring.
-
-    ``report_progress`` receives the trial's progress (``core.init`` passes the TrainContext's);
-    ``stopped`` says whether a stop signal reached this process (``core.init`` passes the
-    PreemptContext's); both optional.
-    """
+    """Determined's SearcherContext for a trial. ``report_progress`` (the TrainContext's) and ``stopped``
+    (the PreemptContext's) are optional; ``core.init`` passes them."""
 
     def __init__(self, dist: DistributedContext, config: Mapping[str, Any], output_dir: Path, *,
                  report_progress: Callable[[float], None] | None = None,
@@ -163,14 +149,9 @@ class SearcherContext:
     def operations(
         self, searcher_mode: SearcherMode = SearcherMode.WorkersAskChief, auto_ack: bool = True
     ) -> Iterator[SearcherOperation]:
-        """The trial's operations not completed yet. All ranks in step (WorkersAskChief) or the chief
-        alone (ChiefOnly).
-
-        Raises:
-            ConfigError: ``searcher.max_length`` missing or malformed (at the call).
-            RuntimeError: ChiefOnly on a worker; the chief's loop went on without
-                ``report_completed`` (Determined's check).
-        """
+        """The trial's operations not completed yet. All ranks in step (WorkersAskChief) or the chief alone
+        (ChiefOnly). Raises ConfigError for a missing or malformed ``searcher.max_length`` (at the call),
+        RuntimeError for ChiefOnly on a worker or a chief loop without ``report_completed`` (Determined's)."""
         mode = SearcherMode(searcher_mode)
         if mode is SearcherMode.ChiefOnly and self._dist.rank != 0:
             raise RuntimeError(
@@ -202,7 +183,6 @@ class SearcherContext:
 
     def get_configured_units(self) -> Unit | None:
         """The unit of ``max_length`` (``Unit.BATCHES``, ``RECORDS``, ``EPOCHS``); None for a bare number.
-
         Any rank."""
         raw = (self._config.get("searcher") or {}).get("max_length")
         if not isinstance(raw, Mapping):

@@ -1,21 +1,7 @@
-"""``core_context.train``: metrics to TensorBoard and a JSON-lines file, written by the chief alone.
+"""``core_context.train``: metrics to TensorBoard and ``metrics.jsonl``, written by the calling rank alone.
 
-In Determined these are chief-only calls (tutorials guard them with ``if rank == 0``), so they
-must not need the other ranks: no collective here. The calling rank writes (validation and other
-groups at once; training reports together, at least every ``FLUSH_SECS`` and at ``close()``):
-
-* TensorBoard event files in :meth:`TrainContext.get_tensorboard_path`
-  (``<output_dir>/tensorboard``), tags ``training/<name>``, ``validation/<name>`` and
-  ``<group>/<name>`` for ``report_metrics(group, ...)``; ``batch_metrics`` as
-  ``training_batch/<name>``; numbers only (others are skipped, as Determined does);
-* ``<output_dir>/metrics.jsonl``, one line per report, the format of ``toolkit.MetricsWriter``:
-  ``{"group": "training", "steps_completed": 10, "metrics": {"x": 10}, "time": ...}``.
-
-After a resume, TensorBoard hides the points past the restored checkpoint's step (as Determined
-discards metrics past it). ``report_progress`` writes ``<output_dir>/determined_progress.json``
-(at most every :data:`PROGRESS_EVERY_S`, the last value at ``close()``) and ``report_early_exit``
-``determined_early_exit.json``, which ``python -m toolkit.run`` hands to its search
-(:mod:`toolkit.run.trial_reports`); ``set_status`` logs, as Determined off-cluster.
+Made by ``core.init``; Determined's tutorials call it on the chief (``if rank == 0``), so there is no
+collective. What is written, when, and why training reports are batched: docs/design-determined.md#metrics.
 """
 
 from __future__ import annotations
@@ -157,26 +143,18 @@ class TrainContext:
     def report_training_metrics(
         self, steps_completed: int, metrics: dict[str, Any], batch_metrics: list[dict[str, Any]] | None = None
     ) -> None:
-        """Write training metrics at ``steps_completed``. Chief only.
-
-        ``batch_metrics`` (one dict per batch, the last one at ``steps_completed``) become
-        ``training_batch/<name>`` points.
-        """
+        """Write training metrics at ``steps_completed`` (``batch_metrics``: ``training_batch/<name>`` points,
+        the last at ``steps_completed``). Chief only; buffered, written at least every :data:`FLUSH_SECS`."""
         logger.info("report_training_metrics(steps_completed=%s, metrics=%s)", steps_completed, metrics)
         for i, batch in enumerate(batch_metrics or []):
             self._write("training_batch", steps_completed - len(batch_metrics or []) + 1 + i, batch)
         self._write("training", steps_completed, metrics)
 
     def report_validation_metrics(self, steps_completed: int, metrics: dict[str, Any]) -> None:
-        """Write validation metrics at ``steps_completed``. Chief only.
-
-        Under ``toolkit.run``'s search it returns once the search has read the report, so a
-        stop the report earns reaches the next ``should_preempt()`` (:func:`~toolkit.compat.
-        determined.search.wait_for_searcher`).
-
-        Raises:
-            ConfigError: a metric value is None (Determined: an invalid scalar).
-        """
+        """Write validation metrics at ``steps_completed``, at once. Chief only. Under a ``toolkit.run``
+        search it returns once the search read the report
+        (:func:`~toolkit.compat.determined.search_client.wait_for_searcher`), so the stop it earns reaches the
+        next ``should_preempt()``. Raises ConfigError for a None value."""
         logger.info("report_validation_metrics(steps_completed=%s, metrics=%s)", steps_completed, metrics)
         bad = [k for k, v in metrics.items() if v is None]
         if bad:
@@ -195,12 +173,9 @@ class TrainContext:
         self._write(group, steps_completed, metrics)
 
     def report_progress(self, progress: float) -> None:
-        """The fraction of the trial done, 0 to 1 (Determined's web UI bar): the search's progress
-        under ``toolkit.run`` (``progress`` in ``search.json``). Chief only; cheap every step.
-
-        Raises:
-            ConfigError: not a number between 0 and 1.
-        """
+        """The fraction of the trial done, 0 to 1: under ``toolkit.run`` the trial's ``progress`` in
+        ``determined_search.json`` (Determined: its web UI bar). Chief only; cheap every step.
+        Raises ConfigError for anything but a number from 0 to 1."""
         if (
             isinstance(progress, bool)
             or not isinstance(progress, numbers.Real)
@@ -230,10 +205,9 @@ class TrainContext:
         logger.info("status: %s", status)
 
     def report_early_exit(self, reason: EarlyExitReason) -> None:
-        """Tell the search that this trial exits early, and why: ``toolkit.run``'s searcher takes it as
-        Determined's did (``INVALID_HP``: another trial takes its place). Any rank; the first report
-        of the trial is kept, as in Determined (``det.InvalidHP`` in ``with core.init()`` reports
-        ``INVALID_HP`` itself)."""
+        """Tell the search that this trial exits early, and why; ``toolkit.run``'s searcher takes it as
+        Determined's did. Any rank; the first report is kept (``det.InvalidHP`` in ``with core.init()``
+        reports ``INVALID_HP`` itself)."""
         reason = EarlyExitReason(reason)
         logger.info("report_early_exit(reason=%s)", reason.value)
         path = self._dir / EARLY_EXIT_FILE
@@ -244,9 +218,9 @@ class TrainContext:
         atomic_write_json(path, {"reason": reason.name})
 
     def get_experiment_best_validation(self) -> float | None:
-        """The best validation ``searcher.metric`` of this trial's search so far, by ``smaller_is_better``
-        (``toolkit.run``'s ``search.json`` in the directory above the trial's: each trial's best
-        report); None outside a search or before any report (Determined off-cluster: None). Any rank."""
+        """The best ``searcher.metric`` any trial of this ``toolkit.run`` search reported so far, by
+        ``smaller_is_better`` (``determined_search.json`` above the trial's directory); None outside a search
+        or before a report (Determined off-cluster: None). Any rank."""
         directory = self._dir.resolve()
         try:
             state = load_json(directory.parent / SEARCH_FILE, what="search record")
@@ -265,10 +239,7 @@ class TrainContext:
         mangler: Callable[[Path, int], Path] = lambda p, __: p,
     ) -> None:
         """MANUAL mode: nothing to upload, the files already are in the output directory. Any rank.
-
-        Raises:
-            RuntimeError: in AUTO mode, as in Determined.
-        """
+        RuntimeError in AUTO mode, as in Determined."""
         if self._mode is TensorboardMode.AUTO:
             raise RuntimeError("upload_tensorboard_files can only be used in MANUAL mode")
 

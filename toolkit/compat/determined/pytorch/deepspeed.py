@@ -1,14 +1,8 @@
-"""``determined.pytorch.deepspeed``: only ``overwrite_deepspeed_config``.
-
-::
+"""``determined.pytorch.deepspeed``: only ``overwrite_deepspeed_config`` (no Trial API: port such
+trials to a Core API script, docs/determined.md#trial-api-and-horovod-experiments). Example::
 
     from toolkit.compat.determined.pytorch.deepspeed import overwrite_deepspeed_config
-    # was: from determined.pytorch.deepspeed import overwrite_deepspeed_config
     ds_config = overwrite_deepspeed_config("ds_config.json", hparams.get("overwrite_deepspeed_args", {}))
-
-Determined's ``DeepSpeedTrial`` / ``DeepSpeedTrialContext`` (its Trial API) are not provided:
-port such trials to a Core API script. ``get_ds_config_from_hparams`` lives in
-:mod:`toolkit.compat.determined.pytorch.dsat`, as in Determined.
 """
 
 from __future__ import annotations
@@ -25,17 +19,13 @@ __all__ = ["overwrite_deepspeed_config"]
 
 def overwrite_deepspeed_config(base_ds_config: str | os.PathLike[str] | Mapping[str, Any],
                                source_ds_dict: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``source_ds_dict`` merged into a DeepSpeed config (a JSON path or a dict), recursively; the
-    source wins; a new dict, neither input changed. Any rank.
-
-    As Determined's: a JSON with a duplicate key is refused. Unlike it, the base is never
-    modified, and ``source_ds_dict=None`` means nothing to overwrite.
+    """``source_ds_dict`` merged recursively into a DeepSpeed config (a JSON path or a dict), the source
+    winning. Any rank. As Determined's, a JSON with a duplicate key is refused; unlike it, a new dict
+    (neither input changed), and ``source_ds_dict=None`` overwrites nothing.
 
     Raises:
-        DeepSpeedConfigTypeError: ``base_ds_config`` is neither a path nor a mapping (a
-            ``ConfigError`` and, as in Determined, a ``TypeError``).
-        ConfigError: the source is not a mapping, or the JSON file is malformed.
-        FileNotFoundError: the JSON file is missing.
+        DeepSpeedConfigTypeError: the base is neither a path nor a mapping (also a ``TypeError``).
+        ConfigError: the source is not a mapping, or the JSON is malformed. FileNotFoundError.
     """
     if not isinstance(base_ds_config, (str, os.PathLike)) and not is_mapping(base_ds_config):
         raise DeepSpeedConfigTypeError(

@@ -1,27 +1,13 @@
-"""``determined.pytorch.dsat``: what a Core API script calls to be tuned by dsat.
+"""``determined.pytorch.dsat``: what a Core API script calls to be tuned by dsat. Any rank.
 
-::
+Inside a toolkit dsat trial the reporting context measures and ends the trial; elsewhere it is
+transparent. How each call differs from Determined's: docs/design-determined.md#dsat-helpers. Example::
 
     from toolkit.compat.determined.pytorch import dsat     # was: from determined.pytorch import dsat
     ds_config = dsat.get_ds_config_from_hparams(hparams)
     for op in core_context.searcher.operations():
-        ...
-        with dsat.dsat_reporting_context(core_context, op):   # call on all ranks, around each batch
+        with dsat.dsat_reporting_context(core_context, op):   # all ranks, around each batch
             loss = engine(x); engine.backward(loss); engine.step()
-
-Inside a toolkit dsat trial (``python -m toolkit.dsat ...``), the context is
-``toolkit.dsat_reporting_context`` on the script's DeepSpeed engine (found once, the only
-``DeepSpeedEngine`` of the process), with ``steps_completed`` counted by this context when not
-given: it measures the profiled steps, writes the trial's result and ends the trial with
-``SystemExit(0)`` on every rank. Outside a trial it changes nothing, except Determined's own
-handling of DeepSpeed's autotuner exit: when a ``SystemExit`` leaves the block and exactly one of
-``model_info.json`` / ``autotuning_metric.json`` is in the working directory, the chief reports
-its contents as validation metrics and as the operation's metric before the exit goes on.
-
-Hugging Face Trainer scripts (Determined's ``hf_trainer`` examples) pass their command line
-through :func:`get_hf_args_with_overwrites` before ``HfArgumentParser`` reads it, so that
-``--deepspeed``, ``--per_device_train_batch_size`` and ``--gradient_accumulation_steps`` follow
-the run's DeepSpeed config (a dsat trial's own included).
 """
 
 from __future__ import annotations
@@ -55,13 +41,9 @@ _state: dict[str, Any] = {"engine": None, "calls": 0}
 def get_ds_config_from_hparams(
     hparams: Mapping[str, Any], base_dir: pathlib.Path | str = pathlib.Path(".")
 ) -> dict[str, Any]:
-    """The JSON named by ``hparams["deepspeed_config"]`` (relative to ``base_dir``), with
-    ``overwrite_deepspeed_args`` merged in. A new dict. Any rank.
-
-    Raises:
-        ConfigError: ``deepspeed_config`` missing (Determined asserts it), or malformed.
-        FileNotFoundError: the JSON file does not exist.
-    """
+    """The JSON named by ``hparams["deepspeed_config"]`` (relative to ``base_dir``) with
+    ``overwrite_deepspeed_args`` merged: a new dict, as Determined's. Any rank. Raises ConfigError
+    (missing or malformed; Determined asserted) or FileNotFoundError."""
     if "deepspeed_config" not in hparams:
         raise ConfigError(
             "hyperparameters.deepspeed_config is missing: expected the path of the DeepSpeed "
@@ -145,29 +127,16 @@ class _ReportingContext:
 def dsat_reporting_context(
     core_context: Any, op: Any, steps_completed: int | None = None
 ) -> contextlib.AbstractContextManager[None]:
-    """Wrap one training batch; inside a dsat trial, measure it and end the trial. Call on all ranks.
-
-    Args:
-        core_context: from ``det.core.init()``.
-        op: the searcher operation the batch belongs to.
-        steps_completed: batches finished before this one; None counts the calls of this context.
-
-    Raises:
-        SystemExit: inside a dsat trial after its last profiled step (status 0, every rank).
-    """
+    """Wrap one training batch. All ranks. Inside a dsat trial: ``toolkit.dsat_reporting_context`` on the
+    process's one engine, ``SystemExit(0)`` on every rank after the last profiled step;
+    ``steps_completed`` None counts this context's calls. Outside: Determined's handling of DeepSpeed's
+    autotuner exit only (docs/design-determined.md#dsat-helpers)."""
     return _ReportingContext(core_context, op, steps_completed)
 
 
 def get_batch_config_from_mbs_gas_and_slots(ds_config: Mapping[str, Any], slots: int) -> dict[str, int]:
-    """The three batch keys, consistent: ``train_batch_size`` = micro-batch x accumulation x
-    ``slots``. Pure; any rank.
-
-    As Determined's: the micro-batch is ``train_micro_batch_size_per_gpu``; accumulation is
-    ``gradient_accumulation_steps``, 1 when absent or ``"auto"`` (as Hugging Face configs write it).
-
-    Raises:
-        ConfigError: every value of the wrong kind (the micro-batch missing, "auto" or not an
-            integer >= 1; accumulation not an integer >= 1; ``slots`` not an integer >= 1).
+    """The three batch keys, ``train_batch_size`` = micro-batch x accumulation x ``slots``, as Determined's;
+    accumulation 1 when absent or ``"auto"``. Pure; any rank. Raises ConfigError naming every bad value.
 
     Example:
         >>> get_batch_config_from_mbs_gas_and_slots({"train_micro_batch_size_per_gpu": 4,
@@ -265,37 +234,16 @@ def _run_config(given: pathlib.Path, named: Any, overwrites: Mapping[str, Any] |
 
 
 def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any]) -> list[str]:
-    """Hugging Face command-line arguments that follow the run's DeepSpeed config. Any rank (each
-    rank may call it; all get the same list).
-
-    The run's config is the JSON of ``--deepspeed``, or, when ``hparams["deepspeed_config"]``
-    names another file (as inside a toolkit dsat trial, whose hyperparameters name the trial's
-    own config), that one; with ``hparams["overwrite_deepspeed_args"]`` merged in. Then, as
-    Determined's helper:
-
-    * ``--per_device_train_batch_size`` takes ``train_micro_batch_size_per_gpu`` and
-      ``--gradient_accumulation_steps`` takes ``gradient_accumulation_steps``, each set where
-      given (``--flag V`` or ``--flag=V``, either spelling) and appended where not; a value
-      ``"auto"`` or absent from the config leaves the flag as it is;
-    * without ``overwrite_deepspeed_args`` and with ``--deepspeed`` already the run's config,
-      the arguments are returned unchanged.
-
-    Unlike Determined, which rewrote the ``--deepspeed`` file in place, a merged config goes to
-    a new file (in ``TOOLKIT_OUTPUT_DIR`` when set, else beside the original) that ``--deepspeed``
-    then names: the user's JSON, shared by every trial here, is never changed.
-
-    Returns:
-        A new list; ``args`` is not modified.
+    """Hugging Face arguments (a new list) that follow the run's DeepSpeed config. Any rank; all get the
+    same list. The config is ``--deepspeed``'s JSON, or ``hparams["deepspeed_config"]`` when it names
+    another (a dsat trial's own), with ``overwrite_deepspeed_args`` merged. As Determined's,
+    ``--per_device_train_batch_size`` and ``--gradient_accumulation_steps`` are set (or appended) from
+    it, an ``"auto"`` or absent value leaving the flag; unlike Determined's, a merged config goes to a
+    new file that ``--deepspeed`` then names (the user's JSON, shared by every trial, is never changed).
 
     Raises:
-        ConfigError: ``overwrite_deepspeed_args`` is given but ``--deepspeed`` is not among the
-            arguments, or the config cannot be merged (malformed JSON, a source that is not a
-            mapping).
-        FileNotFoundError: a named JSON file is missing.
-        TypeError: ``args`` is a string, not a list of arguments.
-
-    Example: ``args = dsat.get_hf_args_with_overwrites(sys.argv[1:], hparams)``, then
-    ``HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(args)``.
+        ConfigError: overwrites without ``--deepspeed``, or a config that cannot be merged.
+        FileNotFoundError: a named JSON is missing. TypeError: ``args`` is a string.
     """
     if isinstance(args, str):
         raise TypeError(f"args={args!r:.80}: expected a list of arguments such as sys.argv[1:]")

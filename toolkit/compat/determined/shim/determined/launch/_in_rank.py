@@ -1,17 +1,9 @@
 """``python3 -m determined.launch.torch_distributed|deepspeed CMD...`` run by a rank of ``toolkit.run``.
 
-When the wrapper is the entrypoint's first command, ``python -m toolkit.run`` unwraps it and starts
-one process per slot itself (:mod:`toolkit.launch.wrappers`). When a script started by the
-entrypoint calls it (``entrypoint: bash launch.sh``), toolkit.run has already started that script
-once per slot, under torchrun: each such process is a Determined container of one slot, whose
-wrapper would start one worker. So the wrapper here becomes that worker: it replaces itself
-(``exec``) with the command, in the rank's environment, marked as a wrapped worker (the script
-that called it is then spared the preemption signal, as Determined never signals its launcher)
-and no longer as a container of its own (:func:`toolkit.compat.determined.get_cluster_info` then
-sees the ranks of one container, as behind the first-command wrapper).
-
-Any process (one rank). Started any other way (no ``LOCAL_RANK``), it says to run the experiment
-through ``python -m toolkit.run`` and exits 2.
+Called from a script the entrypoint runs (``entrypoint: bash launch.sh``): the wrapper becomes this
+rank's worker, ``exec`` of the command, marked wrapped (docs/design-determined.md#wrap_rank-and-the-shim).
+As the entrypoint's first command toolkit.run unwraps it instead (:mod:`toolkit.launch.wrappers`).
+Any process (one rank); started outside a rank (no ``LOCAL_RANK``) it exits 2, naming toolkit.run.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""The contract between the autotuner and a trial: the trial file and the result file.
-
-The ``TOOLKIT_*`` variables every trial process is started with (the trial file is named by
-``TOOLKIT_DSAT_TRIAL``) are the core library's, in :mod:`toolkit.runtime.trial_env`. The trial's
-code imports this module; it imports nothing of the tuner.
-
-The result file (JSON, written atomically by the trial's chief, or by a rank that ran out of
-memory)::
-
-    {"trial_id": 3, "status": "ok" | "oom" | "failed" | "mismatch", "metrics": {...METRICS...},
-     "profile": {...ProfileInfo...} | null, "timed_steps": 10 (ok only),
-     "engine": {...tuned_keys.engine_summary...} (what the engine ran; ok and mismatch),
-     "error": "..." (oom / failed / mismatch)}
+"""The contract between the autotuner and a trial: the trial file (:class:`TrialContract`, named by
+``TOOLKIT_DSAT_TRIAL``, one of :mod:`toolkit.runtime.trial_env`'s variables) and the result file,
+written atomically by the trial's chief or by a rank out of memory (its fields:
+docs/design-dsat-search.md#inside-a-trial). The trial's code imports this module; it imports nothing
+of the tuner.
 """
 
 from __future__ import annotations
@@ -57,10 +49,8 @@ PROGRESS_FILE = "progress.json"
 
 
 def clip_error(text: str | None, *, where: str = "") -> str | None:
-    """``text`` cut to :data:`MAX_ERROR_CHARS` (its head and its tail), saying how much was cut. Pure.
-
-    ``where`` names the file holding the whole text (e.g. the trial's ``result.json``).
-    """
+    """``text`` cut to :data:`MAX_ERROR_CHARS` (its head and its tail), saying how much was cut and that
+    ``where`` (e.g. the trial's ``result.json``) holds the whole. Pure."""
     if text is None or len(text) <= MAX_ERROR_CHARS:
         return text
     half = MAX_ERROR_CHARS // 2
@@ -81,38 +71,18 @@ class TrialStatus(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class ProfileInfo:
-    """What a profiling trial measured (the first at micro-batch 1), or the memory model's
-    calibrated view of two of them (:func:`toolkit.dsat.search.calibration.calibrate`).
+    """What a profiling trial measured (the first at micro-batch 1), or the memory model's calibrated view of
+    two of them (:func:`toolkit.dsat.search.calibration.calibrate`); how each is measured and used:
+    docs/design-dsat-search.md#the-memory-model and #inside-a-trial.
 
-    Attributes:
-        num_params: all parameters of the model.
-        trainable_params: parameters with ``requires_grad``.
-        activation_bytes_per_example: memory per example (bytes): as measured by a trial, the
-            outputs of the leaf modules (a lower bound: backward temporaries and allocator slack
-            are not seen); calibrated, the slope of the measured peak memory per example.
-        memory_per_slot: bytes available per slot: the GPU's total memory, or on CPU the
-            ``--memory-per-slot`` budget.
-        baseline_bytes: memory used per slot besides model state and per-example memory (CUDA
-            context, or on CPU interpreter + libraries; calibrated: the peak's intercept at
-            micro-batch 0); the memory model subtracts it.
-        half_precision: fp16 or bf16 enabled in the user's config.
-        device: ``"cuda"`` or ``"cpu"``.
-        micro_batch: the micro-batch the trial ran (0 in a record older than this field).
-        peak_bytes: the largest rank's peak memory over the trial's training steps: on CPU its
-            peak resident size (``VmHWM``, reset before the first step), on GPU PyTorch's peak
-            reserved memory plus what PyTorch does not hold (CUDA context, communication
-            buffers); 0 where not measured.
-        startup_peak_bytes: the largest rank's peak memory before the first step (imports, model
-            construction, ``deepspeed.initialize``), measured the same way; 0 where not measured.
-            A start-up near the budget makes verdicts at small micro-batches flip.
-        calibrated: the per-example and baseline figures come from two trials' peaks.
-        stage_extra_bytes: per ZeRO stage (key: the stage as a string), the peak memory that a
-            profiling trial at that stage measured beyond the calibrated line and the model-state
-            formula (ZeRO-3's gather buffers, a stage's own buckets); the memory model subtracts it.
-            A positive extra is stored referred to the calibration micro-batch (the calibrated
-            profile's ``micro_batch`` and ``peak_bytes`` are that trial's) and grows in proportion
-            beyond the point where it was measured; a negative one is fixed.
-    """
+    Sizes are bytes. ``activation_bytes_per_example``: measured, the leaf modules' outputs per example
+    (a lower bound); calibrated, the slope of the peak per example. ``memory_per_slot``: the GPU's
+    memory, or the CPU budget. ``baseline_bytes``: per slot besides model state and examples
+    (calibrated: the peak's intercept at micro-batch 0). ``micro_batch``: 0 in records older than the
+    field. ``peak_bytes``, ``startup_peak_bytes``: the largest rank's peak over the training steps and
+    before the first step (0: not measured). ``stage_extra_bytes``: by stage (as a string), the peak a
+    stage's point measured beyond the line and the formula; a positive one referred to the calibration
+    micro-batch, growing in proportion beyond its point, a negative one fixed."""
 
     num_params: int
     trainable_params: int
@@ -137,12 +107,9 @@ class ProfileInfo:
 
     @classmethod
     def problem(cls, data: Any) -> str | None:
-        """What is wrong with a profile as parsed from JSON (a result file, a record), or None. Pure.
-
-        Counts are integers >= 0 (a JSON ``bool`` is not one), the flags booleans, ``device``
-        ``"cpu"`` or ``"cuda"``, ``stage_extra_bytes`` an object of integers; the four fields
-        without a default are required.
-        """
+        """What is wrong with a profile as parsed from JSON (a result file, a record), or None: counts
+        integers >= 0 (not ``bool``), flags booleans, ``device`` cpu or cuda; the fields without a
+        default required. Pure."""
         if not is_mapping(data):
             return f"expected an object with the profiling trial's measurements, got {type(data).__name__}"
         required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
@@ -167,18 +134,10 @@ class ProfileInfo:
 
 @dataclasses.dataclass(frozen=True)
 class TrialContract:
-    """The JSON file named by ``TOOLKIT_DSAT_TRIAL``, read inside the trial's processes.
-
-    Steps ``start_profile_step`` to ``end_profile_step`` are always timed. When they span less
-    than ``timed_window_s`` seconds (short steps: one measurement over a second or two of a
-    shared machine is noisy), the trial times more steps, as many as the steps so far predict
-    the window needs, up to ``last_profile_step`` (None: ``end_profile_step``, no more). A loop
-    that ends after ``end_profile_step`` reports the steps it timed.
-
-    ``ds_config``: the trial's own DeepSpeed config file (its engine is checked against it; None:
-    not checked); ``merge_config``: merge its tuned keys over a config the script gives
-    ``deepspeed.initialize`` (:mod:`toolkit.dsat.trial.engine_hook`).
-    """
+    """The JSON file named by ``TOOLKIT_DSAT_TRIAL``, read inside the trial's processes: which steps to
+    time (``start_profile_step`` to ``end_profile_step``, more up to ``last_profile_step`` while they
+    span less than ``timed_window_s``; None: no more), the trial's ``ds_config`` its engine is checked
+    against (None: not checked), and ``merge_config`` (:mod:`toolkit.dsat.trial.engine_hook`)."""
 
     trial_id: int
     result_path: str
@@ -212,17 +171,10 @@ class TrialContract:
 
 def trial_hparams(hparams: Mapping[str, Any], *, ds_config: Mapping[str, Any],
                   ds_config_path: str | os.PathLike[str]) -> dict[str, Any]:
-    """What ``TOOLKIT_TRIAL_HPARAMS`` holds for a run with ``ds_config``: the one place it is made.
-
-    The experiment's hyperparameters (deep-copied, never mutated) with ``deepspeed_config`` set to
-    ``ds_config_path`` (the run's complete DeepSpeed JSON), ``overwrite_deepspeed_args`` removed
-    (already merged into it) and ``global_batch_size``, where the user names one, set to the
-    config's ``train_batch_size``. Pure; autotuner process only (trials read the file).
-
-    Example::
-
-        hparams = trial_hparams(plan.hparams, ds_config=config, ds_config_path=trial_dir / "ds_config.json")
-    """
+    """What ``TOOLKIT_TRIAL_HPARAMS`` holds for a run with ``ds_config``, the one place it is made: the
+    hyperparameters (deep-copied) with ``deepspeed_config`` = ``ds_config_path``, without
+    ``overwrite_deepspeed_args`` (merged already), and a ``global_batch_size`` the user names set to the
+    config's ``train_batch_size``. Pure; autotuner process only (trials read the file)."""
     out = copy.deepcopy(dict(hparams))
     out.pop("overwrite_deepspeed_args", None)
     if "global_batch_size" in out and "train_batch_size" in ds_config:

@@ -34,17 +34,9 @@ FULL_RUN_TIMEOUT_S = 7 * 24 * 3600.0
 
 def run_full_experiment(plan: Plan, outcome: SearchOutcome, *, say: Callable[[str], None] = print,
                         timeout_s: float = FULL_RUN_TIMEOUT_S) -> int:
-    """Launch the entrypoint with the best config; return its exit status.
-
-    The script runs as it would by hand, with ``best_ds_config.json`` where the trials had theirs:
-    ``toolkit.get_hparams``'s ``deepspeed_config``, the entrypoint's ``--deepspeed_config`` /
-    ``--deepspeed``, and merged over the config the script gives ``deepspeed.initialize`` (its tuned
-    keys, as in a trial: :mod:`toolkit.dsat.trial.engine_hook`). It trains for
-    ``searcher.max_length`` steps of the experiment config (the script reads it).
-    The best config carries the global batch of the search's policy (kept: the user's own); when
-    that is not the batch the user's config implies, the last line says so again
-    (``outcome.batch_notice``), since the search's own closing lines are far above by then.
-    """
+    """Launch the entrypoint once with ``best_ds_config.json`` where the trials had theirs, for
+    ``searcher.max_length`` steps; return its exit status. The last line repeats a global batch change
+    (``outcome.batch_notice``). Rank 0 only (docs/design-dsat-runner.md#the-autotuners-process)."""
     directory = plan.output_dir / "full_experiment"
     directory.mkdir(parents=True, exist_ok=True)
     best_path = plan.output_dir / "best_ds_config.json"

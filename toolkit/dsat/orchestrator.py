@@ -80,13 +80,9 @@ def best_metrics_record(metrics: Mapping[str, Any], *, trial_id: int, metric: st
                         global_batch: Mapping[str, Any], trial: str | None = None,
                         measurements: Mapping[str, Any] | None = None,
                         own_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """``best_ds_metrics.json`` as Determined's dsat wrote it: the best trial's metrics at the top
-    level (``{"throughput": ..., "FLOPS_per_gpu": ...}``), with :data:`BEST_METRICS_EXTRA_KEYS`
-    beside them: ``trial_id`` (the trial at the best configuration's median; its directory is
-    ``trials/trial_<trial_id>``), ``trial`` (its name as shown: ``p1`` for a profiling trial),
-    ``measurements`` (the configuration's values of the metric, their median and trials),
-    ``own_config`` (the user's own config's measurement beside it). A metric of the trial never
-    gives way to an extra key. Pure; any rank."""
+    """``best_ds_metrics.json`` as Determined's dsat wrote it: the best trial's metrics at the top level,
+    with :data:`BEST_METRICS_EXTRA_KEYS` beside them (docs/dsat.md#outputs-and-exit-status); a metric
+    of the trial never gives way to an extra key. Pure; any rank."""
     values = (trial_id, trial if trial is not None else str(trial_id), metric, dict(global_batch),
               dict(measurements or {}), dict(own_config or {}))
     extras = dict(zip(BEST_METRICS_EXTRA_KEYS, values, strict=True))
@@ -329,13 +325,9 @@ class Autotuner:
                                    max_trials=max(self.plan.search.max_trials - extra, 2))
 
     def _time_cap(self) -> int | None:
-        """The largest micro-batch no trial is predicted to run past the trial timeout with: the
-        step time on the line through the profiling trials' (:func:`step_time_line`; the first
-        alone, scaled in proportion, when it is the only one), and the first one's start-up.
-        None: no cap.
-
-        With the global batch kept and a timed step that spans the accumulation steps (more than
-        one micro-batch per step), a step's examples do not grow with the micro-batch: no cap."""
+        """The largest micro-batch no trial is predicted to run past the trial timeout with, from the
+        profiling trials' step times (:func:`step_time_line`) and the first one's start-up; None: no cap
+        (also when a step's examples do not grow: :meth:`Plan.step_grows_with_micro_batch`)."""
         runner, profiled = self.plan.runner, self.results[0]
         latency = float(profiled.metrics.get("latency") or 0.0)
         if not self.plan.step_grows_with_micro_batch(profiled):
@@ -411,10 +403,9 @@ class Autotuner:
 
     def _confirm(self, runner: TrialRunner, events: list[dict[str, Any]]) -> None:
         """Re-run the ``--confirm`` best configurations, one after the other, until each has
-        :data:`~toolkit.dsat.search.confirm.CONFIRM_MEASUREMENTS` trials (their own budget, beside
-        ``--max-trials``), so that the best is picked by a median (:meth:`_conclude`); a later one
-        only while it could still win (:func:`~toolkit.dsat.search.confirm.next_to_confirm`). The
-        ids follow the search's; a resumed search keeps the re-runs it recorded."""
+        :data:`~toolkit.dsat.search.confirm.CONFIRM_MEASUREMENTS` trials (beside ``--max-trials``), a
+        later one only while it could still win; ids follow the search's, and a resumed search keeps its
+        re-runs (docs/design-dsat-search.md#the-confirmation)."""
         metric, top = self.plan.search.metric, self.plan.confirm
         if self._broken():
             return

@@ -1,26 +1,5 @@
-"""What the autotuner leaves in its output directory, and the event log that ``--resume`` reads.
-
-Layout of ``OUTPUT_DIR``::
-
-    dsat_search.json       the settings of the search (checked on --resume; search.json before)
-    events.jsonl           append-only log: one "start" and one "result" line per trial
-    profile.json           the profiling numbers and the memory model's prediction
-    trials.jsonl           one record per finished trial: trial (its name: p1, p2, ... for the
-                           profiling trials), role (profiling, tuning, own or re-run), config, status,
-                           metrics, duration; trial_id is the internal id (profiling: 0 and below)
-    trials.csv             the same as a table
-    best_ds_config.json    the best DeepSpeed config: complete, no autotuning leftovers
-    best_ds_metrics.json   its metrics at the top level (Determined's shape), with trial_id, trial,
-                           metric, measurements (the best configuration's values and median) and
-                           global_batch (the user's batch, the best's, and any change) beside them
-    tensorboard/           each trial's metrics, with its config in TensorBoard's HParams view, and
-                           the curves per ZeRO config against the micro-batch (toolkit.dsat.tensorboard);
-                           a "mismatch" trial measured another config: not there
-    trials/trial_<id>/     each trial's ds_config.json, hparams.json, logs (trial.log, ranks/,
-                           launcher.log), progress.json, result, and script_config.json: the
-                           config its script gave deepspeed.initialize
-    full_experiment/       with --run-full-experiment: the run with the best config
-
+"""What the autotuner leaves in its output directory (the layout: docs/dsat.md#outputs-and-exit-status),
+and the event log that ``--resume`` reads (docs/design-dsat-runner.md#output-files-and-the-event-log).
 Rank 0 only: everything here runs in the autotuner's own process.
 """
 
@@ -80,12 +59,8 @@ def _finite_metrics(metrics: Any) -> str | None:
 
 
 def event_problem(event: Any) -> str | None:
-    """What is wrong with one parsed line of ``events.jsonl``, or None. Pure.
-
-    A "start" line holds ``trial_id``, ``observed_before`` (an integer >= 0) and the trial's
-    ``spec``; a "result" line the trial's :class:`TrialResult` (an OK result with the five
-    finite metrics; a profile, where there is one, as :meth:`ProfileInfo.problem` wants it).
-    """
+    """What is wrong with one parsed line of ``events.jsonl`` (a "start" line: ``trial_id``,
+    ``observed_before`` >= 0, ``spec``; a "result" line: a checked :class:`TrialResult`), or None. Pure."""
     if not isinstance(event, dict):
         return f"expected a JSON object, got {type(event).__name__}"
     kind, trial_id = event.get("event"), event.get("trial_id")
@@ -126,13 +101,9 @@ def event_problem(event: Any) -> str | None:
 
 
 class EventLog:
-    """Append-only JSON-lines log of trial starts and results, fsynced per line.
-
-    A crash can cut the last line short; :meth:`read` ignores a torn final line (it was never
-    acknowledged) and the next :meth:`append` removes it. Any other damaged line is a
-    ConfigError naming the line and how to repair the log: a prefix of the log is always a
-    valid search (one interrupted there), so keeping the lines before it makes ``--resume`` work.
-    """
+    """Append-only JSON-lines log of trial starts and results, fsynced per line. A torn final line is
+    ignored and removed by the next :meth:`append`; any other damaged line is a ConfigError naming the
+    line and its repair (docs/design-dsat-runner.md#output-files-and-the-event-log)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -251,10 +222,8 @@ def _record(result: TrialResult) -> dict[str, Any]:
 
 def write_trial_tables(output_dir: Path, results: Iterable[TrialResult], *,
                        overrides: Callable[[TrialSpec], Mapping[str, Any]] | None = None) -> None:
-    """Rewrite trials.jsonl and trials.csv from all finished trials (the profiling trials first,
-    in the order they ran, then the others by id).
-
-    ``overrides``: a trial's ``ds_overrides`` in trials.jsonl (default: ``spec.ds_overrides()``;
+    """Rewrite trials.jsonl and trials.csv from all finished trials, the profiling trials first in the
+    order they ran. ``overrides``: a trial's ``ds_overrides`` there (default ``spec.ds_overrides()``;
     the orchestrator adds the batch triple the global batch policy gave the trial)."""
     ordered = sorted(results, key=_order)
     records = [_record(r) for r in ordered]

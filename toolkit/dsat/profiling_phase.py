@@ -1,15 +1,8 @@
-"""The autotuner's profiling phase: the profiling trials and the memory model they calibrate.
-
-The micro-batch-1 profiling trial, the calibration trial at ``k``, one trial per searched stage
-at half its predicted boundary, ``profile.json`` with the prediction and the start-up and step
-peaks of micro-batch 1 against the budget, and at the end the boundary the trials found beside
-them. The decisions (where to measure, how a measurement changes the model) are the pure
-functions of :mod:`toolkit.dsat.search.calibration` and :mod:`toolkit.dsat.search.memory`; this
-runs the trials, through the autotuner's ``run_trial`` (start one trial, wait, record it).
-Profiling trials are shown as ``p1``, ``p2``, ... in the order they ran (their ids stay 0 and
-below: the first is 0, calibration -1 and -2, stage points -10 - stage and -20 - stage).
-The trials after the first count in ``--max-trials`` and stop where one tuning trial is left.
-Rank 0 only (the autotuner's own process).
+"""The autotuner's profiling phase: runs the profiling trials (through the autotuner's ``run_trial``)
+whose measurements calibrate the memory model, and writes ``profile.json``. The decisions are
+:mod:`toolkit.dsat.search.calibration`'s and :mod:`toolkit.dsat.search.memory`'s; the trials, their ids
+and labels: docs/design-dsat-runner.md#the-autotuners-process. The trials after the first count in
+``--max-trials`` and stop where one tuning trial is left. Rank 0 only (the autotuner's own process).
 """
 
 from __future__ import annotations
@@ -92,16 +85,10 @@ def record_boundaries(out: Path, results: list[TrialResult], say: Callable[[str]
 
 
 class ProfilingPhase:
-    """The profiling trials of one search. Rank 0 only.
-
-    Args:
-        plan: the search's plan.
-        out: the output directory (``profile.json``).
-        say: where progress lines go.
-        run_trial: runs one trial to its end and records it (the autotuner's).
-        keep: records a result reused from the event log (``--resume``) without running it.
-        events: the event log so far (a resumed search's profiling trials that succeeded are reused).
-    """
+    """The profiling trials of one search, for ``plan``, writing ``out/profile.json``, progress lines to
+    ``say``. ``run_trial`` runs one trial to its end and records it; ``keep`` records a result reused
+    from ``events`` (the event log so far: ``--resume`` reuses the profiling trials that succeeded).
+    Rank 0 only."""
 
     def __init__(self, plan: Plan, *, out: Path, say: Callable[[str], None],
                  run_trial: Callable[[TrialSpec], TrialResult], keep: Callable[[TrialResult], None],
@@ -181,15 +168,9 @@ class ProfilingPhase:
 
     def _stage_extras(self, spec: TrialSpec, profile: ProfileInfo,
                       measured: list[dict[str, Any]]) -> ProfileInfo:
-        """``profile`` with each searched stage's measured extra: one profiling trial per stage
-        (id -10 - stage) at half its predicted boundary (``calibration.stage_point_micro_batch``;
-        after an out-of-memory there, once more at the calibration point, id -20 - stage), the
-        stage's own ZeRO section built on the calibration trial's. The calibrated stage comes
-        first, when its point lies above the calibration point: the line is refitted through k
-        and that point (``calibration.refit``), which becomes k for the others. A stage that
-        runs out of memory at a
-        micro-batch is predicted to fit one example less at most; one that fails is left to the
-        formula."""
+        """``profile`` with each searched stage's measured extra, one profiling trial per stage at half its
+        predicted boundary (``calibration.stage_point_micro_batch``), its ZeRO section built on the
+        calibration trial's; ids, order and retries: docs/design-dsat-runner.md#the-autotuners-process."""
         dp, at_most = self.plan.data_parallel_size, self._point_cap(spec)
         for stage in sorted(set(self.plan.search.zero_stages), key=lambda s: s != spec.stage):  # profiled 1st
             k = int(profile.micro_batch)  # the calibration point (the profiled stage's point once refitted)

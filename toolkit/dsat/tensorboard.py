@@ -1,13 +1,6 @@
-"""dsat's TensorBoard run (``OUTPUT_DIR/tensorboard``): one run per trial, and curves per ZeRO config.
-
-``trial_<name>/``: the trial's config (HParams view), metrics and peak memory at step = its
-micro-batch. ``curves/stage_<s>[_offload_...][_line_<n>]/``: per ZeRO configuration
-(:func:`curve_names`), step = the micro-batch, ``metrics/<metric>`` of each trial that measured
-it and ``memory/peak_MiB`` (``_oom``: judged out of memory); ``curves/<stage>_predicted/`` the
-memory model's peak (from ``profile.json``) and ``curves/budget/`` the memory per slot, on the
-same chart. Rewritten whole after each trial (:func:`toolkit.metrics.tb_events.write_run`), so
-the points draw in micro-batch order; what each holds: docs/dsat.md (Watching a search).
-Autotuner process only. Example::
+"""dsat's TensorBoard run (``OUTPUT_DIR/tensorboard``): one run per trial, and curves per ZeRO config
+against the micro-batch, rewritten whole after each trial (:func:`toolkit.metrics.tb_events.write_run`).
+The runs and tags: docs/design-dsat-runner.md#tensorboard. Autotuner process only. Example::
 
     tensorboard --logdir runs/dsat/tensorboard      # Scalars: metrics/throughput, memory/peak_MiB
 """
@@ -68,12 +61,8 @@ def _grid(tried: Iterable[int], also: int | None) -> list[int]:
 
 def curve_series(results: Iterable[TrialResult], *, profile: ProfileInfo | None, data_parallel_size: int,
                  memory_only: Callable[[TrialSpec], bool] = lambda spec: False) -> dict[str, Series]:
-    """Every curve run's scalars: run name -> tag -> ``(micro-batch, value)`` points. Pure.
-
-    ``memory_only``: a profiling trial whose metrics are not the configuration's (its global
-    batch not kept): a point of the memory curve only. Failed, timed-out (and mismatched) trials
-    are no points.
-    """
+    """Every curve run's scalars: run name -> tag -> ``(micro-batch, value)`` points. ``memory_only``: a
+    profiling trial that is a point of the memory curve only; failed, timed-out, mismatched: none. Pure."""
     runs: dict[str, Series] = {}
     tried: dict[str, tuple[TrialSpec, set[int]]] = {}
     results = list(results)
@@ -111,13 +100,8 @@ def curve_series(results: Iterable[TrialResult], *, profile: ProfileInfo | None,
 
 
 class TensorBoardTrials:
-    """Writes ``OUTPUT_DIR/tensorboard``. Autotuner process only.
-
-    Args:
-        log_dir: the TensorBoard directory.
-        data_parallel_size, memory_only: the search's (for the predicted lines, and which
-            profiling trials measured no configuration: :meth:`toolkit.dsat.tuning_plan.Plan.memory_only`).
-    """
+    """Writes ``log_dir``. ``data_parallel_size``, ``memory_only``: the search's (the predicted lines, and
+    :meth:`toolkit.dsat.tuning_plan.Plan.memory_only`). Autotuner process only."""
 
     def __init__(self, log_dir: Path, *, data_parallel_size: int = 1,
                  memory_only: Callable[[TrialSpec], bool] = lambda spec: False) -> None:

@@ -280,15 +280,8 @@ def _output_dir_problem(output_dir: Path, *, resume: bool) -> str | None:
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
-    """Check every input and build the :class:`~toolkit.dsat.tuning_plan.Plan`. Launches nothing.
-
-    Each value is checked once, where its rule lives (the experiment loader, the settings, or
-    here for what involves several inputs); every problem is collected and raised together.
-    Autotuner process only.
-
-    Raises:
-        UsageError: listing every problem found, in the user's words (flags, config keys).
-    """
+    """Check every input, once, where its rule lives, and build the :class:`~toolkit.dsat.tuning_plan.Plan`;
+    launches nothing. UsageError listing every problem in the user's words. Autotuner process only."""
     from toolkit.dsat.tuning_plan import Plan
 
     problems: list[str] = []

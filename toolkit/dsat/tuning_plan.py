@@ -1,8 +1,6 @@
-"""What the autotuner was asked to do (:class:`Plan`) and the DeepSpeed config of each trial.
-
-Pure values and functions: :func:`trial_ds_config` is the one place a trial's (and the best
-trial's) complete DeepSpeed config is made, following the global batch policy. Rank 0 only by
-use (the autotuner's process). Example::
+"""What the autotuner was asked to do (:class:`Plan`) and the DeepSpeed config of each trial
+(:func:`trial_ds_config`, the one place it is made, under the global batch policy). Pure; the
+autotuner's process. Example::
 
     config = trial_ds_config(plan.base_ds_config, spec, data_parallel_size=2, train_batch_size=64)
 """
@@ -42,39 +40,16 @@ CONFIG_SOURCES = ("hyperparameters.deepspeed_config", "hyperparameters", "entryp
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Everything the autotuner was asked to do, checked before anything is launched.
-
-    Attributes:
-        config_path: the experiment YAML.
-        experiment: the loaded experiment config.
-        base_ds_config: the user's DeepSpeed config (file + overwrite_deepspeed_args), unresolved.
-        hparams: the experiment's hyperparameters.
-        data_parallel_size: replicas per trial (``hyperparameters.data_parallel_world_size`` or
-            ``resources.slots_per_trial``).
-        search: the search method's settings.
-        runner: how trials are launched and limited.
-        output_dir: where everything is written.
-        resume: continue the search recorded in ``output_dir``.
-        run_full_experiment: after the search, train with the best config.
-        memory_per_slot: bytes per slot given to the memory model (CPU budget; on GPU the
-            profiling trial's measurement wins).
-        global_batch: the global batch policy (keep the user's ``train_batch_size``, fix it, or
-            free it); every trial and the best config follow it.
-        hidden_size: ``hyperparameters.hidden_size``, which resolves ZeRO's "auto" sizes.
-        confirm: after the search, the best this many configurations are re-run until each has
-            :data:`~toolkit.dsat.search.confirm.CONFIRM_MEASUREMENTS` trials, and the best is
-            picked by the median (``--confirm``; the re-runs are not counted in ``--max-trials``);
-            0: the best single measurement.
-        config_source: one of :data:`CONFIG_SOURCES`.
-        config_flag: the entrypoint's config flag and the path it names, e.g. ``("--deepspeed_config",
-            "ds_config.json")``; None: none.
-        awaiting_config: the script builds its config in code and no trial has recorded it yet:
-            ``base_ds_config`` is empty until the first profiling trial's record
-            (:meth:`with_base_config`).
-        global_batch_flag: ``--global-batch`` as given (the policy is derived again from it then).
-        own_config: after the search, measure the user's config as written when no trial did
-            (``--no-own-config``: False).
-    """
+    """Everything the autotuner was asked to do, checked before anything is launched; most fields are
+    dsat's flags or the experiment's. ``base_ds_config``: the user's DeepSpeed config (file +
+    ``overwrite_deepspeed_args``), unresolved, empty while ``awaiting_config`` (the script builds it in
+    code and no trial recorded it yet: :meth:`with_base_config`). ``data_parallel_size``:
+    ``hyperparameters.data_parallel_world_size`` or ``resources.slots_per_trial``. ``memory_per_slot``:
+    the memory model's budget (on GPU the profiling trial's measurement wins). ``global_batch``: the
+    policy every trial and the best follow (``global_batch_flag``: ``--global-batch`` as given);
+    ``hidden_size`` resolves ZeRO's "auto" sizes; ``confirm``: ``--confirm``; ``config_source``: one of
+    :data:`CONFIG_SOURCES`; ``config_flag``: the entrypoint's config flag and path, or None;
+    ``own_config``: measure the user's config as written when no trial did."""
 
     config_path: Path
     experiment: Mapping[str, Any]
@@ -97,13 +72,9 @@ class Plan:
     own_config: bool = True
 
     def with_base_config(self, base: Mapping[str, Any]) -> "Plan":
-        """This plan with ``base`` as the user's config: the global batch policy, the searched
-        ZeRO section and micro-batches derived from it as the CLI derives them. Pure.
-
-        Raises:
-            ConfigError: ``base`` breaks a rule of ``validate_ds_config``, or no micro-batch keeps
-                its global batch.
-        """
+        """This plan with ``base`` as the user's config, the global batch policy, searched ZeRO section and
+        micro-batches derived as the CLI derives them. ConfigError: ``base`` breaks a rule of
+        ``validate_ds_config``, or no micro-batch keeps its global batch. Pure."""
         dp, device = self.data_parallel_size, "cpu" if self.runner.gpus is None else "cuda"
         validate_ds_config(as_written(base), device=device, data_parallel_size=dp)
         policy = global_batch_policy(self.global_batch_flag, user_train_batch_size=base.get(TBS))
@@ -167,25 +138,17 @@ class Plan:
                            data_parallel_size=self.data_parallel_size)
 
     def step_grows_with_micro_batch(self, profiled: TrialResult) -> bool:
-        """Whether a timed step's examples grow with the micro-batch: not when the global batch is
-        kept and the profiling trial's timed step spanned its accumulation steps (more than one
-        micro-batch per step): then every step is ``train_batch_size`` examples. The first
-        profiling trial runs one micro-batch per step (:meth:`memory_only`), so it cannot tell:
-        then the steps are taken to grow. Near the timeout that cap may be too low (by up to the
-        accumulation steps of the profiling trials on its line); no cap could let trials run past
-        the timeout instead."""
+        """Whether a timed step's examples grow with the micro-batch: not when the global batch is kept and
+        the profiling trial's timed step spanned its accumulation steps (then the trial timeout caps no
+        micro-batch: docs/design-dsat-runner.md#the-autotuners-process)."""
         latency = float(profiled.metrics.get("latency") or 0.0)
         micro_per_step = (float(profiled.metrics.get("throughput") or 0.0) * latency / 1000.0
                           / self.data_parallel_size / max(profiled.spec.micro_batch, 1))
         return self.global_batch.train_batch_size is None or micro_per_step <= 1.5
 
     def resume_problem(self) -> str | None:
-        """Why ``--resume`` cannot continue the search recorded in ``output_dir``, or None.
-
-        A search continues only with the settings it was recorded with (:meth:`fingerprint`),
-        and from a log every line of which can be replayed (a damaged line is named with how
-        to repair the log: :class:`~toolkit.dsat.output_files.EventLog`). Reads; writes nothing.
-        """
+        """Why ``--resume`` cannot continue the search recorded in ``output_dir`` (settings other than
+        :meth:`fingerprint`'s, or a damaged event log, named with its repair), or None. Reads only."""
         path = search_file(self.output_dir)
         try:
             events = EventLog(self.output_dir / "events.jsonl").read()
@@ -256,12 +219,10 @@ def as_written(base: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def memory_only(spec: TrialSpec, *, train_batch_size: int | None, data_parallel_size: int) -> bool:
-    """Whether trial ``spec`` runs without the kept global batch ``train_batch_size`` (None: free,
-    nothing to keep): a profiling trial whose micro-batch cannot keep it, or the first one
-    (micro-batch 1), which would keep it with ``train_batch_size / data_parallel_size``
-    accumulation steps: the search's longest steps, flops profile included, for a config that is
-    never the best (384 steps made it 2.2x the next profiling trial on bench_dsat). Its memory does
-    not depend on the accumulation; it is not a result of the search. Pure.
+    """Whether trial ``spec`` runs without the kept global batch ``train_batch_size`` (None: free): a
+    profiling trial whose micro-batch cannot keep it, or the first (micro-batch 1, whose accumulation
+    steps would only slow it: docs/design-dsat-runner.md#the-autotuners-process). Its memory does not
+    depend on the accumulation; it is not a result of the search. Pure.
 
     >>> first = TrialSpec(0, 1, {"stage": 1}, profile=True)
     >>> [memory_only(first, train_batch_size=n, data_parallel_size=2) for n in (768, 2, None)]
@@ -275,17 +236,8 @@ def memory_only(spec: TrialSpec, *, train_batch_size: int | None, data_parallel_
 
 def trial_ds_config(base_ds_config: Mapping[str, Any], spec: TrialSpec, *, data_parallel_size: int,
                     train_batch_size: int | None = None, hidden_size: int | None = None) -> dict[str, Any]:
-    """The complete DeepSpeed config of a trial (or of the best trial): pure.
-
-    The trial's ZeRO section replaces the user's whole (the searcher built it on the user's,
-    dropping what its stage cannot run); the micro-batch is the trial's. With a global batch
-    (``train_batch_size``: the policy keep or N) the accumulation is derived so that
-    ``train_batch_size = micro_batch * accumulation * data_parallel_size``; without (free), the
-    accumulation stays the user's (1 when unset or "auto") and ``train_batch_size`` is derived.
-    ZeRO's "auto" sizes are resolved from ``hidden_size`` (HF's rule), else DeepSpeed's defaults.
-    A profiling trial that measures memory, not speed (:func:`memory_only`) runs with
-    accumulation 1 (the least work per step).
-    """
+    """The complete DeepSpeed config of a trial (or of the best trial), under the global batch policy;
+    the rules: docs/design-dsat-runner.md#the-autotuners-process. Pure."""
     config = overwrite_deepspeed_config(base_ds_config, {MBS: spec.micro_batch})
     config["zero_optimization"] = copy.deepcopy(dict(spec.zero))
     if memory_only(spec, train_batch_size=train_batch_size, data_parallel_size=data_parallel_size):

@@ -1,35 +1,7 @@
-"""The argv that starts a job (a dsat trial, a run of ``python -m toolkit.run``) on this machine:
-pure logic, no processes.
-
-A job is the experiment's own ``entrypoint`` (``python3 train.py --flag``) started on N local
-processes by torchrun or by DeepSpeed's launcher, with a master port of its own.
-
-Decisions (documented here because tests compare argv lists exactly):
-
-* A leading Python interpreter (``python``, ``python3``, ``python3.11``, ``/usr/bin/python3``)
-  is dropped, together with a ``-u`` after it: both launchers start each rank with this
-  process's own interpreter (``sys.executable``). ``python3 -m pkg.train`` becomes the
-  launcher's module mode. Any other interpreter option is an error (the launchers cannot pass it on).
-* An entrypoint that is not Python (``./train.sh``, ``bash run.sh``) is started as is, through
-  the launcher's no-python mode.
-* An entrypoint that already names a launcher (``torchrun ...``, ``python3 -m
-  torch.distributed.run ...``, ``deepspeed ...``, ``python3 -m deepspeed.launcher.runner ...``)
-  is parsed with that launcher's own argument parser; its options (process counts, hosts,
-  ports) are replaced by the job's, and its script, arguments and module / no-python mode
-  are kept. Determined's ``determined.launch.*`` wrappers are unwrapped
-  (:mod:`toolkit.launch.wrappers`): the command they wrap is what the job runs.
-* ``deepspeed`` runs ``deepspeed.launcher.launch`` directly, the per-node launcher that
-  DeepSpeed's ``deepspeed`` command itself runs for a single host: no hostfile lookup, no
-  ssh/pdsh, no device count (which is the number of NUMA nodes on CPU). ``--world_info``
-  lists the local slots (``{"localhost": [0, 1]}``, or the GPU ids of ``include``), which the
-  launcher writes into ``CUDA_VISIBLE_DEVICES`` of each rank. ``--no_local_rank``: the rank
-  comes from the environment (``LOCAL_RANK``), as under torchrun, so scripts need no
-  ``--local_rank`` argument.
-
-Across hosts, dsat builds its own argv (:mod:`toolkit.dsat.execution.multihost_argv`) from
-:func:`parse_entrypoint`.
-
-Example::
+"""The argv that starts a job (a dsat trial, a run of ``python -m toolkit.run``) on this machine with
+torchrun or DeepSpeed's launcher: pure, no processes. Called by both runners; across hosts dsat builds
+its own (:mod:`toolkit.dsat.execution.multihost_argv`). Tests compare the lists exactly; the rules:
+docs/design-dsat-runner.md#the-argv. Example::
 
     >>> build_trial_argv(["python3", "train.py", "--flag"], launcher="torchrun", nproc=2,
     ...                  master_port=29511)[3:]
@@ -69,13 +41,8 @@ _DEEPSPEED_MODULES = ("deepspeed.launcher.runner",)
 
 
 def world_info(include: str | None, nproc: int) -> str:
-    """DeepSpeed's ``--world_info``: base64 of ``{"localhost": [slot ids]}``. Any process.
-
-    Args:
-        include: ``"localhost:2,3"`` (DeepSpeed's ``--include`` syntax, one host) or None for
-            slots ``0..nproc-1``.
-        nproc: processes to start; must match the number of ids in ``include``.
-    """
+    """DeepSpeed's ``--world_info``: base64 of ``{"localhost": [slot ids]}``, the ids of ``include``
+    (``"localhost:2,3"``, one host, one id per process) or ``0..nproc-1`` when None. Any process."""
     if include is None:
         slots = list(range(nproc))
     else:
@@ -149,18 +116,12 @@ def _check_entrypoint(entrypoint: Sequence[str]) -> None:
 
 
 def parse_entrypoint(entrypoint: Sequence[str]) -> tuple[str, str, list[str]]:
-    """``(mode, target, args)`` of an entrypoint, a launcher it names stripped. Pure; any process.
+    """``(mode, target, args)`` of an entrypoint, a launcher it names stripped: ``mode`` is ``"script"``,
+    ``"module"`` (``python -m target``) or ``"exec"`` (not Python). ConfigError: it cannot be launched
+    (interpreter options, Determined's Trial API, ...). Pure; any process.
 
-    ``mode`` is ``"script"`` (``target`` a Python file), ``"module"`` (``python -m target``) or
-    ``"exec"`` (a program that is not Python); ``args`` are the user's arguments.
-
-    Raises:
-        ConfigError: the entrypoint cannot be launched (empty, not a list of strings, interpreter
-            options, Determined's Trial API).
-
-    Example:
-        >>> parse_entrypoint(["python3", "-u", "train.py", "--lr", "0.1"])
-        ('script', 'train.py', ['--lr', '0.1'])
+    >>> parse_entrypoint(["python3", "-u", "train.py", "--lr", "0.1"])
+    ('script', 'train.py', ['--lr', '0.1'])
     """
     _check_entrypoint(entrypoint)
     return _unwrap_launcher(*_split_entrypoint(entrypoint), entrypoint)
@@ -168,33 +129,13 @@ def parse_entrypoint(entrypoint: Sequence[str]) -> tuple[str, str, list[str]]:
 
 def build_trial_argv(entrypoint: Sequence[str], *, launcher: str, nproc: int, master_port: int,
                      include: str | None = None, rank_logs: os.PathLike[str] | None = None) -> list[str]:
-    """The argv that starts ``entrypoint`` on ``nproc`` local processes. Pure; any process.
+    """The argv (from ``sys.executable``, never run through a shell) that starts ``entrypoint`` (a list:
+    :func:`toolkit.config.experiment.entrypoint_argv`) on ``nproc`` local processes meeting on
+    ``master_port``. Pure; any process.
 
-    Args:
-        entrypoint: the experiment's entrypoint as an argv list, e.g. ``["python3", "train.py"]``
-            (see :func:`toolkit.config.experiment.entrypoint_argv`).
-        launcher: ``"torchrun"`` or ``"deepspeed"``.
-        nproc: processes (slots) of the trial.
-        master_port: the trial's own rendezvous port on 127.0.0.1.
-        include: ``deepspeed`` only: the GPU ids as ``"localhost:2,3"``; under torchrun GPUs are
-            chosen with ``CUDA_VISIBLE_DEVICES`` alone, so passing it there is an error.
-        rank_logs: a directory where the launcher writes each rank's output to files of its own
-            (:func:`toolkit.launch.output.rank_log_options`); None: the ranks inherit its output.
-
-    Returns:
-        A new argv list starting with ``sys.executable``; never run through a shell.
-
-    Raises:
-        ConfigError: the entrypoint cannot be launched (empty, interpreter options,
-            Determined's launcher).
-        ValueError: a bad ``launcher``, ``nproc``, ``master_port`` or ``include``.
-
-    Example::
-
-        argv = build_trial_argv(["python3", "train.py"], launcher="deepspeed", nproc=2,
-                                master_port=29512, include="localhost:0,1")
-        subprocess.Popen(argv, start_new_session=True)       # the runner does this
-    """
+    ``include``: deepspeed only, the GPU ids (``"localhost:2,3"``); ``rank_logs``: where the launcher
+    writes each rank's output (None: the ranks inherit its own). ConfigError: an entrypoint that cannot
+    be launched; ValueError: a bad argument."""
     _check_entrypoint(entrypoint)
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher={launcher!r}: expected one of {', '.join(LAUNCHERS)}")

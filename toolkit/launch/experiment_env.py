@@ -1,17 +1,7 @@
-"""Determined's ``environment.environment_variables``: the variables every rank of a trial gets.
-
-Determined set them in each container of the trial before the entrypoint started; here
-``python -m toolkit.run`` and dsat's trial runner put them into the launcher's environment, so
-every rank (and whatever it starts) inherits them. Two forms, as Determined 0.38 read them::
-
-    environment:
-      environment_variables: [MY_FLAG=1, "NCCL_DEBUG=INFO"]
-    environment:
-      environment_variables: {cpu: [MY_FLAG=1], cuda: [MY_FLAG=2, NCCL_DEBUG=INFO]}
-
-Each entry is ``NAME=VALUE`` (split at the first ``=``; the value may be empty). The dict form
-picks the list of this machine's device (``cuda`` with a GPU, else ``cpu``; ``rocm`` is accepted
-and used by neither). Pure; any process.
+"""Determined's ``environment.environment_variables``: the variables every rank of a trial gets, put
+into the launcher's environment by ``python -m toolkit.run`` and dsat's runner. Both forms (a list, or
+a mapping by device): docs/design-dsat-runner.md#determineds-environment-variables-and-trial-files.
+Pure; any process.
 """
 
 from __future__ import annotations
@@ -78,16 +68,12 @@ def environment_variables_problems(config: Mapping[str, Any]) -> list[str]:
 
 
 def environment_variables(config: Mapping[str, Any], *, device: str) -> dict[str, str]:
-    """The variables of ``environment.environment_variables`` for ``device`` (``cpu`` or ``cuda``). Pure.
+    """The variables of ``environment.environment_variables`` for ``device`` (``cpu`` or ``cuda``);
+    ConfigError naming every malformed entry or form. Pure.
 
-    Raises:
-        ConfigError: an entry that is not ``NAME=VALUE``, a form that is neither a list nor a
-            mapping of device names to lists; every problem named.
-
-    Example:
-        >>> environment_variables({"environment": {"environment_variables": {"cpu": ["A=1"],
-        ...                        "cuda": ["A=2"]}}}, device="cuda")
-        {'A': '2'}
+    >>> environment_variables({"environment": {"environment_variables": {"cpu": ["A=1"],
+    ...                        "cuda": ["A=2"]}}}, device="cuda")
+    {'A': '2'}
     """
     found, problems = _parse(config, device)
     if problems:

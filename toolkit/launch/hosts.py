@@ -1,10 +1,6 @@
-"""Hosts and slots across machines: DeepSpeed's hostfile, a Slurm allocation, and where a trial goes.
-
-Slots come from ``--hostfile`` (``worker-0 slots=4``), else the Slurm allocation
-(``SLURM_JOB_NODELIST`` with ``SLURM_GPUS_PER_NODE``, else the tasks or CPUs per node), else this
-machine alone. :func:`place_trial` puts a trial on the fullest host that fits, else over as few
-hosts as possible; slot ids are per host (``--include host:ids``, ``CUDA_VISIBLE_DEVICES``).
-How dsat uses them: docs/multi-node.md. Pure; the runner's process. Example::
+"""Hosts and slots across machines: DeepSpeed's hostfile, a Slurm allocation, and where a trial goes
+(:func:`place_trial`). For the runners' slot pool; pure, the runner's process. The rules:
+docs/design-dsat-runner.md#slots; how dsat uses them: docs/multi-node.md. Example::
 
     >>> hosts = parse_hostfile("localhost slots=2\\n127.0.0.1 slots=2\\n")
     >>> place_trial({h.name: tuple(range(h.slots)) for h in hosts}, 3)
@@ -33,12 +29,7 @@ _HOST_RE = re.compile(r"^(\S+)\s+slots\s*=\s*(\S+)\s*$")
 
 @dataclasses.dataclass(frozen=True)
 class Host:
-    """One machine and how many trial processes (slots) it takes.
-
-    Attributes:
-        name: host name or address, as ssh / pdsh / srun reach it.
-        slots: processes (GPUs) a trial may use there, >= 1.
-    """
+    """One machine (``name`` as ssh, pdsh and srun reach it) and the trial processes (``slots``) it takes."""
 
     name: str
     slots: int
@@ -51,12 +42,8 @@ class Host:
 
 
 def parse_hostfile(text: str, *, source: str = "hostfile") -> tuple[Host, ...]:
-    """Hosts of a DeepSpeed hostfile's text (``name slots=N`` per line, ``#`` comments). Any process.
-
-    Raises:
-        ConfigError: naming ``source`` and the line: a malformed line, slots < 1, a host given
-            twice, or no host at all.
-    """
+    """Hosts of a DeepSpeed hostfile's text (``name slots=N`` per line, ``#`` comments). ConfigError naming
+    ``source`` and the line: malformed, slots < 1, a host twice, or no host. Any process."""
     hosts: list[Host] = []
     problems: list[str] = []
     seen: dict[str, int] = {}
@@ -88,11 +75,7 @@ def parse_hostfile(text: str, *, source: str = "hostfile") -> tuple[Host, ...]:
 
 
 def read_hostfile(path: str | os.PathLike[str]) -> tuple[Host, ...]:
-    """Read and parse a hostfile (see :func:`parse_hostfile`). Any process.
-
-    Raises:
-        ConfigError: the file cannot be read, or its content is malformed (file and line named).
-    """
+    """Read and parse a hostfile (:func:`parse_hostfile`); ConfigError: unreadable or malformed."""
     try:
         text = read_text(path, what="hostfile")
     except (OSError, ValueError) as err:  # the loader's ConfigError: over its size, not UTF-8
@@ -101,15 +84,8 @@ def read_hostfile(path: str | os.PathLike[str]) -> tuple[Host, ...]:
 
 
 def expand_slurm_nodelist(nodelist: str) -> list[str]:
-    """Every host of a Slurm node list, in order, without calling ``scontrol``. Any process.
-
-    ``node[01-03,7]`` -> ``node01 node02 node03 node7`` (zero padding kept),
-    ``gpu-a[1-2],gpu-b7`` -> ``gpu-a1 gpu-a2 gpu-b7``; one bracket group per name
-    (:func:`toolkit.runtime.launch_env.parse_slurm_nodelist`).
-
-    Raises:
-        ConfigError: an empty or malformed list, named.
-    """
+    """Every host of a Slurm node list, in order, zero padding kept, without ``scontrol``: ``node[01-03,7]``
+    -> ``node01 node02 node03 node7``; ConfigError when empty or malformed. Any process."""
     hosts = parse_slurm_nodelist(nodelist)
     if hosts is None:
         raise ConfigError(f"SLURM node list {nodelist!r} cannot be parsed; expected e.g. "
@@ -118,11 +94,7 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
 
 
 def expand_slurm_counts(text: str) -> list[int]:
-    """Slurm's per-node counts: ``'2(x3),1'`` -> ``[2, 2, 2, 1]``. Any process.
-
-    Raises:
-        ConfigError: a malformed value, named.
-    """
+    """Slurm's per-node counts: ``'2(x3),1'`` -> ``[2, 2, 2, 1]``; ConfigError when malformed. Any process."""
     counts = parse_slurm_counts(text)
     if counts is None:
         raise ConfigError(f"Slurm count list {text!r} cannot be parsed; expected e.g. '2(x3),1'")
@@ -136,14 +108,9 @@ def _gpus_per_node(text: str) -> int | None:
 
 
 def slurm_hosts(environ: Mapping[str, str] | None = None) -> tuple[Host, ...] | None:
-    """The hosts of the current Slurm allocation, or None outside one. Any process.
-
-    Slots per node: ``SLURM_GPUS_PER_NODE`` (GPU jobs), else ``SLURM_TASKS_PER_NODE`` (the usual
-    ``--ntasks-per-node`` = slots convention), else ``SLURM_JOB_CPUS_PER_NODE``.
-
-    Raises:
-        ConfigError: the allocation's variables are malformed or disagree (named).
-    """
+    """The hosts of the current Slurm allocation, or None outside one; slots per node from
+    ``SLURM_GPUS_PER_NODE``, else ``SLURM_TASKS_PER_NODE``, else ``SLURM_JOB_CPUS_PER_NODE``.
+    ConfigError: those variables malformed or disagreeing. Any process."""
     env = os.environ if environ is None else environ
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not nodelist:
@@ -177,11 +144,8 @@ def local_names() -> frozenset[str]:
 
 
 def is_local_host(name: str, *, names: frozenset[str] | None = None) -> bool:
-    """True when ``name`` is this machine (a loopback address or one of ``names``). Pure.
-
-    Such a host is launched without ssh, by a local launcher. Loopback aliases (``localhost``,
-    ``127.0.0.1``) in one hostfile are the same machine: useful for testing placement.
-    """
+    """True when ``name`` is this machine (a loopback address or one of ``names``), which is launched
+    without ssh; loopback aliases in one hostfile are one machine (handy to test placement). Pure."""
     try:
         if ipaddress.ip_address(name).is_loopback:
             return True
@@ -192,16 +156,9 @@ def is_local_host(name: str, *, names: frozenset[str] | None = None) -> bool:
 
 def place_trial(free: Mapping[str, Sequence[int]], slots: int, *, uniform: bool = False
                 ) -> dict[str, tuple[int, ...]] | None:
-    """Choose the slots of one trial: host -> slot ids, or None when it does not fit now. Pure.
-
-    Args:
-        free: the free slot ids of each host, in hostfile order.
-        slots: slots the trial needs.
-        uniform: the same number of slots on every host used (``srun --ntasks-per-node``).
-
-    One host when one has room (the one with the fewest free slots that suffice; ties: the
-    first); otherwise the hosts with the most free slots first, as few hosts as possible.
-    """
+    """The slots of one trial, host -> slot ids, from ``free`` (each host's free ids, in hostfile order), or
+    None when it does not fit now: one host when one has room (the fewest free slots that suffice),
+    else as few hosts as possible, the roomiest first; ``uniform``: the same count on each (srun). Pure."""
     order = list(free)
     fits = [h for h in order if len(free[h]) >= slots]
     if fits:

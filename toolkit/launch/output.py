@@ -1,10 +1,6 @@
-"""A job's output by trial and rank: files per rank, one labelled log per trial, the console.
-
-Shared by dsat's trial runner and ``python -m toolkit.run``; launcher process only. The launcher
-writes each rank's output to files under ``<trial dir>/ranks/`` (:func:`rank_log_options`), its
-own to ``launcher.log``; an :class:`OutputPump` thread follows them into ``trial.log`` (``[rank N]
-text``) and the console (``[<trial> rank N] text``, unless ``--quiet``). Files, not pipes: a rank
-never blocks on this process. Where each log is: docs/troubleshooting.md. Example::
+"""A job's output by trial and rank: files per rank, one labelled log per trial, the console. Shared by
+dsat's trial runner and ``python -m toolkit.run``; launcher process only. The files and why not pipes:
+docs/design-dsat-runner.md#output-by-trial-and-rank. Example::
 
     pump = OutputPump(trial_dir, label="trial 3", echo=True, fresh=True)
     argv = build_trial_argv(entrypoint, launcher="torchrun", nproc=2, master_port=port,
@@ -47,8 +43,7 @@ _console_lock = threading.Lock()
 
 def rank_log_options(launcher: str, directory: Path) -> list[str]:
     """The options that make ``launcher`` write each rank's output to files under ``directory``:
-    torchrun's ``--log-dir D --redirects 3`` (``D/<run id>/attempt_N/<rank>/stdout.log``,
-    ``stderr.log``), DeepSpeed's ``--enable_each_rank_log=D`` (``D/<time>_rank<R>.log``, both)."""
+    torchrun's ``--log-dir D --redirects 3``, DeepSpeed's ``--enable_each_rank_log=D``."""
     if launcher == "torchrun":
         return ["--log-dir", str(directory), "--redirects", "3"]
     if launcher == "deepspeed":
@@ -116,18 +111,11 @@ class _Source:
 
 
 class OutputPump:
-    """Follows a trial's launcher and rank files; writes ``trial.log`` and the console. Launcher
-    process only; one per trial (or per run of ``toolkit.run``), its own thread.
-
-    Args:
-        directory: the trial's directory (created).
-        label: how the console names the trial (``"trial 3"``, ``"trial-0001"``); None: ranks only.
-        echo: write the lines to this process's stdout (ranks' stdout) and stderr (the rest).
-        echo_launcher: also the launcher's own lines (dsat shows them only at a failure's end).
-        fresh: a new trial: the files of an earlier run in ``directory`` go; otherwise what they
-            hold is kept and not shown again (a resumed run appends).
-        tail: the recent lines of the ranks (and of the launcher) kept for :meth:`last_lines`.
-    """
+    """Follows a trial's launcher and rank files into ``trial.log`` and, with ``echo``, the console (the
+    launcher's lines too with ``echo_launcher``), naming the trial ``label`` (None: ranks only).
+    ``fresh``: an earlier run's files in ``directory`` go, else they are kept and not shown again;
+    ``tail``: the recent lines kept for :meth:`last_lines`. Launcher process only; one per trial (or
+    per run of ``toolkit.run``), in its own thread."""
 
     def __init__(self, directory: Path, *, label: str | None, echo: bool, fresh: bool,
                  echo_launcher: bool = True, tail: int = 20) -> None:

@@ -1,13 +1,6 @@
-"""Processes of trials and runs: find them by their marker, kill them all, run one job to its end.
-
-torchrun starts each worker in a session of its own (``start_new_session=True`` in torch's
-subprocess handler), so killing a launcher's process group does not reach its workers, and a
-SIGKILLed launcher leaves them orphaned. Every process dsat and ``python -m toolkit.run`` start
-therefore carries a marker in its environment (``TOOLKIT_DSAT_TRIAL`` for trials,
-``TOOLKIT_DSAT_RUN`` or toolkit.run's own mark for other runs); this module finds processes by
-that marker and by parentage in ``/proc``.
-
-Launcher process only (dsat's autotuner, toolkit.run: not part of any training job).
+"""Processes of trials and runs: find them by their marker and parentage in ``/proc``, kill them all,
+run one job to its end. Launcher process only (dsat's autotuner, toolkit.run). Why a marker and not the
+process group: docs/design-dsat-runner.md#processes-marked-found-and-killed.
 """
 
 from __future__ import annotations
@@ -60,15 +53,9 @@ def scan_processes() -> dict[int, tuple[int, bytes]]:
 def find_trial_processes(trial_file: str | os.PathLike[str], *, root: int | None = None, prefix: bool = False,
                          variable: str = TRIAL_ENV, table: Mapping[int, tuple[int, bytes]] | None = None
                          ) -> set[int]:
-    """Pids of the live processes of one trial: its mark in their environment, or below ``root``.
-
-    Args:
-        trial_file: the trial's ``trial.json`` (the value of ``TOOLKIT_DSAT_TRIAL``).
-        root: the launcher's pid (not yet reaped); its descendants count even without the mark.
-        prefix: match every mark that starts with ``trial_file`` (all trials under a directory).
-        variable: the marking variable (:data:`RUN_ENV` for :func:`run_to_completion`).
-        table: a process snapshot from a previous scan (internal).
-    """
+    """Pids of the live processes of one trial: its mark ``variable=trial_file`` in their environment
+    (``prefix``: any mark starting so, all trials under a directory), or below ``root``, the launcher's
+    pid while not reaped. ``table``: a snapshot from :func:`scan_processes` (internal)."""
     mark = b"\0" + f"{variable}={os.fspath(trial_file)}".encode() + (b"" if prefix else b"\0")
     table = scan_processes() if table is None else table
     found = {pid for pid, (_, env) in table.items() if mark in b"\0" + env + b"\0"}
@@ -88,15 +75,9 @@ def find_trial_processes(trial_file: str | os.PathLike[str], *, root: int | None
 
 
 def is_rank_process(environ: bytes) -> bool:
-    """Whether a process (by its ``/proc/PID/environ``) is a rank or was started by one.
-
-    Every launcher we start trials with (torchrun, ``deepspeed.launcher.launch``) sets
-    ``LOCAL_RANK`` for its workers, and their children inherit it. The launcher itself has none,
-    and neither has a child it has forked but not yet exec'd: until ``execve`` such a child still
-    shows the launcher's environment, and its VmRSS is the launcher's (shared pages after
-    ``fork``, the very same memory after ``vfork``). Counting that instant against the per-slot
-    budget once failed a trial whose workers were tiny (the RSS was that of torchrun's own imports).
-    """
+    """Whether a process (by its ``/proc/PID/environ``) is a rank or was started by one: it has
+    ``LOCAL_RANK``, which the launcher and a child forked but not yet exec'd lack, so neither counts
+    against the per-slot budget (docs/design-dsat-runner.md#processes-marked-found-and-killed)."""
     return b"\0LOCAL_RANK=" in b"\0" + environ
 
 
@@ -149,25 +130,11 @@ def free_port() -> int:
 
 def run_to_completion(argv: list[str], *, cwd: Path, env: Mapping[str, str] | None = None, log_dir: Path,
                       timeout_s: float, nproc: int = 1, grace_s: float = 10.0) -> int:
-    """Run one job that is not a trial (``--run-full-experiment``) to its end. Autotuner process only.
-
-    Like a trial it runs in a session of its own with ``stdout.log``/``stderr.log`` in
-    ``log_dir``, marked (:data:`RUN_ENV`) so that every process it starts is found and killed
-    when it times out, when the autotuner is interrupted (Ctrl-C: killed, then the interrupt is
-    re-raised), and when its launcher exits leaving orphans.
-
-    Args:
-        argv: from :func:`toolkit.launch.argv.build_trial_argv`; never run through a shell.
-        cwd: working directory (the model directory).
-        env: variables added to this process's environment; ``TOOLKIT_OUTPUT_DIR`` defaults to
-            ``log_dir/output`` so that the job never touches the user's own runs.
-        log_dir: created if missing.
-        timeout_s: wall-clock limit.
-        nproc: processes the launcher starts (sets the default ``OMP_NUM_THREADS``).
-
-    Returns:
-        The launcher's exit status: negative for a signal; 124 when it ran past ``timeout_s``.
-    """
+    """Run one job that is not a trial (``--run-full-experiment``) to its end, marked with :data:`RUN_ENV`
+    like a trial, logs in ``log_dir``, every process killed at ``timeout_s``, on an interrupt (re-raised
+    after) or when its launcher leaves orphans. Autotuner process only. ``argv``: from
+    :func:`toolkit.launch.argv.build_trial_argv`; ``env``: added to this process's. Returns the exit
+    status (negative: a signal; 124: past ``timeout_s``)."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     mark = str(log_dir.resolve())

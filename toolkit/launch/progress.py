@@ -1,8 +1,4 @@
-"""A search's rough time left, for dsat's and ``python -m toolkit.run``'s progress lines. Pure.
-
-Example: ``remaining_text([40.0, 44.0], remaining=6, concurrency=2)`` is
-``"up to 6 more trials, about 2.1 min left"``.
-"""
+"""A search's rough time left, for dsat's and ``python -m toolkit.run``'s progress lines. Pure."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Which slots the running trials hold: the pool dsat's runner and ``python -m toolkit.run`` share.
-
-Pure bookkeeping, no processes, no time limits. One scheme per kind of machine: the hosts'
-free slot ids (``--hostfile``, a Slurm allocation; a trial placed with
-:func:`~toolkit.launch.hosts.place_trial`), this machine's free GPU ids, or CPU slots (counted
-by the caller, nothing handed out). The runner's process only (dsat's or toolkit.run's).
-
-Example::
+Pure bookkeeping of hosts, GPUs or CPU slots (docs/design-dsat-runner.md#slots); the runner's process
+only. Example::
 
     pool = SlotPool(slots_per_trial=2, gpus=(0, 1, 2, 3))
     held = pool.take(trial_id=3)          # Slots(gpus=(0, 1))

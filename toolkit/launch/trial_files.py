@@ -1,11 +1,6 @@
-"""What ``python -m toolkit.run`` and the Determined layer of its trials share: the trial record and
-the files and variables of a search's handshake.
-
-The runner writes ``<output_dir>/determined_trial.json`` (the trial's ids and its sampled values,
-:func:`record_hparams`) and every rank reads it (``det.get_cluster_info()``); a search's trial
-reports into its directory (:data:`PROGRESS_FILE`, :data:`EARLY_EXIT_FILE`, :data:`OPS_FILE`)
-and its chief waits for the runner's answer (:data:`ACK_FILE`, :data:`OPS_ACK_FILE`). Any process.
-Example::
+"""What ``python -m toolkit.run`` and the Determined layer of its trials share: the trial record
+(``determined_trial.json``) and the files and variables of a search's handshake
+(docs/design-dsat-runner.md#determineds-environment-variables-and-trial-files). Any process. Example::
 
     record_hparams(out, config)                  # runner: sample once for this output directory
     load_trial_state(out, write=False)["trial_id"]
@@ -63,13 +58,8 @@ def output_dir_for(config: Mapping[str, Any]) -> Path:
 
 
 def load_trial_state(output_dir: Path, *, write: bool) -> dict[str, Any]:
-    """The trial's ids and run count, from ``determined_trial.json`` or derived from the directory.
-
-    Derived ids are the same on every rank (a CRC of the absolute path), so ranks need not
-    agree first; ``write=True`` (chief, or the runner) persists them. When the runner sampled
-    the hyperparameters, the file also holds ``hparams`` and ``hparams_seed`` (see
-    :func:`record_hparams`).
-    """
+    """The trial's ids and run count (and sampled values), from ``determined_trial.json``, else derived
+    from the directory the same on every rank; ``write=True`` (chief, or the runner) persists them."""
     path = output_dir / TRIAL_FILE
     try:
         state = load_json(path, what="trial record")
@@ -93,21 +83,11 @@ def load_trial_state(output_dir: Path, *, write: bool) -> dict[str, Any]:
 
 def record_hparams(output_dir: Path, config: Mapping[str, Any], *, seed: int | None = None,
                    values: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
-    """Sample the YAML's search spaces once for this output directory and record them. Runner only.
-
-    What Determined's master does for every trial (``searcher: single`` too): the values and
-    the seed go into ``determined_trial.json``, which every rank's ``det.get_cluster_info()``
-    reads, so all ranks, restarts and reruns in this directory see the same values and trial id.
-    ``values`` records given values instead (a search's trial), with ``seed`` as the seed the
-    searcher drew them with (``hparams_seed``); without ``values``, ``seed`` defaults to
-    ``reproducibility.experiment_seed``, else a random one. ``trial_seed`` is not this seed: it
-    is derived from the output directory as before (:func:`load_trial_state`). Nothing is
-    recorded (None returned) when the section has no search space and no ``values`` are given.
-
-    Raises:
-        ConfigError: the directory holds values sampled from another search space (a changed
-            YAML): use a new output directory.
-    """
+    """Sample the YAML's search spaces once for this output directory into ``determined_trial.json``, as
+    Determined's master did for every trial, so that all ranks, restarts and reruns see the same values.
+    Runner only. ``values`` (a search's trial) are recorded instead, with the searcher's ``seed``;
+    without, ``seed`` defaults to ``reproducibility.experiment_seed``, else a random one. None: no search
+    space and no ``values``. ConfigError: the directory holds values of another search space."""
     space = config.get("hyperparameters") or {}
     if values is None and not has_search_space(space):
         return None

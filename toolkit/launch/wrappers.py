@@ -1,29 +1,7 @@
-"""Determined's launcher wrappers in an ``entrypoint``, mapped onto torchrun or DeepSpeed's launcher.
-
-Determined experiment YAMLs start multi-slot trials through its own wrappers, which exist only on
-a Determined cluster::
-
-    entrypoint: python3 -m determined.launch.torch_distributed python3 train.py
-    entrypoint: python3 -m determined.launch.torch_distributed --nproc_per_node 1 -- python3 train.py
-    entrypoint: python3 -m determined.launch.deepspeed python3 script.py
-
-:func:`unwrap_launcher` says which launcher the wrapper stands for, the wrapper's own launcher
-arguments and the user's command; ``python -m toolkit.run`` (and dsat) then start that command
-with torchrun or DeepSpeed's launcher. Pure: no process, no file; any process.
-
-Rules, as Determined's wrappers parse their argv:
-
-* ``determined.launch.torch_distributed``: if ``--`` appears, everything before the first ``--``
-  is torchrun override arguments and everything after it is the command; else no overrides.
-* ``determined.launch.deepspeed``: no override section; the rest is the command (a leading
-  ``--``, which Determined would try to execute, is dropped).
-* ``determined.launch.wrap_rank RANK [--] CMD``: only prefixes log lines with the rank on a
-  cluster; here it is the command itself (toolkit's rank logging already names the rank).
-* ``--trial module:Class`` (Determined's Trial API) is not a Core API script: an error.
-
-:func:`entrypoint_launcher` reads the launcher a wrapper stands for without unwrapping (dsat's
-default ``--launcher``). Only the entrypoint's own first command is read: a wrapper run inside a
-shell script (``bash launch.sh``) cannot be seen without running it.
+"""Determined's launcher wrappers (``python3 -m determined.launch.torch_distributed ...``) in an
+``entrypoint``, mapped onto torchrun or DeepSpeed's launcher for ``python -m toolkit.run`` and dsat.
+Pure: no process, no file; any process. The rules, as Determined's wrappers parse their argv:
+docs/design-dsat-runner.md#determineds-launcher-wrappers.
 """
 
 from __future__ import annotations
@@ -87,27 +65,14 @@ def _check_command(entry: Sequence[str], module: str, command: list[str]) -> lis
 
 
 def unwrap_launcher(argv: Sequence[str]) -> tuple[str | None, list[str], list[str]]:
-    """Split an entrypoint into (launcher, the launcher's own args, the user's command). Pure; any process.
+    """``(launcher, its own args, the user's command)`` of an entrypoint argv: ``"torchrun"`` for
+    ``determined.launch.torch_distributed``, ``"deepspeed"`` for ``determined.launch.deepspeed``, None for
+    ``wrap_rank`` or no wrapper (the argv returned unchanged). ConfigError: a wrapper with no command,
+    or ``--trial``; TypeError: a string (``shlex.split`` it first). Pure; any process.
 
-    Args:
-        argv: the entrypoint as an argv list (``shlex.split`` a string entrypoint first).
-
-    Returns:
-        ``("torchrun", overrides, command)`` for ``determined.launch.torch_distributed``,
-        ``("deepspeed", [], command)`` for ``determined.launch.deepspeed``, and
-        ``(None, [], command)`` for ``determined.launch.wrap_rank`` or an entrypoint without
-        a Determined wrapper (returned unchanged).
-
-    Raises:
-        ConfigError: a wrapper with no command, or with ``--trial``.
-        TypeError: ``argv`` is a string, not a list.
-
-    Example:
-        >>> unwrap_launcher(["python3", "-m", "determined.launch.deepspeed", "python3", "script.py"])
-        ('deepspeed', [], ['python3', 'script.py'])
-        >>> unwrap_launcher(["python3", "-m", "determined.launch.torch_distributed",
-        ...                  "--nproc_per_node", "1", "--", "python3", "train.py"])
-        ('torchrun', ['--nproc_per_node', '1'], ['python3', 'train.py'])
+    >>> unwrap_launcher(["python3", "-m", "determined.launch.torch_distributed",
+    ...                  "--nproc_per_node", "1", "--", "python3", "train.py"])
+    ('torchrun', ['--nproc_per_node', '1'], ['python3', 'train.py'])
     """
     if isinstance(argv, str):
         raise TypeError(f"argv={argv!r}: expected a list of arguments; shlex.split() a string entrypoint")
@@ -140,24 +105,11 @@ def unwrap_launcher(argv: Sequence[str]) -> tuple[str | None, list[str], list[st
 
 
 def entrypoint_launcher(entrypoint: str | Sequence[str]) -> tuple[str | None, str]:
-    """The launcher an entrypoint's Determined wrapper stands for, and why. Pure; any process.
+    """The launcher an entrypoint's (a string or a list) Determined wrapper stands for, or None (no wrapper
+    in its first command, or ``wrap_rank``), and why, as a phrase for a log line. Pure; any process.
 
-    Args:
-        entrypoint: the experiment's ``entrypoint``, a string (split as a POSIX shell would) or
-            a list of arguments.
-
-    Returns:
-        ``("deepspeed", reason)`` for ``python3 -m determined.launch.deepspeed ...``,
-        ``("torchrun", reason)`` for ``determined.launch.torch_distributed``, else
-        ``(None, reason)``: no wrapper in the entrypoint's first command (a wrapper inside a
-        shell script such as ``bash launch.sh`` cannot be read without running it), or
-        ``wrap_rank``, which stands for no launcher. ``reason`` is a phrase for a log line.
-
-    Example:
-        >>> entrypoint_launcher("python3 -m determined.launch.deepspeed python3 script.py")[0]
-        'deepspeed'
-        >>> entrypoint_launcher(["bash", "launch.sh"])[0] is None
-        True
+    >>> entrypoint_launcher("python3 -m determined.launch.deepspeed python3 script.py")[0]
+    'deepspeed'
     """
     argv = shlex.split(entrypoint) if isinstance(entrypoint, str) else list(entrypoint)
     module = _wrapper_module(argv)
@@ -170,18 +122,11 @@ def entrypoint_launcher(entrypoint: str | Sequence[str]) -> tuple[str | None, st
 
 
 def torchrun_nproc_override(overrides: Sequence[str]) -> tuple[int | None, list[str]]:
-    """The ``--nproc_per_node`` of torch_distributed's override args, and the args left. Pure.
+    """The ``--nproc_per_node`` among torch_distributed's override args (ConfigError: not an integer
+    >= 1), and the args left, which the caller names as ignored. Pure.
 
-    Toolkit chooses the process count, port and address itself; ``--nproc_per_node N`` (or
-    ``--nproc-per-node``) among Determined's overrides is honoured, the rest is returned so
-    the caller can name what it ignores.
-
-    Raises:
-        ConfigError: the value is not an integer >= 1.
-
-    Example:
-        >>> torchrun_nproc_override(["--nproc_per_node", "1", "--max_restarts", "0"])
-        (1, ['--max_restarts', '0'])
+    >>> torchrun_nproc_override(["--nproc_per_node", "1", "--max_restarts", "0"])
+    (1, ['--max_restarts', '0'])
     """
     nproc: int | None = None
     left: list[str] = []
@@ -207,12 +152,8 @@ def torchrun_nproc_override(overrides: Sequence[str]) -> tuple[int | None, list[
 
 
 def shim_pythonpath(environ: Mapping[str, str]) -> str | None:
-    """``PYTHONPATH`` with the shim directory in front, or None when a real ``determined`` is importable.
-
-    Runner only (the entrypoint's environment). The shim package provides
-    ``determined.launch.wrap_rank`` alone; any other ``determined`` name raises an error saying
-    to swap the import.
-    """
+    """``PYTHONPATH`` with the shim directory in front (it provides ``determined.launch.wrap_rank`` alone),
+    or None when a real ``determined`` is importable. The runner's process (the entrypoint's environment)."""
     if importlib.util.find_spec("determined") is not None and not _is_shim(environ):
         return None
     rest = environ.get("PYTHONPATH", "")

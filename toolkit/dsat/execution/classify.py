@@ -1,34 +1,8 @@
 """How a dsat trial ended, decided from its exit status and its result file, never from its logs.
 
-=========================================  ==============================================
-ran past ``timeout_s``                     TIMEOUT (all its processes killed)
-a worker's peak RSS > ``memory_per_slot``  OOM "peak RSS X MiB exceeded the memory budget ..."
-result ``"oom"``                           OOM (out of memory inside the trial, or its own
-                                           peak RSS above ``memory_per_slot`` on CPU)
-result ``"ok"`` with the 5 metrics, exit 0 OK (the profiling trial also needs its profile)
-unreadable or malformed result             FAILED "corrupt result file: ..." (also: over 256 MiB,
-                                           not UTF-8, a number that is not finite)
-result ``"mismatch"``                      MISMATCH with the trial's own words (its engine ran
-                                           another config; the search stops)
-result ``"ok"`` whose ``engine`` differs   MISMATCH (the engine's summary against the trial's
-from the trial's ``ds_config.json``        ``ds_config.json``, :mod:`toolkit.dsat.tuned_keys`)
-result ``"failed"``, exit 0                FAILED with the trial's own reason
-exit 0 and no result                       FAILED "exited 0 without a result file"
-any other exit                             FAILED "exit status N" / "killed by signal SIGX"
-no result, a stop record                   not a result: :class:`TrialPreempted` stops the
-                                           search as an interruption (``--resume`` reruns it)
-=========================================  ==============================================
-
-The first two rows are the runner's verdicts (:mod:`toolkit.dsat.execution.runner`), passed to
-:func:`classify`. FAILED errors end with the last lines of the trial's output, for display only;
-when those lines say that variables only one launcher sets are missing (``LOCAL_SIZE``,
-``CROSS_RANK``, ``CROSS_SIZE``: DeepSpeed's; ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
-``GROUP_WORLD_SIZE``: torchrun's), the error first names the flag that fixes it
-(:func:`launcher_hint`), also for display only. Autotuner process only.
-
-Example::
-
-    result = classify(spec, directory=trial_dir, code=process.returncode, duration_s=12.5)
+Called by :mod:`toolkit.dsat.execution.runner` once a trial's processes are gone, with the
+runner's own verdict (timeout, memory budget) when it has one. Autotuner process only. The
+decision table: docs/design-dsat-runner.md#how-a-trial-ended.
 """
 
 from __future__ import annotations
@@ -70,9 +44,8 @@ _MISSING = re.compile(r"not set|KeyError|missing", re.IGNORECASE)
 
 
 class TrialPreempted(KeyboardInterrupt):
-    """A trial stopped for a preemption (its ranks agreed on a stop and wrote the stop record)
-    before its result: not a failed configuration. dsat stops as when interrupted (exit 130), and
-    ``--resume`` runs the trial again."""
+    """A trial stopped for a preemption (its ranks wrote the stop record) before its result: not a failed
+    configuration. dsat stops as when interrupted (exit 130); ``--resume`` runs the trial again."""
 
 
 def preemption_of(directory: Path) -> str | None:
@@ -128,12 +101,11 @@ def _read_tail(path: Path) -> str:
 
 
 def launcher_hint(text: str) -> str:
-    """The flag that fixes a trial whose ``text`` (the tail of its stderr) says that variables only
-    one launcher sets are missing, as a sentence; ``""`` when it says no such thing. Pure.
+    """The sentence naming ``--launcher X`` when ``text`` (a trial's stderr tail) says variables only
+    launcher X sets are missing; ``""`` otherwise. Pure.
 
     >>> launcher_hint("LOCAL_SIZE, CROSS_RANK, CROSS_SIZE not set: ...")[-44:]
-    'torchrun does not: pass --launcher deepspeed'
-    """
+    'torchrun does not: pass --launcher deepspeed'"""
     named: dict[str, list[str]] = {}
     for line in text.splitlines():
         if not _MISSING.search(line):
@@ -196,20 +168,9 @@ def _engine_mismatch(engine: Any, ds_config: Path) -> str:
 
 def classify(spec: TrialSpec, *, directory: Path, code: int | None, duration_s: float,
              verdict: tuple[TrialStatus, str] | None = None) -> TrialResult:
-    """How a trial ended, from the runner's verdict, its exit status and its result file.
-
-    Autotuner process only; reads ``directory/result.json`` and, for a FAILED trial, the tail
-    of its log (``trial.log``, or ``stderr.log`` where there is none; display only: the decision
-    never depends on it).
-
-    Args:
-        spec: the trial.
-        directory: the trial's directory.
-        code: the launcher's exit status (negative: killed by that signal); None when it was
-            not reaped within the grace period (never an OK outcome).
-        duration_s: wall time from start to end.
-        verdict: the runner's own ruling (timeout, memory budget), which takes precedence.
-    """
+    """How a trial ended: the runner's ``verdict`` (timeout, memory budget) first, else its exit status
+    ``code`` (None: not reaped in the grace period) and ``directory/result.json``. A FAILED error ends
+    with the tail of the trial's log, for display only. Autotuner process only."""
     def result(status: TrialStatus, error: str | None = None, **kw: Any) -> TrialResult:
         if status is TrialStatus.FAILED and error is not None:
             error += launcher_hint(_read_tail(directory))

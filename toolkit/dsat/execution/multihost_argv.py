@@ -1,37 +1,8 @@
-"""The argv that launches one dsat trial across hosts: pure logic, no processes.
+"""The argv that launches one dsat trial across hosts (pdsh, the MPI runners, srun): pure, no processes.
 
-A trial whose slots are on a host that is not this machine (see
-:mod:`toolkit.launch.hosts`) is started by :func:`build_multihost_argv`; a trial on this
-machine by :func:`toolkit.launch.argv.build_trial_argv`, whose rules for the entrypoint (a
-leading interpreter dropped, a launcher it names stripped, Determined's wrappers unwrapped)
-apply here too. Only :mod:`toolkit.dsat.execution.runner` spawns a trial.
-
-Decisions (documented here because tests compare argv lists exactly):
-
-* ``pdsh``, ``openmpi``, ``mvapich``, ``mpich``, ``impi``: DeepSpeed's own multinode runner,
-  ``python -m deepspeed.launcher.runner --hostfile TRIAL_HOSTFILE`` with the trial's hosts only,
-  ``--master_addr`` its first host, ``--master_port`` its own port, ``--force_multi`` (a single
-  remote host would otherwise be started on this machine) and ``--no_local_rank``; under pdsh also
-  ``--include host:ids@host:ids`` (the slot ids, hence the GPUs, of each host; DeepSpeed's MPI
-  runners refuse ``--include`` and run one process per listed slot). ``ssh_port`` becomes
-  ``--ssh_port``.
-* ``pdsh`` runs that runner through :mod:`toolkit.dsat.execution.pdsh_launch` (the same options):
-  DeepSpeed's own pdsh command joins the arguments, the exported variables and ``cd MODEL_DIR``
-  unquoted into the one line the remote shell runs, so ``;``, ``$(...)`` or a space in them was
-  shell syntax there. :func:`pdsh_remote_command` quotes every word of that line instead, and
-  doubles ``%`` (pdsh replaces ``%h``, ``%u``, ``%n`` and ``%%`` inside quotes too): the script
-  receives its arguments exactly as a local launch does. The remote login shell must be a
-  POSIX shell (sh, bash, dash, zsh).
-* ``srun`` (inside a Slurm allocation): ``srun --nodes N --ntasks T --ntasks-per-node K
-  --nodelist H1,H2 --exact --kill-on-bad-exit=1`` and the rendezvous address in ``--export``;
-  ranks read the Slurm variables (:mod:`toolkit.runtime.launch_env`). srun places tasks by count, so a
-  trial must have the same number of slots on each host (``place_trial(uniform=True)``).
-
-Example::
-
-    >>> build_multihost_argv(["python3", "train.py"], placement={"w0": [0], "w1": [0]}, via="srun",
-    ...                      master_port=29511)[:3]
-    ['srun', '--nodes=2', '--ntasks=2']
+A trial on this machine is :func:`toolkit.launch.argv.build_trial_argv`'s, and only
+:mod:`toolkit.dsat.execution.runner` spawns. Tests compare these lists exactly; the rules:
+docs/design-dsat-runner.md#across-hosts.
 """
 
 from __future__ import annotations
@@ -70,31 +41,12 @@ def _check_placement(placement: Mapping[str, Sequence[int]]) -> None:
 def build_multihost_argv(entrypoint: Sequence[str], *, placement: Mapping[str, Sequence[int]], via: str,
                          master_port: int, hostfile: str | os.PathLike[str] | None = None,
                          ssh_port: int | None = None, gpus: bool = False) -> list[str]:
-    """The argv that starts ``entrypoint`` on the hosts of ``placement``. Pure; any process.
+    """The argv that starts ``entrypoint`` on the hosts of ``placement`` (host -> slot ids in rank
+    order, :func:`toolkit.launch.hosts.place_trial`) through ``via``. Pure; any process.
 
-    Args:
-        entrypoint: as for :func:`toolkit.launch.argv.build_trial_argv`.
-        placement: host -> slot ids, in rank order (from :func:`toolkit.launch.hosts.place_trial`).
-        via: one of :data:`MULTIHOST_LAUNCHERS`.
-        master_port: the trial's own rendezvous port on the first host.
-        hostfile: DeepSpeed runners only: a hostfile listing exactly the placement's hosts with
-            their slot counts (the runner writes one per trial).
-        ssh_port: DeepSpeed runners only: ssh port of the hosts (``--ssh_port``).
-        gpus: ``srun`` only: ask for the slots as GPUs (``--gpus-per-node``).
-
-    Returns:
-        A new argv list; never run through a shell.
-
-    Raises:
-        ConfigError: the entrypoint cannot be launched.
-        ValueError: a bad ``via``, ``placement``, ``master_port``, ``hostfile`` or ``ssh_port``;
-            under srun, unequal slot counts per host.
-
-    Example::
-
-        argv = build_multihost_argv(["python3", "train.py"], placement={"w0": [0, 1], "w1": [0, 1]},
-                                    via="pdsh", master_port=29512, hostfile="trial_7/hostfile")
-    """
+    ``hostfile`` (the trial's hosts alone) and ``ssh_port``: DeepSpeed's runners only; ``gpus``: srun
+    only (``--gpus-per-node``). ConfigError: an entrypoint that cannot be launched; ValueError: a bad
+    argument (under srun, unequal slot counts per host)."""
     if via not in MULTIHOST_LAUNCHERS:
         raise ValueError(f"via={via!r}: expected one of {', '.join(MULTIHOST_LAUNCHERS)}")
     _check_placement(placement)
@@ -159,22 +111,10 @@ def pdsh_remote_command(launcher: Sequence[str], script: Sequence[str], *, cwd: 
                         exports: Mapping[str, str] | None = None, source: str | None = None) -> str:
     """The line pdsh has each host's shell run for one trial, every word quoted. Pure; any process.
 
-    ``[. SOURCE &&] cd -- CWD && export K=V && ... exec LAUNCHER... --node_rank=%n SCRIPT...``:
-    each word (path, value, argument) is quoted for a POSIX shell with :func:`shlex.quote` and
-    its ``%`` doubled, because pdsh replaces ``%n``, ``%h``, ``%u`` and ``%%`` anywhere in the
-    line; only ``--node_rank=%n`` (the host's rank, which DeepSpeed's launcher takes) is pdsh's.
-
-    Args:
-        launcher: DeepSpeed's per-node launcher and its options, e.g. ``[python, "-u", "-m",
-            "deepspeed.launcher.launch", "--world_info=...", ...]``.
-        script: the user's script (or module, or program) and its arguments.
-        cwd: the directory the launcher runs in on each host.
-        exports: variables set for the launcher; names must be shell identifiers.
-        source: a script sourced first (DeepSpeed's ``--venv_script``), or None.
-
-    Raises:
-        ValueError: an empty ``launcher`` or ``script``, or an export name that is not an identifier.
-    """
+    ``[. SOURCE &&] cd -- CWD && export K=V && ... exec LAUNCHER... --node_rank=%n SCRIPT...``: each
+    word :func:`shlex.quote`-d and its ``%`` doubled (pdsh expands ``%n``, ``%h``, ``%u``, ``%%`` even
+    inside quotes); only ``--node_rank=%n`` is pdsh's. ValueError: an empty ``launcher`` or ``script``,
+    or an export name that is not a shell identifier."""
     if isinstance(launcher, str) or isinstance(script, str) or not launcher or not script:
         raise ValueError(f"launcher={launcher!r}, script={script!r}: expected non-empty lists of words")
     bad = [key for key in (exports or {}) if not _ENV_NAME.fullmatch(key)]
@@ -190,25 +130,20 @@ def pdsh_remote_command(launcher: Sequence[str], script: Sequence[str], *, cwd: 
 
 def build_remote_kill_argv(hosts: Sequence[str], *, master_port: int,
                            ssh_port: int | None = None) -> list[str]:
-    """pdsh argv that stops one trial's DeepSpeed launchers on its hosts. Pure; any process.
-
-    DeepSpeed's runner, on SIGTERM, runs ``pkill -f`` on *every* ``deepspeed.launcher.launch``
-    of the hosts, other trials' too; this one matches only the launcher with the trial's own
-    ``--master_port`` (``[d]`` keeps the pattern from matching the remote shell running it).
-    ``deepspeed.launcher.launch`` stops its ranks on SIGTERM.
-    """
+    """pdsh argv that stops only this trial's DeepSpeed launchers on its hosts (DeepSpeed's runner would
+    ``pkill`` every one there, other trials' too); each stops its ranks on SIGTERM. Pure; any process."""
     if isinstance(hosts, str) or not hosts or not all(isinstance(h, str) and h for h in hosts):
         raise ValueError(f"hosts={hosts!r}: expected a non-empty list of host names")
     if not is_int(master_port) or not 1 <= master_port <= 65535:
         raise ValueError(f"master_port={master_port!r}: expected an integer port in 1..65535")
+    # only the launcher with this trial's port; [d] keeps the pattern from matching the remote shell
     pattern = f"'[d]eepspeed.launcher.launch.*--master_port={master_port}( |$)'"
     return ["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts), "pkill", "-TERM", "-f", pattern]
 
 
 def _config_flags(entrypoint: Sequence[str]) -> list[tuple[int, str, str]]:
-    """(index of the path, flag, path) of each DeepSpeed config flag: ``--deepspeed_config PATH``,
-    ``--deepspeed_config=PATH``, HF Trainer's ``--deepspeed PATH`` / ``--deepspeed=PATH`` (a value
-    naming a ``.json``, DeepSpeed's autotuner's rule: alone, ``--deepspeed`` is DeepSpeed's switch)."""
+    """(index of the path, flag, path) of each DeepSpeed config flag: ``--deepspeed_config[=]PATH``, and
+    HF Trainer's ``--deepspeed[=]PATH`` when it names a ``.json`` (alone it is DeepSpeed's switch)."""
     found = []
     words = list(entrypoint)
     for i, word in enumerate(words):
@@ -237,8 +172,8 @@ def config_flag(entrypoint: Sequence[str]) -> tuple[str, str] | None:
 
 
 def with_config_flag(entrypoint: Sequence[str], path: str | os.PathLike[str]) -> list[str]:
-    """``entrypoint`` with every DeepSpeed config flag (:func:`config_flag`) naming ``path``; a new
-    list, the rest unchanged. dsat's trials only (``python -m toolkit.run`` keeps the user's argv). Pure.
+    """``entrypoint`` (a new list) with every DeepSpeed config flag (:func:`config_flag`) naming ``path``.
+    dsat's trials only (``python -m toolkit.run`` keeps the user's argv). Pure.
 
     >>> with_config_flag(["python3", "train.py", "--deepspeed_config=ds.json", "--lr", "1"], "/t/ds.json")
     ['python3', 'train.py', '--deepspeed_config=/t/ds.json', '--lr', '1']

@@ -1,21 +1,11 @@
-"""DeepSpeed's multinode runner whose pdsh command quotes every word: ``python -m`` this module.
+"""DeepSpeed's multinode runner with a pdsh command whose every word is quoted: ``python -m`` this module.
 
-DeepSpeed's ``PDSHRunner.get_cmd`` joins ``export K=V;`` (values double-quoted only when they
-hold unusual characters, so ``$(...)`` and backquotes still ran), ``cd MODEL_DIR;`` and the
-script's arguments (double-quoted only when they hold a space) into the one line pdsh has each
-host's shell run: an entrypoint argument ``--note=a;touch${IFS}X`` ran ``touch`` on the host.
+DeepSpeed's ``PDSHRunner.get_cmd`` joins exports, ``cd`` and the script's arguments, half-quoted,
+into the line each host's shell runs, so ``;`` or ``$(...)`` in them ran there.
 :class:`QuotedPDSHRunner` builds that line with
-:func:`toolkit.dsat.execution.multihost_argv.pdsh_remote_command` instead; everything else is DeepSpeed's
-runner unchanged (its options, hostfile, ssh check, exported variables, ``DS_ENV_FILE``).
-Its kill command on SIGTERM stops only this trial's launchers
-(:func:`~toolkit.dsat.execution.multihost_argv.build_remote_kill_argv`), not every DeepSpeed launcher of
-the hosts. dsat's trial runner starts it (:func:`~toolkit.dsat.execution.multihost_argv.build_multihost_argv`
-with ``via="pdsh"``); nothing imports it.
-
-Example::
-
-    python -m toolkit.dsat.execution.pdsh_launch --hostfile trial_7/hostfile --include w0:0,1@w1:0,1 \\
-        --master_addr w0 --master_port 29512 --launcher pdsh --force_multi --no_local_rank train.py --x
+:func:`~toolkit.dsat.execution.multihost_argv.pdsh_remote_command`, and its kill command stops only
+this trial's launchers; the rest is DeepSpeed's runner. Started by dsat's runner (``via="pdsh"``);
+nothing imports it. How: docs/design-dsat-runner.md#across-hosts.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """Run dsat trials as real processes: launch, watch, classify, and leave nothing behind.
 
-The only module of toolkit that spawns trials. Each trial is the experiment's entrypoint started by
-torchrun or DeepSpeed's launcher (:func:`toolkit.launch.argv.build_trial_argv`) on its
-slots, in ``output_dir/trials/trial_<id>/`` (``ds_config.json``, ``hparams.json``, ``trial.json``,
-logs (:mod:`toolkit.launch.output`), ``progress.json``, ``result.json``, and ``output/`` for the
-trial's own files); a heartbeat per ``heartbeat_s`` (:mod:`toolkit.dsat.execution.watch`).
-
-Every process of a trial carries ``TOOLKIT_DSAT_TRIAL=<abs path of trial.json>``; that mark plus
-the launcher's descendants, not the process group (torchrun gives each worker a session of its
-own), is how its processes are found and killed: SIGTERM, then SIGKILL after a grace period, until
-none is left. How a trial ended is decided by :func:`toolkit.dsat.execution.classify.classify`
-from the exit status and the result file, never from the logs. Its rank processes are held to
-``memory_per_slot`` by polling their peak resident size (``VmHWM``). The DeepSpeed ops a trial
-loads are built here first (:mod:`toolkit.runtime.op_builds`); a rank's own build (ninja, its
-compilers) is not judged as the trial's memory.
-
-Example::
+The only module of toolkit that spawns trials (the orchestrator drives it). How a trial is started,
+marked, held to its budget and killed: docs/design-dsat-runner.md#running-a-trial. Example::
 
     with TrialRunner(settings, output_dir=out) as runner:       # Ctrl-C: nothing is left running
         runner.start(spec, ds_config=cfg, hparams=hparams)
-        for result in runner.wait():
-            print(result.status, result.metrics)
+        results = runner.wait()
 """
 
 from __future__ import annotations
@@ -97,14 +82,10 @@ class _Trial:
 
 
 class TrialRunner:
-    """Launches trials within the slot and concurrency caps and reports how each ended.
-
-    Use it from one process (the autotuner's; no collectives, not on training ranks), as a
-    context manager; :meth:`shutdown` (also on ``__exit__``) kills every trial's processes and is
-    safe to call twice or from a signal handler. Processes left marked under ``output_dir`` by an
-    autotuner that was killed outright (SIGKILL) are killed on construction, before ``--resume``
-    starts new trials beside them.
-    """
+    """Launches trials within the slot and concurrency caps and reports how each ended. Autotuner
+    process only, as a context manager: :meth:`shutdown` (also on exit; idempotent, safe from a signal
+    handler) kills every trial. Processes a SIGKILLed autotuner left marked under ``output_dir`` are
+    killed on construction, before ``--resume`` starts trials beside them."""
 
     def __init__(self, settings: RunnerSettings, *, output_dir: Path) -> None:
         if not isinstance(settings, RunnerSettings):
@@ -148,18 +129,10 @@ class TrialRunner:
     def start(self, spec: TrialSpec, *, ds_config: Mapping[str, Any], hparams: Mapping[str, Any]) -> None:
         """Launch one trial on free slots; returns at once. Autotuner process only.
 
-        Args:
-            spec: the trial; ``spec.trial_id`` names its directory (files of an earlier run of
-                the same id are replaced, its stale result removed).
-            ds_config: the trial's complete DeepSpeed config (written, not changed).
-            hparams: the experiment's hyperparameters; the trial gets them as
-                :func:`toolkit.dsat.contract.trial_hparams` makes them (``deepspeed_config`` set
-                to the trial's ``ds_config.json``).
-
-        Raises:
-            ValueError: called out of order: no capacity (call :meth:`wait` first), the runner
-                was shut down, or a trial with this id is running.
-        """
+        ``spec.trial_id`` names its directory (an earlier run's files there are replaced); ``ds_config`` is
+        written as given; ``hparams`` reach the trial as :func:`~toolkit.dsat.contract.trial_hparams`
+        makes them. ValueError when called out of order: no capacity (:meth:`wait` first), shut down, or
+        the id already running."""
         self._check_can_start(spec)
         cpu_info = self._cpu_info_file()
         self._build_ops(ds_config)
@@ -204,9 +177,8 @@ class TrialRunner:
                     f", hosts {format_include(slots.placement)}" if slots.placement else "", " ".join(argv))
 
     def _cpu_info_file(self) -> Path | None:
-        """py-cpuinfo's answer for this machine, measured at the first start (then also this
-        process's answer): each trial rank would otherwise spend ~2.5 s measuring it for
-        DeepSpeed's CPU optimizer ops (:mod:`toolkit.dsat.trial.cpu_info`). None: not measurable."""
+        """py-cpuinfo's answer for this machine, measured at the first start (also this process's answer),
+        so that no trial rank measures it again (:mod:`toolkit.dsat.trial.cpu_info`). None: not measurable."""
         if self._cpu_info is False:
             self._cpu_info = measure_into(self.trials_dir.parent / "cpuinfo.json")  # trials/: trial_* only
         return self._cpu_info if isinstance(self._cpu_info, Path) else None
@@ -288,15 +260,9 @@ class TrialRunner:
         return env, include
 
     def wait(self, timeout: float | None = None) -> list[TrialResult]:
-        """Block until at least one running trial has ended, or ``timeout`` seconds. Autotuner process only.
-
-        Trials past their timeout or over the memory budget are killed here, so call it
-        whenever the autotuner has nothing else to do. Returns at once with ``[]`` when no
-        trial is running.
-
-        Returns:
-            The results of the trials that ended (each returned once), possibly empty.
-        """
+        """Block until at least one running trial has ended (or ``timeout`` s); the results of those that
+        ended, each once (``[]`` at once when none runs). Trials past their timeout or over the memory
+        budget are killed here: call it whenever idle. Autotuner process only."""
         end = None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
         while True:
             finished = self._poll()
@@ -336,12 +302,8 @@ class TrialRunner:
 
     def _multihost_argv(self, directory: Path, placement: Mapping[str, tuple[int, ...]], via: str, port: int,
                         env: dict[str, str], entrypoint: list[str]) -> list[str]:
-        """Argv of a trial on other hosts; its hostfile and exported variables go to its directory.
-
-        DeepSpeed's runners pass on only some variables (PYTHON*, UCX*, ...) plus those of the
-        file named by ``DS_ENV_FILE``: the trial's marks, hyperparameters and output directory
-        go there, so every rank on every host carries them. srun exports everything.
-        """
+        """Argv of a trial on other hosts; its hostfile and ``ds_env`` (the variables DeepSpeed's runners
+        give every rank through ``DS_ENV_FILE``; srun exports all) go to its directory."""
         s = self.settings
         if via == "srun":
             return build_multihost_argv(entrypoint, placement=placement, via=via, master_port=port,
@@ -362,12 +324,8 @@ class TrialRunner:
                                     hostfile=hostfile, ssh_port=s.ssh_port)
 
     def _stop_remote(self, trial: _Trial) -> None:
-        """Stop a running pdsh trial on its hosts: only its own launchers (see build_remote_kill_argv).
-
-        DeepSpeed's runner is killed first with SIGKILL, because its SIGTERM handler would
-        ``pkill`` every DeepSpeed launcher on those hosts, other trials' included; the sweep of
-        :meth:`_terminate` then ends what is left on this machine (pdsh, ssh clients).
-        """
+        """Stop a running pdsh trial's own launchers on its hosts: its DeepSpeed runner gets SIGKILL first
+        (its SIGTERM handler would ``pkill`` every launcher there); :meth:`_terminate` sweeps the rest."""
         hosts = list(trial.slots.placement or ())
         if trial.slots.via != "pdsh" or trial.process.poll() is not None:
             return
@@ -399,11 +357,8 @@ class TrialRunner:
         return find_trial_processes(trial.mark, root=root, table=table)
 
     def _terminate(self, trials: Iterable[_Trial], *, sweep: bool = False) -> bool:
-        """Kill the processes of ``trials`` until none is left.
-
-        ``sweep``: also every process marked with any trial under this runner's directory (one
-        started by a :meth:`start` that an interrupt cut short before it was recorded).
-        """
+        """Kill the processes of ``trials`` until none is left; ``sweep``: also any process marked with a
+        trial under this runner's directory (one an interrupted :meth:`start` did not record)."""
         trials = list(trials)
         for trial in trials:
             self._stop_remote(trial)

@@ -1,12 +1,5 @@
-"""How dsat trials are launched and limited: :class:`RunnerSettings`, validated on construction.
-
-Pure data: nothing here spawns or touches a process (that is :mod:`toolkit.dsat.execution.runner`).
-Every problem is collected and raised once, as a :class:`~toolkit.errors.ConfigError`.
-
-Example::
-
-    settings = RunnerSettings(entrypoint=("python3", "train.py"), model_dir=Path("."),
-                              slots_per_trial=2, max_slots=2, max_concurrent=1, timeout_s=600)
+"""How dsat trials are launched and limited: :class:`RunnerSettings`, checked on construction (every
+problem in one :class:`~toolkit.errors.ConfigError`). Pure data, built by the CLI; any process.
 """
 
 from __future__ import annotations
@@ -51,12 +44,11 @@ CPU_ALLOCATOR_ENV = (("MALLOC_MMAP_THRESHOLD_", str(128 * 1024)),)
 
 
 def default_memory_per_slot(available_bytes: int, *, slots: int) -> int:
-    """The CPU budget per slot when ``--memory-per-slot`` is not given: ``(0.8 x available - 2 GiB)
-    / slots``, at least 1 byte (the memory model then says nothing fits). Pure; any process.
+    """The CPU budget per slot without ``--memory-per-slot``: ``(0.8 x available - 2 GiB) / slots``, at
+    least 1 byte (the memory model then says nothing fits). Pure; any process.
 
-    Example:
-        >>> default_memory_per_slot(12 * 2**30, slots=2) // 2**20   # (9.6 GiB - 2 GiB) / 2
-        3891
+    >>> default_memory_per_slot(12 * 2**30, slots=2) // 2**20   # (9.6 GiB - 2 GiB) / 2
+    3891
     """
     room = int(available_bytes * CPU_MEMORY_FRACTION) - CPU_MEMORY_RESERVE
     return max(room // max(int(slots), 1), 1)
@@ -77,46 +69,19 @@ def available_memory_bytes() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class RunnerSettings:
-    """How trials are launched and limited. Validated on construction.
+    """How trials are launched and limited; dsat's flags name most fields. Checked on construction.
 
-    Attributes:
-        entrypoint: the experiment's entrypoint argv, e.g. ``("python3", "train.py")``.
-        model_dir: the trial's working directory (where the entrypoint lives).
-        slots_per_trial: processes (GPUs) per trial.
-        max_slots: slots in use at once, over all trials.
-        max_concurrent: trials running at once.
-        timeout_s: wall-clock limit of one trial, from its start.
-        launcher: ``"torchrun"`` or ``"deepspeed"``.
-        memory_per_slot: CPU budget in bytes per worker process, enforced on its RSS; None: none.
-        start_profile_step, end_profile_step: the timed steps (``steps_completed`` values, both
-            included; FLOPs are counted on the step before, so start >= 1).
-        timed_window_s: seconds the timed steps should span at least: when the profile steps
-            are shorter, a trial times more, up to :attr:`last_profile_step` (0: none more).
-        gpus: the GPUs to hand out, numbered as this process sees them (``torch.cuda``
-            numbering): under an inherited ``CUDA_VISIBLE_DEVICES`` (Slurm sets one) index i
-            means its i-th entry. Each trial gets its share through ``CUDA_VISIBLE_DEVICES``.
-            None on CPU.
-        grace_s: SIGTERM-to-SIGKILL grace when killing a trial.
-        poll_s: how often running trials are checked (exit, timeout, memory).
-        hosts: the machines and their slots (``--hostfile`` or the Slurm allocation); None: this
-            machine alone (the single-machine path: ``max_slots`` local slots, no ssh). With
-            hosts, each trial is placed with :func:`toolkit.launch.hosts.place_trial` and records
-            its hosts in ``placement.json``; a trial whose hosts are all this machine (loopback
-            names, this host name) is started locally as without hosts, any other through
-            ``multihost_launcher``.
-        multihost_launcher: one of :data:`~toolkit.dsat.execution.multihost_argv.MULTIHOST_LAUNCHERS`.
-        ssh_port: ssh port of the hosts (DeepSpeed's runners), None for ssh's default.
-        experiment_config: the experiment YAML, exported to every trial as
-            ``TOOLKIT_EXPERIMENT_CONFIG`` (``det.get_cluster_info()`` reads it); None: not exported.
-        echo: show each line of the trials' ranks on the console, labelled by trial and rank
-            (``--quiet``: off); their logs are written either way (:mod:`toolkit.launch.output`).
-        heartbeat_s: how often a running trial's progress line is logged (its phase, elapsed
-            time against ``timeout_s``).
-        merge_config: inside a trial, merge its tuned keys over the config the script gives
-            ``deepspeed.initialize`` (``--no-merge-config``: False, the engine is only checked).
-        config_files: the user's DeepSpeed config files (the YAML's, the entrypoint flag's): with
-            ``merge_config``, a trial's script that opens one to read it reads the trial's config.
-    """
+    ``entrypoint`` (``("python3", "train.py")``) runs in ``model_dir``; ``slots_per_trial`` processes
+    per trial, ``max_slots`` over all trials, ``max_concurrent`` trials at once. ``memory_per_slot``:
+    the CPU budget in bytes per rank, held against its peak RSS (None: none).
+    ``start_profile_step`` to ``end_profile_step``: the timed ``steps_completed`` values (FLOPs are
+    counted on the step before: start >= 1); ``timed_window_s``: the least time they span, more steps
+    timed up to :attr:`last_profile_step`. ``gpus``: indices as ``torch.cuda`` numbers them (into an
+    inherited ``CUDA_VISIBLE_DEVICES``), None on CPU. ``hosts`` None: this machine alone; else each
+    trial is placed on them and started through ``multihost_launcher`` unless all its hosts are this
+    machine. ``merge_config``: merge the tuned keys over the script's config (False: only check it);
+    ``config_files``: the user's config files whose reads in a trial open the trial's config.
+    Each field: docs/design-dsat-runner.md#settings."""
 
     entrypoint: tuple[str, ...]
     model_dir: Path

@@ -1,10 +1,5 @@
-"""The runner's heartbeat of a running dsat trial, and the peak memory it records of each.
-
-The trial's chief notes how far it got in ``progress.json`` (:mod:`toolkit.dsat.trial.session`,
-at most once a second). Pure but for :func:`read_progress`; autotuner process only. Example::
-
-    heartbeat_text(spec, elapsed_s=40, timeout_s=600, progress=read_progress(trial_dir))
-    # 'trial 3 (stage 2, mb 8): timing step 2 of 3 | 40 s of 600 s'
+"""The runner's heartbeat of a running dsat trial (from its chief's ``progress.json``) and the peak
+memory it records of each. Pure but for :func:`read_progress`; autotuner process only.
 """
 
 from __future__ import annotations

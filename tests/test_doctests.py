@@ -30,4 +30,5 @@ def test_every_module_is_found():
 def test_docstring_examples_run(name):
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, verbose=False, report=False)
-    assert result.failed == 0, f"{result.failed} of {result.attempted} doctest examples of {name} failed (run: python -m pytest --doctest-modules {module.__file__})"
+    assert result.failed == 0, (f"{result.failed} of {result.attempted} doctest examples of {name} failed "
+                                f"(see them: python -m pytest --doctest-modules {module.__file__})")

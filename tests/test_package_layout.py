@@ -13,6 +13,7 @@
   modules at import time but the one checkpoint/api.py documents; following toolkit.run's config
   from its command line to a trial's launch stays in run/, launch/ and the core.
 * No two modules share a file name outside compat/ (which keeps Determined's module names).
+* Docstrings take at most 18% of toolkit's lines, and no module docstring more than 15.
 """
 
 from __future__ import annotations
@@ -281,3 +282,36 @@ def test_no_two_modules_share_a_file_name_outside_compat():
                                                                                   "__main__.py"):
             names.setdefault(path.name, []).append(str(path.relative_to(procutil.REPO)))
     assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
+
+
+def _docstring_lines(tree: ast.Module) -> tuple[set[int], int]:
+    """The line numbers docstrings take in a module, and its module docstring's length."""
+    lines: set[int] = set()
+    module_doc = 0
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                span = range(first.lineno, (first.end_lineno or first.lineno) + 1)
+                lines.update(span)
+                if isinstance(node, ast.Module):
+                    module_doc = len(span)
+    return lines, module_doc
+
+
+def test_docstrings_say_what_in_a_few_lines_and_designs_live_in_docs():
+    """Issue 40: docstrings at most 18% of toolkit's lines, no module docstring over 15 lines
+    (designs and decision tables go to docs/design-*.md)."""
+    total = docs = 0
+    long_modules = {}
+    for path in SOURCES:
+        source = path.read_text()
+        lines, module_doc = _docstring_lines(ast.parse(source))
+        total += len(source.splitlines())
+        docs += len(lines)
+        if module_doc > 15:
+            long_modules[str(path.relative_to(procutil.REPO))] = module_doc
+    assert long_modules == {}, f"module docstrings over 15 lines: {long_modules}"
+    share = docs / total
+    assert share <= 0.18, f"docstrings take {docs} of toolkit's {total} lines ({share:.1%} > 18%)"

@@ -15,6 +15,7 @@ Example (``torchrun --nproc_per_node 2 train.py``; run it again after a crash: i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -25,7 +26,7 @@ from typing import Any, Mapping
 import torch
 
 from toolkit._checks import int_problem, is_int, type_name
-from toolkit._files import atomic_write_json, fsync_tree
+from toolkit._files import atomic_write_json, flushing_while_written, fsync_tree
 from toolkit.checkpoint import layout, lock, remote  # remote imports this module: only used in calls
 from toolkit.checkpoint.consolidate import consolidate_checkpoint
 from toolkit.checkpoint.cpu_adam import replay_cpu_adam_state
@@ -201,8 +202,12 @@ def _write_on_every_rank(engine: Any, ctx: DistributedContext, save: _Save, this
         rank_error = write_failure("writing the RNG states", err, save.tag_dir)
     ours = {"steps_completed": save.steps_completed, "client_state": save.client_state,
             "run_id": this_run, "tag": save.tag}
+    # The local chief flushes the node's files as DeepSpeed writes them: the flush below finds little left.
+    early = flushing_while_written(save.tag_dir) if ctx.is_local_chief and flush else contextlib.nullcontext()
     try:
-        engine.save_checkpoint(save.root, tag=save.tag, client_state={_CLIENT_KEY: ours}, save_latest=False)
+        with early:
+            engine.save_checkpoint(save.root, tag=save.tag, client_state={_CLIENT_KEY: ours},
+                                   save_latest=False)
     except (OSError, RuntimeError) as err:
         # A failed write (disk full, quota, file size limit) raises on the ranks that hit it after
         # the save's collectives but before DeepSpeed's closing barrier: stand in for that barrier,

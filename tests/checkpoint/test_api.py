@@ -22,7 +22,7 @@ import torch
 
 from helpers import procutil
 from toolkit._files import atomic_write, atomic_write_json
-from toolkit.checkpoint import layout
+from toolkit.checkpoint import api, layout
 from toolkit.checkpoint.api import consolidate_checkpoint, load_checkpoint, save_checkpoint
 from toolkit.checkpoint.rng import capture_rng_state, restore_rng_state
 from toolkit.errors import CheckpointError, ConfigError
@@ -238,6 +238,8 @@ def test_arguments_are_checked_before_any_collective(tmp_path):
         save_checkpoint(engine, tmp_path, steps_completed=1)
     with pytest.raises(ConfigError, match="tag='..'"):
         load_checkpoint(engine, tmp_path, tag="..")
+    with pytest.raises(ConfigError, match=r"load_checkpoint\(\).*read_only='yes': expected True or False"):
+        load_checkpoint(engine, tmp_path, read_only="yes")
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match="not a directory"):
         load_checkpoint(engine, tmp_path / "file")
@@ -268,6 +270,32 @@ def test_consolidate_needs_a_committed_checkpoint(tmp_path):
         consolidate_checkpoint(tmp_path, tmp_path / "out.pt")
     with pytest.raises(CheckpointError, match="is a directory"):
         consolidate_checkpoint(tmp_path, tmp_path)
+    with pytest.raises(ConfigError) as caught:
+        consolidate_checkpoint(tmp_path, "", tag="../x")
+    assert [p.split(":")[0] for p in caught.value.problems] == ["tag='../x'", "output_path=''"]
+
+
+def test_consolidate_refuses_a_tensor_parallel_checkpoint_it_falls_back_to(tmp_path, caplog):
+    (tmp_path / "step_1").mkdir()
+    atomic_write_json(tmp_path / "step_1" / layout.STARTED_FILE, {})
+    atomic_write_json(tmp_path / "step_1" / layout.COMMIT_FILE, {"seq": 0, "tag": "step_1",
+                                                                 "tensor_parallel_size": 2})
+    (tmp_path / "step_2").mkdir()
+    atomic_write_json(tmp_path / "step_2" / layout.STARTED_FILE, {})  # interrupted: latest names it
+    layout.set_latest(tmp_path, "step_2")
+    with pytest.raises(CheckpointError, match=r"checkpoint 'step_1' is tensor parallel \(size 2\)"):
+        consolidate_checkpoint(tmp_path, tmp_path / "out.pt")
+    assert "step_2" in caplog.text and "not committed" in caplog.text
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_load_refuses_files_deepspeed_or_toolkit_did_not_write():
+    # What load_checkpoint makes of DeepSpeed's answer, once DeepSpeed has read the tag directory.
+    with pytest.raises(CheckpointError, match=r"DeepSpeed found no model states in /ckpt/step_1"):
+        api._our_state(None, None, "/ckpt", "step_1")
+    with pytest.raises(CheckpointError,
+                       match=r"/ckpt/step_1 lacks toolkit's client state .*engine.load_checkpoint"):
+        api._our_state("/ckpt/step_1", {"module": {}}, "/ckpt", "step_1")
 
 
 # ------------------------------------------------------------------- 2 real ranks, DeepSpeed

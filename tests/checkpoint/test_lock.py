@@ -98,3 +98,68 @@ def test_a_second_run_exits_2_naming_the_holder(tmp_path):
     assert "CheckpointLockError" in result.stderr, result.stderr[-3000:]
     assert f"pid {os.getpid()}" in result.stderr, result.stderr[-3000:]  # the holder, named
     assert "not reached" not in result.stdout
+
+
+def test_holder_text_is_empty_for_a_missing_or_foreign_file(tmp_path):
+    path = tmp_path / "writer"
+    assert lock.holder_text(path) == ""                      # no file
+    path.write_text("host 1\n{not json\n")
+    assert lock.holder_text(path) == ""                      # damaged
+    path.write_text("host 1\n[1, 2]\n")
+    assert lock.holder_text(path) == ""                      # JSON, but not toolkit's record
+    path.write_text('h 7\n{"host": "h", "pid": 7, "command": "python t.py"}\n')
+    assert lock.holder_text(path) == "host h, pid 7 (python t.py)"
+
+
+def test_a_lock_directory_that_is_a_symlink_is_refused(tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (root / lock.LOCK_DIR).symlink_to(elsewhere)
+    with pytest.raises(CheckpointLockError,
+                       match=r"cannot create the writer lock .*writer: .*is a symlink; remove it"):
+        lock.hold_directory(_world_of_one(), str(root))
+    assert list(elsewhere.iterdir()) == []                   # nothing written through the link
+    assert lock.held_directories() == []
+
+
+def test_a_holder_on_another_host_cannot_be_seen_and_is_refused(tmp_path, monkeypatch):
+    root = tmp_path / "ckpt"
+    path = lock.lock_path(root)
+    path.parent.mkdir(parents=True)
+    info = {"host": "node-17.other", "pid": 4242, "command": "python train.py", "since": time.time()}
+    path.write_text(f"node-17.other 4242\n{json.dumps(info)}\n")
+    monkeypatch.setenv("TOOLKIT_WAIT_FOR_OTHER_RUN_S", "0")
+    with pytest.raises(CheckpointLockError, match=r"host node-17.other, pid 4242 .*cannot be seen from here "
+                                                  r"\(it was taken on host node-17.other\).*remove .*writer"):
+        lock.hold_directory(_world_of_one(), str(root))
+    assert json.loads(path.read_text().splitlines()[1])["pid"] == 4242  # left alone
+
+
+def test_a_lock_replaced_by_another_run_stops_the_save_and_a_child_keeps_the_parents(tmp_path):
+    root = tmp_path / "ckpt"
+    key = os.path.realpath(root)
+    assert lock.hold_directory(_world_of_one(), str(root)) is True
+    path = lock.lock_path(root)
+    try:
+        # A forked child (a DataLoader worker) inherits the table, not the lock: it neither reports nor
+        # checks nor releases the parent's lock.
+        pid = os.fork()
+        if pid == 0:
+            ok = lock.held_directories() == [] and lock.verify_held(str(root)) is None
+            lock._release_all()
+            os._exit(0 if ok and path.exists() else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert json.loads(path.read_text().splitlines()[1])["pid"] == os.getpid()
+        lock.verify_held(str(tmp_path / "never-held"))       # not held here: nothing to check
+        path.unlink()                                        # another run takes the directory meanwhile
+        path.write_text('other 99\n{"host": "other", "pid": 99, "command": "python other.py"}\n')
+        with pytest.raises(CheckpointLockError, match=r"replaced by another run's \(host other, pid 99 "
+                                                      r"\(python other.py\)\); not writing beside it"):
+            lock.verify_held(str(root))
+        assert lock.held_directories() == []
+        assert json.loads(path.read_text().splitlines()[1])["pid"] == 99  # the other run's lock stays
+    finally:
+        lock._release_all()
+        lock._agreed.discard(key)

@@ -17,11 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import procutil
 from helpers.storage_servers import GcsEmulator, S3Server, TcpProxy, bucket_fixture, wait_for
 from toolkit.checkpoint import layout, remote, store
 from toolkit.errors import CheckpointError, ConfigError
+from toolkit.runtime.context import DistributedContext
 
 WORKER = procutil.WORKERS / "ckpt_store.py"
 
@@ -116,6 +118,82 @@ def test_scan_and_discard_in_a_real_bucket(s3, monkeypatch):
     st.write("step_1/toolkit_checkpoint.json", b"{not json")
     with pytest.raises(CheckpointError, match=r"s3://spot/scan/step_1/toolkit_checkpoint.json.*damaged"):
         remote.scan_store(st)
+
+
+def _open(s3, monkeypatch, url: str, **options) -> store.ObjectStore:
+    for key, value in s3.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(store, "_stores", {})
+    return store.open_store(store.parse_url(url), options)
+
+
+def test_backend_failures_become_clear_errors(s3, monkeypatch, tmp_path):
+    """Each call of an ObjectStore against a real server: a missing bucket lists as empty and names the
+    fix on a write; a wrong secret fails every call with the credentials' hint and never the secret."""
+    gone = _open(s3, monkeypatch, "s3://no-such-bucket/x")
+    assert gone.list_files() == {} and gone.read("latest", 10) is None
+    with pytest.raises(CheckpointError, match=r"writing s3://no-such-bucket/x/latest failed: .*the bucket "
+                                              r"'no-such-bucket' does not exist: create it, or fix the URL"):
+        gone.write("latest", b"step_1")
+    gone.delete(["latest"])  # deleting what is not there is no error
+
+    bad = _open(s3, monkeypatch, "s3://spot/creds-x", key=s3.key_id, secret="wrong-secret-value-77")
+    fix = r"failed: .*check the credentials \(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+    with pytest.raises(CheckpointError, match=r"listing s3://spot/creds-x " + fix) as listing:
+        bad.list_files()
+    with pytest.raises(CheckpointError, match=r"reading s3://spot/creds-x/latest " + fix):
+        bad.read("latest", 10)
+    with pytest.raises(CheckpointError, match=r"downloading 1 file\(s\) from s3://spot/creds-x " + fix):
+        bad.download([("step_1/a.pt", str(tmp_path / "dl" / "a.pt"))])
+    with pytest.raises(CheckpointError,
+                       match=r"deleting 1 object\(s\) under s3://spot/creds-x " + fix) as deleting:
+        bad.delete(["latest"])
+    assert "wrong-secret-value-77" not in str(listing.value) + str(deleting.value)
+
+
+def test_the_hint_follows_what_the_backend_said():
+    gs, s3url = store.parse_url("gs://b-1/x"), store.parse_url("s3://b-1/x")
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in store._hint(gs, PermissionError("no"), "permissionerror: no")
+    assert "AWS_ACCESS_KEY_ID" in store._hint(s3url, ValueError("odd"), "valueerror: odd")  # unknown: creds
+    assert "does not exist" in store._hint(gs, FileNotFoundError("b-1"), "filenotfounderror: b-1")
+    assert "cannot be reached" in store._hint(s3url, OSError("x"), "connection refused")
+
+
+def _commit_record(tag: str, **meta) -> bytes:
+    return json.dumps({"tag": tag, "seq": 0, "run_id": "r1", "steps_completed": 1, **meta}).encode()
+
+
+def test_a_bucket_load_refuses_a_record_a_misfit_and_unsafe_names_before_downloading(s3, monkeypatch,
+                                                                                     tmp_path):
+    """remote.load's checks on the chief (one process, world of one), each before any download."""
+    ctx = DistributedContext(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
+                             num_nodes=1, device=torch.device("cpu"), backend="gloo", launcher="none")
+    monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path / "cache"))
+    facts = {"world_size": 1, "data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline": False,
+             "pipeline_stages": None, "zero_stage": 1}
+
+    st = _open(s3, monkeypatch, "s3://spot/misnamed")
+    st.write("step_1/toolkit_checkpoint.json", _commit_record("step_9"))  # a record copied from elsewhere
+    with pytest.raises(CheckpointError, match=r"s3://spot/misnamed/step_1/toolkit_checkpoint.json: its "
+                                              r"tag='step_9' is not the name of its directory 'step_1'"):
+        remote.load(None, ctx, st, None, facts)
+
+    st = _open(s3, monkeypatch, "s3://spot/misfit")
+    st.write("step_1/toolkit_checkpoint.json", _commit_record("step_1", **{**facts, "zero_stage": 3}))
+    with pytest.raises(CheckpointError, match=r"checkpoint 'step_1' in s3://spot/misfit does not fit this "
+                                              r"engine:\n  - ZeRO stage: saved 3, this engine 1"):
+        remote.load(None, ctx, st, None, facts)
+
+    st = _open(s3, monkeypatch, "s3://spot/unsafe")
+    st.write("step_1/toolkit_checkpoint.json", _commit_record("step_1", **facts))
+    st.write("step_1/..x/a b.pt", b"x")
+    st.write("step_2/toolkit_save_started.json", b"{}")
+    st.write("latest", b"step_2")  # not committed: the load warns and takes step_1
+    with pytest.raises(CheckpointError, match=r"s3://spot/unsafe/step_1/..x/a b.pt: not a name toolkit or "
+                                              r"DeepSpeed writes.*nor is the checkpoint 'step_1'"):
+        remote.load(None, ctx, st, None, facts)
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*.pt"))
+    assert s3.keys("spot", "unsafe/.toolkit-probe") == []  # the probe object is deleted
 
 
 # -------------------------------------------------------------------------- real runs with signals

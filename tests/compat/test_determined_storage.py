@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from helpers import procutil
 from helpers.storage_servers import GcsEmulator, S3Server, bucket_fixture
 from toolkit.compat import determined as det
-from toolkit.compat.determined import storage
+from toolkit.compat.determined import cloud, storage
 from toolkit.compat.determined.core.checkpoint import CheckpointContext
 from toolkit.errors import CheckpointError, ConfigError
 
@@ -104,6 +105,58 @@ def test_core_api_checkpoint_calls_on_a_bucket(kind, s3, gcs, tmp_path, monkeypa
         assert "not-the-secret-1234" not in str(err.value) and "writing s3://det/core-s3/.toolkit-probe-" in str(
             err.value)
     del server
+
+
+def test_local_metadata_damaged_or_not_an_object_and_removing_nothing(tmp_path):
+    sid = str(uuid.uuid4())
+    (tmp_path / sid).mkdir()
+    (tmp_path / sid / "metadata.json").write_text("{half")
+    with pytest.raises(CheckpointError, match=rf"cannot read .*{sid}/metadata.json: .*metadata is damaged"):
+        storage.read_metadata(tmp_path, sid)
+    (tmp_path / sid / "metadata.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match=r"metadata.json holds list, expected a JSON object"):
+        storage.read_metadata(tmp_path, sid)
+    assert storage.remove_checkpoint(tmp_path, str(uuid.uuid4())) is False  # no such directory
+    assert (tmp_path / sid / "metadata.json").exists()
+
+
+def test_cloud_roots_refuse_bad_sections_and_urls():
+    with pytest.raises(ConfigError, match="checkpoint_storage.bucket=None"):
+        cloud.cloud_root({"type": "gcs"})
+    with pytest.raises(ConfigError, match=r"checkpoint_storage='/mnt/ckpt': expected an s3:// or gs:// URL"):
+        cloud.url_root("/mnt/ckpt")
+
+
+def test_cloud_checkpoint_failures_name_the_checkpoint_and_commit_nothing(s3, tmp_path, monkeypatch):
+    """On the real S3 server: an uncommitted or damaged metadata.json, an unsafe object name in a
+    restore, and a bucket deleted under a running trial (the upload fails, nothing is committed)."""
+    for key, value in {**s3.env(), "TOOLKIT_CACHE_DIR": str(tmp_path / "cache")}.items():
+        monkeypatch.setenv(key, value)
+    s3.make_bucket("det-gone")
+    root = storage.storage_root({"type": "s3", "bucket": "det-gone", "prefix": "p"}, output_dir=tmp_path,
+                                base_dir=tmp_path)
+    ckpt = CheckpointContext(det.core.DummyDistributedContext(), root=root, output_dir=tmp_path)
+    sid = str(uuid.uuid4())
+    with pytest.raises(FileNotFoundError, match=rf"s3://det-gone/p/{sid}/metadata.json"):
+        storage.read_metadata(root, sid)
+    root.store.write(f"{sid}/metadata.json", b"{half")
+    with pytest.raises(CheckpointError, match=rf"cannot read s3://det-gone/p/{sid}/metadata.json: .*damaged"):
+        storage.read_metadata(root, sid)
+    root.store.write(f"{sid}/metadata.json", b'{"steps_completed": 1}')
+    root.store.write(f"{sid}/sub/a b.pt", b"x")  # not a name a checkpoint's writer gives
+    with pytest.raises(CheckpointError, match=rf"downloading checkpoint {sid} from s3://det-gone/p: "
+                                              rf"s3://det-gone/p/{sid}/sub/a b.pt: not a safe file name"):
+        with ckpt.restore_path(sid):
+            pass
+    assert not list((tmp_path / "cache").rglob("*.pt"))
+    root.store.delete(list(root.store.list_files()))
+    s3.client().delete_bucket(Bucket="det-gone")
+    with pytest.raises(CheckpointError, match=r"checkpoint (\S+) was not committed: uploading 1 file\(s\) to "
+                                              r"s3://det-gone/p failed: .*'det-gone' does not exist") as err:
+        with ckpt.store_path({"steps_completed": 2}) as (path, new_sid):
+            (path / "w").write_text("2")
+    assert new_sid in str(err.value) and not path.exists()   # the staging directory is removed
+    assert storage.read_registry(tmp_path)["committed"] == []
 
 
 DS_S3_YAML = """name: det-s3

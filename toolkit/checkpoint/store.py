@@ -16,8 +16,7 @@ from typing import Any, Mapping
 from toolkit import _names
 from toolkit.errors import CheckpointError, ConfigError
 
-__all__ = ["StoreURL", "ObjectStore", "parse_url", "open_store", "is_url", "bucket_section_problems",
-           "BUCKET_KEYS"]
+__all__ = ["StoreURL", "ObjectStore", "parse_url", "open_store", "bucket_section_problems", "BUCKET_KEYS"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +45,6 @@ class StoreURL:
     def key(self, rel: str = "") -> str:
         """The backend's path of ``rel`` under the prefix (``bucket/prefix/rel``)."""
         return "/".join(part for part in (self.bucket, self.prefix, rel) if part)
-
-
-def is_url(value: Any) -> bool:
-    """True for a string that starts with ``scheme://``. Pure."""
-    return isinstance(value, str) and _URL_RE.fullmatch(value) is not None
 
 
 def parse_url(value: Any, *, what: str = "checkpoint_dir") -> StoreURL | None:

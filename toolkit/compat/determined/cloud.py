@@ -22,7 +22,7 @@ from toolkit.checkpoint import store
 from toolkit.checkpoint.remote import cache_dir
 from toolkit.errors import CheckpointError, ConfigError
 
-__all__ = ["CloudRoot", "cloud_root", "is_cloud", "committed", "read_metadata", "remove", "upload_dir",
+__all__ = ["CloudRoot", "cloud_root", "committed", "read_metadata", "remove", "upload_dir",
            "download_dir", "staging_dir"]
 
 METADATA_NAME = "metadata.json"
@@ -41,10 +41,6 @@ class CloudRoot:
     @property
     def store(self) -> store.ObjectStore:
         return store.open_store(self.url, dict(self.options))
-
-
-def is_cloud(root: Any) -> bool:
-    return isinstance(root, CloudRoot)
 
 
 def cloud_root(section: Mapping[str, Any]) -> CloudRoot:

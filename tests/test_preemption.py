@@ -13,6 +13,7 @@ inside the pytest process.
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -105,6 +106,23 @@ def test_nested_watchers_restore_in_order_and_close_is_idempotent():
     assert outer.should_preempt() is False
 
 
+def test_a_handler_replaced_after_the_watcher_stays_when_it_closes():
+    """A library (or a watcher closed out of order) that set its handler after ours keeps it."""
+    before, before_usr2 = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGUSR2)
+
+    def theirs(signum, frame):
+        pass
+
+    try:
+        watcher = watch_preemption(_world_of_one(), signals=[signal.SIGUSR1, signal.SIGUSR2])
+        signal.signal(signal.SIGUSR1, theirs)
+        watcher.close()
+        assert signal.getsignal(signal.SIGUSR1) is theirs
+        assert signal.getsignal(signal.SIGUSR2) == before_usr2   # the one left alone is restored
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
 def test_request_stop_is_agreed_like_a_signal():
     with watch_preemption(_world_of_one()) as watcher:
         assert watcher.should_preempt() is False
@@ -135,6 +153,10 @@ def test_bad_arguments_are_explained_and_install_nothing(kwargs, error, match):
 def test_wrong_context_and_non_main_thread_are_explained():
     with pytest.raises(TypeError, match="DistributedContext"):
         watch_preemption(None)  # type: ignore[arg-type]  # the wrong type on purpose
+    assert not torch.distributed.is_initialized()
+    two = dataclasses.replace(_world_of_one(), world_size=2, local_world_size=2)   # made by hand
+    with pytest.raises(RuntimeError, match="ctx says world size 2 but torch.distributed is not initialised"):
+        watch_preemption(two)
     errors = []
 
     def body():

@@ -255,6 +255,10 @@ def test_resolve_property_relation_holds_and_is_idempotent(mbs, gas, dp, _unused
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}}, {},
      "offload_param.device='gpu'"),
     ({"zero_optimization": 3}, {}, "zero_optimization=3: expected a mapping"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}}, {},
+     "zero_optimization.offload_optimizer='cpu': expected a mapping such as {device: cpu}"),
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, {},
+     "bf16.bf16_master_weights_and_grads=true without ZeRO: DeepSpeed supports it with ZeRO stage 1, 2 or 3"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, {},
      "fp16.enabled and bf16.enabled are both true"),
     ({"amp": {"enabled": False}}, {}, "amp: NVIDIA Apex AMP"),
@@ -333,6 +337,8 @@ def test_nvme_offload_without_libaio_names_the_machine(monkeypatch):
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, {},
      "with no optimizer section: DeepSpeed accepts only a DeepSpeedCPUAdam or DeepSpeedCPULion"),
     ({"fp16": {"enabled": "auto"}}, {}, "fp16.enabled='auto' is unresolved: DeepSpeed drops it"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "auto"}}}, {"device": "cpu"},
+     "zero_optimization.offload_param.device='auto' is unresolved: DeepSpeed drops it"),
 ])
 def test_each_ignored_setting_warns(config, kwargs, fragment):
     with pytest.warns(toolkit.ConfigWarning) as caught:

@@ -8,6 +8,7 @@ import pytest
 from toolkit.config.ds_engine_rules import (
     checkpoint_problems,
     communication_problems,
+    is_tested_deepspeed,
     optimizer_rules,
     scheduler_problems,
 )
@@ -23,6 +24,16 @@ def optimizer_problems(section, *, stage=0, device="cpu"):
 def test_an_optimizer_section_that_is_no_mapping_is_named_with_an_example():
     assert optimizer_problems("AdamW") == [
         "optimizer='AdamW': expected a mapping such as {type: AdamW, params: {lr: 0.001}}"]
+    # no type: DeepSpeed builds no optimizer (the script passes its own), whatever the params say
+    assert optimizer_problems({"params": {"lr": 0.1, "no_such_argument": 1}}, stage=3) == []
+
+
+@pytest.mark.parametrize("version, tested", [
+    ("0.19.8", True), ("v0.19.0+cpu", True), ("0.14.4+cu121", False), ("0.20.0", False), ("main", False),
+    (None, True),   # no DeepSpeed installed: nothing to warn about
+])
+def test_which_deepspeed_versions_count_as_tested(version, tested):
+    assert is_tested_deepspeed(version) is tested
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mup") is not None, reason="mup is installed here")

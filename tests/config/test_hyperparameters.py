@@ -48,6 +48,16 @@ def test_space_problems_name_every_key():
         assert any(key in p for p in problems), (key, problems)
     with pytest.raises(ConfigError, match="count"):
         hp.grid_points({"a": {"type": "double", "minval": 0, "maxval": 1}})
+    assert hp.check_space([1, 2]) == ["hyperparameters=[1, 2]: expected a mapping of names to values"]
+    assert hp.check_space({"g": {"k": {"type": "const"}}}) == [
+        "hyperparameters.g.k: type const needs 'val', e.g. {type: const, val: 0.1}"]
+
+
+def test_sampling_a_bad_space_raises_every_problem_and_samples_nothing():
+    with pytest.raises(ConfigError) as err:
+        hp.sample_hparams({"a": {"type": "int", "minval": 3, "maxval": 1}, "b": {"type": "const"}},
+                          random.Random(0))
+    assert [p.split(":")[0] for p in err.value.problems] == ["hyperparameters.a", "hyperparameters.b"]
 
 
 def test_grid_as_determined():
@@ -85,6 +95,9 @@ def test_load_config_keeps_search_spaces_and_checks_the_rest(tmp_path):
         hp.load_config(cfg)
     assert any("slots_per_trial" in p for p in err.value.problems)
     assert any("hyperparameters.n" in p for p in err.value.problems)
+    cfg.write_text("hyperparameters: [1, 2]\n")   # no mapping: the experiment loader's message
+    with pytest.raises(ConfigError, match=r"hyperparameters=\[1, 2\]: expected a mapping"):
+        hp.load_config(cfg)
     cfg.write_text("entrypoint: [unclosed\n")
     with pytest.raises(ConfigError, match="malformed YAML"):
         hp.load_config(cfg)

@@ -52,6 +52,10 @@ def test_brackets_by_mode_as_determined():
          "searcher.max_concurrent_trials=-1"),
         ({"name": "custom", "metric": "x"}, "searcher.name='custom'"),
         ({"name": "grid", "metric": "x"}, "hyperparameters.n.count"),
+        ({"name": "adaptive_asha", "max_trials": 2, "time_metric": "b", "max_time": 9},
+         "searcher.metric=None: adaptive_asha needs the validation metric"),
+        ({"name": "adaptive_asha", "metric": "x", "max_trials": 2, "time_metric": "b", "max_time": 9,
+          "max_rungs": 0}, "searcher.max_rungs=0: expected an integer >= 1 (default 5)"),
     ],
 )
 def test_searcher_problems_name_the_key(searcher, match):
@@ -93,3 +97,9 @@ def test_037_asha_and_async_halving_are_translated_with_one_notice():
         "searcher.num_rungs=None: async_halving needs an integer >= 1 (its rounds of halving)"]
     assert "searcher.max_length" in translate_searcher(
         {"searcher": dict(OLD_ASHA, max_length={"steps": 3})})[2][0]
+
+
+def test_a_037_asha_section_with_a_problem_has_no_operation_lengths():
+    """The problem is the searcher check's to report; no rungs are made up from a broken section."""
+    assert operation_lengths({"searcher": dict(OLD_ASHA, max_length={"steps": 3})}) is None
+    assert operation_lengths({"searcher": dict(OLD_ASHA, max_trials="10")}) is None

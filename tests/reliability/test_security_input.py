@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 
 import toolkit
 from helpers import procutil
-from toolkit.bounded_load import MAX_DEPTH, MAX_YAML_NODES, load_json, load_yaml, parse_json, parse_yaml
+from toolkit.bounded_load import (MAX_ALIASES, MAX_DEPTH, MAX_YAML_NODES, load_json, load_yaml, parse_json,
+                                  parse_yaml)
 from toolkit.dsat.tuner_cli import main as dsat_main
 from toolkit.dsat.contract import MAX_ERROR_CHARS, METRICS, TrialStatus
 from toolkit.dsat.execution.classify import classify
@@ -135,6 +136,12 @@ def test_aliases_within_the_budget_still_work():
     ("a: !!set {x}\n", "not allowed"),
     ("a: !!python/object/apply:os.system [touch pwned]\n", "python/object/apply"),
     ("a: " + "9" * 5000 + "\n", "a number Python cannot read"),
+    # aliases of one small scalar: no expansion, but more uses than any config has
+    ("a: &a 1\nb: [" + ", ".join(["*a"] * (MAX_ALIASES + 1)) + "]\n",
+     f"more than {MAX_ALIASES} aliases (*name): refused"),
+    # unhashable keys: the duplicate-key check leaves them to yaml's own message
+    ("? [1, 2]\n: x\n", "at line 1, column 3: found unhashable key"),
+    ("{[1, 2]: x, [1, 2]: y}\n", "found unhashable key"),
 ])
 def test_yaml_bounds(text, fragment):
     started = time.monotonic()

@@ -92,6 +92,19 @@ def test_world_of_one_has_no_store_and_no_thread():
     assert threading.active_count() == before
 
 
+def test_without_a_default_group_torch_gives_no_store_and_none_is_taken():
+    """torch raises for the default store before init_process_group: the group then has none
+    (what BoundedGroup does without a store: test_failure_without_a_usable_store_...)."""
+    import torch.distributed as dist
+
+    from toolkit.runtime import collectives
+
+    assert not dist.is_initialized()
+    with pytest.raises((RuntimeError, ValueError)):
+        dist.distributed_c10d._get_default_store()
+    assert collectives._default_store() is None
+
+
 class BrokenStore(Store):
     """A store whose server is gone (what a dead launcher leaves): every call raises as torch's does."""
 

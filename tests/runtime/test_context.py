@@ -105,6 +105,21 @@ BAD_CALLS = [
     ("toolkit.init_distributed(backend='tcp', timeout=5, collective_timeout=0)",
      "ConfigError: 3 problems in configuration"),
     ("toolkit.init_distributed(collective_timeout=-1)", "collective_timeout=-1"),
+    # A group made before with another rank and size than the launcher variables say: not adopted.
+    ("import os, torch.distributed as dist\n"
+     "saved = dict(os.environ)\n"
+     "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+     "os.environ.update(RANK='1', WORLD_SIZE='2', MASTER_ADDR='127.0.0.1')\n"
+     "try:\n"
+     "    toolkit.init_distributed()\n"
+     "finally:\n"
+     "    dist.destroy_process_group()\n"
+     "    os.environ.clear()\n"
+     "    os.environ.update(saved)\n",
+     "LaunchEnvError: torch.distributed is already initialised as rank 0 of 1, but the env variables say "
+     "rank 1 of 2; initialise once, through toolkit.init_distributed()"),
+    ("toolkit.init_distributed(backend='gloo').all_reduce([1.0], op='prod')",
+     "ConfigError: invalid configuration: op='prod': expected one of 'sum', 'mean', 'max', 'min'"),
     ("toolkit.init_distributed(); toolkit.init_distributed(backend='mpi')",
      "already initialised with backend 'gloo'"),
 ]

@@ -111,3 +111,18 @@ def test_the_guard_holds_whether_deepspeed_is_imported_before_or_after(first, tm
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "8.0;9.0+PTX"
     assert "arch-specific entries" in done.stderr
+
+
+def test_the_import_hook_keeps_the_loaders_other_answers_and_finds_only_what_exists(tmp_path):
+    """What asks a module's loader for more than exec_module (tracebacks' linecache, inspect, pkgutil)
+    gets the real loader's answers; a builder module nobody provides is not found."""
+    import deepspeed.ops.op_builder as op_builder
+
+    finder = cuda_arch._BuilderFinder()
+    spec = finder.find_spec(builder_module.__name__, op_builder.__path__)
+    assert isinstance(spec.loader, cuda_arch._GuardingLoader)
+    assert "class CUDAOpBuilder" in spec.loader.get_source(builder_module.__name__)
+    assert spec.loader.is_package(builder_module.__name__) is False
+    # a source tree's op_builder package whose directory holds no builder module: not found
+    assert finder.find_spec("op_builder.builder", [str(tmp_path)]) is None
+    assert finder.find_spec("json", None) is None                   # not DeepSpeed's builder: not ours

@@ -97,6 +97,24 @@ def test_stale_means_old_and_mapped_by_no_process(tmp_path):
     assert [path.name for path in remove_stale_buffers(shm_dir=tmp_path)] == [names["mapped"]]
 
 
+def test_setup_runs_the_module_by_path_and_it_clears_a_stale_segment_of_this_user():
+    """scripts/setup.sh's call, on the real /dev/shm: a segment no process maps, an hour old, goes (its
+    port is a name no run uses, so no other run's segment is made or named here)."""
+    stale = SHM_DIR / buffer_name(addr="127.0.0.1", port=f"toolkit-test-{os.getpid()}", rank=0)
+    stale.write_bytes(b"\0" * mmap.PAGESIZE)
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    argv = [sys.executable, "-P", str(procutil.REPO / "toolkit" / "runtime" / "ds_shm.py")]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=procutil.child_env())
+        assert done.returncode == 0, done.stderr
+        assert not stale.exists()
+        assert done.stdout.startswith("setup: removed ") and f"segment(s) from {SHM_DIR} that earlier runs " \
+            "left and no process maps" in done.stdout
+    finally:
+        stale.unlink(missing_ok=True)
+
+
 # -- real DeepSpeed ranks ---------------------------------------------------------------------
 
 def test_deepspeed_alone_leaves_its_segments_behind(tmp_path, ports):

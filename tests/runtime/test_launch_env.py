@@ -131,6 +131,31 @@ def test_half_set_launch_is_an_error():
         detect_launch({"RANK": "0"})
 
 
+def test_a_local_world_larger_than_the_world_is_named():
+    env = {**TORCHRUN, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0"}
+    with pytest.raises(LaunchEnvError, match="torchrun: local world size 4 exceeds world size 2"):
+        detect_launch(env)
+
+
+def test_a_job_step_without_its_step_counts_reads_the_jobs():
+    """Older Slurm sets no SLURM_STEP_NUM_TASKS / SLURM_STEP_NUM_NODES: the job's counts stand in."""
+    env = {k: v for k, v in SRUN.items() if k not in ("SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES")}
+    info = detect_launch({**env, "SLURM_NNODES": "2"})
+    assert (info.world_size, info.num_nodes, info.local_world_size, info.node_rank) == (8, 2, 4, 1)
+
+
+@pytest.mark.parametrize("nodelist", ["gpu[08-07]", "gpu[07-08", "", "gpu[a-b]"])
+def test_a_node_list_that_cannot_be_parsed_is_named(nodelist):
+    expected = f"SLURM node list {nodelist!r} cannot be parsed; expected e.g. 'node[01-04]'"
+    with pytest.raises(LaunchEnvError) as info:
+        first_slurm_host(nodelist)
+    assert str(info.value) == expected
+    if nodelist:   # in a job step without MASTER_ADDR: the same message, with the others at once
+        with pytest.raises(LaunchEnvError) as info:
+            detect_launch({**SRUN, "SLURM_STEP_NODELIST": nodelist, "SLURM_LOCALID": "x"})
+        assert expected in str(info.value) and "SLURM_LOCALID='x'" in str(info.value)
+
+
 def test_slurm_bad_tasks_per_node():
     with pytest.raises(LaunchEnvError, match="SLURM_STEP_TASKS_PER_NODE"):
         detect_launch({**SRUN, "SLURM_STEP_TASKS_PER_NODE": "many"})

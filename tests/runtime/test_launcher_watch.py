@@ -53,6 +53,7 @@ PY = "/venv/bin/python3.11"
     (["setsid", "torchrun", "t.py"], None),
     (["nohup", "deepspeed", "t.py"], None),
     ([PY, "t.py"], None), ([PY, "-c", "import x"], None), ([PY, "-m", "pytest"], None),
+    ([PY, "-u"], None), ([PY, "-W", "ignore"], None), ([PY, "-m"], None),   # no script, no module
     ([], None), ([""], None),
 ])
 def test_which_commands_are_launchers(argv, name):

@@ -149,6 +149,23 @@ def test_clear_dead_locks_removes_only_dead_ones(tmp_path):
         holder.wait(10)
 
 
+def test_a_dead_lock_is_removed_only_while_it_is_the_one_judged_dead(tmp_path):
+    lock = _lock(tmp_path)
+    judged = judge_lock(lock)
+    assert judged.kind == "dead"
+    os.utime(lock, ns=(judged.ident[1] + 10**9, judged.ident[1] + 10**9))   # taken again meanwhile
+    assert not op_builds.remove_dead_lock(lock, judged.ident) and lock.exists()
+    holder = _holder(f"import os; fd = os.open({str(lock)!r}, os.O_RDONLY)")
+    try:
+        assert not op_builds.remove_dead_lock(lock, judge_lock(lock).ident) and lock.exists()   # held
+    finally:
+        holder.kill()
+        holder.wait(10)
+    assert op_builds.remove_dead_lock(lock, judge_lock(lock).ident) and not lock.exists()
+    # an ended process has no command line to show
+    assert op_builds._command(str(holder.pid)) == "?"
+
+
 def test_a_wait_on_an_unseen_holder_ends_with_an_error_naming_the_lock(tmp_path, monkeypatch):
     lock = _lock(tmp_path)
     lock.write_text("elsewhere 1\n")
@@ -300,10 +317,12 @@ def test_an_op_that_cannot_be_built_is_skipped_with_a_warning(tmp_path):
     """dsat builds ops before its trials; without ninja on PATH that fails, and dsat goes on (its
     trials then meet DeepSpeed's own error)."""
     code = ("from toolkit.runtime.op_builds import load_ops; "
-            "print('loaded', load_ops(['ShareMemCommBuilder']))")
+            "print('loaded', load_ops(['AsyncIOBuilder', 'ShareMemCommBuilder']))")
     env = procutil.child_env(TORCH_EXTENSIONS_DIR=str(tmp_path), PATH=str(tmp_path))  # no ninja, no compiler
     out = procutil.check(procutil.run([sys.executable, "-c", code], env=env, timeout=120))
     assert "loaded []" in out and "could not build DeepSpeed's op deepspeed_shm_comm" in out
+    # async_io needs libaio and a compiler to probe for it: DeepSpeed finds it incompatible, no build tried
+    assert "async_io" not in out
 
 
 # -- nothing on import; one ninja and one build directory per environment -----------------------

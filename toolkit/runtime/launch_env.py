@@ -141,11 +141,7 @@ def first_slurm_host(nodelist: str) -> str:
 def _finish(launcher: str, r: _Reader, *, rank, world_size, local_rank, local_world_size,
             node_rank, num_nodes, master_addr, master_port) -> LaunchInfo:
     """Fill what can be derived, check the numbers against each other, raise all problems once."""
-    if not r.problems:
-        if world_size is None:
-            world_size = 1
-        if rank is None:
-            rank = 0
+    if not r.problems:   # rank and world_size are read from variables each caller checked are set
         if local_world_size is None:
             local_world_size = world_size if num_nodes in (None, 1) else max(world_size // num_nodes, 1)
         if local_rank is None:
@@ -160,8 +156,6 @@ def _finish(launcher: str, r: _Reader, *, rank, world_size, local_rank, local_wo
                 num_nodes = world_size // local_world_size
         if node_rank is None:
             node_rank = rank // local_world_size
-        if world_size < 1:
-            r.problems.append(f"{launcher}: world size {world_size} must be >= 1")
         if not 0 <= rank < max(world_size, 1):
             r.problems.append(f"{launcher}: rank {rank} is outside [0, world size {world_size})")
         if not 0 <= local_rank < max(local_world_size, 1):

@@ -145,3 +145,11 @@ def test_a_script_building_its_config_that_recorded_none_stops_with_the_three_wa
     assert planned.base_ds_config == own and not planned.awaiting_config
     assert planned.global_batch.train_batch_size == 16 and planned.search.micro_batches == (1, 2, 4, 8, 16)
     assert planned.search.base_zero == {"stage": 2} and labelled.spec.zero == {"stage": 2}
+    # a recorded config that breaks a rule: named as the script's, in the file it was recorded in
+    bad = {**own, "zero_optimization": {"stage": 7}}
+    (trial_dir / "script_config.json").write_text(json.dumps({"source": "script", "config": bad}))
+    with pytest.raises(ConfigError) as err:
+        discovered_plan(plan, tmp_path / "out", first)
+    assert err.value.source == str(trial_dir / "script_config.json")
+    assert err.value.problems[0].startswith("the config your script gives deepspeed.initialize: "
+                                            "zero_optimization.stage=7")

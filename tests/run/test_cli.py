@@ -92,3 +92,12 @@ def test_slurm_flag_problems_exit_2_before_any_submission(tmp_path, capsys, laun
     assert cli.main([str(_yaml(tmp_path, SEARCH)), str(tmp_path), "--slurm", "", "--max-slots", "2"]) == 2
     assert "--max-slots=2: the slots of this machine, which --slurm does not use" in capsys.readouterr().err
     assert launches == []
+
+
+def test_a_record_that_cannot_be_read_exits_2_naming_it(tmp_path, capsys, launches):
+    out = tmp_path / "out"
+    (out / OPS_FILE).mkdir(parents=True)  # a directory where the record should be: reading it fails
+    assert cli.main([str(_yaml(tmp_path, {"entrypoint": "python3 x.py"})), str(tmp_path),
+                     "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out}: a record cannot be read (" in err and OPS_FILE in err and launches == []

@@ -39,3 +39,13 @@ def test_the_progress_line_names_each_running_trial_and_what_is_left(tmp_path):
                            "yet), 1 done; up to 2 more trials, about ")
     assert progress_line([], done=0, to_start=1, durations=[], elapsed=[], concurrency=1).endswith(
         "time left unknown until a trial ends")
+
+
+def test_lines_that_are_no_report_are_passed_over(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    good = {"group": "training", "steps_completed": 4, "metrics": {"loss": 1.5}}
+    no_metrics = json.dumps({"group": "training", "metrics": 3})
+    path.write_text(json.dumps(good) + "\nnot json\n" + no_metrics + "\n[1]\n")
+    assert latest_report(path) == good
+    path.write_text("garbage\n" + json.dumps({"steps_completed": 1}) + "\n")
+    assert latest_report(path) is None

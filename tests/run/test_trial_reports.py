@@ -6,8 +6,12 @@ trial writes comes from the Determined layer's own TrainContext; no trial proces
 import json
 import logging
 import math
+import os
+import signal
+import subprocess
 
 from toolkit.compat.determined.core.train import EarlyExitReason, TensorboardMode, TrainContext
+from toolkit.config.searcher_section import translate_searcher
 from toolkit.launch.trial_files import PROGRESS_FILE, SEARCH_FILE
 from toolkit.run import searchers
 from toolkit.run.process import Forwarder
@@ -115,3 +119,61 @@ def test_best_validation_is_the_best_report_by_the_metrics_direction(tmp_path, c
         del trial["best_metric"]  # a record of an earlier toolkit: the latest reports
     (tmp_path / SEARCH_FILE).write_text(json.dumps(record))
     assert ctx.get_experiment_best_validation() == 0.7
+
+
+def test_the_watcher_passes_over_torn_lines_and_validations_without_the_metric(tmp_path):
+    config = {"searcher": {"name": "random", "metric": "x", "max_trials": 2}, "hyperparameters": SPACE}
+    state = searchers.new_state(config, seed=1)
+    trial = _start(state, config)
+    reports = ["{not json", json.dumps({"group": "validation", "metrics": {"loss": 0.1}}),
+               json.dumps({"group": "validation", "metrics": {"x": 3.0}}),
+               json.dumps({"group": "validation", "metrics": {"loss": 0.2}})]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(reports) + "\n")
+    watcher = ReportWatcher(state, trial, config, tmp_path, lambda: None)
+    assert watcher() is False
+    assert trial.metric == 3.0 and watcher.offset == (tmp_path / "metrics.jsonl").stat().st_size
+
+
+LEGACY_ASHA = {"searcher": {"name": "adaptive_asha", "metric": "x", "max_trials": 3, "max_length": 100,
+                            "divisor": 2, "mode": "aggressive"}, "hyperparameters": SPACE}
+
+
+def test_a_searcher_operation_without_a_number_is_skipped_and_named(tmp_path, caplog):
+    from toolkit.compat.determined.core.distributed import DummyDistributedContext
+    from toolkit.compat.determined.core.searcher import SearcherContext
+
+    config, _, problems = translate_searcher(LEGACY_ASHA)  # as the runner plans a 0.37 section
+    assert problems == []
+    state = searchers.new_state(config, seed=1)
+    trial = _start(state, config)
+    ops = SearcherContext(DummyDistributedContext(), LEGACY_ASHA, tmp_path)  # the trial's side
+    ops.record_completed(25, {"x": 0.5}, last=False)  # a dict where Determined expects a number
+    ops.record_completed(50, 0.25, last=False)
+    watcher = ReportWatcher(state, trial, config, tmp_path, lambda: None)
+    with caplog.at_level(logging.WARNING, logger="toolkit.run"):
+        watcher()
+    assert ("searcher operation skipped: op.report_completed({'x': 0.5}) at op.length 25 (ASHA expects a "
+            "number)") in caplog.text
+    assert (trial.metric, watcher.ops_read) == (0.25, 2)
+
+
+def test_a_run_that_fails_after_the_searchers_stop_counts_as_stopped_early(tmp_path, caplog):
+    state = searchers.new_state(ASHA, seed=1)
+    trial = _start(state, ASHA)
+    (tmp_path / trial.dir).mkdir()
+    forwarder = Forwarder(install=False)
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}  # not a rank process
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True, env=env)  # the launcher, no rank yet
+    try:
+        forwarder.attach(proc, "toolkit-run-test")
+        forwarder.searcher_stop()
+        status = proc.wait(timeout=10)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert forwarder.searcher_sent and status == -signal.SIGTERM
+    watcher = ReportWatcher(state, trial, ASHA, tmp_path / trial.dir, lambda: None)
+    with caplog.at_level(logging.WARNING, logger="toolkit.run"):
+        finish_trial(state, trial, watcher, forwarder, 143, tmp_path / trial.dir)
+    assert (trial.state, trial.stopped_early, trial.exit_status) == ("COMPLETED", True, 143)
+    assert "exited with status 143 after the searcher's stop; counted as stopped early" in caplog.text

@@ -124,3 +124,30 @@ def test_a_micro_batch_the_data_cannot_give_is_a_failure_that_names_the_limit(tm
     assert check_result({**short, "data_limit": 0}, spec) == "data_limit=0: expected an integer >= 1 or none"
     crashed = classify(spec, directory=tmp_path, code=1, duration_s=1.0)  # a crash after it: no limit known
     assert (crashed.status, crashed.data_limit) == (TrialStatus.FAILED, None)
+
+
+def test_an_engine_summary_with_unknown_names_and_metrics_that_are_no_object_are_named():
+    problem = check_result({**GOOD, "engine": {"stage": 1, "zero_stage": 1}}, spec())
+    assert problem.startswith("engine={'stage': 1, 'zero_stage': 1}: expected an object with micro_batch, ")
+    assert check_result({**GOOD, "engine": [1]}, spec()).startswith("engine=[1]: expected an object")
+    assert check_result({**GOOD, "metrics": [1.0]}, spec()).startswith(
+        "metrics=[1.0], expected an object with FLOPS_per_gpu")
+
+
+def test_a_result_file_that_cannot_be_read_is_a_failure(tmp_path):
+    (tmp_path / "result.json").mkdir()  # a directory where the file should be: reading it is an OSError
+    r = classify(spec(), directory=tmp_path, code=0, duration_s=1.0)
+    assert r.status is TrialStatus.FAILED and r.error.startswith("corrupt result file: ")
+    assert "result.json" in r.error
+
+
+def test_an_unreadable_trial_config_cannot_contradict_the_engine_the_result_reports(tmp_path):
+    engine = {"micro_batch": 4, "gradient_accumulation_steps": 1, "stage": 2}
+    write_result(tmp_path, {**GOOD, "engine": engine})
+    (tmp_path / "ds_config.json").write_text('{"train_micro_batch_size_per_gpu": ')  # cut off
+    r = classify(spec(), directory=tmp_path, code=0, duration_s=1.0)
+    assert (r.status, r.error) == (TrialStatus.OK, None)
+    (tmp_path / "ds_config.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 8,
+                                                          "zero_optimization": {"stage": 2}}))
+    r = classify(spec(), directory=tmp_path, code=0, duration_s=1.0)  # readable: it is compared
+    assert r.status is TrialStatus.MISMATCH and "micro-batch" in r.error

@@ -141,3 +141,15 @@ def test_the_config_flag_names_the_trials_own_file(entrypoint, flag, rewritten):
     both = ["python3", "t.py", "--deepspeed_config", "a.json", "--deepspeed", "b.json"]
     assert config_flag(both) == ("--deepspeed_config", "a.json")
     assert with_config_flag(both, T) == ["python3", "t.py", "--deepspeed_config", T, "--deepspeed", T]
+
+
+@pytest.mark.parametrize("hosts, port, words", [
+    ("w0", 29500, "hosts='w0': expected a non-empty list of host names"),
+    ([], 29500, "hosts=[]: expected a non-empty list"),
+    (["w0", ""], 29500, "hosts=['w0', '']: expected"),
+    (["w0"], 0, "master_port=0: expected an integer port in 1..65535"),
+    (["w0"], "29500", "master_port='29500': expected an integer port"),
+])
+def test_the_remote_kill_rejects_bad_hosts_and_ports(hosts, port, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        build_remote_kill_argv(hosts, master_port=port)

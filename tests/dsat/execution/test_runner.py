@@ -20,6 +20,7 @@ from toolkit.dsat.contract import METRICS, TrialStatus
 from toolkit.dsat.execution.runner import RunnerSettings, TrialRunner
 from toolkit.dsat.search.types import TrialSpec
 from toolkit.errors import ConfigError
+from toolkit.launch.hosts import Host
 from toolkit.launch.procs import find_trial_processes
 
 WORKERS = procutil.WORKERS
@@ -135,6 +136,33 @@ def test_gpus_are_indices_into_an_inherited_cuda_visible_devices(tmp_path, monke
         gpus=[1],
     )
     assert s.entrypoint == ("python3", "x.py") and s.model_dir == tmp_path and s.gpus == (1,)
+
+
+def test_settings_name_a_bad_multihost_launcher_ssh_port_and_hosts():
+    with pytest.raises(ConfigError) as err:
+        make_settings(multihost_launcher="mpirun", ssh_port=70000, hosts=[Host("a", 1)])
+    assert err.value.problems == [
+        "--multihost-launcher='mpirun': expected one of pdsh, openmpi, mvapich, mpich, impi, srun",
+        "--ssh-port=70000: expected an integer from 1 to 65535, or None"]
+    with pytest.raises(ConfigError) as err:
+        make_settings(hosts=[Host("a", 2), Host("a", 2)])
+    assert err.value.problems == [
+        "hosts=(Host(name='a', slots=2), Host(name='a', slots=2)): expected distinct Host entries "
+        "(toolkit.launch.hosts), or None"]
+    s = make_settings(hosts=[Host("a", 2), Host("b", 2)], ssh_port=2222)  # a list from the hostfile
+    assert s.hosts == (Host("a", 2), Host("b", 2)) and s.ssh_port == 2222
+
+
+def test_settings_report_a_bad_slot_count_once():
+    with pytest.raises(ConfigError) as err:
+        make_settings(slots_per_trial=0, max_slots=1)
+    assert err.value.problems == ["resources.slots_per_trial=0: expected an integer >= 1"]
+
+
+def test_the_runner_takes_only_runner_settings(tmp_path):
+    with pytest.raises(TypeError, match="settings must be a RunnerSettings, got dict"):
+        TrialRunner(dict(entrypoint=("python3", "t.py")), output_dir=tmp_path)
+    assert not (tmp_path / "trials").exists()
 
 
 # -- classification ----------------------------------------------------------------------------

@@ -244,3 +244,19 @@ def test_no_offload_while_a_stage_fits():
     results = drive(make_searcher(settings, _profile(10**6)),
                     limit_oracle(lambda spec: 4 if spec.stage == 3 else 0))
     assert all("offload_optimizer" not in r.spec.zero for r in results)
+
+
+@pytest.mark.parametrize("policy,size,message", [
+    ("both", 64, r"global batch policy='both': expected one of keep, fixed, free"),
+    ("free", 64, r"global batch policy 'free' with train_batch_size=64: a free policy fixes no global batch"),
+    ("keep", None, r"train_batch_size=None: expected an integer"),
+    ("fixed", 0, r"train_batch_size=0: expected an integer >= 1"),
+])
+def test_a_global_batch_policy_is_validated_on_construction(policy, size, message):
+    with pytest.raises(ConfigError, match=message):
+        GlobalBatch(policy, size)
+
+
+def test_an_unknown_offload_mode_is_rejected_naming_the_modes():
+    with pytest.raises(ValueError, match=r"offload mode 'sometimes': expected one of auto, never, always"):
+        offload_levels("sometimes", (1, 2, 3))

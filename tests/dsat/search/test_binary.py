@@ -421,3 +421,27 @@ def test_smaller_is_better_metrics_take_no_profiling_trial(metric):
     searcher = make_searcher(settings_for("binary", zero_stages=(1,), metric=metric), profile_with_range(64))
     assert searcher.observe_profiling([profiling(1, 1, 0, run), profiling(1, 8, -1, run)]) == []
     assert searcher.best is None and searcher.propose(1)[0].micro_batch == (1 + 64) // 2
+
+
+def test_an_out_of_memory_profiling_trial_caps_its_line_below_it():
+    run = peaked({1: 100}, 64)
+    s = settings_for("binary", zero_stages=(1,), max_trials=8, metric="throughput")
+    searcher = make_searcher(s, profile_with_range(1024))
+    oom = profiling(1, 256, -1, run)
+    assert oom.status is OOM
+    assert [r.spec.trial_id for r in searcher.observe_profiling([profiling(1, 1, 0, run), oom])] == [0, -1]
+    _, results = drive(searcher, run)
+    on_line = [r.spec.micro_batch for r in results if r.spec.line == 0]
+    assert on_line and max(on_line) <= 255  # without the profiling OOM its first trial is 512
+    assert searcher.best.spec.micro_batch == 64
+
+
+def test_a_failure_below_a_success_stops_the_line(caplog):
+    caplog.set_level(logging.DEBUG, logger="toolkit.dsat.search")
+    s = settings_for("binary", zero_stages=(1,), max_trials=12, metric="throughput")
+    searcher = make_searcher(s, profile_with_range(1024))
+    _, results = drive(searcher, peaked(10**6, 64, fail_at=(32,)))
+    first = [(r.spec.micro_batch, r.status) for r in results if r.spec.line == 0]
+    assert first == [(512, OK), (128, OK), (32, FAILED)]  # nothing more on the line after the failure
+    assert ("(line 0, stage 1, micro-batch 32): failed; line range [513, 31], stopped: failed at "
+            "micro-batch 32, below micro-batch 512 that succeeded on the line") in caplog.text

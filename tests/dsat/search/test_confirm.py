@@ -116,3 +116,10 @@ def test_smaller_is_better_when_a_later_one_could_win():
     assert next_to_confirm(group(slow), chosen, "latency").spec.micro_batch == 8    # 11 ms beats 12 ms
     fast = search + [result(3, 16, 10.5, rerun=True, **ms), result(4, 16, 10.2, rerun=True, **ms)]
     assert next_to_confirm(group(fast), chosen, "latency") is None
+
+
+def test_a_configuration_without_a_success_has_no_representative_and_says_so():
+    candidate = group([result(3, 8, status=OOM), result(7, 8, status=OOM)])[0]
+    assert candidate.representative("throughput") is None and candidate.median("throughput") is None
+    assert candidate.spread("throughput") == "no result (trials 3, 7)"
+    assert not candidate.fits

@@ -280,3 +280,30 @@ def test_the_predicted_peak_curve_crosses_the_budget_at_the_predicted_largest_mi
         assert predicted_peak_bytes(p, stage, m + 1, **kw) > budget
     else:
         assert m == 1
+
+
+def test_negative_parameter_counts_are_rejected():
+    with pytest.raises(ValueError, match=r"num_params=-1, trainable_params=0: expected counts >= 0"):
+        model_memory_bytes(_profile(-1, 0), 0, data_parallel_size=1)
+
+
+def test_the_table_writes_terabytes_past_the_largest_unit():
+    p = _profile(2**40, 2**40, act=3 * 2**20, mem=2**50)  # fp32: 16 bytes a parameter, 16 TiB at stage 0
+    lines = format_prediction(predict(p, data_parallel_size=1, zero_stages=(0,)), profile=p).splitlines()
+    assert "memory per slot: 1024.00 TiB" in lines[1] and "per example: 3.00 MiB" in lines[1]
+    assert lines[3].split()[:3] == ["0", "16.00", "TiB"]
+
+
+def test_a_ladder_point_that_fails_otherwise_ends_the_ladder_with_the_profile_unchanged():
+    first, calibrated, times, measure, model, trials = _simulate(_mlp_peak, leaf=41_000,
+                                                                 step_ms=lambda m: 300.0 + 0.9 * m)
+    asked = []
+
+    def crashes(m):
+        asked.append(m)
+        return "failed", None, None
+
+    climbed = calibration.climb(calibrated, 1, data_parallel_size=2, first=first, times=times,
+                                model_memory=model, measure=crashes)
+    assert len(asked) == 1 and asked[0] > calibrated.micro_batch
+    assert climbed == calibrated

@@ -101,3 +101,8 @@ def test_kept_batch_candidates_are_the_allowed_micro_batches():
     m, _ = next_probe(values, tried=set(values), grid=log_grid(384, allowed), hi=384, failed_above=False,
                       bisect_at=None, tolerance=0.25)
     assert m == 192  # sqrt(96 x 384)
+
+
+def test_a_line_with_no_room_has_no_candidates():
+    assert log_grid(0, None) == () and log_grid(-3, (1, 2)) == ()
+    assert log_grid(6, None) == (1, 2, 4, 6) and log_grid(6, (1, 3, 9)) == (1, 3)

@@ -131,3 +131,14 @@ def test_replay_rejects_a_record_from_other_settings():
     results = [oracle(100)(spec) for spec in first]
     with pytest.raises(ValueError, match="micro_batch|proposes|zero"):
         replay(other, results=results, observed_before={i: 0 for i in range(1, 6)})
+
+
+def test_replay_rejects_a_record_it_cannot_place():
+    s = settings_for("binary", random_seed=1)
+    with pytest.raises(ValueError, match=r"observed_before\[3\]=2: expected 0\.\.1"):
+        replay(make_searcher(s, profile_with_range(300)),
+               results=[oracle(100)(TrialSpec(1, 1, {"stage": 1}))], observed_before={1: 0, 3: 2})
+    # Trial 2 recorded as proposed first: a fresh searcher proposes trial 1 first.
+    with pytest.raises(ValueError, match=r"after 0 results the recorded search proposed trials \[2\], "
+                                         r"this searcher proposes \[1\]; resume with the original settings"):
+        replay(make_searcher(s, profile_with_range(300)), results=[], observed_before={2: 0})

@@ -300,6 +300,26 @@ def test_how_a_script_gives_its_config(tmp_path, how):
     }[how] in given.how or how == "base64"
 
 
+def test_a_config_that_is_no_dict_file_or_base64_is_given_as_none(tmp_path):
+    missing = str(tmp_path / "missing.json")
+    given = given_config({"config": missing})  # neither a file nor base64 of JSON: its path kept
+    assert (given.config, given.path) == (None, missing)
+    given = given_config({"args": argparse.Namespace(deepscale_config=missing)})  # the flag's old name
+    assert (given.config, given.path) == (None, missing) and "the --deepscale_config flag" in given.how
+    given = given_config({"config_params": 42})  # not a config DeepSpeed reads: none, no path
+    assert (given.config, given.path) == (None, None) and "(config_params=...)" in given.how
+
+
+def test_a_rank_whose_launch_variables_are_malformed_records_as_the_chief(monkeypatch):
+    """The script meets the launch error itself (at init_distributed); the hook does not raise it."""
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    assert engine_hook._is_chief() is False
+    monkeypatch.delenv("MASTER_ADDR")  # world size 2 without rank 0's address: LaunchEnvError
+    assert engine_hook._is_chief() is True
+
+
 def test_a_config_file_that_cannot_be_read_is_passed_on_as_given():
     assert engine_hook._merged(engine_hook.Given("x", None, "missing.json"), TRIAL_CONFIG, trial=True) is None
     assert engine_hook._merged(engine_hook.Given("x", None), TRIAL_CONFIG, trial=True) == TRIAL_CONFIG

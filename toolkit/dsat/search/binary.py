@@ -60,7 +60,8 @@ class BinarySearcher(LineSearcher[BinaryLine]):
             self._take(line, result)
 
     def _take(self, line: BinaryLine, result: TrialResult) -> None:
-        """Record ``result`` on ``line``: bounds, values, line and search best."""
+        """Record ``result`` on ``line``: bounds, values, line best (the search best is already set by
+        :meth:`observe_profiling`, over these same results)."""
         m, metric = result.spec.micro_batch, self.settings.metric
         line.tried.add(m)
         value = metric_value(result, metric)
@@ -68,8 +69,6 @@ class BinarySearcher(LineSearcher[BinaryLine]):
             line.values[m] = value
             if line.best is None or is_better(metric, value, metric_value(line.best, metric)):
                 line.best = result
-            if is_better(metric, value, self._best_value()):
-                self._best = result
         if result.status is TrialStatus.OK:
             line.lo = max(line.lo, m + 1)
             line.hi = max(line.hi, m)  # the memory model predicted less than what ran

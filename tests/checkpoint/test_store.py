@@ -149,6 +149,11 @@ def test_backend_failures_become_clear_errors(s3, monkeypatch, tmp_path):
                        match=r"deleting 1 object\(s\) under s3://spot/creds-x " + fix) as deleting:
         bad.delete(["latest"])
     assert "wrong-secret-value-77" not in str(listing.value) + str(deleting.value)
+    # a local directory that cannot be made (a file in its place) fails as a CheckpointError too, which
+    # remote.load's ranks agree on, not a bare OSError on one rank while the others wait
+    (tmp_path / "blocked").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"downloading from s3://spot/creds-x: cannot create .*blocked/step_1"):
+        bad.download([("step_1/a.pt", str(tmp_path / "blocked" / "step_1" / "a.pt"))])
 
 
 def test_the_hint_follows_what_the_backend_said():

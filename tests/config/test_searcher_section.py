@@ -103,3 +103,6 @@ def test_a_037_asha_section_with_a_problem_has_no_operation_lengths():
     """The problem is the searcher check's to report; no rungs are made up from a broken section."""
     assert operation_lengths({"searcher": dict(OLD_ASHA, max_length={"steps": 3})}) is None
     assert operation_lengths({"searcher": dict(OLD_ASHA, max_trials="10")}) is None
+    # max_trials 0 (the runner refuses it, but a trial's script can read such a YAML): no rungs, no crash
+    assert operation_lengths({"searcher": dict(OLD_ASHA, max_trials=0)}) is None
+    assert operation_lengths({"searcher": dict(OLD_ASHA, max_length=0)}) is None

@@ -190,7 +190,11 @@ class ObjectStore:
         """Download objects: ``(relative path, local path)`` pairs, concurrently."""
         if pairs:
             for _, local in pairs:
-                os.makedirs(os.path.dirname(local), exist_ok=True)
+                try:  # a CheckpointError, which the ranks agree on: a bare OSError would leave them waiting
+                    os.makedirs(os.path.dirname(local), exist_ok=True)
+                except OSError as err:
+                    raise CheckpointError(f"downloading from {self.where()}: cannot create "
+                                          f"{os.path.dirname(local)}: {err}") from err
             try:
                 self.fs.get([self.url.key(p[0]) for p in pairs], [p[1] for p in pairs])
             except Exception as err:  # noqa: BLE001

@@ -206,8 +206,8 @@ def operation_lengths(config: Mapping[str, Any]) -> list[int] | None:
     if not is_mapping(searcher) or not is_legacy_asha(searcher):
         return None
     translated, _, problems = translate_searcher(config)
-    s = translated["searcher"]
-    if problems or not is_int(s.get("max_time")) or not is_int(s.get("max_trials")):
+    if problems or check_searcher(translated):  # e.g. max_trials: 0, which the runner refuses before
         return None
+    s = translated["searcher"]
     brackets = asha_brackets(max_time=s["max_time"], max_trials=s["max_trials"], **searcher_defaults(s))
     return list(brackets[0]["rungs"])

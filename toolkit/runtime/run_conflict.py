@@ -46,7 +46,8 @@ def _hook(previous: Any) -> Any:
         if isinstance(exc, RunConflictError):
             with contextlib.suppress(Exception):
                 atexit._run_exitfuncs()  # what a normal exit runs (the process group, toolkit's locks)
-            for stream in (sys.stdout, sys.stderr):
+            # untraced: coverage's exit handler, run above, has stopped (tests/runtime/test_run_conflict.py)
+            for stream in (sys.stdout, sys.stderr):  # pragma: no cover
                 with contextlib.suppress(Exception):
                     stream.flush()
             os._exit(CONFLICT_EXIT_STATUS)

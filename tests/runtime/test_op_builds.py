@@ -313,6 +313,23 @@ def test_a_stop_during_a_cold_build_leaves_the_next_run_working(tmp_path):
     assert not lock.exists()
 
 
+def test_an_interrupted_build_leaves_no_compiler_running(tmp_path):
+    """SIGINT to the building process alone (a scheduler's signal, not a terminal's Ctrl-C to the
+    group): Python's subprocess.run SIGKILLs ninja a quarter second later, before it can pass the
+    interrupt on to its compilers, each in a process group of its own; the guard stops them."""
+    ext = tmp_path / "cold"
+    ext.mkdir()
+    lock = ext / PROBE_OP / "lock"
+    proc = _start(PROBE, ext)
+    _await(lambda: any(not cmd.startswith(("ninja", "/bin/sh")) for _, cmd in _build_processes(lock)),
+           "a compiler of the op", [proc])
+    os.kill(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in out, out[-3000:]
+    assert "the interrupted build of toolkit_probe_op left running" in out, out[-3000:]
+    assert _build_processes(lock) == [], "a compiler of the interrupted build still runs"
+
+
 def test_an_op_that_cannot_be_built_is_skipped_with_a_warning(tmp_path):
     """dsat builds ops before its trials; without ninja on PATH that fails, and dsat goes on (its
     trials then meet DeepSpeed's own error)."""
@@ -347,7 +364,7 @@ print(sorted(k for k, v in vars(ce).items() if before.get(k) is not v), len(sys.
 def test_importing_toolkit_changes_nothing_and_install_build_guards_installs_every_guard_once():
     out = procutil.check(procutil.run([sys.executable, "-c", _UNTOUCHED], timeout=300))
     assert out.strip().splitlines()[-1] == (
-        "['FileBaton', '_get_build_directory', '_jit_compile', 'is_ninja_available'] 1 True True")
+        "['FileBaton', '_get_build_directory', '_jit_compile', '_run_ninja_build', 'is_ninja_available'] 1 True True")
 
 
 def _second_environment(tmp_path: Path) -> Path:

@@ -14,6 +14,7 @@ import fcntl
 import inspect
 import logging
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ from toolkit.runtime.cuda_arch import install_arch_list_guard
 
 __all__ = ["GuardedBaton", "LockState", "UNSEEN_HOLDER_LIMIT_S", "builders_for", "clear_dead_locks",
            "extensions_root", "install_build_guards", "install_lock_guard", "judge_lock", "load_ops",
-           "remove_dead_lock"]
+           "remove_dead_lock", "stop_leftover_build"]
 
 logger = logging.getLogger(__name__)
 
@@ -285,11 +286,51 @@ def _guarded_jit_compile(original: Callable[..., Any]) -> Callable[..., Any]:
     return jit_compile
 
 
+def _stopping_leftovers(original: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's ninja run, under the op's build lock; when it is interrupted (Ctrl-C, or a signal
+    turned into an exception), the compilers ninja started are stopped too: ``subprocess.run``
+    SIGKILLs ninja a quarter second after the interrupt, often before ninja passed it on to its
+    commands (each in a process group of its own), which then ran on for minutes, orphaned."""
+    def run_ninja_build(build_directory: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(build_directory, *args, **kwargs)
+        except BaseException as err:
+            if not isinstance(err, Exception):
+                stop_leftover_build(Path(build_directory))
+            raise
+
+    run_ninja_build.toolkit_guarded = True  # type: ignore[attr-defined]
+    return run_ninja_build
+
+
+def stop_leftover_build(build_dir: Path, *, within_s: float = 5.0) -> list[int]:
+    """SIGKILL the processes (but this one) working in ``build_dir``, an op's directory whose lock this
+    process holds, until none is left or ``within_s`` passed; returns the pids signalled. Any process."""
+    signalled: list[int] = []
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        holders, _ = _local_holders(build_dir / "lock")
+        left = [int(pid) for pid, how, _ in holders if how == "builds" and int(pid) != os.getpid()]
+        if not left:
+            break
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        signalled.extend(pid for pid in left if pid not in signalled)
+        time.sleep(0.05)
+    if signalled:
+        logger.warning("stopped %d process(es) the interrupted build of %s left running", len(signalled),
+                       build_dir.name)
+    return signalled
+
+
 def install_lock_guard() -> None:
     """Make torch's extension loader in this process wait on a build lock only while a live
-    process holds it. Idempotent; any process."""
+    process holds it, and stop an interrupted build's compilers. Idempotent; any process."""
     from torch.utils import cpp_extension
 
+    if not getattr(cpp_extension._run_ninja_build, "toolkit_guarded", False):
+        setattr(cpp_extension, "_run_ninja_build", _stopping_leftovers(cpp_extension._run_ninja_build))  # noqa: B010
     if getattr(cpp_extension._jit_compile, "toolkit_guarded", False):
         return
     setattr(cpp_extension, "FileBaton", GuardedBaton)  # noqa: B010 (a module's global, replaced)

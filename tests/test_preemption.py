@@ -157,7 +157,8 @@ def test_wrong_context_and_non_main_thread_are_explained():
     code = ("import dataclasses, test_preemption as t\n"
             "two = dataclasses.replace(t._world_of_one(), world_size=2, local_world_size=2)\n"
             "try:\n    t.watch_preemption(two)\nexcept RuntimeError as err:\n    print(err)\n")
-    out = procutil.check(procutil.run([sys.executable, "-c", code], cwd=str(procutil.REPO / "tests"), timeout=120))
+    out = procutil.check(procutil.run([sys.executable, "-c", code], cwd=str(procutil.REPO / "tests"),
+                                      timeout=120))
     assert "ctx says world size 2 but torch.distributed is not initialised" in out, out
     errors = []
 

@@ -76,7 +76,11 @@ def test_only_launchers_are_watched_wrappers_and_shells_never():
 def test_exited_tells_a_running_process_from_a_zombie_a_reaped_one_and_a_reused_pid():
     child = subprocess.Popen(["sleep", "30"])
     try:
-        info = read_process(child.pid)
+        # Popen returns once exec has closed its error pipe, which the kernel does before it lays out the
+        # new program's arguments: for a moment /proc/PID/cmdline is empty. Wait for the exec to finish.
+        deadline = time.monotonic() + 10
+        while not getattr(info := read_process(child.pid), "argv", ()) and time.monotonic() < deadline:
+            time.sleep(0.005)
         assert info is not None and info.ppid == os.getpid() and info.argv == ("sleep", "30")
         assert not exited(info)
         assert exited(ProcessInfo(info.pid, info.ppid, info.start + 1, "S"))  # another start: pid reused

@@ -22,6 +22,7 @@ from toolkit.dsat import script_config, search
 from toolkit.dsat.contract import ProfileInfo, TrialContract, TrialStatus
 from toolkit.dsat.execution.runner import TrialRunner
 from toolkit.dsat.execution.settings import CPU_ALLOCATOR_ENV
+from toolkit.dsat.hf_trainer import batch_flags_line, hf_trial_config
 from toolkit.dsat.output_files import SEARCH_FILE, EventLog, summary_table, write_trial_tables
 from toolkit.dsat.profiling_phase import (
     ProfilingPhase,
@@ -40,7 +41,7 @@ from toolkit.dsat.search.batch import (
 from toolkit.dsat.search.types import SearchSettings, TrialResult, TrialSpec
 from toolkit.dsat.tensorboard import TensorBoardTrials
 from toolkit.dsat.trial.reporting import instrumentation_overrides
-from toolkit.dsat.tuned_keys import config_summary, describe_summary
+from toolkit.dsat.tuned_keys import config_summary, describe_summary, merge_tuned
 from toolkit.dsat.tuning_plan import Plan, own_spec, trial_ds_config
 from toolkit.errors import ConfigError
 from toolkit.launch.progress import remaining_text
@@ -148,6 +149,8 @@ class Autotuner:
 
     def _start(self, runner: TrialRunner, spec: TrialSpec, *, observed_before: int, log: bool = True) -> None:
         config = self._config_for(spec, instrumented=True)
+        if self.plan.runner.hf_batch_flags:
+            config = hf_trial_config(config, data_parallel_size=self.plan.data_parallel_size)
         if log:
             self.log.started(spec, observed_before=observed_before)
         runner.start(spec, ds_config=config, hparams=self.plan.hparams)  # see contract.trial_hparams
@@ -370,7 +373,10 @@ class Autotuner:
                 results.append(TrialResult.from_json(event["result"]))
         if not observed_before:
             return 0
-        in_flight = search.replay(searcher, results=results, observed_before=observed_before)
+        try:
+            in_flight = search.replay(searcher, results=results, observed_before=observed_before)
+        except ValueError as err:  # the searcher proposes other trials than the recorded ones
+            raise SearchStop(f"--resume: {err}. Start a new search in another --output-dir") from None
         for result in results:
             self._record(result, replayed=True)
         self.say(f"resumed: {len(results)} finished trial(s) kept, {len(in_flight)} interrupted trial(s) "
@@ -485,13 +491,15 @@ class Autotuner:
                                  f"no tuning trial succeeded ({len(tuning)} run, "
                                  f"{'all failed' if broken else 'no result to choose from'}); see trials.csv "
                                  "and each trial's trial.log" + self._share_line())
-        best_config = script_config.best_config(self.out, best.spec,
-                                                self._config_for(best.spec, instrumented=False),
-                                                self.plan.base_ds_config)
+        trial_config = self._config_for(best.spec, instrumented=False)
+        best_config = script_config.best_config(self.out, best.spec, trial_config, self.plan.base_ds_config)
+        if self.plan.runner.hf_batch_flags:  # the user's file, its "auto" values kept, and the two flags
+            tuned = merge_tuned(self.plan.base_ds_config, trial_config, instrumented=False)
+            best_config = hf_trial_config(tuned, data_parallel_size=self.plan.data_parallel_size)
         own = own_spec(self.plan, 0)
         own_line, own_record = script_config.own_comparison(self._own_results(own) if own else [], best,
                                                             metric)
-        change = global_batch_change(self.plan.base_ds_config, best_config, policy=self.plan.global_batch,
+        change = global_batch_change(self.plan.base_ds_config, trial_config, policy=self.plan.global_batch,
                                      data_parallel_size=self.plan.data_parallel_size, argv=self.argv,
                                      output_dir=str(self.out))
         values = chosen.values(metric)
@@ -502,7 +510,7 @@ class Autotuner:
         atomic_write_json(self.out / "best_ds_metrics.json", best_metrics_record(
             best.metrics, trial_id=best.spec.trial_id, trial=best.spec.name, metric=metric,
             measurements=measurements, own_config=own_record,
-            global_batch={**self.plan.global_batch.to_json(), **{k: best_config[k] for k in (TBS, GAS, MBS)},
+            global_batch={**self.plan.global_batch.to_json(), **{k: trial_config[k] for k in (TBS, GAS, MBS)},
                           **change.to_json()}))
         counts = {s.value: sum(r.status is s for r in tuning) for s in TrialStatus}
         profiling = sum(r.spec.profile for r in results)
@@ -515,6 +523,8 @@ class Autotuner:
                    f"micro-batch {spec.micro_batch}; {how}); {profiling} profiling trials, {len(tuning)} "
                    f"tuning trials: {counts}, {reruns} re-runs; wrote {self.out / 'best_ds_config.json'}")
         message += ("\n" + own_line if own_line else "") + self._share_line()
+        if self.plan.runner.hf_batch_flags:
+            message += "\n" + batch_flags_line(best_config)
         notice = change.notice()
         if notice:  # the last line the CLI prints (and the full run's, after it)
             message += "\n" + notice

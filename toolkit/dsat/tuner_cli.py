@@ -28,6 +28,7 @@ from toolkit.config.experiment import entrypoint_argv, load_experiment_config
 from toolkit.dsat.cli_args import build_parser, parse_bytes
 from toolkit.dsat.execution.multihost_argv import config_flag
 from toolkit.dsat.execution.settings import RunnerSettings, available_memory_bytes, default_memory_per_slot
+from toolkit.dsat.hf_trainer import hf_base_config, is_hf_trainer, without_autos
 from toolkit.dsat.search.batch import GlobalBatch, allowed_micro_batches, global_batch_policy
 from toolkit.dsat.search.types import SearchSettings
 from toolkit.errors import ConfigError
@@ -86,6 +87,7 @@ class _Inputs:
     base: dict[str, Any]
     source: str = "hyperparameters.deepspeed_config"   # one of plan.CONFIG_SOURCES
     flag: tuple[str, str] | None = None                 # the entrypoint's config flag and its path
+    hf_trainer: bool = False                            # HF Trainer's --deepspeed convention (hf_trainer.py)
 
 
 def _base_config(hparams: dict[str, Any], flag: tuple[str, str] | None,
@@ -140,9 +142,12 @@ def _load_inputs(args: argparse.Namespace, problems: list[str]) -> _Inputs:
     flag = config_flag(entrypoint)
     try:
         base, source = _base_config(hparams, flag, model_dir)
+        hf = source == "entrypoint flag" and is_hf_trainer(flag, entrypoint, base)
+        if hf:  # the Trainer fills the file's "auto" batch keys from its flags: so does the search
+            base = hf_base_config(base, entrypoint)
     except (ConfigError, OSError, TypeError) as err:
         raise UsageError([*problems, *_problems_of(err)]) from None
-    return _Inputs(model_dir, experiment, hparams, slots, entrypoint, base, source, flag)
+    return _Inputs(model_dir, experiment, hparams, slots, entrypoint, base, source, flag, hf)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,14 +222,16 @@ def _check_ds_config(args: argparse.Namespace, inputs: _Inputs, dp: Any, *, devi
         return None, hidden  # reported as a value; the config cannot be checked without it
     if inputs.source == "script":  # checked once the first profiling trial recorded it (with_base_config)
         return GlobalBatch("free"), hidden
+    # HF Trainer's other "auto" values are the Trainer's to fill, DeepSpeed never sees them
+    seen = without_autos if inputs.hf_trainer else dict
     try:
-        validate_ds_config(as_written(inputs.base), device=device, data_parallel_size=dp)
+        validate_ds_config(seen(as_written(inputs.base)), device=device, data_parallel_size=dp)
         policy = global_batch_policy(args.global_batch, user_train_batch_size=inputs.base.get(BATCH_KEYS[0]))
         if policy.train_batch_size is not None:
             allowed_micro_batches(policy.train_batch_size, data_parallel_size=dp)
-        validate_ds_config(trial_ds_config(inputs.base, profile_spec(inputs.base), data_parallel_size=dp,
-                                           train_batch_size=policy.train_batch_size, hidden_size=hidden),
-                           device=device, data_parallel_size=dp)
+        first = trial_ds_config(inputs.base, profile_spec(inputs.base), data_parallel_size=dp,
+                                train_batch_size=policy.train_batch_size, hidden_size=hidden)
+        validate_ds_config(seen(first), device=device, data_parallel_size=dp)
     except ConfigError as err:
         problems.extend(f"DeepSpeed config: {p}" for p in err.problems)
         return None, hidden
@@ -262,7 +269,8 @@ def _build_settings(args: argparse.Namespace, inputs: _Inputs, machines: _Machin
                                 gpus=machines.gpus, hosts=machines.hosts, multihost_launcher=machines.via,
                                 experiment_config=args.config.resolve(),
                                 ssh_port=args.ssh_port, echo=not args.quiet,
-                                merge_config=not args.no_merge_config, config_files=_config_files(inputs))
+                                merge_config=not args.no_merge_config, config_files=_config_files(inputs),
+                                hf_batch_flags=inputs.hf_trainer)
     except ConfigError as err:
         problems.extend(err.problems)
     return search, runner
@@ -282,16 +290,19 @@ def _output_dir_problem(output_dir: Path, *, resume: bool) -> str | None:
 def make_plan(args: argparse.Namespace) -> Plan:
     """Check every input, once, where its rule lives, and build the :class:`~toolkit.dsat.tuning_plan.Plan`;
     launches nothing. UsageError listing every problem in the user's words. Autotuner process only."""
-    from toolkit.dsat.tuning_plan import Plan
+    from toolkit.dsat.tuning_plan import Plan, recorded_budget
 
     problems: list[str] = []
     inputs = _load_inputs(args, problems)
     machines = _find_machines(args, problems)
+    output_dir = (args.output_dir or inputs.model_dir / "dsat_output").resolve()
+    budget = recorded_budget(output_dir) if args.resume and args.memory_per_slot is None else None
+    if budget is not None and machines.gpus is None:  # the replayed search needs the budget it ran with
+        machines = dataclasses.replace(machines, memory_per_slot=budget)
     dp = _data_parallel_size(inputs, problems)
     policy, hidden = _check_ds_config(args, inputs, dp, device="cpu" if machines.gpus is None else "cuda",
                                       problems=problems)
     search, runner = _build_settings(args, inputs, machines, dp, policy, problems)
-    output_dir = (args.output_dir or inputs.model_dir / "dsat_output").resolve()
     problem = _output_dir_problem(output_dir, resume=args.resume)
     if problem:
         problems.append(problem)

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from toolkit._checks import is_int
 from toolkit.bounded_load import load_json
 from toolkit.config.deepspeed import (
     BATCH_KEYS,
@@ -120,6 +121,7 @@ class Plan:
                 "end_profile_step": self.runner.end_profile_step,
                 "timed_window_s": self.runner.timed_window_s,
                 "global_batch": self.global_batch.to_json(), "hidden_size": self.hidden_size,
+                "memory_per_slot": self.runner.memory_per_slot,
                 **({} if self.runner.merge_config else {"merge_config": False})}
 
     def allowed_at_most(self, m: int | None) -> int | None:
@@ -169,9 +171,24 @@ class Plan:
         now = self.fingerprint()
         if recorded is None or recorded == now:
             return None
-        changed = sorted(k for k in now if recorded.get(k) != now[k])
+        # a key an earlier toolkit did not record is not checked (memory_per_slot: recorded_budget)
+        changed = sorted(k for k in now if k in recorded and recorded[k] != now[k])
+        if not changed:
+            return None
         return (f"--resume: the settings differ from the recorded search in {self.output_dir} "
                 f"({', '.join(changed)}); resume with the same flags and config")
+
+
+def recorded_budget(output_dir: Path) -> int | None:
+    """The CPU memory budget per slot the search in ``output_dir`` was planned with, or None. ``--resume``
+    plans with it again when ``--memory-per-slot`` is not given: the default follows the memory free
+    now, and another budget would change the calibration trials and so the replayed search. Reads only."""
+    try:
+        recorded = load_json(search_file(output_dir), what="record of the search's settings")
+    except (ConfigError, OSError):
+        return None
+    value = recorded.get("memory_per_slot") if isinstance(recorded, dict) else None
+    return value if is_int(value) and value > 0 else None
 
 
 def own_zero(base_ds_config: Mapping[str, Any]) -> dict[str, Any]:

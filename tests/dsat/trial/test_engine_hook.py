@@ -81,6 +81,9 @@ USER_SITE = "import os\nopen(os.environ['MARKER'], 'w').write('the user sitecust
 SCRIPT = textwrap.dedent("""
     import json, os, sys
     print(json.dumps({"at_start": sorted({"toolkit", "torch", "deepspeed"} & set(sys.modules))}))
+    if os.environ.get("FIND_FIRST"):  # as transformers asks whether DeepSpeed is installed
+        import importlib.util
+        assert importlib.util.find_spec("deepspeed") is not None and "deepspeed" not in sys.modules
     import deepspeed
     engine, *_ = deepspeed.initialize(model=None, config=dict(json.loads(os.environ["SCRIPT_CONFIG"])))
     print(json.dumps({"wrapped": getattr(deepspeed.initialize, "toolkit_dsat_hook", False),
@@ -157,6 +160,14 @@ def test_the_bootstrap_merges_in_a_trial_only_and_runs_the_users_sitecustomize(t
     done, seen = _run(tmp_path, trial=None)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (seen["wrapped"], seen["micro_batch"]) == (False, 8) and (tmp_path / "marker").exists()
+
+
+def test_a_script_that_looks_deepspeed_up_before_importing_it_is_still_reached(tmp_path):
+    # transformers (and so HF Trainer) calls importlib.util.find_spec("deepspeed") long before it
+    # imports DeepSpeed: the hook must survive a lookup that imports nothing.
+    done, seen = _run(tmp_path, trial=_trial(tmp_path), FIND_FIRST="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert seen["wrapped"] is True and seen["micro_batch"] == 4
 
 
 def test_an_engine_that_runs_another_config_ends_the_trial_as_a_mismatch(tmp_path):

@@ -31,6 +31,7 @@ from toolkit.dsat.execution.multihost_argv import (
 )
 from toolkit.dsat.execution.settings import CONFIG_READS_ENV, CPU_ALLOCATOR_ENV, RunnerSettings
 from toolkit.dsat.execution.watch import heartbeat_text, peak_bytes, read_progress
+from toolkit.dsat.hf_trainer import with_batch_flags
 from toolkit.dsat.search.types import TrialResult, TrialSpec
 from toolkit.dsat.trial.cpu_info import CPUINFO_ENV, measure_into
 from toolkit.dsat.trial.site import site_pythonpath
@@ -148,6 +149,8 @@ class TrialRunner:
             port = self._free_port()
             # the entrypoint's --deepspeed_config / --deepspeed names this trial's own config file
             entrypoint = with_config_flag(self.settings.entrypoint, directory / "ds_config.json")
+            if self.settings.hf_batch_flags:  # the Trainer's own flags, which its data loader follows
+                entrypoint = with_batch_flags(entrypoint, ds_config)
             if slots.via is not None and slots.placement is not None:
                 argv = self._multihost_argv(directory, slots.placement, slots.via, port, env, entrypoint)
             else:

@@ -80,7 +80,8 @@ class RunnerSettings:
     inherited ``CUDA_VISIBLE_DEVICES``), None on CPU. ``hosts`` None: this machine alone; else each
     trial is placed on them and started through ``multihost_launcher`` unless all its hosts are this
     machine. ``merge_config``: merge the tuned keys over the script's config (False: only check it);
-    ``config_files``: the user's config files whose reads in a trial open the trial's config.
+    ``config_files``: the user's config files whose reads in a trial open the trial's config;
+    ``hf_batch_flags``: HF Trainer's batch flags carry each trial's micro-batch and accumulation.
     Each field: docs/design-dsat-runner.md#settings."""
 
     entrypoint: tuple[str, ...]
@@ -105,6 +106,7 @@ class RunnerSettings:
     heartbeat_s: float = 20.0
     merge_config: bool = True
     config_files: tuple[Path, ...] = ()
+    hf_batch_flags: bool = False
 
     def __post_init__(self) -> None:
         # Normalise containers (lists from argparse/YAML) before the checks; frozen, hence object.__setattr__.

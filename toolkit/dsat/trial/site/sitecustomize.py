@@ -52,18 +52,26 @@ def wrap_initialize(module: Any) -> None:
 
 
 class _AfterDeepSpeedImport(importlib.abc.MetaPathFinder):
-    """Wraps ``deepspeed.initialize`` right after the ``deepspeed`` package is executed."""
+    """Wraps ``deepspeed.initialize`` right after the ``deepspeed`` package is executed. It stays on
+    ``sys.meta_path`` until then: ``importlib.util.find_spec("deepspeed")`` (transformers asks so
+    whether DeepSpeed is installed) imports nothing."""
+
+    def __init__(self) -> None:
+        self._searching = False
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "deepspeed":
+        if name != "deepspeed" or self._searching:
             return None
-        sys.meta_path.remove(self)
+        self._searching = True
         spec = None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            spec = find(name, path, target) if find is not None else None
-            if spec is not None:
-                break
+        try:
+            for finder in list(sys.meta_path):
+                find = getattr(finder, "find_spec", None) if finder is not self else None
+                spec = find(name, path, target) if find is not None else None
+                if spec is not None:
+                    break
+        finally:
+            self._searching = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         execute = spec.loader.exec_module
@@ -71,6 +79,8 @@ class _AfterDeepSpeedImport(importlib.abc.MetaPathFinder):
         def exec_module(module: Any) -> None:
             execute(module)
             wrap_initialize(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
 
         spec.loader.exec_module = exec_module
         return spec

@@ -35,7 +35,7 @@ build_ops() {
   fi
 }
 if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.toolkit-stamp" 2>/dev/null)" = "$want" ] \
-   && "$venv/bin/python" -c "import torch, deepspeed, yaml, tensorboard, pytest, transformers, toolkit" 2>/dev/null; then
+   && "$venv/bin/python" -c "import torch, deepspeed, yaml, tensorboard, pytest, transformers, accelerate, toolkit" 2>/dev/null; then
   build_ops
   exit 0
 fi

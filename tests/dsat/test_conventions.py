@@ -120,9 +120,9 @@ def test_a_script_building_its_config_that_recorded_none_stops_with_the_three_wa
     """The first profiling trial ran, but nothing was recorded at deepspeed.initialize (a script whose
     python runs without the site module, say): the search stops naming the three ways to give the config."""
     from toolkit.dsat.contract import TrialStatus
-    from toolkit.dsat.tuning_plan import profile_spec
     from toolkit.dsat.script_config import discovered_plan
     from toolkit.dsat.search.types import TrialResult
+    from toolkit.dsat.tuning_plan import profile_spec
     from toolkit.errors import ConfigError
 
     model_dir = make_model_dir(tmp_path)
@@ -153,3 +153,33 @@ def test_a_script_building_its_config_that_recorded_none_stops_with_the_three_wa
     assert err.value.source == str(trial_dir / "script_config.json")
     assert err.value.problems[0].startswith("the config your script gives deepspeed.initialize: "
                                             "zero_optimization.stage=7")
+
+
+HF_FILE = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+           "train_batch_size": "auto", "gradient_clipping": "auto",
+           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.0}},
+           "zero_optimization": {"stage": 1}}
+
+
+def test_an_hf_trainer_entrypoint_is_planned_with_its_flags_and_its_autos(tmp_path, capsys):
+    model_dir = make_model_dir(tmp_path)
+    (model_dir / "hf.json").write_text(json.dumps(HF_FILE))
+    _yaml(model_dir, entrypoint="python3 model.py --deepspeed hf.json --per_device_train_batch_size=6",
+          hparams={})
+    plan = plan_for(tmp_path, model_dir)
+    assert plan.runner.hf_batch_flags and plan.config_flag == ("--deepspeed", "hf.json")
+    # the batch keys as the Trainer fills them (accumulation: its default 1), its other "auto" values kept
+    assert plan.base_ds_config == {**{k: v for k, v in HF_FILE.items() if k != "train_batch_size"},
+                                   "train_micro_batch_size_per_gpu": 6, "gradient_accumulation_steps": 1}
+    assert "HF Trainer's --per_device_train_batch_size and --gradient_accumulation_steps are set to each " \
+           "trial's" in plan.config_line()
+    # the same file for DeepSpeed itself: the strings "auto" would reach it
+    _yaml(model_dir, entrypoint="python3 model.py --deepspeed_config hf.json", hparams={})
+    code, output = dsat_in_process(model_dir, capsys=capsys)
+    assert code == 2 and "optimizer.params.lr='auto' is unresolved" in output
+    # a flag the Trainer would refuse, named
+    _yaml(model_dir, entrypoint="python3 model.py --deepspeed hf.json --gradient_accumulation_steps two",
+          hparams={})
+    code, output = dsat_in_process(model_dir, capsys=capsys)
+    assert code == 2 and "the entrypoint's --gradient_accumulation_steps 'two': expected a positive integer" \
+        in output

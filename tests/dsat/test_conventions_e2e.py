@@ -16,13 +16,13 @@ EXAMPLES = procutil.REPO / "examples" / "dsat"
 USER = json.loads((EXAMPLES / "ds_config.json").read_text())  # train_in_code.py's dict is the same config
 
 
-def _search(tmp_path, yaml_name, *flags, hparams=None, model_dir=EXAMPLES, trials=2):
+def _search(tmp_path, yaml_name, *flags, hparams=None, model_dir=EXAMPLES, trials=2, entrypoint=None):
     config = yaml.safe_load((EXAMPLES / yaml_name).read_text())
     config["resources"]["slots_per_trial"] = 1
     if hparams:
         config["hyperparameters"] = hparams
-    if model_dir != EXAMPLES:
-        config["entrypoint"] = "python3 dsat_own_json.py"
+    if entrypoint is not None or model_dir != EXAMPLES:
+        config["entrypoint"] = entrypoint or "python3 dsat_own_json.py"
     (tmp_path / yaml_name).write_text(yaml.safe_dump(config))
     out = tmp_path / "out"
     argv = [
@@ -183,3 +183,39 @@ def test_a_script_that_reads_its_own_json_and_sizes_its_loader_from_it_is_tuned(
     assert json.loads((model_dir / "ds_config.json").read_text()) == USER  # the user's file as written
     metrics = json.loads((out / "best_ds_metrics.json").read_text())
     assert metrics["own_config"]["factor"] >= 1, metrics  # measured beside the best (2 trials: it may be it)
+
+
+@pytest.mark.slow
+def test_an_hf_trainer_script_is_tuned_through_its_own_flags(tmp_path):
+    """examples/dsat/train_hf.py, transformers' real Trainer: its file's "auto" values are the Trainer's to
+    fill, each trial gets its own file and its own --per_device_train_batch_size, and the best config
+    keeps the user's "auto" values, with the flags to run it."""
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate for --deepspeed: "
+                                             "pip install '.[hf]' (scripts/setup.sh installs it)")
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for name in ("train_hf.py", "hf_ds_config.json"):
+        shutil.copy(EXAMPLES / name, model_dir)
+    entrypoint = (f"python3 train_hf.py --deepspeed hf_ds_config.json --output_dir {tmp_path / 'hf_out'} "
+                  "--per_device_train_batch_size 4 --max_steps 30 --report_to none --save_strategy no "
+                  "--disable_tqdm true")
+    result, out, rows = _search(tmp_path, "hf_trainer.yaml", model_dir=model_dir, entrypoint=entrypoint)
+    assert result.returncode == 0, result.stdout[-5000:]
+    _engines_ran_their_labels(out, rows)
+    lines = result.stdout.splitlines()
+    for row in rows:  # its own file in the flag, its micro-batch in the Trainer's flag (its data follows it)
+        trial = out / "trials" / f"trial_{row['trial_id']}"
+        started = next(x for x in lines if x.startswith(f"trial {row['trial']} started"))
+        assert f"--deepspeed {trial / 'ds_config.json'}" in started, started
+        assert f"--per_device_train_batch_size {row['micro_batch']} " in started, started
+        assert started.endswith(" --gradient_accumulation_steps 1"), started
+    user = json.loads((model_dir / "hf_ds_config.json").read_text())
+    best = json.loads((out / "best_ds_config.json").read_text())
+    metrics = json.loads((out / "best_ds_metrics.json").read_text())
+    micro_batch = metrics["global_batch"]["train_micro_batch_size_per_gpu"]
+    # the user's "auto" values kept, the tuned micro-batch and accumulation, no train_batch_size
+    assert best == {**user, "train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1}
+    assert metrics["own_config"]["micro_batch"] == 4 and metrics["own_config"]["statuses"] == ["ok"]
+    flags = next(x for x in lines if x.startswith("HF Trainer: run it with"))
+    assert flags.endswith(f"--per_device_train_batch_size {best['train_micro_batch_size_per_gpu']} "
+                          "--gradient_accumulation_steps 1")

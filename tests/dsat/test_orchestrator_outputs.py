@@ -11,11 +11,11 @@ import json
 import yaml
 
 from helpers import procutil
-from toolkit.dsat.tuner_cli import build_parser, make_plan
 from toolkit.dsat.contract import METRICS, TrialStatus
 from toolkit.dsat.full_run import run_full_experiment
 from toolkit.dsat.orchestrator import BEST_METRICS_EXTRA_KEYS, Autotuner, best_metrics_record
 from toolkit.dsat.search.types import TrialResult, TrialSpec
+from toolkit.dsat.tuner_cli import build_parser, make_plan
 
 OK = TrialStatus.OK
 

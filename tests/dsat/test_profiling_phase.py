@@ -7,9 +7,9 @@ where its peak bends, and the profiling trials every search method takes as resu
 import pytest
 
 from helpers.dsatcli import KEEP_64, make_model_dir, plan_for
-from toolkit.dsat.tuning_plan import profile_spec
 from toolkit.dsat.profiling_phase import ProfilingPhase
 from toolkit.dsat.search.types import TrialSpec
+from toolkit.dsat.tuning_plan import profile_spec
 
 
 @pytest.mark.parametrize("ds, throughput, cap", [

@@ -13,8 +13,8 @@ import yaml
 
 from helpers import procutil
 from helpers.dsatcli import KEEP_64, dsat, dsat_in_process, make_model_dir, plan_for, trial_rows
-from toolkit.dsat.tuning_plan import memory_only, profile_spec, trial_ds_config
 from toolkit.dsat.search.types import TrialSpec
+from toolkit.dsat.tuning_plan import memory_only, profile_spec, trial_ds_config
 
 
 # ---------------------------------------------------------------- bad input: exit 2, nothing written
@@ -461,3 +461,29 @@ def test_resume_needs_the_same_global_batch(tmp_path, record):
     assert plan_for(tmp_path, model_dir, "--resume").global_batch == plan.global_batch
     with pytest.raises(UsageError, match="settings differ.*global_batch"):
         plan_for(tmp_path, model_dir, "--resume", "--global-batch", "free")
+
+
+def test_resume_plans_with_the_cpu_budget_the_search_ran_with(tmp_path):
+    # The default budget follows the memory free at the start: on --resume another one would change the
+    # calibration trials, and the replayed search would propose other trials than those recorded.
+    from toolkit.dsat.tuner_cli import UsageError, build_parser, make_plan
+
+    model_dir = make_model_dir(tmp_path, slots=2, ds=KEEP_64)
+
+    def plan(*flags):
+        argv = ["binary", str(model_dir / "deepspeed.yaml"), str(model_dir), "--output-dir", str(tmp_path / "out")]
+        return make_plan(build_parser().parse_args([*argv, *flags]))
+
+    first = plan()
+    recorded = {**first.fingerprint(), "memory_per_slot": 123 * 2**20}  # what the search ran with
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "dsat_search.json").write_text(json.dumps(recorded))
+    (tmp_path / "out" / "events.jsonl").write_text("")
+    resumed = plan("--resume")
+    assert resumed.runner.memory_per_slot == resumed.memory_per_slot == 123 * 2**20
+    with pytest.raises(UsageError, match="settings differ.*memory_per_slot"):  # a budget given: held to it
+        plan("--resume", "--memory-per-slot", "100MiB")
+    # a record of an earlier toolkit, without the budget: resumed with today's, unchecked
+    del recorded["memory_per_slot"]
+    (tmp_path / "out" / "dsat_search.json").write_text(json.dumps(recorded))
+    assert plan("--resume").runner.memory_per_slot > 0  # the default from the memory free now

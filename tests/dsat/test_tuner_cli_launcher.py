@@ -9,10 +9,10 @@ import yaml
 
 from helpers import procutil
 from toolkit.config.experiment import entrypoint_argv
-from toolkit.dsat.tuner_cli import choose_launcher
 from toolkit.dsat.contract import TrialStatus
 from toolkit.dsat.execution.classify import classify, launcher_hint
 from toolkit.dsat.search.types import TrialSpec
+from toolkit.dsat.tuner_cli import choose_launcher
 from toolkit.launch.wrappers import entrypoint_launcher
 
 DS_WRAPPED = "python3 -m determined.launch.deepspeed python3 model.py"

@@ -465,6 +465,15 @@ class Autotuner:
         tuning = [r for r in self.results.values() if not (r.spec.profile or r.spec.rerun or r.spec.baseline)]
         return bool(tuning) and all(r.status is TrialStatus.FAILED and r.data_limit is None for r in tuning)
 
+    def _best_configs(self, spec: TrialSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The best trial's config (its batch triple complete) and the best config to write: the
+        script's with the tuned keys, or for HF Trainer the user's file, its "auto" values kept."""
+        trial_config = self._config_for(spec, instrumented=False)
+        if self.plan.runner.hf_batch_flags:  # run with the Trainer's two flags (batch_flags_line)
+            tuned = merge_tuned(self.plan.base_ds_config, trial_config, instrumented=False)
+            return trial_config, hf_trial_config(tuned, data_parallel_size=self.plan.data_parallel_size)
+        return trial_config, script_config.best_config(self.out, spec, trial_config, self.plan.base_ds_config)
+
     def _conclude(self) -> SearchOutcome:
         results = list(self.results.values())
         tuning = [r for r in results if not (r.spec.profile or r.spec.rerun or r.spec.baseline)]
@@ -491,11 +500,7 @@ class Autotuner:
                                  f"no tuning trial succeeded ({len(tuning)} run, "
                                  f"{'all failed' if broken else 'no result to choose from'}); see trials.csv "
                                  "and each trial's trial.log" + self._share_line())
-        trial_config = self._config_for(best.spec, instrumented=False)
-        best_config = script_config.best_config(self.out, best.spec, trial_config, self.plan.base_ds_config)
-        if self.plan.runner.hf_batch_flags:  # the user's file, its "auto" values kept, and the two flags
-            tuned = merge_tuned(self.plan.base_ds_config, trial_config, instrumented=False)
-            best_config = hf_trial_config(tuned, data_parallel_size=self.plan.data_parallel_size)
+        trial_config, best_config = self._best_configs(best.spec)
         own = own_spec(self.plan, 0)
         own_line, own_record = script_config.own_comparison(self._own_results(own) if own else [], best,
                                                             metric)

@@ -103,7 +103,10 @@ class Plan:
                   "script": "the script itself (no hyperparameters.deepspeed_config, no --deepspeed_config "
                             "or --deepspeed in the entrypoint): the first profiling trial records the config "
                             "it gives deepspeed.initialize"}[self.config_source]
-        passed = (f"each trial's own config file replaces {flag} in the entrypoint; " if flag else
+        hf = ("HF Trainer's --per_device_train_batch_size and --gradient_accumulation_steps are set to each "
+              "trial's, and the Trainer fills the file's other \"auto\" values; ")
+        hf = hf if self.runner.hf_batch_flags else ""
+        passed = (f"each trial's own config file replaces {flag} in the entrypoint; {hf}" if flag else
                   "" if self.config_source == "script" else
                   "each trial's config is its hyperparameters' deepspeed_config (toolkit.get_hparams()); ")
         return f"dsat: the search starts from the DeepSpeed config of {source}; {passed}{merge}"

@@ -237,8 +237,8 @@ def test_a_section_that_differs_only_by_deepspeeds_defaults_is_the_same_configur
     too, which stage 2 never reads) and 3e7-style floats. Its profiling trials p1 and p2 ran the user's
     section as written; they are the search's results like the stage points p3 and p4, whose section the
     search built (issue 37: p2 was left out)."""
-    from toolkit.dsat.tuning_plan import profile_spec
     from toolkit.dsat.search.space import canonical_zero, zero_config_for_stage
+    from toolkit.dsat.tuning_plan import profile_spec
 
     chat = {"stage": 2, "offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"},
             "stage3_param_persistence_threshold": 1e4, "stage3_max_live_parameters": 3e7,

@@ -199,7 +199,8 @@ def test_an_hf_trainer_script_is_tuned_through_its_own_flags(tmp_path):
     entrypoint = (f"python3 train_hf.py --deepspeed hf_ds_config.json --output_dir {tmp_path / 'hf_out'} "
                   "--per_device_train_batch_size 4 --max_steps 30 --report_to none --save_strategy no "
                   "--disable_tqdm true")
-    result, out, rows = _search(tmp_path, "hf_trainer.yaml", model_dir=model_dir, entrypoint=entrypoint)
+    result, out, rows = _search(tmp_path, "hf_trainer.yaml", model_dir=model_dir, entrypoint=entrypoint,
+                                trials=3)
     assert result.returncode == 0, result.stdout[-5000:]
     _engines_ran_their_labels(out, rows)
     lines = result.stdout.splitlines()

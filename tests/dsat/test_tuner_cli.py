@@ -468,22 +468,38 @@ def test_resume_plans_with_the_cpu_budget_the_search_ran_with(tmp_path):
     # calibration trials, and the replayed search would propose other trials than those recorded.
     from toolkit.dsat.tuner_cli import UsageError, build_parser, make_plan
 
-    model_dir = make_model_dir(tmp_path, slots=2, ds=KEEP_64)
+    model_dir, out = make_model_dir(tmp_path, slots=2, ds=KEEP_64), tmp_path / "o"
 
     def plan(*flags):
-        argv = ["binary", str(model_dir / "deepspeed.yaml"), str(model_dir), "--output-dir", str(tmp_path / "out")]
+        argv = ["binary", str(model_dir / "deepspeed.yaml"), str(model_dir), "--output-dir", str(out)]
         return make_plan(build_parser().parse_args([*argv, *flags]))
 
     first = plan()
     recorded = {**first.fingerprint(), "memory_per_slot": 123 * 2**20}  # what the search ran with
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "dsat_search.json").write_text(json.dumps(recorded))
-    (tmp_path / "out" / "events.jsonl").write_text("")
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "dsat_search.json").write_text(json.dumps(recorded))
+    (tmp_path / "o" / "events.jsonl").write_text("")
     resumed = plan("--resume")
     assert resumed.runner.memory_per_slot == resumed.memory_per_slot == 123 * 2**20
     with pytest.raises(UsageError, match="settings differ.*memory_per_slot"):  # a budget given: held to it
         plan("--resume", "--memory-per-slot", "100MiB")
     # a record of an earlier toolkit, without the budget: resumed with today's, unchecked
     del recorded["memory_per_slot"]
-    (tmp_path / "out" / "dsat_search.json").write_text(json.dumps(recorded))
+    (tmp_path / "o" / "dsat_search.json").write_text(json.dumps(recorded))
     assert plan("--resume").runner.memory_per_slot > 0  # the default from the memory free now
+
+
+def test_a_recorded_search_the_searcher_would_not_propose_stops_resume_with_exit_2(tmp_path):
+    model_dir, out = make_model_dir(tmp_path), tmp_path / "out"
+    flags = ("--max-trials", "3", "--zero-stages", "1", "--memory-per-slot", "100MiB", "--quiet")
+    assert dsat(model_dir, *flags).returncode == 0
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    for event in events:  # the first tuning trial recorded at a micro-batch this searcher never proposes
+        if event["trial_id"] == 1:
+            spec = event["spec"] if event["event"] == "start" else event["result"]["spec"]
+            spec["micro_batch"] = 999
+    (out / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    result = dsat(model_dir, *flags, "--resume")
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert "--resume: trial 1: the result is for micro_batch=999" in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr

@@ -227,8 +227,12 @@ def trial(tmp_path, monkeypatch):
     monkeypatch.setenv("TOOLKIT_EXPERIMENT_CONFIG", str(tmp_path / "exp.yaml"))
     monkeypatch.setenv("TOOLKIT_OUTPUT_DIR", str(tmp_path / "out"))
     resets.forget_cluster_info()
+    environ = dict(os.environ)
     yield tmp_path
     resets.forget_cluster_info()
+    resets.forget_distributed()  # det.core.init() made toolkit's process group (world size 1) here
+    os.environ.clear()           # and exported the launch variables it read
+    os.environ.update(environ)
 
 
 def _store(ckpt, step: int) -> str:

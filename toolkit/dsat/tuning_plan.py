@@ -172,10 +172,8 @@ class Plan:
                     "trusted: start a new search in another --output-dir once the script takes the trial's "
                     "config")
         now = self.fingerprint()
-        if recorded is None or recorded == now:
-            return None
         # a key an earlier toolkit did not record is not checked (memory_per_slot: recorded_budget)
-        changed = sorted(k for k in now if k in recorded and recorded[k] != now[k])
+        changed = sorted(k for k in now if k in recorded and recorded[k] != now[k]) if recorded else []
         if not changed:
             return None
         return (f"--resume: the settings differ from the recorded search in {self.output_dir} "
